@@ -1,0 +1,148 @@
+-- interactiond's SQLite schema. Applied at every start (idempotent); PRAGMA user_version tells
+-- which migrations a file has had. Times are integer milliseconds since the epoch (UTC); JSON
+-- columns hold compact JSON text. Every state change is one transaction that updates its rows
+-- and appends its events together.
+
+CREATE TABLE IF NOT EXISTS playbooks (
+    id            TEXT PRIMARY KEY,                  -- ORG/NAME
+    open_requests INTEGER NOT NULL DEFAULT 0,        -- kept in step with requests.open
+    created_at    INTEGER NOT NULL
+);
+
+-- One row per version; `active` is cleared on every version of a name when it is deleted.
+CREATE TABLE IF NOT EXISTS definitions (
+    playbook   TEXT NOT NULL REFERENCES playbooks(id),
+    type       TEXT NOT NULL CHECK (type IN ('interaction', 'workflow')),
+    name       TEXT NOT NULL,
+    version    INTEGER NOT NULL,
+    source     TEXT NOT NULL,
+    source_sha TEXT NOT NULL,
+    overview   TEXT NOT NULL,
+    description TEXT,
+    uses       TEXT NOT NULL DEFAULT '[]',           -- JSON: [[type, name], ...] a workflow calls
+    active     INTEGER NOT NULL DEFAULT 1,
+    created_at INTEGER NOT NULL,
+    created_by TEXT NOT NULL,
+    PRIMARY KEY (playbook, type, name, version)
+);
+
+CREATE TABLE IF NOT EXISTS runs (
+    seq          INTEGER PRIMARY KEY,                -- listing order and cursors
+    playbook     TEXT NOT NULL REFERENCES playbooks(id),
+    run_id       TEXT NOT NULL,
+    type         TEXT NOT NULL,
+    name         TEXT NOT NULL,
+    version      INTEGER NOT NULL,
+    input        TEXT NOT NULL,
+    input_sha    TEXT NOT NULL,
+    status       TEXT NOT NULL CHECK (status IN (
+                     'started',                      -- accepted, nothing open yet
+                     'waiting',                      -- started -> waiting: a request is open
+                     'succeeded',                    -- -> answered, delivered, or the tool answered
+                     'invalid_input', 'conflict', 'unavailable',
+                     'rejected',                     -- -> expired, undelivered, cancelled
+                     'failed')),
+    kind         TEXT,
+    output       TEXT,
+    problem      TEXT,
+    tools_called INTEGER NOT NULL DEFAULT 0,         -- a tool call was sent under this run id
+    events       INTEGER NOT NULL DEFAULT 0,         -- per-run event counter (gap-free run_seq)
+    parent       TEXT,                               -- the workflow run that started it
+    state        TEXT,                               -- a workflow's position and data
+    created_at   INTEGER NOT NULL,
+    ended_at     INTEGER,
+    created_by   TEXT NOT NULL,
+    settled_by   TEXT,
+    UNIQUE (playbook, run_id)
+);
+CREATE INDEX IF NOT EXISTS runs_by_status ON runs (playbook, status, seq);
+
+-- The open question of a run that asks a person; one per run.
+CREATE TABLE IF NOT EXISTS requests (
+    seq            INTEGER PRIMARY KEY,              -- newest first in the inbox
+    id             TEXT NOT NULL UNIQUE,             -- int_<ULID>, the typed API's id
+    playbook       TEXT NOT NULL,
+    run_id         TEXT NOT NULL,
+    type           TEXT NOT NULL,
+    name           TEXT NOT NULL,
+    version        INTEGER NOT NULL,
+    party          TEXT NOT NULL,                    -- rendered `to`
+    answerer       TEXT NOT NULL,                    -- rendered `from`, else `to`
+    message        TEXT NOT NULL,
+    answer_schema  TEXT,                             -- as recorded; NULL for a notification
+    server         TEXT,                             -- deliver.server, NULL for the inbox
+    tool           TEXT,
+    status         TEXT NOT NULL CHECK (status IN (
+                       'open',                       -- waiting for an answer or a delivery
+                       'answered',                   -- open -> answered
+                       'notified',                   -- open -> notified (a notification delivered)
+                       'expired',                    -- open -> expired
+                       'undelivered',                -- open -> undelivered (a notification)
+                       'cancelled')),                -- open -> cancelled
+    open           INTEGER NOT NULL DEFAULT 1,       -- 1 while status = 'open'
+    delivery_state TEXT NOT NULL CHECK (delivery_state IN (
+                       'in_inbox', 'to_deliver', 'delivering', 'delivered', 'retrying',
+                       'undelivered', 'cancelling')),
+    attempts       INTEGER NOT NULL DEFAULT 0,
+    asked_at       INTEGER NOT NULL,
+    expires_at     INTEGER NOT NULL,
+    answer         TEXT,
+    answer_id      INTEGER,
+    answered_by    TEXT,
+    answered_at    INTEGER,
+    claimed_for    TEXT,
+    reply_id       TEXT,
+    sent_conversation TEXT,
+    sent_id        TEXT,
+    conversation   TEXT,                             -- the reading key, when replies are read
+    refused_replies INTEGER NOT NULL DEFAULT 0,
+    told           INTEGER NOT NULL DEFAULT 0,
+    UNIQUE (playbook, run_id)
+);
+CREATE INDEX IF NOT EXISTS requests_open ON requests (playbook, seq) WHERE open = 1;
+CREATE INDEX IF NOT EXISTS requests_open_party ON requests (playbook, party, seq) WHERE open = 1;
+CREATE INDEX IF NOT EXISTS requests_by_status ON requests (status, seq);
+
+-- Append-only. `id` is monotonic and never reused; run events also carry a gap-free run_seq.
+CREATE TABLE IF NOT EXISTS events (
+    id       INTEGER PRIMARY KEY AUTOINCREMENT,
+    playbook TEXT NOT NULL,
+    run_id   TEXT,                                   -- NULL for the playbook's own events
+    run_seq  INTEGER,
+    type     TEXT NOT NULL,
+    at       INTEGER NOT NULL,
+    by       TEXT,
+    payload  TEXT NOT NULL,
+    size     INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS events_by_run ON events (playbook, run_id, id);
+CREATE INDEX IF NOT EXISTS events_by_playbook ON events (playbook, id) WHERE run_id IS NULL;
+
+-- Due times for the one timer task: expiries, attempts, lost-attempt checks, reads, waits.
+CREATE TABLE IF NOT EXISTS timers (
+    key    TEXT PRIMARY KEY,                         -- kind:playbook:ref
+    due_at INTEGER NOT NULL
+);
+
+-- API tokens, stored as sha256 hashes of their secrets.
+CREATE TABLE IF NOT EXISTS tokens (
+    id         TEXT PRIMARY KEY,                     -- tok_...
+    hash       TEXT NOT NULL UNIQUE,
+    playbook   TEXT,                                 -- NULL: every playbook
+    role       TEXT NOT NULL CHECK (role IN ('reader', 'writer', 'operator')),
+    name       TEXT,
+    purpose    TEXT NOT NULL DEFAULT 'api' CHECK (purpose IN ('api', 'login', 'session')),
+    created_at INTEGER NOT NULL,
+    revoked_at INTEGER
+);
+
+-- Typed-API idempotency keys: a replay returns the first response.
+CREATE TABLE IF NOT EXISTS idempotency (
+    caller     TEXT NOT NULL,
+    key        TEXT NOT NULL,
+    body_sha   TEXT NOT NULL,
+    status     INTEGER NOT NULL,
+    response   TEXT NOT NULL,
+    created_at INTEGER NOT NULL,
+    PRIMARY KEY (caller, key)
+);
