@@ -16,9 +16,10 @@ from pathlib import Path
 
 from aiohttp import web
 
-from interactiond import *  # noqa
-from interactiond import (_MISSING, Any, Callable, Final, Iterable, KIB, MIB, dataclass, field, datetime,
-                          timedelta, timezone, enum, json, os, re, secrets, sys, threading, time, hashlib)
+import interactiond as _I
+globals().update({k: v for k, v in vars(_I).items() if not k.startswith("__")})
+__version__ = _I.__version__
+from interactiond import Iterable, Any, Callable, Final, dataclass, field, enum, json, os, re, sys, threading, time
 
 log = logging.getLogger("interactiond")
 
@@ -607,6 +608,77 @@ class TimerWheel:
                 pass
 
 
+#: The typed questions `ask` raises: built-in functions in every playbook, version 1. Their answer
+#: schemas are the four canonical shapes; ask-choice narrows its own to the options of each run.
+ASK_ANSWER_SCHEMAS: Final[dict[str, dict[str, Any]]] = {
+    "approval": {"type": "object", "required": ["approved"], "additionalProperties": False, "properties": {
+        "approved": {"type": "boolean", "description": "Whether it is approved"},
+        "comment": {"type": "string", "maxLength": 2000, "description": "An optional comment"}}},
+    "text": {"type": "object", "required": ["text"], "additionalProperties": False, "properties": {
+        "text": {"type": "string", "maxLength": 8000, "description": "The answer, in words"}}},
+    "choice": {"type": "object", "required": ["option_ids"], "additionalProperties": False, "properties": {
+        "option_ids": {"type": "array", "items": {"type": "string"}, "minItems": 1, "uniqueItems": True,
+                       "description": "The ids of the options picked"}}},
+    "confirmation": {"type": "object", "required": ["confirmed"], "additionalProperties": False, "properties": {
+        "confirmed": {"type": "boolean", "description": "Whether it is confirmed"}}},
+}
+_ASK_WORDS: Final = {"approval": "approve or decline, with an optional comment", "text": "answer in words",
+                     "choice": "pick from a list of options", "confirmation": "confirm or not"}
+
+
+def _ask_source(kind: str) -> str:
+    props: dict[str, Any] = {
+        "prompt": {"type": "string", "maxLength": 8192, "description": "The question, in Markdown"},
+        "to": {"type": "string", "description": "Who is asked"},
+        "expires": {"type": "string", "description": "How long the question stands, PT1M to P30D (default P1D)"},
+    }
+    if kind == "choice":
+        props["options"] = {"type": "array", "minItems": 1, "maxItems": 50, "description": "The options",
+                            "items": {"type": "object", "required": ["id", "label"], "additionalProperties": False,
+                                      "properties": {"id": {"type": "string", "minLength": 1, "maxLength": 128},
+                                                     "label": {"type": "string", "maxLength": 256}}}}
+        props["multiple"] = {"type": "boolean", "description": "Whether several options may be picked"}
+    if kind == "text":
+        props["placeholder"] = {"type": "string", "maxLength": 256, "description": "A hint for the empty field"}
+    required = ["prompt", "to"] + (["options"] if kind == "choice" else [])
+    front = {
+        "description": f"Asks a person to {_ASK_WORDS[kind]} (built in; run it with the ask tool)",
+        "to": "{{ input.to }}", "expires": "P1D",
+        "input": {"schema": {"type": "object", "required": required, "additionalProperties": False,
+                             "properties": props}},
+        "output": {"schema": ASK_ANSWER_SCHEMAS[kind]},
+    }
+    return "---\n" + yaml.safe_dump(front, sort_keys=False) + "---\n{{ input.prompt }}\n"
+
+
+ASK_FUNCTIONS: Final[dict[str, str]] = {f"ask-{k}": k for k in ASK_ANSWER_SCHEMAS}
+
+
+def _ask_overrides(kind: str, input_: dict[str, Any], now: int) -> dict[str, Any]:
+    """Per-run parts of a typed question: its expiry, and for a choice the option ids."""
+    errors = []
+    expires = input_.get("expires", "P1D")
+    try:
+        td = parse_duration(expires)
+        if not EXPIRES_MIN <= td <= EXPIRES_MAX:
+            raise ValueError("expires lies between PT1M and P30D")
+    except ValueError as exc:
+        errors.append({"pointer": "/input/expires", "message": str(exc)})
+        td = timedelta(days=1)
+    schema = ASK_ANSWER_SCHEMAS[kind]
+    if kind == "choice":
+        ids = [o["id"] for o in input_["options"]]
+        if len(set(ids)) != len(ids):
+            errors.append({"pointer": "/input/options", "message": "option ids must be unique"})
+        schema = json.loads(dumps(schema))
+        opt = schema["properties"]["option_ids"]
+        opt["items"]["enum"] = ids
+        opt["maxItems"] = len(ids) if input_.get("multiple") else 1
+    if errors:
+        raise ending_problem(RunStatus.INVALID_INPUT, None, "the question's input is not valid", errors=errors)
+    return {"expires_at": now + int(td.total_seconds() * 1000), "answer_schema": schema}
+
+
 class Engine:
     """Every operation of the product, over one store, one clock and one timer task."""
 
@@ -629,10 +701,18 @@ class Engine:
 
     async def start(self) -> None:
         now = self.clock.now_ms()
+        builtins = {name: _ask_source(kind) for name, kind in ASK_FUNCTIONS.items()}
+        docs = {name: parse_function(src) for name, src in builtins.items()}
 
         def init(conn: sqlite3.Connection, fx: Effects) -> list[tuple[str, int]]:
             for pb in self.playbooks:
                 conn.execute("INSERT OR IGNORE INTO playbooks (id, created_at) VALUES (?, ?)", (pb, now))
+                for name, source in builtins.items():
+                    conn.execute(
+                        "INSERT OR IGNORE INTO definitions (playbook, type, name, version, source, source_sha, overview,"
+                        " description, active, created_at, created_by) VALUES (?, 'interaction', ?, 1, ?, ?, ?, ?, 1, ?,"
+                        " 'interactiond')", (pb, name, source, sha256_hex(source), docs[name].overview,
+                                             docs[name].description, now))
             # Recount open requests: the counter is a cache of requests.open.
             conn.execute("UPDATE playbooks SET open_requests ="
                          " (SELECT COUNT(*) FROM requests r WHERE r.playbook = playbooks.id AND r.open = 1)")
@@ -745,6 +825,7 @@ class Engine:
                                 source: str) -> tuple[dict[str, Any], bool]:
         caller.require(Role.WRITER)
         self._check_def_name(type_, name)
+        self._not_builtin(type_, name)
         if not isinstance(source, str) or not source.strip():
             raise Problem("invalid_request", "source is the document's text",
                           errors=[{"pointer": "/source", "message": "a non-empty text"}])
@@ -813,8 +894,14 @@ class Engine:
         return [{"type": r["type"], "name": r["name"], "version": r["version"],
                  "description": r["description"]} for r in rows]
 
+    @staticmethod
+    def _not_builtin(type_: str, name: str) -> None:
+        if type_ == "interaction" and name in ASK_FUNCTIONS:
+            raise Problem("conflict", f"{name} is built in; save your own function under another name")
+
     async def delete_definition(self, caller: Caller, playbook: str, type_: str, name: str) -> dict[str, Any]:
         caller.require(Role.WRITER)
+        self._not_builtin(type_, name)
         now = self.clock.now_ms()
 
         def change(conn: sqlite3.Connection, fx: Effects) -> int:
@@ -900,6 +987,8 @@ class Engine:
         else:
             try:
                 prepared = self._prepare_request(doc, input_, now)
+                if name in ASK_FUNCTIONS:
+                    prepared.update(_ask_overrides(ASK_FUNCTIONS[name], input_, now))
             except Problem as exc:
                 ending = exc
             if doc.deliver is not None and ending is None:
@@ -947,7 +1036,8 @@ class Engine:
 
     def _open_request(self, conn: sqlite3.Connection, fx: Effects, playbook: str, run_id: str, type_: str,
                       name: str, version: int, doc: Any, prepared: dict[str, Any], now: int, by: str) -> None:
-        notification = doc.output_schema is None
+        answer_schema = prepared.get("answer_schema", doc.output_schema)
+        notification = answer_schema is None
         deliver = doc.deliver
         state = DeliveryState.IN_INBOX if deliver is None else DeliveryState.TO_DELIVER
         inbox_note = notification and deliver is None
@@ -955,7 +1045,7 @@ class Engine:
             "INSERT INTO requests (id, playbook, run_id, type, name, version, party, answerer, message, answer_schema,"
             " server, tool, status, open, delivery_state, asked_at, expires_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             ("int_" + new_ulid(), playbook, run_id, type_, name, version, prepared["party"], prepared["answerer"],
-             prepared["message"], dumps(doc.output_schema) if doc.output_schema is not None else None,
+             prepared["message"], dumps(answer_schema) if answer_schema is not None else None,
              deliver.server if deliver else None, deliver.tool if deliver else None,
              "notified" if inbox_note else "open", 0 if inbox_note else 1, state.value, now, prepared["expires_at"]))
         append_event(conn, fx, playbook, run_id, "interaction_requested", now, by, {
@@ -1201,6 +1291,7 @@ class Engine:
 
 ENGINE_KEY: Final = web.AppKey("engine", Engine)
 TOKENS_KEY: Final = web.AppKey("tokens", dict)
+CALLER_KEY: Final = web.RequestKey("caller", Caller)
 SESSION_COOKIE: Final = "interactiond_session"
 TOKEN_CACHE_S: Final = 2.0          # a revoked token stops working within this long
 PB: Final = "/v1/orgs/{org}/playbooks/{playbook}"
@@ -1251,7 +1342,7 @@ def _run_response(run: dict[str, Any], fresh: bool = False) -> web.Response:
 
 
 def _caller(request: web.Request) -> Caller:
-    return request["caller"]
+    return request[CALLER_KEY]
 
 
 def _pb(request: web.Request) -> str:
@@ -1520,11 +1611,11 @@ async def api_middleware(request: web.Request, handler: Callable[[web.Request], 
         route: Route | None = ROUTE_BY_HANDLER.get(request.match_info.route.handler)
         if route is not None and not route.public:
             caller = await _authenticate(request)
-            request["caller"] = caller
+            request[CALLER_KEY] = caller
             caller.require(route.role)
         elif route is None and not request.path.startswith(PUBLIC_PATHS) and request.match_info.http_exception is None \
                 and request.path not in ("/",):
-            request["caller"] = await _authenticate(request)
+            request[CALLER_KEY] = await _authenticate(request)
         return await handler(request)
     except Problem as exc:
         return problem_response(exc)
@@ -1542,13 +1633,14 @@ async def api_middleware(request: web.Request, handler: Callable[[web.Request], 
         return problem_response(Problem("failed", "the daemon failed on this request; its log says why"))
 
 
-def build_app(engine: Engine, *, manage_engine: bool = True) -> web.Application:
+def build_app(engine: Engine, *, manage_engine: bool = True, hosts: Iterable[str] = ()) -> web.Application:
     """The aiohttp application over an engine (started and stopped with the app when asked)."""
     app = web.Application(middlewares=[api_middleware], client_max_size=MAX_BODY_BYTES)
     app[ENGINE_KEY] = engine
     app[TOKENS_KEY] = {}
     for r in ROUTES:
         app.router.add_route(r.method, r.path, r.handler)
+    mount_mcp(app, engine, sorted({"127.0.0.1:*", "localhost:*", "[::1]:*", *(f"{h}:*" for h in hosts)}))
     if manage_engine:
         async def lifecycle(app: web.Application) -> Any:
             await engine.store.open()
@@ -1558,6 +1650,392 @@ def build_app(engine: Engine, *, manage_engine: bool = True) -> web.Application:
             await engine.store.close()
         app.cleanup_ctx.append(lifecycle)
     return app
+
+
+
+# MCP server #####################################################################################
+#
+# The same operations as the HTTP API, as MCP tools, served by the SDK's low-level `Server` over
+# stdio, streamable HTTP (/mcp) and legacy SSE (/sse). The SDK checks no arguments, so each call
+# is checked here against the tool's own input schema; a Problem becomes an `isError` result whose
+# structured content is the problem object, and any other exception a generic one (no internal
+# text leaks). The HTTP transports run behind the API's auth middleware; the bridge below hands the
+# authenticated caller to the tool handler through the ASGI scope.
+
+from mcp.server import Server as _McpServer
+from mcp.server.sse import SseServerTransport
+from mcp.server.transport_security import TransportSecuritySettings
+from mcp import types as mt
+
+
+def _p(kind: str, text: str, **kw: Any) -> dict[str, Any]:
+    return {"type": kind, "description": text, **kw}
+
+
+_PLAYBOOK_ARG: Final = _p("string", "The playbook, ORG/NAME. Leave it out on a connection scoped to one playbook; "
+                                    "otherwise it defaults to the token's playbook, or local/default.",
+                          pattern=PLAYBOOK_RE.pattern)
+_RUN_ID_ARG: Final = _p("string", "The run's id, as run_definition returned it or list_interactions shows it.")
+_PAGE_ARGS: Final = {
+    "limit": _p("integer", "Items per page, 1 to 200 (default 50).", minimum=1, maximum=MAX_PAGE),
+    "cursor": _p("string", "next_cursor of the previous page, to read the next one."),
+}
+_TYPE_ARG: Final = _p("string", "The definition type: interaction (a function) or workflow.", enum=["interaction", "workflow"])
+
+
+@dataclass(frozen=True)
+class McpTool:
+    name: str
+    description: str
+    properties: dict[str, Any]
+    required: tuple[str, ...]
+    call: Callable[..., Any]              # async (engine, caller, playbook, args, progress) -> (result, is_error)
+    read_only: bool = False
+
+
+async def _t_create(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
+    d, created = await e.create_definition(c, pb, a.get("type", "interaction"), a["name"], a["source"])
+    return dict(d, created=created)
+
+
+async def _t_get_def(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
+    return await e.get_definition(c, pb, a.get("type", "interaction"), a["name"], a.get("version"))
+
+
+async def _t_list_defs(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
+    return {"data": await e.list_definitions(c, pb, a.get("type"))}
+
+
+async def _t_delete_def(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
+    return await e.delete_definition(c, pb, a.get("type", "interaction"), a["name"])
+
+
+def _run_result(run: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    return run, run["status"] not in ("started", "waiting", "succeeded")
+
+
+async def _t_run(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
+    run, _fresh = await e.run_definition(c, pb, a.get("type", "interaction"), a["name"], a.get("input"), a.get("run_id"))
+    return _run_result(run)
+
+
+async def _t_get_run(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
+    return await e.get_run(c, pb, a["run_id"])
+
+
+async def _t_wait_run(e: Engine, c: Caller, pb: str, a: dict[str, Any], progress: Any) -> Any:
+    max_wait = float(a.get("max_wait", DEFAULT_MCP_WAIT_S))
+    return await e.wait_run(c, pb, a["run_id"], max_wait, tick=progress)
+
+
+async def _t_cancel(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
+    return await e.cancel_run(c, pb, a["run_id"])
+
+
+async def _t_get_event(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
+    return await e.get_event(c, pb, a["event_id"])
+
+
+async def _t_run_events(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
+    return await e.list_run_events(c, pb, a["run_id"], a.get("limit"), a.get("cursor"))
+
+
+async def _t_inbox(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
+    return await e.list_interactions(c, pb, a.get("to"), a.get("type"), a.get("function"), a.get("limit"), a.get("cursor"))
+
+
+async def _t_answer(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
+    fact, _new = await e.answer_interaction(c, pb, a["run_id"], a["answer"], a.get("claimed_for"))
+    return fact
+
+
+async def _t_pb_events(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
+    return await e.list_playbook_events(c, pb, a.get("type"), a.get("limit"), a.get("cursor"))
+
+
+async def _t_search(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
+    return await e.search(c, pb, a.get("query"))
+
+
+async def _t_introspect(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
+    return await e.introspect(c, pb, a["server"], a["tool"])
+
+
+async def _t_execute(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
+    return await e.execute(c, pb, a["server"], a["tool"], a.get("arguments") or {})
+
+
+async def _t_ask(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
+    input_ = {k: a[k] for k in ("prompt", "to", "expires", "options", "multiple", "placeholder") if k in a}
+    run, _fresh = await e.run_definition(c, pb, "interaction", "ask-" + a["type"], input_, a.get("run_id"))
+    return _run_result(run)
+
+
+MCP_TOOLS: Final[list[McpTool]] = [
+    McpTool("create_definition",
+            "Save a function document (Markdown with YAML front matter) or a workflow under a name. A new name "
+            "becomes version 1, a changed source the next version, the same source changes nothing. Returns the "
+            "saved definition with its overview; a document that breaks a rule comes back as an error listing "
+            "every problem with its line and field.",
+            {"type": _TYPE_ARG, "name": _p("string", "The definition's name, e.g. approve-brief."),
+             "source": _p("string", "The whole document text.")}, ("name", "source"), _t_create),
+    McpTool("get_definition",
+            "Read a saved definition: its source, version, media type and an overview in plain words. Use it to "
+            "show a person what a function does before running it.",
+            {"type": _TYPE_ARG, "name": _p("string", "The definition's name."),
+             "version": _p("integer", "A past version; the current one when left out.", minimum=1)},
+            ("name",), _t_get_def, True),
+    McpTool("list_definitions",
+            "List the playbook's active definitions (name, type, version, description), including the built-in "
+            "ask-approval, ask-text, ask-choice and ask-confirmation functions.",
+            {"type": _TYPE_ARG}, (), _t_list_defs, True),
+    McpTool("delete_definition", "Deactivate a definition's name; runs that used it keep their version.",
+            {"type": _TYPE_ARG, "name": _p("string", "The definition's name.")}, ("name",), _t_delete_def),
+    McpTool("run_definition",
+            "Run a saved function with an input. A function that asks a person returns at once with status "
+            "started and a run_id: call wait_run to wait for the answer. A function that asks a system returns "
+            "its ended run with the output. Passing your own run_id makes a retry safe: the same function and "
+            "input under the same run_id return the existing run.",
+            {"type": _TYPE_ARG, "name": _p("string", "The function's name."),
+             "input": _p("object", "The input, matching the function's input schema."),
+             "run_id": _p("string", "Optional id of your choosing: 1 to 128 of A-Z a-z 0-9 _ . : -",
+                          pattern=RUN_ID_RE.pattern)}, ("name",), _t_run),
+    McpTool("get_run",
+            "Read a run as it stands: status (started, waiting, or how it ended), kind, output and problem.",
+            {"run_id": _RUN_ID_ARG}, ("run_id",), _t_get_run, True),
+    McpTool("wait_run",
+            "Wait for a run to end. Returns the ended run, or the run as it stands when max_wait seconds pass "
+            "(then call wait_run again). Progress notifications are sent while it waits, so a person who is slow "
+            "to answer does not make this call time out.",
+            {"run_id": _RUN_ID_ARG,
+             "max_wait": _p("number", f"Seconds to wait, 0 to {MAX_MCP_WAIT_S:g} (default {DEFAULT_MCP_WAIT_S:g}).",
+                            minimum=0, maximum=MAX_MCP_WAIT_S)}, ("run_id",), _t_wait_run, True),
+    McpTool("cancel_run",
+            "Cancel a run that is still waiting: its request leaves the inbox and the run ends rejected, kind "
+            "cancelled. Returns the run.", {"run_id": _RUN_ID_ARG}, ("run_id",), _t_cancel),
+    McpTool("get_event", "Read one event of the playbook whole (listings cut payloads to 2 KiB).",
+            {"event_id": _p("string", "The event's id, evt_ followed by a number.")}, ("event_id",), _t_get_event, True),
+    McpTool("list_run_events",
+            "A run's history in order: the request, each delivery attempt, the answer, the end.",
+            {"run_id": _RUN_ID_ARG, **_PAGE_ARGS}, ("run_id",), _t_run_events, True),
+    McpTool("list_interactions",
+            "List the open requests of the playbook, newest first: who each is for, its message, the answer "
+            "schema an answer must match, and when it expires. Use it to find the run_id to answer.",
+            {"to": _p("string", "Only requests to this party."),
+             "type": _p("string", "Only requests of functions of this type."),
+             "function": _p("string", "Only requests of the function of this name."), **_PAGE_ARGS},
+            (), _t_inbox, True),
+    McpTool("answer_interaction",
+            "Answer an open request on a person's behalf, in the shape of its answer_schema (list_interactions "
+            "shows it). Returns the recorded answer fact. An answer that does not match comes back as an error "
+            "with a JSON Pointer per problem, and the request stays open.",
+            {"run_id": _RUN_ID_ARG, "answer": _p("object", "The answer, matching the request's answer_schema."),
+             "claimed_for": _p("string", "Whom you answer for (kept, never checked), at most 256 bytes.")},
+            ("run_id", "answer"), _t_answer),
+    McpTool("list_playbook_events",
+            "The playbook's own events: definitions saved, reads of conversations, tellings, execute calls.",
+            {"type": _p("string", "Only events of this type."), **_PAGE_ARGS}, (), _t_pb_events, True),
+    McpTool("search",
+            "List the tool servers this playbook may use, the tools each offers, and which are read-only. Call "
+            "it before writing a function that calls or sends through a tool.",
+            {"query": _p("string", "Only tools whose name or description holds this text.")}, (), _t_search, True),
+    McpTool("introspect", "Read one tool's input schema, output schema and annotations.",
+            {"server": _p("string", "The server, as search names it."), "tool": _p("string", "The tool's name.")},
+            ("server", "tool"), _t_introspect, True),
+    McpTool("execute",
+            "Call one tool once with the given arguments and return its answer (recorded as a playbook event). "
+            "Use it to learn what a tool returns before writing a function's read or sent pointers.",
+            {"server": _p("string", "The server, as search names it."), "tool": _p("string", "The tool's name."),
+             "arguments": _p("object", "The tool's arguments, as its input schema names them.")},
+            ("server", "tool"), _t_execute),
+    McpTool("ask",
+            "Ask a person a typed question without writing a document: approval (yes/no with a comment), text, "
+            "choice (pick from options) or confirmation. Returns the started run; call wait_run for the answer.",
+            {"type": _p("string", "The kind of question.", enum=["approval", "text", "choice", "confirmation"]),
+             "prompt": _p("string", "The question, in Markdown, at most 8 KiB.", maxLength=8192),
+             "to": _p("string", "Who is asked: the name they filter their inbox by."),
+             "expires": _p("string", "ISO 8601 duration, PT1M to P30D; P1D when left out."),
+             "options": {"type": "array", "description": "choice only: 1 to 50 options, ids unique.",
+                         "minItems": 1, "maxItems": 50,
+                         "items": {"type": "object", "required": ["id", "label"], "additionalProperties": False,
+                                   "properties": {"id": {"type": "string"}, "label": {"type": "string"}}}},
+             "multiple": _p("boolean", "choice only: may several options be picked (default false)."),
+             "placeholder": _p("string", "text only: a hint shown in the empty answer field."),
+             "run_id": _p("string", "Optional id of your choosing, for safe retries.", pattern=RUN_ID_RE.pattern)},
+            ("type", "prompt", "to"), _t_ask),
+]
+
+
+def _mcp_schema(tool: McpTool, scoped: bool) -> dict[str, Any]:
+    props = dict(tool.properties)
+    if not scoped:
+        props["playbook"] = _PLAYBOOK_ARG
+    return {"type": "object", "properties": props, "required": list(tool.required), "additionalProperties": False}
+
+
+def make_mcp_server(engine: Engine, *, caller: Caller | None = None, scoped_playbook: str | None = None) -> _McpServer:
+    """An MCP server over the engine. `caller` fixes who calls (stdio); otherwise each HTTP request's."""
+    tools = {t.name: t for t in MCP_TOOLS}
+    schemas = {t.name: _mcp_schema(t, scoped_playbook is not None) for t in MCP_TOOLS}
+    validators = {name: compile_schema(s) for name, s in schemas.items()}
+    listed = [mt.Tool(name=t.name, description=t.description, input_schema=schemas[t.name],
+                      annotations=mt.ToolAnnotations(read_only_hint=t.read_only)) for t in MCP_TOOLS]
+
+    async def list_tools(ctx: Any, params: Any) -> mt.ListToolsResult:
+        return mt.ListToolsResult(tools=listed)
+
+    def result(data: Any, is_error: bool = False) -> mt.CallToolResult:
+        return mt.CallToolResult(content=[mt.TextContent(type="text", text=dumps(data))],
+                                 structured_content=data, is_error=is_error)
+
+    async def call_tool(ctx: Any, params: Any) -> mt.CallToolResult:
+        try:
+            tool = tools.get(params.name)
+            if tool is None:
+                raise not_found(f"no tool {params.name}; list the tools to see them")
+            args = dict(params.arguments or {})
+            errors = schema_errors(validators[tool.name], args, "")
+            if errors:
+                raise Problem("invalid_request", f"the arguments of {tool.name} do not match its input schema",
+                              errors=errors)
+            who = caller
+            if who is None:
+                state = getattr(getattr(ctx, "request", None), "scope", {}).get("state", {})
+                who = state.get("interactiond_caller")
+            if who is None:
+                raise Problem("unauthorized", "no caller: the HTTP transports need a bearer token")
+            pb = scoped_playbook or args.pop("playbook", None) or who.playbook or DEFAULT_PLAYBOOK
+            pb = engine.playbook(who, pb)
+
+            async def progress(left: float) -> None:
+                with contextlib.suppress(Exception):
+                    await ctx.session.report_progress(0, None, f"still waiting; {left:.0f} s left in this call")
+            out = await tool.call(engine, who, pb, args, progress)
+            if isinstance(out, tuple):
+                return result(*out)
+            return result(out)
+        except Problem as exc:
+            return result(exc.body(), True)
+        except Exception:
+            log.exception("MCP tool %s failed", getattr(params, "name", "?"))
+            return result(Problem("failed", "the daemon failed on this call; its log says why").body(), True)
+
+    return _McpServer("interactiond", version=__version__, on_list_tools=list_tools, on_call_tool=call_tool,
+                      instructions="Ask a person (or a system) a question and wait for a validated answer. "
+                                   "Start with list_definitions, or use ask for a quick typed question.")
+
+
+def asgi_handler(app: Callable[..., Any], *, grace_s: float = 2.0) -> Callable[[web.Request], Any]:
+    """Serve an ASGI app (the MCP SDK's transports) from an aiohttp handler.
+
+    Two things matter: after the body, `receive()` blocks until the peer leaves; and the app runs
+    in its own task, shielded from the handler's cancellation, because the SDK drops a session
+    whose opening request was cancelled half-way.
+    """
+    async def handler(request: web.Request) -> web.StreamResponse:
+        tr = request.transport
+        peer = tr.get_extra_info("peername") if tr else None
+        sock = tr.get_extra_info("sockname") if tr else None
+        scope: dict[str, Any] = {
+            "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": f"{request.version.major}.{request.version.minor}", "method": request.method,
+            "scheme": request.scheme, "path": request.path, "raw_path": request.rel_url.raw_path.encode(),
+            "root_path": "", "query_string": request.rel_url.raw_query_string.encode(),
+            "headers": [(k.lower(), v) for k, v in request.raw_headers],
+            "client": tuple(peer[:2]) if peer else None, "server": tuple(sock[:2]) if sock else None,
+            "state": {"interactiond_caller": request.get(CALLER_KEY)}, "extensions": {},
+        }
+        resp: web.StreamResponse | None = None
+        body_done = False
+        gone = asyncio.Event()
+
+        async def receive() -> dict[str, Any]:
+            nonlocal body_done
+            if not body_done and not gone.is_set():
+                chunk = await request.content.readany()
+                body_done = request.content.at_eof()
+                return {"type": "http.request", "body": chunk, "more_body": not body_done}
+            while not gone.is_set():
+                t = request.transport
+                if t is None or t.is_closing():
+                    break
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(gone.wait(), 0.5)
+            return {"type": "http.disconnect"}
+
+        async def send(msg: dict[str, Any]) -> None:
+            nonlocal resp
+            if msg["type"] == "http.response.start":
+                resp = web.StreamResponse(status=msg["status"])
+                for k, v in msg.get("headers", ()):
+                    resp.headers.add(k.decode("latin-1"), v.decode("latin-1"))
+                await resp.prepare(request)
+            elif msg["type"] == "http.response.body" and resp is not None:
+                if msg.get("body"):
+                    await resp.write(msg["body"])
+                if not msg.get("more_body", False):
+                    await resp.write_eof()
+
+        task = asyncio.ensure_future(app(scope, receive, send))
+        streams: set[asyncio.Task[Any]] = request.app[STREAMS_KEY]
+        me = asyncio.current_task()
+        if me is not None:
+            streams.add(me)
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            gone.set()
+            done, _ = await asyncio.wait({task}, timeout=grace_s)
+            if not done:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            raise
+        finally:
+            if me is not None:
+                streams.discard(me)
+        return resp if resp is not None else web.Response(status=500)
+    return handler
+
+
+STREAMS_KEY: Final = web.AppKey("streams", set)
+
+
+def mount_mcp(app: web.Application, engine: Engine, allowed_hosts: list[str]) -> None:
+    """Streamable HTTP at /mcp and legacy SSE at /sse (+ /messages/) on the API's port."""
+    server = make_mcp_server(engine)
+    security = TransportSecuritySettings(enable_dns_rebinding_protection=True, allowed_hosts=allowed_hosts,
+                                         allowed_origins=[f"http://{h}" for h in allowed_hosts])
+    streamable = server.streamable_http_app(streamable_http_path="/mcp", transport_security=security)
+    sse = SseServerTransport("/messages/", security_settings=security)
+
+    async def sse_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        async with sse.connect_sse(scope, receive, send) as (read, write):
+            await server.run(read, write, server.create_initialization_options())
+
+    app[STREAMS_KEY] = set()
+    app.router.add_route("*", "/mcp", asgi_handler(streamable))
+    app.router.add_get("/sse", asgi_handler(sse_app))
+    app.router.add_post("/messages/", asgi_handler(sse.handle_post_message))
+
+    async def session_manager(app: web.Application) -> Any:
+        started, stop = asyncio.Event(), asyncio.Event()
+
+        async def hold() -> None:
+            async with server.session_manager.run():
+                started.set()
+                await stop.wait()
+        task = asyncio.create_task(hold(), name="interactiond-mcp-sessions")
+        await started.wait()
+        yield
+        stop.set()
+        await task
+
+    async def cancel_streams(app: web.Application) -> None:
+        for t in list(app[STREAMS_KEY]):
+            t.cancel()
+
+    app.cleanup_ctx.append(session_manager)
+    app.on_shutdown.append(cancel_streams)
 
 
 # Command line ###################################################################################
@@ -1691,6 +2169,87 @@ async def _serve(args: Any, config: Config) -> int:
         lock.release()
 
 
+async def _stdio(args: Any, config: Config) -> int:
+    """MCP over stdin/stdout: the engine itself, or a thin front over the engine that runs already."""
+    from mcp.server.stdio import stdio_server
+
+    db = args.db or os.environ.get("INTERACTIOND_DB") or config.database
+    if args.playbook and not PLAYBOOK_RE.fullmatch(args.playbook):
+        print("interactiond: --playbook is ORG/NAME", file=sys.stderr)
+        return 2
+    lock = EngineLock(db)
+    if not lock.acquire():
+        return await _stdio_front(db, args.playbook)
+    runner = None
+    try:
+        ensure_operator_token(db)
+        engine = Engine(Store(db), SystemClock(), config)
+        if args.playbook and args.playbook not in engine.playbooks:
+            print(f"interactiond: no playbook {args.playbook} in the configuration", file=sys.stderr)
+            return 2
+        await engine.store.open()
+        await engine.start()
+        if args.http is not None:
+            runner = web.AppRunner(build_app(engine, manage_engine=False), handle_signals=False)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", args.http).start()
+            bound = runner.addresses[0][1] if runner.addresses else args.http
+            _write_private(_beside(db, ".url"), f"http://127.0.0.1:{bound}\n")
+            print(f"interactiond: HTTP at http://127.0.0.1:{bound}", file=sys.stderr)
+        server = make_mcp_server(engine, caller=Caller("stdio", Role.OPERATOR, args.playbook),
+                                 scoped_playbook=args.playbook)
+        async with stdio_server() as (read, write):
+            await server.run(read, write, server.create_initialization_options())
+        return 0
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+            with contextlib.suppress(OSError):
+                _beside(db, ".url").unlink()
+        if "engine" in locals():
+            await engine.stop()
+            await engine.store.close()
+        lock.release()
+
+
+async def _stdio_front(db: str, playbook: str | None) -> int:
+    """Another process runs the engine of this file: relay MCP to its /mcp endpoint."""
+    import httpx2
+    from mcp import Client
+    from mcp.client.streamable_http import streamable_http_client
+    from mcp.server.stdio import stdio_server
+
+    try:
+        url = _beside(db, ".url").read_text().strip()
+        token = _beside(db, ".token").read_text().strip()
+    except OSError:
+        print(f"interactiond: {db} is served by another process, which publishes no URL (start it with serve)",
+              file=sys.stderr)
+        return 1
+    async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=httpx2.Timeout(90)) as http:
+        async with Client(streamable_http_client(url + "/mcp", http_client=http)) as upstream:
+            async def list_tools(ctx: Any, params: Any) -> mt.ListToolsResult:
+                tools = (await upstream.list_tools()).tools
+                if playbook:
+                    for t in tools:
+                        t.input_schema.get("properties", {}).pop("playbook", None)
+                return mt.ListToolsResult(tools=tools)
+
+            async def call_tool(ctx: Any, params: Any) -> mt.CallToolResult:
+                args = dict(params.arguments or {})
+                if playbook:
+                    args["playbook"] = playbook
+
+                async def relay(progress: float, total: float | None, message: str | None) -> None:
+                    await ctx.session.report_progress(progress, total, message)
+                return await upstream.call_tool(params.name, args, progress_callback=relay)
+
+            server = _McpServer("interactiond", version=__version__, on_list_tools=list_tools, on_call_tool=call_tool)
+            async with stdio_server() as (read, write):
+                await server.run(read, write, server.create_initialization_options())
+    return 0
+
+
 def _client_token(args: Any) -> tuple[str, str]:
     db = args.db or os.environ.get("INTERACTIOND_DB") or "interactiond.db"
     url = args.url
@@ -1793,6 +2352,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int)
     p.add_argument("--clock", choices=["system", "manual"], default="system",
                    help="manual: time moves only through POST /v1/admin/clock (tests and demos)")
+    p = sub.add_parser("stdio", help="MCP over stdin/stdout for a local agent")
+    common(p)
+    p.add_argument("--playbook", help="scope the connection to one playbook, ORG/NAME")
+    p.add_argument("--http", type=int, metavar="PORT", help="also serve the HTTP API and the inbox on this port")
     p = sub.add_parser("check", help="validate function documents; exit 1 on any problem")
     common(p)
     p.add_argument("files", nargs="+")
@@ -1836,6 +2399,8 @@ def main(argv: list[str] | None = None) -> int:
         for problem in exc.problems:
             print(f"interactiond: configuration: {problem}", file=sys.stderr)
         return 2
+    if args.cmd == "stdio":
+        return asyncio.run(_stdio(args, config))
     return asyncio.run(_serve(args, config))
 
 
