@@ -252,6 +252,271 @@ def append_event(conn: sqlite3.Connection, fx: Effects | None, playbook: str, ru
     return event_id
 
 
+# Tool servers ###################################################################################
+#
+# interactiond is also an MCP client of the tool servers its operator configures. Each server has
+# one `ToolSession`: opened lazily on first use, shared by every run, reopened after it breaks. The
+# SDK's client holds anyio task groups that must be exited by the task that entered them, so one
+# *owner task* per server enters `async with Client(...)` and waits; any task may call through the
+# live client meanwhile. Every failure is flattened out of exception groups and classified once,
+# here, into a `ToolFailure` whose `because` the engine records (see the table in TECH-NOTES 3).
+# Nothing here touches the database: the engine records before it sends and after it hears back.
+
+import anyio
+import httpx2
+from mcp import Client as _McpClient, MCPError, StdioServerParameters
+from mcp.client.sse import sse_client as _sse_client
+from mcp.client.streamable_http import streamable_http_client as _streamable_client
+
+_CONNECTION_ERRORS: Final = (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream,
+                             httpx2.TransportError, ConnectionError, OSError, EOFError)
+
+
+class ToolFailure(Exception):
+    """A tool server failed us. `sent` tells whether the call may have reached the tool."""
+
+    def __init__(self, because: str, message: str, *, sent: bool, retry_after_ms: int | None = None) -> None:
+        self.because = because            # server_failure | timed_out | arguments_refused | not_offered
+        self.message = message
+        self.sent = sent
+        self.retry_after_ms = retry_after_ms
+        super().__init__(message)
+
+
+def leaf_errors(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for sub in exc.exceptions for leaf in leaf_errors(sub)]
+    return [exc]
+
+
+def _retry_after_ms(exc: BaseException) -> int | None:
+    """A 429/503 answer's Retry-After (seconds or an HTTP date), in milliseconds."""
+    for leaf in leaf_errors(exc):
+        response = getattr(leaf, "response", None)
+        value = response.headers.get("retry-after") if response is not None else None
+        if value:
+            if value.strip().isdigit():
+                return int(value.strip()) * 1000
+            with contextlib.suppress(Exception):
+                from email.utils import parsedate_to_datetime
+                return max(0, int((parsedate_to_datetime(value).timestamp() - time.time()) * 1000))
+    return None
+
+
+def classify_failure(exc: BaseException, *, sent: bool) -> ToolFailure:
+    """One name for every way a tool server can fail."""
+    if isinstance(exc, ToolFailure):
+        return exc
+    leaves = leaf_errors(exc)
+    for leaf in leaves:
+        if isinstance(leaf, MCPError) and leaf.code == -32602:
+            return ToolFailure("arguments_refused", f"the server refused the arguments: {leaf.message}", sent=sent)
+    for leaf in leaves:
+        if isinstance(leaf, (asyncio.TimeoutError, TimeoutError)) or (isinstance(leaf, MCPError) and leaf.code == -32001):
+            return ToolFailure("timed_out", "the server did not respond in time", sent=sent)
+    leaf = leaves[0] if leaves else exc
+    text = leaf.message if isinstance(leaf, MCPError) else (str(leaf) or type(leaf).__name__)
+    return ToolFailure("server_failure", f"the server failed: {text}"[:500], sent=sent,
+                       retry_after_ms=_retry_after_ms(exc))
+
+
+def _is_connection_error(exc: BaseException) -> bool:
+    for leaf in leaf_errors(exc):
+        if isinstance(leaf, MCPError):
+            if leaf.code == -32000 or (leaf.code == -32600 and "Session not found" in leaf.message):
+                return True
+        elif isinstance(leaf, _CONNECTION_ERRORS):
+            return True
+    return False
+
+
+def result_meta(result: Any) -> dict[str, Any]:
+    return dict(result.meta or {}) if getattr(result, "meta", None) else {}
+
+
+def result_answer(result: Any) -> tuple[bool, Any]:
+    """What a tool answered: structured content, else its first text parsed as JSON, else that text."""
+    if result.structured_content is not None:
+        return True, result.structured_content
+    for block in result.content or ():
+        if getattr(block, "type", None) == "text":
+            try:
+                return True, json.loads(block.text)
+            except ValueError:
+                return True, block.text
+    return False, None
+
+
+def _result_text(result: Any) -> str:
+    texts = [b.text for b in result.content or () if getattr(b, "type", None) == "text"]
+    return (" ".join(texts) or "the tool returned an error")[:500]
+
+
+def result_wire(result: Any) -> dict[str, Any]:
+    return result.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+class ToolSession:
+    """One configured tool server: a lazily opened, shared, self-healing MCP client session."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.tools: dict[str, Any] = {}
+        self._client: Any = None
+        self._owner: asyncio.Task[None] | None = None
+        self._stop = asyncio.Event()
+        self._lock = asyncio.Lock()
+
+    def _transport(self, stack: contextlib.AsyncExitStack) -> Any:
+        c = self.config
+        if c.transport == "stdio":
+            env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "PYTHONPATH", "VIRTUAL_ENV")}
+            env.update(c.env)
+            return StdioServerParameters(command=c.command[0], args=list(c.command[1:]), env=env)
+        if c.transport == "sse":
+            return _sse_client(c.url, headers=c.headers, timeout=OPEN_TIMEOUT_S)
+        return None
+
+    async def _hold(self, ready: asyncio.Future[Any]) -> None:
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                transport = self._transport(stack)
+                if transport is None:
+                    http = await stack.enter_async_context(httpx2.AsyncClient(
+                        headers=self.config.headers, follow_redirects=True,
+                        timeout=httpx2.Timeout(CALL_TIMEOUT_S + 5, connect=OPEN_TIMEOUT_S)))
+                    transport = _streamable_client(self.config.url, http_client=http)
+                client = await stack.enter_async_context(
+                    _McpClient(transport, read_timeout_seconds=LIST_TIMEOUT_S))
+                ready.set_result(client)
+                await self._stop.wait()
+        except asyncio.CancelledError:
+            if not ready.done():
+                ready.cancel()
+            raise
+        except BaseException as exc:
+            if not ready.done():
+                ready.set_exception(exc)
+            else:
+                log.warning("tool server %s: session ended: %r", self.config.name, exc)
+        finally:
+            self._client = None
+
+    async def _open(self) -> None:
+        self._stop = asyncio.Event()
+        ready: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._owner = asyncio.create_task(self._hold(ready), name=f"interactiond-tools-{self.config.name}")
+        try:
+            client = await asyncio.wait_for(asyncio.shield(ready), OPEN_TIMEOUT_S)
+            tools, cursor = {}, None
+            while True:
+                page = await asyncio.wait_for(client.list_tools(cursor=cursor), LIST_TIMEOUT_S)
+                tools.update({t.name: t for t in page.tools})
+                cursor = page.next_cursor
+                if not cursor:
+                    break
+        except BaseException:
+            await self.close()
+            raise
+        self.tools = tools
+        self._client = client
+
+    async def ensure(self) -> Any:
+        """The live client, opened now if need be (10 s to open, 10 s to list the tools)."""
+        if self._client is not None:
+            return self._client
+        async with self._lock:
+            if self._client is None:
+                try:
+                    await self._open()
+                except Exception as exc:
+                    raise classify_failure(exc, sent=False) from None
+            return self._client
+
+    def read_only(self, tool: str) -> bool:
+        t = self.tools.get(tool)
+        return bool(t is not None and t.annotations is not None and t.annotations.read_only_hint)
+
+    async def call(self, tool: str, arguments: dict[str, Any], timeout: float = CALL_TIMEOUT_S) -> Any:
+        """Call once; a broken session is dropped so the next use reopens it. Never re-sends."""
+        client = await self.ensure()
+        try:
+            return await asyncio.wait_for(client.call_tool(tool, arguments, read_timeout_seconds=timeout),
+                                          timeout + 1)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            if _is_connection_error(exc):
+                await self.close()
+            raise classify_failure(exc, sent=True) from None
+
+    async def close(self) -> None:
+        self._client = None
+        owner, self._owner = self._owner, None
+        if owner is not None:
+            self._stop.set()
+            try:
+                await asyncio.wait_for(asyncio.shield(owner), 5)
+            except (asyncio.TimeoutError, Exception):
+                owner.cancel()
+                await asyncio.gather(owner, return_exceptions=True)
+
+
+_SECRET_KEY_RE: Final = re.compile(r"pass(word)?|secret|token|api[_-]?key|authorization|credential", re.I)
+_TOKEN_RE: Final = re.compile(r"itd_[A-Za-z0-9_-]{20,}")
+SCRUBBED: Final = "[scrubbed]"
+
+
+class Scrubber:
+    """Removes secrets from anything recorded: configured env/header values, API tokens, and the
+    values of keys named like password, secret, token, api_key or authorization."""
+
+    def __init__(self, secrets_: Iterable[str]) -> None:
+        values = sorted({v for v in secrets_ if isinstance(v, str) and len(v) >= 4}, key=len, reverse=True)
+        self._re = re.compile("|".join(re.escape(v) for v in values)) if values else None
+
+    def text(self, value: str) -> str:
+        if self._re is not None:
+            value = self._re.sub(SCRUBBED, value)
+        return _TOKEN_RE.sub(SCRUBBED, value)
+
+    def __call__(self, value: Any) -> Any:
+        if isinstance(value, str):
+            return self.text(value)
+        if isinstance(value, list):
+            return [self(v) for v in value]
+        if isinstance(value, dict):
+            return {k: (SCRUBBED if isinstance(k, str) and _SECRET_KEY_RE.search(k) and isinstance(v, (str, int, float))
+                        else self(v)) for k, v in value.items()}
+        return value
+
+
+class ToolServers:
+    """The operator's tool servers, which playbook may use which, and their sessions."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.sessions = {name: ToolSession(sc) for name, sc in config.servers.items()}
+        self.scrub = Scrubber(v for sc in config.servers.values() for v in (*sc.env.values(), *sc.headers.values()))
+
+    def offered(self, playbook: str, server: str, tool: str | None = None) -> bool:
+        """May this playbook use this server (and the operator allow this tool)?"""
+        if server not in self.config.playbooks.get(playbook, ()) or server not in self.sessions:
+            return False
+        allow = self.config.servers[server].tools
+        return tool is None or allow is None or tool in allow
+
+    def record(self, server: str, value: Any) -> Any:
+        """What may be recorded of `value`: scrubbed, or only its size and digest."""
+        if not self.config.servers[server].record_content:
+            text = dumps(value)
+            return {"size": len(text.encode()), "sha256": sha256_hex(text)}
+        return self.scrub(value)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(s.close() for s in self.sessions.values()), return_exceptions=True)
+
+
 # Engine #########################################################################################
 #
 # Theory of operation. Every operation of the product is one method of `Engine`; the HTTP routes
@@ -696,6 +961,7 @@ class Engine:
         self._subscribers: set[asyncio.Queue[dict[str, Any]]] = set()
         self._timer_task: asyncio.Task[None] | None = None
         self.playbooks: set[str] = set(config.playbooks)
+        self.tools = ToolServers(config)
 
     # -- life ---------------------------------------------------------------------------------
 
@@ -736,6 +1002,7 @@ class Engine:
             for f in futs:
                 if not f.done():
                     f.set_result(None)
+        await self.tools.close()
 
     def spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
         """A named side task, kept until it ends; its failure is logged, never lost."""
@@ -982,8 +1249,8 @@ class Engine:
         ending: Problem | None = None
         prepared: dict[str, Any] = {}
         if doc.shape is Shape.SYSTEM:
-            ending = ending_problem(RunStatus.UNAVAILABLE, "tool_not_offered",
-                                    f"the playbook may not use server {doc.call.server!r}; call search to see the tool servers it may use")
+            return await self._run_system(caller, playbook, type_, name, version, doc, input_, run_id,
+                                          input_text, input_sha)
         else:
             try:
                 prepared = self._prepare_request(doc, input_, now)
@@ -992,8 +1259,9 @@ class Engine:
             except Problem as exc:
                 ending = exc
             if doc.deliver is not None and ending is None:
-                ending = ending_problem(RunStatus.UNAVAILABLE, "tool_not_offered",
-                                        f"the playbook may not use server {doc.deliver.server!r}; call search to see the tool servers it may use")
+                ending = self._check_offered(playbook, doc.deliver.server,
+                                             [doc.deliver.tool] + ([doc.replies.tool] if doc.replies else [])
+                                             + ([doc.replies.tell.tool] if doc.replies and doc.replies.tell else []))
         limit = self.open_limit
 
         def change(conn: sqlite3.Connection, fx: Effects) -> tuple[dict[str, Any], bool]:
@@ -1142,6 +1410,219 @@ class Engine:
                 (playbook, status, status, function, function, before, before, n + 1)).fetchall()
         rows = await self.store.read(query)
         return _page([run_object(r) for r in rows[:n]], rows, n, lambda: [rows[n - 1]["seq"]])
+
+    # -- tool servers ---------------------------------------------------------------------------
+
+    def _check_offered(self, playbook: str, server: str, tools: list[str]) -> Problem | None:
+        if not self.tools.offered(playbook, server):
+            return ending_problem(RunStatus.UNAVAILABLE, "tool_not_offered",
+                                  f"this playbook may not use the tool server {server!r}; call search to see the servers it may use")
+        for tool in tools:
+            if not self.tools.offered(playbook, server, tool):
+                return ending_problem(RunStatus.UNAVAILABLE, "tool_not_offered",
+                                      f"the operator does not allow the tool {tool!r} of {server!r}; call search to see the tools this playbook may use")
+        return None
+
+    async def search(self, caller: Caller, playbook: str, query: str | None = None) -> dict[str, Any]:
+        """The servers this playbook may use and the tools each offers."""
+        async def one(name: str) -> dict[str, Any]:
+            session = self.tools.sessions[name]
+            try:
+                await session.ensure()
+            except ToolFailure as exc:
+                return {"name": name, "available": False, "error": exc.message, "tools": []}
+            tools = []
+            for t in session.tools.values():
+                if not self.tools.offered(playbook, name, t.name):
+                    continue
+                if query and query.lower() not in f"{t.name} {t.description or ''}".lower():
+                    continue
+                tools.append({"name": t.name, "description": t.description, "read_only": session.read_only(t.name)})
+            return {"name": name, "available": True, "tools": tools}
+        names = [n for n in self.config.playbooks.get(playbook, ()) if n in self.tools.sessions]
+        return {"servers": list(await asyncio.gather(*(one(n) for n in names)))}
+
+    async def _offered_tool(self, playbook: str, server: str, tool: str) -> tuple[ToolSession, Any]:
+        problem = self._check_offered(playbook, server, [tool])
+        if problem is not None:
+            raise problem
+        session = self.tools.sessions[server]
+        try:
+            await session.ensure()
+        except ToolFailure as exc:
+            raise ending_problem(RunStatus.UNAVAILABLE, "tool_server_failed",
+                                 f"the tool server {server!r} could not be reached: {exc.message}; call search to see its state") from None
+        t = session.tools.get(tool)
+        if t is None:
+            raise ending_problem(RunStatus.UNAVAILABLE, "tool_not_offered",
+                                 f"the tool server {server!r} lists no tool {tool!r}; call search to see its tools")
+        return session, t
+
+    async def introspect(self, caller: Caller, playbook: str, server: str, tool: str) -> dict[str, Any]:
+        session, t = await self._offered_tool(playbook, server, tool)
+        return {"server": server, "tool": tool, "description": t.description, "input_schema": t.input_schema,
+                "output_schema": t.output_schema, "read_only": session.read_only(tool),
+                "annotations": t.annotations.model_dump(mode="json", by_alias=True, exclude_none=True) if t.annotations else None}
+
+    async def execute(self, caller: Caller, playbook: str, server: str, tool: str,
+                      arguments: dict[str, Any]) -> dict[str, Any]:
+        """Call one tool once and return its answer; the call is a playbook event."""
+        caller.require(Role.WRITER)
+        if not isinstance(arguments, dict):
+            raise Problem("invalid_request", "arguments is an object", errors=[{"pointer": "/arguments", "message": "an object"}])
+        if json_size(arguments) > MAX_ARGUMENTS_BYTES:
+            raise ending_problem(RunStatus.CONFLICT, "unworkable", f"the arguments pass {MAX_ARGUMENTS_BYTES // KIB} KiB")
+        session, t = await self._offered_tool(playbook, server, tool)
+        errors = schema_errors(compile_schema(t.input_schema or {"type": "object"}), arguments, "/arguments")
+        if errors:
+            raise ending_problem(RunStatus.CONFLICT, "unworkable", f"the arguments do not match the input schema of {tool}",
+                                 errors=errors)
+        now = self.clock.now_ms()
+        record: dict[str, Any] = {"server": server, "tool": tool, "arguments": self.tools.record(server, arguments),
+                                  "arguments_size": json_size(arguments)}
+        try:
+            result = await session.call(tool, arguments)
+        except ToolFailure as exc:
+            record.update(because=exc.because, message=self.tools.scrub(exc.message))
+            await self.store.write(lambda c, fx: append_event(c, fx, playbook, None, "tool_call_failed", now, caller.id, record))
+            kind = "tools_unfinished" if session.read_only(tool) else "effect_unknown"
+            status = RunStatus.UNAVAILABLE if kind == "tools_unfinished" else RunStatus.CONFLICT
+            if exc.because == "arguments_refused":
+                status, kind = RunStatus.CONFLICT, "unworkable"
+            raise ending_problem(status, kind, exc.message, extra={"because": exc.because}) from None
+        has, answer = result_answer(result)
+        record.update(is_error=bool(result.is_error), result=self.tools.record(server, result_wire(result)))
+        await self.store.write(lambda c, fx: append_event(c, fx, playbook, None, "tool_call_answered", now, caller.id, record))
+        return {"server": server, "tool": tool, "is_error": bool(result.is_error), "answer": answer if has else None,
+                "structured_content": result.structured_content,
+                "content": [b.model_dump(mode="json", by_alias=True, exclude_none=True) for b in result.content or ()]}
+
+    async def _run_system(self, caller: Caller, playbook: str, type_: str, name: str, version: int, doc: Any,
+                          input_: Any, run_id: str, input_text: str, input_sha: str) -> tuple[dict[str, Any], bool]:
+        """A function that asks a system: one call, within 70 s, ending as the behaviour table says."""
+        call = doc.call
+        now = self.clock.now_ms()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + SYSTEM_CALL_TOTAL_S
+        ending: Problem | None = None
+        arguments: Any = None
+        session: ToolSession | None = None
+        if doc.input_validator is not None:
+            errors = schema_errors(doc.input_validator, input_, "/input")
+            if errors:
+                ending = ending_problem(RunStatus.INVALID_INPUT, None, "the input does not match the input schema",
+                                        errors=errors)
+        if ending is None:
+            try:
+                arguments = render_args(call.with_, base_context(now, input=input_))
+            except RenderError as exc:
+                ending = (ending_problem(RunStatus.INVALID_INPUT, None, str(exc)) if exc.kind == "undefined"
+                          else ending_problem(RunStatus.CONFLICT, "unworkable", str(exc)))
+        if ending is None and json_size(arguments) > MAX_ARGUMENTS_BYTES:
+            ending = ending_problem(RunStatus.CONFLICT, "unworkable", f"the arguments pass {MAX_ARGUMENTS_BYTES // KIB} KiB")
+        if ending is None:
+            try:
+                session, tool = await asyncio.wait_for(self._offered_tool(playbook, call.server, call.tool),
+                                                       OPEN_TIMEOUT_S + LIST_TIMEOUT_S + 1)
+                errors = schema_errors(compile_schema(tool.input_schema or {"type": "object"}), arguments, "/arguments")
+                if errors:
+                    ending = ending_problem(RunStatus.CONFLICT, "unworkable",
+                                            f"the tool {call.tool} refused the arguments: they do not match its input schema",
+                                            errors=errors)
+            except Problem as exc:
+                ending = exc
+            except asyncio.TimeoutError:
+                ending = ending_problem(RunStatus.UNAVAILABLE, "tool_server_failed",
+                                        f"the tool server {call.server!r} did not open in time; call search to see its state")
+        started = {"server": call.server, "tool": call.tool,
+                   "arguments": self.tools.record(call.server, arguments) if ending is None else None,
+                   "arguments_size": json_size(arguments) if arguments is not None else None,
+                   "arguments_sha256": sha256_hex(dumps(arguments)) if arguments is not None else None}
+
+        def begin(conn: sqlite3.Connection, fx: Effects) -> tuple[dict[str, Any], bool]:
+            row = conn.execute("SELECT * FROM runs WHERE playbook = ? AND run_id = ?", (playbook, run_id)).fetchone()
+            if row is not None:
+                return self._rerun(row, type_, name, input_sha), False
+            conn.execute("INSERT INTO runs (playbook, run_id, type, name, version, input, input_sha, status,"
+                         " tools_called, created_at, created_by) VALUES (?,?,?,?,?,?,?,'started',?,?,?)",
+                         (playbook, run_id, type_, name, version, input_text, input_sha,
+                          0 if ending is not None else 1, now, caller.id))
+            if ending is not None:
+                _end_run(conn, fx, playbook, run_id, _status_of(ending), now=now, by=caller.id, kind=ending.kind,
+                         problem=ending)
+            else:
+                append_event(conn, fx, playbook, run_id, "tool_call_started", now, caller.id, started)
+            return run_object(conn.execute("SELECT * FROM runs WHERE playbook = ? AND run_id = ?",
+                                           (playbook, run_id)).fetchone()), True
+
+        run, fresh = await self.store.write(begin)
+        if not fresh or ending is not None:
+            return run, fresh
+        assert session is not None
+        read_only = session.read_only(call.tool)
+        answered: dict[str, Any] | None = None
+        output: Any = None
+        try:
+            result = await session.call(call.tool, arguments, min(CALL_TIMEOUT_S, max(1.0, deadline - loop.time())))
+        except ToolFailure as exc:
+            failed = {"because": "server_failed" if exc.because != "arguments_refused" else exc.because,
+                      "message": self.tools.scrub(exc.message)}
+            if exc.because == "arguments_refused":
+                ending = ending_problem(RunStatus.CONFLICT, "unworkable", f"the tool refused the arguments: {exc.message}",
+                                        extra={"because": "arguments_refused"})
+            else:
+                ending = self._unfinished(read_only, "server_failed", exc.message)
+        else:
+            has, answer = result_answer(result)
+            answered = {"is_error": bool(result.is_error), "result": self.tools.record(call.server, result_wire(result)),
+                        "result_size": json_size(result_wire(result))}
+            if result.is_error:
+                ending = self._unfinished(read_only, "tool_error", _result_text(result))
+            elif not has:
+                ending = self._unusable(read_only, "the tool's answer holds nothing to read")
+            else:
+                try:
+                    output = pointer_get(answer, call.read) if call.read else answer
+                except LookupError:
+                    ending = self._unusable(read_only, f"the tool's answer holds nothing at {call.read}")
+                else:
+                    if json_depth(output) > MAX_JSON_DEPTH or json_size(output) + json_size(input_) > MAX_OUTPUT_BYTES:
+                        ending = self._unusable(read_only, "the part of the answer at read is more than a run may record (1 MiB)")
+                    else:
+                        errors = schema_errors(doc.output_validator, output, "/output") if doc.output_validator else []
+                        if errors:
+                            ending = self._unusable(read_only, "the tool's answer does not match output.schema", errors=errors)
+        end_now = self.clock.now_ms()
+
+        def finish(conn: sqlite3.Connection, fx: Effects) -> dict[str, Any]:
+            if answered is not None:
+                append_event(conn, fx, playbook, run_id, "tool_call_answered", end_now, caller.id, answered)
+            else:
+                append_event(conn, fx, playbook, run_id, "tool_call_failed", end_now, caller.id, failed)
+            if ending is None:
+                _end_run(conn, fx, playbook, run_id, RunStatus.SUCCEEDED, now=end_now, by=caller.id, output=output)
+            else:
+                _end_run(conn, fx, playbook, run_id, _status_of(ending), now=end_now, by=caller.id, kind=ending.kind,
+                         problem=ending)
+            return run_object(conn.execute("SELECT * FROM runs WHERE playbook = ? AND run_id = ?",
+                                           (playbook, run_id)).fetchone())
+        return await self.store.write(finish), True
+
+    @staticmethod
+    def _unfinished(read_only: bool, because: str, message: str) -> Problem:
+        if read_only:
+            return ending_problem(RunStatus.UNAVAILABLE, "tools_unfinished",
+                                  f"the call failed ({because}): {message}; the tool is read-only, so running again under a new run id is safe",
+                                  extra={"because": because})
+        return ending_problem(RunStatus.CONFLICT, "effect_unknown",
+                              f"the call failed ({because}): {message}; the tool may have changed something, so check before running again",
+                              extra={"because": because})
+
+    @staticmethod
+    def _unusable(read_only: bool, detail: str, **kw: Any) -> Problem:
+        if not read_only:
+            detail += "; running again calls the tool again"
+        return ending_problem(RunStatus.CONFLICT, "unworkable", detail, **kw)
 
     # -- the inbox ------------------------------------------------------------------------------
 
@@ -1473,6 +1954,24 @@ async def h_answer(request: web.Request) -> web.Response:
     return _json(fact)
 
 
+async def h_search(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    return _json(await engine.search(_caller(request), _pb(request), request.query.get("query")))
+
+
+async def h_introspect(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    m = request.match_info
+    return _json(await engine.introspect(_caller(request), _pb(request), m["server"], m["tool"]))
+
+
+async def h_execute(request: web.Request) -> web.Response:
+    body = await _json_body(request)
+    engine = request.app[ENGINE_KEY]
+    m = request.match_info
+    return _json(await engine.execute(_caller(request), _pb(request), m["server"], m["tool"], body.get("arguments", {})))
+
+
 async def h_clock(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     if not engine.clock.manual:
@@ -1529,6 +2028,10 @@ ROUTES: Final[list[Route]] = [
           query=("to", "type", "function", "limit", "cursor")),
     Route("GET", PB + "/events", h_playbook_events, "list_playbook_events", query=("type", "limit", "cursor")),
     Route("GET", PB + "/events/{event_id}", h_get_event, "get_event"),
+    Route("GET", PB + "/tools", h_search, "search", query=("query",)),
+    Route("GET", PB + "/tools/{server}/{tool}", h_introspect, "introspect"),
+    Route("POST", PB + "/tools/{server}/{tool}", h_execute, "execute", Role.WRITER,
+          {"type": "object", "properties": {"arguments": {"type": "object"}}}),
 ]
 
 

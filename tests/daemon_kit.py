@@ -67,8 +67,8 @@ class Daemon:
 
     async def call(self, method: str, tail: str, body: Any = None, role: str = "operator",
                    playbook: str | None = None, **kw: Any) -> tuple[int, Any]:
-        path = tail if tail.startswith("/") and not tail.startswith("/definitions") and not tail.startswith("/runs") \
-            and not tail.startswith("/interactions") and not tail.startswith("/events") else self.url(tail, playbook)
+        absolute = tail.startswith(("/v1/", "/v2/", "/healthz", "/openapi.json", "/problems/", "/mcp", "/sse"))
+        path = tail if absolute else self.url(tail, playbook)
         resp = await self.client.request(method, path, json=body, headers=self.auth(role), **kw)
         text = await resp.text()
         return resp.status, (json.loads(text) if text else None)
