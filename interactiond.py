@@ -1476,16 +1476,14 @@ def _split_source(source: str) -> tuple[str, str, int]:
         raise DocumentError([{"line": len(lines), "field": "",
                               "message": "the front matter never ends: close it with a line of three dashes (---)"}])
     body = lines[close + 1:]
-    start = close + 2
-    while body and not body[0].strip():
-        body.pop(0)
-        start += 1
-    return "\n".join(lines[1:close]), "\n".join(body).rstrip(), start
+    blank = next((i for i, line in enumerate(body) if line.strip()), 0)
+    return "\n".join(lines[1:close]), "\n".join(body[blank:]).rstrip(), close + 2 + blank
 
 
 def _compose(r: _Reader, text: str) -> dict[str, Any]:
-    loader = _FrontMatterLoader(text)
+    loader = None
     try:
+        loader = _FrontMatterLoader(text)
         node = loader.get_single_node()
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
@@ -1495,7 +1493,8 @@ def _compose(r: _Reader, text: str) -> dict[str, Any]:
         line = text.count("\n", 0, getattr(exc, "position", 0)) + _FRONT_OFFSET
         raise DocumentError([{"line": line, "field": "", "message": f"the front matter is not valid YAML: {exc}"}])
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     if node is None:
         return {}
     if not isinstance(node, yaml.MappingNode):
