@@ -586,7 +586,7 @@ class _StructureError(LiquidError):
 
 def _write_text(node: OutputNode, context: RenderContext, buffer: Any) -> int:
     value = node.expression.evaluate(context)
-    if isinstance(value, (Mapping, list, tuple)) and not isinstance(value, Undefined):
+    if not _is_undefined(value) and isinstance(value, (Mapping, list, tuple)):
         what = "an object" if isinstance(value, Mapping) else "a list"
         raise _StructureError(f"{node.expression} is {what}; write `| json` to put it in text", token=node.token)
     return buffer.write(to_liquid_string(value, context.autoescape))
@@ -655,6 +655,11 @@ def _render_error(exc: BaseException) -> RenderError:
     return RenderError("error", message)
 
 
+def _is_undefined(value: Any) -> bool:
+    # isinstance() would ask the value for its __class__, which a strict undefined refuses.
+    return issubclass(type(value), Undefined)
+
+
 def _plain(value: Any) -> Any:
     """A rendered value as JSON data: Liquid's own types become numbers, lists and text."""
     if value is None or isinstance(value, (str, bool, int)):
@@ -720,7 +725,7 @@ class Template:
             value = expr.evaluate(RenderContext(self._bound, globals=ctx))
         except Exception as exc:
             raise _render_error(exc) from None
-        if isinstance(value, Undefined):
+        if _is_undefined(value):
             raise RenderError("undefined", f"{expr} is undefined")
         return _plain(value)
 
