@@ -874,29 +874,28 @@ def check_template(source: str, line: int, place: Place,
         return None, problems
     except RecursionError:
         return None, problems + [(line, "the template nests too deeply")]
+    compiled = _unreserve(source)  # what the analysis indexes into; it has the same lines
     analysis = template._bound.analyze(include_partials=False)
     for name, spans in analysis.filters.items():
         if name not in LIQUID.filters:
-            problems.append((line + _line_of(source, spans[0].index), f"there is no filter {name!r}"))
+            problems.append((line + _line_of(compiled, spans[0].index), f"there is no filter {name!r}"))
     for refs in analysis.globals.values():
         for var in refs:
-            at = line + _line_of(source, var.span.index)
+            at = line + _line_of(compiled, var.span.index)
             if not place.allows(var.segments):
                 problems.append((at, f"`{var}` is not a name this place reads; it reads {place.offered()}"))
             elif var.segments[0] == "input" and input_schema is not None:
                 refusal, _ = _input_path_problem(var.segments, input_schema)
                 if refusal:
                     problems.append((at, f"`{var}`: {refusal}"))
-    if place.text or not template.whole:
-        problems.extend(_structure_problems(template, line, input_schema))
+    if input_schema is not None and (place.text or not template.whole):
+        problems.extend(_structure_problems(template, compiled, line, input_schema))
     return (None if problems else template), problems
 
 
-def _structure_problems(template: Template, line: int, input_schema: Any) -> list[tuple[int, str]]:
+def _structure_problems(template: Template, compiled: str, line: int, input_schema: Any) -> list[tuple[int, str]]:
     """Input objects and lists printed inside text, found from the input schema."""
     out = []
-    if input_schema is None:
-        return out
     for node in _walk_outputs(template._bound):
         expr = node.expression
         path = _path_of(expr)
@@ -907,13 +906,9 @@ def _structure_problems(template: Template, line: int, input_schema: Any) -> lis
         kinds = _schema_types(schema) & {"object", "array"}
         if kinds:
             what = "an object" if "object" in kinds else "a list"
-            at = line + _line_of(template.source, node.token.start_index)
-            out.append((at, f"`{expr}` is {what} inside text; write `{{{{ {_path_text(path)} | json }}}}`"))
+            at = line + _line_of(compiled, node.token.start_index)
+            out.append((at, f"`{expr}` is {what} inside text; write `{{{{ {'.'.join(map(str, path))} | json }}}}`"))
     return out
-
-
-def _path_text(path: list[Any]) -> str:
-    return ".".join(str(p) for p in path)
 
 
 # Documents ######################################################################################
@@ -925,8 +920,8 @@ def _path_text(path: list[Any]) -> str:
 #
 #   1. Split and compose. The front matter is composed, not loaded: a SafeLoader that knows only
 #      YAML 1.2's plain scalars (`yes` stays text), refuses anchors, aliases and tags, and hands
-#      back nodes with their marks. `_construct` builds plain JSON data from them, refusing a
-#      duplicate key, and records the line of every field in `where`.
+#      back nodes with their marks. `_Reader.construct` builds plain JSON data from them, refusing
+#      a duplicate key, and records the line of every field in `where`.
 #   2. Check. One reader function per block (`call`, `deliver`, `replies`, `reply`, schemas)
 #      applies the save-time rules of the behaviour reference: which fields each shape takes,
 #      names, pointers, durations, bounds, JSON Schemas, the reply rule.
@@ -1090,22 +1085,26 @@ class ReplyRule:
 
     def how_to_answer(self) -> str:
         """What a party is told when a reply was not an answer."""
-        word = next(((n, p) for n, p in self.parts.items() if p.source == "word"), None)
-        kept = [f"what follows it is kept as the {n}" for n, p in self.parts.items() if p.source == "rest"]
+        word = next((p for p in self.parts.values() if p.source == "word"), None)
+        kept = " and the ".join(n for n, p in self.parts.items() if p.source == "rest")
         whole = [n for n, p in self.parts.items() if p.source == "text"]
         if word:
-            text = f"To answer, reply with {_or_list(word[1].words)} as the first word"
-            text += f"; {' and '.join(kept)}." if kept else "."
+            text = f"To answer, reply with {_or_list(word.words)} as the first word"
+            text += f"; what follows it is kept as the {kept}." if kept else "."
         else:
             text = "To answer, reply in your own words."
+            text += f" What follows your first word is kept as the {kept}." if kept else ""
         if whole:
             text += f" The whole reply is kept as the {' and the '.join(whole)}."
         return text
 
 
 def _or_list(items: Iterable[str]) -> str:
+    """["a", "b", "c"] -> "a, b or c"."""
     items = list(items)
-    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1] if items else "nothing"
+    if len(items) < 2:
+        return items[0] if items else "nothing"
+    return ", ".join(items[:-1]) + " or " + items[-1]
 
 
 def _string_property(schema: Any, name: str) -> dict[str, Any] | None:

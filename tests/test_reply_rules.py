@@ -160,3 +160,9 @@ def test_values_that_read_as_the_same_word_are_refused():
         parse_function(source)
     assert info.value.problems[0]["field"] == "reply.verdict"
     assert "same word" in info.value.problems[0]["message"]
+
+
+def test_how_to_answer_without_a_word_names_the_rest():
+    rule = ReplyRule({"note": RulePart("rest")})
+    assert rule.how_to_answer() == ("To answer, reply in your own words. "
+                                    "What follows your first word is kept as the note.")
