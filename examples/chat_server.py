@@ -5,7 +5,8 @@ All state lives in one SQLite file (WAL), so the MCP server child, tests and a p
     python examples/chat_server.py [serve] --db chat.db [--http 8765] [--bot-user NAME]   # stdio by default
     python examples/chat_server.py say   --db chat.db --channel ops --user alice [--thread TS] approve it
     python examples/chat_server.py show  --db chat.db --channel ops [--json]
-    python examples/chat_server.py fail  --db chat.db --tool thread_replies --times 2 [--retry-after-ms 1500] [--mode error|hang|crash]
+    python examples/chat_server.py fail  --db chat.db --tool thread_replies --times 2 [--retry-after-ms 1500]
+                                         [--mode error|hang|crash]
     python examples/chat_server.py calls --db chat.db --tool thread_replies
 
 Tools: post_message (as the bot user), thread_replies and channel_history (read-only). Timestamps are
@@ -42,7 +43,7 @@ CREATE TABLE IF NOT EXISTS calls(tool TEXT PRIMARY KEY, n INTEGER NOT NULL);
 """
 FAULT_MODES = ("error", "hang", "crash")
 _TS_RE = re.compile(r"^(\d{1,12})(?:\.(\d{1,6}))?$")
-_initialised: set[str] = set()
+_initialised: set[tuple[str, int]] = set()
 
 
 # ---------------------------------------------------------------- storage (plain, importable)
@@ -54,7 +55,7 @@ def _tx(db_path: str, write: bool = True):
     con.row_factory = sqlite3.Row
     try:
         con.execute("PRAGMA busy_timeout=10000")
-        key = os.path.abspath(db_path)
+        key = (os.path.abspath(db_path), os.stat(db_path).st_ino)   # a re-created file needs its schema again
         if key not in _initialised:
             con.execute("PRAGMA journal_mode=WAL")          # persistent in the file
             con.executescript(SCHEMA)
@@ -169,6 +170,7 @@ MESSAGE = {"type": "object", "additionalProperties": False, "required": ["ts", "
 MESSAGES_OUT = {"type": "object", "required": ["messages", "has_more"],
                 "properties": {"messages": {"type": "array", "items": MESSAGE},
                                "has_more": {"type": "boolean", "description": "More messages after the last one."}}}
+OLDEST = {**TS, "default": "0", "description": "Only messages with ts > oldest."}
 READ_ONLY = {"read_only_hint": True, "open_world_hint": True}
 TOOL_SPECS: list[dict] = [
     dict(name="post_message", title="Post a message",
@@ -185,8 +187,8 @@ TOOL_SPECS: list[dict] = [
          description="The thread's parent message and its replies, oldest first, only those newer than `oldest`.",
          input_schema={"type": "object", "additionalProperties": False, "required": ["channel", "ts"],
                        "properties": {"channel": _str("Channel name.", minLength=1),
-                                      "ts": {**TS, "description": "ts of the thread's parent message."},
-                                      "oldest": {**TS, "default": "0", "description": "Only messages with ts > oldest."},
+                                      "ts": {**TS, "description": "ts of the thread's parent (a reply's ts works too)."},
+                                      "oldest": OLDEST,
                                       "limit": {"type": "integer", "minimum": 1, "maximum": 200, "default": 15,
                                                 "description": "At most this many messages."}}},
          output_schema=MESSAGES_OUT, annotations=READ_ONLY),
@@ -194,7 +196,7 @@ TOOL_SPECS: list[dict] = [
          description="Top-level messages and replies of a channel, oldest first, only those newer than `oldest`.",
          input_schema={"type": "object", "additionalProperties": False, "required": ["channel"],
                        "properties": {"channel": _str("Channel name.", minLength=1),
-                                      "oldest": {**TS, "default": "0", "description": "Only messages with ts > oldest."},
+                                      "oldest": OLDEST,
                                       "limit": {"type": "integer", "minimum": 1, "maximum": 1000, "default": 100,
                                                 "description": "At most this many messages."}}},
          output_schema=MESSAGES_OUT, annotations=READ_ONLY),
