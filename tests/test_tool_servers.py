@@ -44,25 +44,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextlib.contextmanager
-def http_server(script: Path, *args: str):
-    """Start `script --http PORT args...`; yield the /mcp URL once the port accepts connections."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, str(script), *args, "--http", str(port)])
-    try:
-        deadline = time.monotonic() + 20
+class HttpServer:
+    """`script ... --http PORT` in a child process, started at once; `url()` waits until it listens."""
+
+    def __init__(self, script: Path, *args: str):
+        self.port = free_port()
+        self.name = script.name
+        self.proc = subprocess.Popen([sys.executable, str(script), *args, "--http", str(self.port)])
+
+    def url(self, timeout: float = 20) -> str:
+        deadline = time.monotonic() + timeout
         while True:
-            assert proc.poll() is None, f"{script.name} exited with {proc.returncode}"
+            assert self.proc.poll() is None, f"{self.name} exited with {self.proc.returncode}"
             try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return f"http://127.0.0.1:{self.port}/mcp"
             except OSError:
-                assert time.monotonic() < deadline, f"{script.name} did not listen on {port}"
+                assert time.monotonic() < deadline, f"{self.name} did not listen on {self.port}"
                 time.sleep(0.05)
-        yield f"http://127.0.0.1:{port}/mcp"
-    finally:
-        proc.terminate()
-        proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        self.proc.wait(10)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def http_servers(tmp_path_factory):
+    """Both HTTP servers boot (about 2 s of imports each) while the stdio tests run; one test uses each."""
+    chat_db = tmp_path_factory.mktemp("chat-http") / "chat.db"
+    servers = {"chat": HttpServer(CHAT, "serve", "--db", str(chat_db), "--bot-user", "web-bot"),
+               "flaky": HttpServer(FLAKY, "--http-429", "3")}
+    servers["chat"].db = str(chat_db)
+    yield servers
+    for server in servers.values():
+        server.stop()
 
 
 @contextlib.asynccontextmanager
@@ -231,24 +247,23 @@ async def test_chat_injected_errors_retry_after_hang_and_crash(tmp_path):
     assert chat._begin_call(db, "post_message") is None                 # the crash consumed its fault
 
 
-async def test_chat_over_streamable_http(tmp_path):
-    db = str(tmp_path / "chat.db")
-    with http_server(CHAT, "serve", "--db", db, "--bot-user", "web-bot") as url:
-        async with Client(url, read_timeout_seconds=10) as c:
-            tools = {t.name: t for t in (await c.list_tools()).tools}
-            assert tools["thread_replies"].annotations.read_only_hint is True
-            posted = await c.call_tool("post_message", {"channel": "ops", "text": "via http"})
-            parent = posted.structured_content["ts"]
-            reply = chat.say(db, "ops", "alice", "seen", parent)
-            r = await c.call_tool("thread_replies", {"channel": "ops", "ts": parent, "oldest": parent})
-            assert r.structured_content["messages"] == [
-                {"ts": reply, "user": "alice", "text": "seen", "thread_ts": parent}]
-            chat.inject_fault(db, "thread_replies", 1, retry_after_ms=250)
-            r = await c.call_tool("thread_replies", {"channel": "ops", "ts": parent})
-            assert r.is_error and r.meta["retry_after_ms"] == 250
-        async with Client(streamable_http_client(url), mode="legacy", read_timeout_seconds=10) as c:
-            r = await c.call_tool("channel_history", {"channel": "ops"})
-            assert [m["user"] for m in r.structured_content["messages"]] == ["web-bot", "alice"]
+async def test_chat_over_streamable_http(http_servers):
+    db, url = http_servers["chat"].db, http_servers["chat"].url()
+    async with Client(url, read_timeout_seconds=10) as c:
+        tools = {t.name: t for t in (await c.list_tools()).tools}
+        assert tools["thread_replies"].annotations.read_only_hint is True
+        posted = await c.call_tool("post_message", {"channel": "ops", "text": "via http"})
+        parent = posted.structured_content["ts"]
+        reply = chat.say(db, "ops", "alice", "seen", parent)
+        r = await c.call_tool("thread_replies", {"channel": "ops", "ts": parent, "oldest": parent})
+        assert r.structured_content["messages"] == [
+            {"ts": reply, "user": "alice", "text": "seen", "thread_ts": parent}]
+        chat.inject_fault(db, "thread_replies", 1, retry_after_ms=250)
+        r = await c.call_tool("thread_replies", {"channel": "ops", "ts": parent})
+        assert r.is_error and r.meta["retry_after_ms"] == 250
+    async with Client(streamable_http_client(url), mode="legacy", read_timeout_seconds=10) as c:
+        r = await c.call_tool("channel_history", {"channel": "ops"})
+        assert [m["user"] for m in r.structured_content["messages"]] == ["web-bot", "alice"]
     assert chat.calls(db, "thread_replies") == 2
 
 
@@ -411,37 +426,37 @@ async def test_flaky_exit_at_start_fails_the_open():
     assert time.monotonic() - started < 5
 
 
-async def test_flaky_over_streamable_http_with_429_and_crash():
-    with http_server(FLAKY, "--http-429", "3") as url:
-        seen: list[tuple[int, str | None]] = []
+async def test_flaky_over_streamable_http_with_429_and_crash(http_servers):
+    url = http_servers["flaky"].url()
+    seen: list[tuple[int, str | None]] = []
 
-        async def on_response(resp: httpx2.Response) -> None:
-            seen.append((resp.status_code, resp.headers.get("retry-after")))
+    async def on_response(resp: httpx2.Response) -> None:
+        seen.append((resp.status_code, resp.headers.get("retry-after")))
 
-        async with httpx2.AsyncClient(event_hooks={"response": [on_response]}) as http:
-            # Pinned to 2026-07-28 there is no handshake: the first POST is call_tool's implicit tools/list.
-            async with Client(streamable_http_client(url, http_client=http), mode="2026-07-28",
-                              read_timeout_seconds=10) as c:
-                for n in (1, 2):
-                    with pytest.raises(MCPError) as err:
-                        await c.call_tool("echo", {"text": "a"})
-                    assert err.value.code == INTERNAL_ERROR               # a 429 becomes a generic -32603 ...
-                    assert seen == [(429, "2")] * n                       # ... Retry-After only via the HTTP client
-            # mode="auto": a 429 on the server/discover probe silently falls back to the legacy handshake.
-            async with Client(streamable_http_client(url, http_client=http), read_timeout_seconds=10) as c:
-                assert seen[:3] == [(429, "2")] * 3 and seen[3][0] == 200 and c.protocol_version == "2025-11-25"
-                r = await c.call_tool("echo", {"text": "c"})
-                assert r.structured_content == {"echo": "c", "n": None} and seen[-1] == (200, None)
-                assert (await c.call_tool("fail_rw", {"text": "x"})).is_error
+    async with httpx2.AsyncClient(event_hooks={"response": [on_response]}) as http:
+        # Pinned to 2026-07-28 there is no handshake: the first POST is call_tool's implicit tools/list.
+        async with Client(streamable_http_client(url, http_client=http), mode="2026-07-28",
+                          read_timeout_seconds=10) as c:
+            for n in (1, 2):
                 with pytest.raises(MCPError) as err:
-                    await c.call_tool("invalid_params", {"x": 1})
-                assert err.value.code == INVALID_PARAMS
-
-        # A crash mid-call, with the client held open by its own task (as a long-lived caller does):
-        # the caller gets "connection closed", the holder's task group ends with the HTTP error.
-        async with held_client(url, mode="2026-07-28", read_timeout_seconds=10) as (c, holder):
-            assert (await c.call_tool("echo", {"text": "x"})).structured_content["echo"] == "x"
+                    await c.call_tool("echo", {"text": "a"})
+                assert err.value.code == INTERNAL_ERROR               # a 429 becomes a generic -32603 ...
+                assert seen == [(429, "2")] * n                       # ... Retry-After only via the HTTP client
+        # mode="auto": a 429 on the server/discover probe silently falls back to the legacy handshake.
+        async with Client(streamable_http_client(url, http_client=http), read_timeout_seconds=10) as c:
+            assert seen[:3] == [(429, "2")] * 3 and seen[3][0] == 200 and c.protocol_version == "2025-11-25"
+            r = await c.call_tool("echo", {"text": "c"})
+            assert r.structured_content == {"echo": "c", "n": None} and seen[-1] == (200, None)
+            assert (await c.call_tool("fail_rw", {"text": "x"})).is_error
             with pytest.raises(MCPError) as err:
-                await c.call_tool("crash_ro", {})
-            assert err.value.code == CONNECTION_CLOSED
-        assert any(isinstance(e, httpx2.RemoteProtocolError) for e in leaf_errors(holder["error"]))
+                await c.call_tool("invalid_params", {"x": 1})
+            assert err.value.code == INVALID_PARAMS
+
+    # A crash mid-call, with the client held open by its own task (as a long-lived caller does):
+    # the caller gets "connection closed", the holder's task group ends with the HTTP error.
+    async with held_client(url, mode="2026-07-28", read_timeout_seconds=10) as (c, holder):
+        assert (await c.call_tool("echo", {"text": "x"})).structured_content["echo"] == "x"
+        with pytest.raises(MCPError) as err:
+            await c.call_tool("crash_ro", {})
+        assert err.value.code == CONNECTION_CLOSED
+    assert any(isinstance(e, httpx2.RemoteProtocolError) for e in leaf_errors(holder["error"]))
