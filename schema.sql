@@ -97,11 +97,35 @@ CREATE TABLE IF NOT EXISTS requests (
     conversation   TEXT,                             -- the reading key, when replies are read
     refused_replies INTEGER NOT NULL DEFAULT 0,
     told           INTEGER NOT NULL DEFAULT 0,
+    deliver_args   TEXT,                             -- rendered once at the run's start
+    attempt_started_at INTEGER,                      -- of the attempt in flight or the last one
+    reading        INTEGER REFERENCES readings(id),  -- the reading it joined, once delivered
     UNIQUE (playbook, run_id)
 );
 CREATE INDEX IF NOT EXISTS requests_open ON requests (playbook, seq) WHERE open = 1;
 CREATE INDEX IF NOT EXISTS requests_open_party ON requests (playbook, party, seq) WHERE open = 1;
 CREATE INDEX IF NOT EXISTS requests_by_status ON requests (status, seq);
+
+-- One reading per (playbook, server, reading tool, conversation key), shared by every open
+-- request with that key: one read serves them all.
+CREATE TABLE IF NOT EXISTS readings (
+    id           INTEGER PRIMARY KEY,
+    playbook     TEXT NOT NULL,
+    server       TEXT NOT NULL,
+    tool         TEXT NOT NULL,
+    conversation TEXT NOT NULL,
+    since        TEXT NOT NULL DEFAULT '',           -- the newest message id a read listed
+    reads        INTEGER NOT NULL DEFAULT 0,         -- reads since a request last joined
+    wait_ms      INTEGER NOT NULL DEFAULT 5000,
+    UNIQUE (playbook, server, tool, conversation)
+);
+
+-- Every message id a reading has dealt with (taken, refused or passed over): never twice.
+CREATE TABLE IF NOT EXISTS replies_seen (
+    reading  INTEGER NOT NULL REFERENCES readings(id),
+    reply_id TEXT NOT NULL,
+    PRIMARY KEY (reading, reply_id)
+) WITHOUT ROWID;
 
 -- Append-only. `id` is monotonic and never reused; run events also carry a gap-free run_seq.
 CREATE TABLE IF NOT EXISTS events (

@@ -44,7 +44,7 @@ async def test_bad_document_is_422_with_lines(d):
                                                          "source": APPROVAL.replace("expires: P2D", "expires: P2D\nmodel: gpt")})
     assert status == 422
     assert body["type"] == "/problems/invalid_document"
-    assert any(e["field"] == "model" and e["line"] == 4 for e in body["errors"]), body
+    assert any(e["field"] == "model" and e["line"] == 5 for e in body["errors"]), body
 
 
 async def test_whole_life_of_an_inbox_request(d):
@@ -348,3 +348,8 @@ async def test_openapi_matches_routes(d):
     assert {p for _, p in served if p.startswith("/v1/")} <= {p for _, p in documented}
     status = (await d.client.get("/problems/unanswered")).status
     assert status == 200
+
+
+def test_embedded_schema_equals_schema_sql():
+    from pathlib import Path
+    assert itd.SCHEMA_SQL == (Path(__file__).resolve().parent.parent / "schema.sql").read_text()
