@@ -74,7 +74,12 @@ from mcp.client.streamable_http import streamable_http_client as _streamable_cli
 from mcp.server import Server as _McpServer
 from mcp.server.sse import SseServerTransport
 from mcp.server.transport_security import TransportSecuritySettings
-from jsonschema import Draft202012Validator, validators
+# jsonschema checks the `iri` formats with rfc3987_syntax, whose grammar takes seconds to build when
+# it is imported; keep that out of start-up and build it on the first `iri` value instead.
+_IRI_BLOCKED = sys.modules.setdefault("rfc3987_syntax", None) is None  # type: ignore[arg-type]
+from jsonschema import Draft202012Validator, FormatChecker, validators  # noqa: E402
+if _IRI_BLOCKED:
+    del sys.modules["rfc3987_syntax"]
 from jsonschema.exceptions import SchemaError
 from liquid import Environment, RenderContext, StrictDefaultUndefined
 from liquid.builtin.output import Output, OutputNode
@@ -969,12 +974,32 @@ class Shape(str, enum.Enum):
 # asserted; references resolve within the schema only: an empty registry means a remote `$ref` is
 # never fetched (jsonschema's default registry would fetch it).
 
+def _iri_ok(rule: str, instance: object) -> bool:
+    if not isinstance(instance, str):
+        return True
+    try:
+        from rfc3987_syntax import is_valid_syntax
+    except ImportError:                       # not installed: the format passes unchecked
+        return True
+    return bool(is_valid_syntax(rule, instance))
+
+
+@functools.lru_cache(maxsize=None)
+def _format_checker(cls: Any) -> FormatChecker:
+    """The validator class's format checks, with the `iri` ones loaded on first use."""
+    checker = FormatChecker()
+    checker.checkers = dict(cls.FORMAT_CHECKER.checkers)
+    for name, rule in (("iri", "iri"), ("iri-reference", "iri_reference")):
+        checker.checks(name, raises=ValueError)(functools.partial(_iri_ok, rule))
+    return checker
+
+
 @functools.lru_cache(maxsize=1024)
 def _compiled_schema(text: str) -> Any:
     schema = json.loads(text)
     cls = validators.validator_for(schema, default=Draft202012Validator)
     cls.check_schema(schema)
-    return cls(schema, format_checker=cls.FORMAT_CHECKER, registry=referencing.Registry())
+    return cls(schema, format_checker=_format_checker(cls), registry=referencing.Registry())
 
 
 def compile_schema(schema: Any) -> Any:
