@@ -38,6 +38,7 @@ import fcntl
 import functools
 import hashlib
 import heapq
+import http.client
 import json
 import logging
 import math
@@ -51,6 +52,7 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -117,6 +119,10 @@ __all__ = [
     "compile_schema",
     "schema_errors",
     "check_documents",
+    "Client",
+    "ClientError",
+    "interaction_object",
+    "mount_typed_api",
 ]
 
 log = logging.getLogger("interactiond")
@@ -248,6 +254,11 @@ PROBLEM_TYPES: Final[dict[str, tuple[int, str, str]]] = {
     "cancelled": (410, "Cancelled", "The run was cancelled."),
     "failed": (500, "Failed", "The daemon itself broke down while running."),
     "timeout": (408, "Timeout", "A workflow task ran out of time."),
+    "idempotency_key_required": (400, "Idempotency key required", "Responding on the typed API needs an Idempotency-Key header, so that a retried request cannot answer twice."),
+    "idempotency_key_conflict": (409, "Idempotency key conflict", "This Idempotency-Key was used before with another request body; use a new key for a new response."),
+    "interaction_not_pending": (409, "Interaction not pending", "The interaction is already answered, expired or cancelled."),
+    "interaction_type_mismatch": (422, "Interaction type mismatch", "The response's type is not the interaction's type."),
+    "validation_failed": (422, "Validation failed", "The response has missing, unknown or invalid fields; `errors` lists each as {field, code, message}."),
 }
 
 
@@ -3895,8 +3906,11 @@ class Engine:
         return _page([request_object(r) for r in rows[:n]], rows, n, lambda: [rows[n - 1]["seq"]])
 
     async def answer_interaction(self, caller: Caller, playbook: str, run_id: str, answer: Any,
-                                 claimed_for: str | None = None) -> tuple[dict[str, Any], bool]:
-        """Record the answer of an open request and end its run. Returns the fact and whether it is new."""
+                                 claimed_for: str | None = None,
+                                 also: Callable[[sqlite3.Connection], None] | None = None) -> tuple[dict[str, Any], bool]:
+        """Record the answer of an open request and end its run. Returns the fact and whether it is new.
+
+        `also` writes more in the transaction of a new answer (the typed API's idempotency key)."""
         caller.require(Role.WRITER)
         by = caller.id
         if claimed_for is not None and (not isinstance(claimed_for, str) or len(claimed_for.encode()) > MAX_CLAIM_BYTES):
@@ -3921,6 +3935,8 @@ class Engine:
             if self._answer_state_check(row, answer):
                 return answer_fact(row), False
             self._record_answer(conn, fx, row, answer, claimed_for, by, now)
+            if also is not None:
+                also(conn)
             return answer_fact(conn.execute("SELECT * FROM requests WHERE seq = ?", (row["seq"],)).fetchone()), True
         return await self.store.write(change)
 
@@ -5157,6 +5173,621 @@ def mount_mcp(app: web.Application, engine: Engine, allowed_hosts: list[str]) ->
     app.on_shutdown.append(cancel_streams)
 
 
+# Typed API and client ###########################################################################
+#
+# The same inbox, presented as typed interactions (SPEC section 8): an open request whose answer
+# schema is one of the four canonical shapes is an `approval`, `text`, `choice` or `confirmation`;
+# any other answer schema is a `form`. Notifications take no answer and are left out. The typed
+# API adds no state of its own besides its idempotency keys: a response becomes an answer through
+# `Engine.answer_interaction`, so `request_answered` is the one fact whichever API gave it, and the
+# idempotency row is written in the same transaction as that answer (a retry after a crash finds
+# either both or neither).
+#
+# Order of checks on POST /v2/interactions/{id}/responses, as the contract fixes it:
+#   1. 404 not_found                      unknown, malformed, or not visible to the token
+#   2. 400 idempotency_key_required       no Idempotency-Key header
+#   3. replay / 409 idempotency_key_conflict   a key seen before, same body or another
+#   4. 409 interaction_not_pending        answered, expired or cancelled
+#   5. 422 interaction_type_mismatch      the body's variant is not the interaction's type
+#   6. 422 validation_failed              errors: [{field, code, message}], `unknown_field` per extra
+#
+# The event stream (SSE) reads the events table, never a copy: the engine's subscriber queue only
+# rings a doorbell, and each wake reads the committed events after the last id sent. So a replay
+# from Last-Event-ID and the live tail are one loop, without gaps or duplicates, and a consumer
+# that falls behind costs the engine nothing (its queue is bounded and may drop rings). A consumer
+# that stops reading is dropped after SSE_WRITE_TIMEOUT_S and resumes with Last-Event-ID.
+
+#: The typed API's statuses, from the requests table's (a notification never shows).
+V2_STATUS: Final = {"open": "pending", "answered": "answered", "expired": "expired", "undelivered": "expired",
+                    "cancelled": "cancelled"}
+V2_STATUS_FILTER: Final = {s: tuple(k for k, v in V2_STATUS.items() if v == s) for s in dict.fromkeys(V2_STATUS.values())}
+INTERACTION_ID_RE: Final = re.compile(r"int_[0-9A-Za-z]{1,64}")
+#: An Idempotency-Key: long enough for a UUID or a hash, short enough to index.
+MAX_IDEMPOTENCY_KEY_CHARS: Final = 255
+#: A comment line on an idle stream, so proxies and clients see the connection alive.
+SSE_KEEPALIVE_S: Final = 15.0
+#: A stream write that cannot finish this long is a consumer that stopped reading: drop it.
+SSE_WRITE_TIMEOUT_S: Final = 30.0
+#: Events read per hop to the database while a stream catches up.
+SSE_PAGE: Final = 500
+#: What a reconnecting EventSource waits, in milliseconds.
+SSE_RETRY_MS: Final = 2000
+
+_V2_SELECT: Final = (
+    "SELECT q.seq, q.id, q.playbook, q.run_id, q.name, q.status, q.delivery_state, q.message, q.answer_schema,"
+    " q.answer, q.answered_at, q.asked_at, q.expires_at, r.input AS run_input FROM requests q"
+    " JOIN runs r ON r.playbook = q.playbook AND r.run_id = q.run_id WHERE q.answer_schema IS NOT NULL")
+_FIELD_CODES: Final = {"type": "invalid_type", "enum": "invalid_option", "maxLength": "too_long",
+                       "minLength": "too_short", "maxItems": "too_many", "minItems": "too_few",
+                       "uniqueItems": "duplicate", "format": "invalid_format", "pattern": "invalid_format"}
+
+
+def _v2_problem(name: str, detail: str, **kw: Any) -> Problem:
+    return Problem(name, detail, code=name, **kw)
+
+
+def _bare_schema(schema: Any) -> Any:
+    """A schema without its words (description, title), to compare shapes."""
+    if isinstance(schema, dict):
+        return {k: ({p: _bare_schema(s) for p, s in v.items()} if k == "properties" and isinstance(v, dict)
+                    else _bare_schema(v)) for k, v in schema.items() if k not in ("description", "title")}
+    if isinstance(schema, list):
+        return [_bare_schema(s) for s in schema]
+    return schema
+
+
+@functools.lru_cache(maxsize=1024)
+def typed_shape(schema_text: str) -> tuple[str, tuple[str, ...], bool]:
+    """(type, option ids, multiple) of an answer schema as recorded; `form` unless it is canonical.
+
+    A choice is the canonical choice schema narrowed to its options: `items.enum` lists them and
+    `maxItems` is 1 unless several may be picked.
+    """
+    bare = _bare_schema(json.loads(schema_text))
+    for kind, canon in ASK_ANSWER_SCHEMAS.items():
+        if kind != "choice" and bare == _bare_schema(canon):
+            return kind, (), False
+    opt = bare.get("properties", {}).get("option_ids") if isinstance(bare, dict) else None
+    if isinstance(opt, dict) and isinstance(opt.get("items"), dict):
+        opt = dict(opt, items=dict(opt["items"]))
+        ids = opt["items"].pop("enum", None)
+        most = opt.pop("maxItems", None)
+        shaped = dict(bare, properties=dict(bare["properties"], option_ids=opt))
+        if (shaped == _bare_schema(ASK_ANSWER_SCHEMAS["choice"]) and isinstance(ids, list) and ids
+                and all(isinstance(i, str) for i in ids) and len(set(ids)) == len(ids)):
+            return "choice", tuple(ids), most != 1
+    return "form", (), False
+
+
+def _typed_payload(row: Mapping[str, Any], kind: str, ids: tuple[str, ...], multiple: bool) -> dict[str, Any]:
+    """What a client renders beside the prompt: the options of a choice, a text's hint, a form's schema."""
+    input_ = json.loads(row["run_input"]) if row["name"] in ASK_FUNCTIONS else {}
+    if kind == "choice":
+        labels = {o.get("id"): o.get("label") for o in input_.get("options", []) if isinstance(o, dict)}
+        return {"options": [{"id": i, "label": labels.get(i, i)} for i in ids], "multiple": multiple}
+    if kind == "text":
+        return {"placeholder": input_.get("placeholder")}
+    if kind == "form":
+        return {"schema": json.loads(row["answer_schema"])}
+    return {}
+
+
+def typed_response(kind: str, answer: Any, submitted_at: int | None) -> dict[str, Any]:
+    """An answer as the typed API shows it: the body that gives it, with submitted_at merged."""
+    body = {"type": kind, **answer} if kind != "form" else {"type": "form", "answer": answer}
+    return dict(body, submitted_at=fmt_time(submitted_at))
+
+
+def interaction_object(row: Mapping[str, Any]) -> dict[str, Any]:
+    """The one place a request (joined with its run's input, see _V2_SELECT) becomes a v2 object."""
+    kind, ids, multiple = typed_shape(row["answer_schema"])
+    answered = row["status"] == "answered"
+    return {
+        "id": row["id"], "playbook": row["playbook"], "run_id": row["run_id"], "type": kind,
+        "status": V2_STATUS[row["status"]], "prompt": row["message"],
+        "payload": _typed_payload(row, kind, ids, multiple),
+        "response": typed_response(kind, json.loads(row["answer"]), row["answered_at"]) if answered else None,
+        "expires_at": fmt_time(row["expires_at"]), "created_at": fmt_time(row["asked_at"]),
+        "answered_at": fmt_time(row["answered_at"]) if answered else None,
+    }
+
+
+def _field_name(path: Iterable[Any]) -> str:
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _field_errors(validator: Any, instance: Any, prefix: list[Any]) -> list[dict[str, str]]:
+    """Every way `instance` fails its schema, as {field, code, message}; extra members are unknown_field."""
+    out: dict[tuple[str, str], str] = {}
+    for err in validator.iter_errors(instance):
+        path = prefix + list(err.absolute_path)
+        if err.validator == "additionalProperties" and isinstance(err.instance, dict):
+            known = err.schema.get("properties", {}) if isinstance(err.schema, dict) else {}
+            for extra in (k for k in err.instance if k not in known):
+                out[(_field_name(path + [extra]), "unknown_field")] = f"{extra} is not a field of this response"
+        elif err.validator == "required" and isinstance(err.instance, dict):
+            for missing in (k for k in err.validator_value if k not in err.instance):
+                out[(_field_name(path + [missing]), "required")] = f"{missing} is required"
+        elif err.validator == "enum" and "option_ids" in path:
+            out[(_field_name(path), "invalid_option")] = f"{err.instance!r} is not an option of this interaction"
+        else:
+            out[(_field_name(path), _FIELD_CODES.get(str(err.validator), "invalid_value"))] = err.message
+    return [{"field": f, "code": c, "message": m} for (f, c), m in sorted(out.items())]
+
+
+def typed_answer(kind: str, schema: dict[str, Any], body: dict[str, Any]) -> Any:
+    """The answer a response body gives, after checks 5 and 6 of the order above."""
+    given = body.get("type")
+    if given is None:
+        raise _v2_problem("validation_failed", "the response names no type",
+                          errors=[{"field": "type", "code": "required", "message": f"type is required ({kind} here)"}])
+    if given != kind:
+        raise _v2_problem("interaction_type_mismatch", f"this interaction takes a {kind} response, not {given!r}")
+    validator = compile_schema(schema)
+    if kind != "form":
+        answer = {k: v for k, v in body.items() if k != "type"}
+        errors = _field_errors(validator, answer, [])
+    else:
+        answer = body.get("answer")
+        errors = [{"field": k, "code": "unknown_field", "message": f"{k} is not a field of a form response"}
+                  for k in body if k not in ("type", "answer")]
+        if "answer" not in body:
+            errors.append({"field": "answer", "code": "required", "message": "answer is required"})
+        else:
+            errors += _field_errors(validator, answer, ["answer"])
+    if errors:
+        raise _v2_problem("validation_failed", "the response does not fit the interaction", errors=errors)
+    return answer
+
+
+def _limit_v2(limit: Any) -> int:
+    try:
+        return check_limit(limit)
+    except Problem:
+        raise _v2_problem("validation_failed", f"limit is between 1 and {MAX_PAGE}", errors=[
+            {"field": "limit", "code": "invalid_value", "message": f"an integer from 1 to {MAX_PAGE}"}]) from None
+
+
+def _visible(engine: Engine, caller: Caller) -> list[str]:
+    return sorted(pb for pb in engine.playbooks if caller.sees(pb))
+
+
+async def find_interaction(engine: Engine, caller: Caller, ident: str) -> sqlite3.Row:
+    """The request behind an interaction id, or 404 when it is unknown, malformed or not the caller's."""
+    row = None
+    if INTERACTION_ID_RE.fullmatch(ident):
+        row = await engine.store.read(lambda c: c.execute(_V2_SELECT + " AND q.id = ?", (ident,)).fetchone())
+    if row is None or row["playbook"] not in engine.playbooks or not caller.sees(row["playbook"]):
+        raise _v2_problem("not_found", "The interaction does not exist or is not visible to this token.")
+    return row
+
+
+async def list_typed_interactions(engine: Engine, caller: Caller, status: str | None = None,
+                                  run_id: str | None = None, limit: Any = None,
+                                  cursor: str | None = None) -> dict[str, Any]:
+    """Newest first, cursor-paged: {data, page: {has_more, next_cursor}}."""
+    if status is not None and status not in V2_STATUS_FILTER:
+        raise _v2_problem("validation_failed", "unknown status", errors=[
+            {"field": "status", "code": "invalid_value", "message": "one of " + ", ".join(V2_STATUS_FILTER)}])
+    n = _limit_v2(limit)
+    before = decode_cursor(cursor)[0] if cursor else None
+    if before is not None and (not isinstance(before, int) or isinstance(before, bool)):
+        raise _v2_problem("bad_request", "The cursor does not decode; pass next_cursor as it came.")
+    playbooks = _visible(engine, caller)
+    statuses = V2_STATUS_FILTER[status] if status else tuple(V2_STATUS)
+
+    def query(conn: sqlite3.Connection) -> list[sqlite3.Row]:
+        sql = (_V2_SELECT + f" AND q.playbook IN ({','.join('?' * len(playbooks))})"
+               f" AND q.status IN ({','.join('?' * len(statuses))})")
+        args: list[Any] = [*playbooks, *statuses]
+        if run_id is not None:
+            sql += " AND q.run_id = ?"
+            args.append(run_id)
+        if before is not None:
+            sql += " AND q.seq < ?"
+            args.append(before)
+        return conn.execute(sql + " ORDER BY q.seq DESC LIMIT ?", (*args, n + 1)).fetchall()
+    rows = await engine.store.read(query) if playbooks else []
+    more = len(rows) > n
+    return {"data": [interaction_object(r) for r in rows[:n]],
+            "page": {"has_more": more, "next_cursor": encode_cursor([rows[n - 1]["seq"]]) if more else None}}
+
+
+async def respond_interaction(engine: Engine, caller: Caller, row: sqlite3.Row, key: str | None,
+                              raw: bytes) -> tuple[int, dict[str, Any], bool]:
+    """Answer the interaction `row` (found by find_interaction) with a typed response.
+
+    Returns (HTTP status, the interaction object, whether it is a replay of the key's first response).
+    """
+    if not key:
+        raise _v2_problem("idempotency_key_required", "send an Idempotency-Key header (a UUID will do)")
+    if len(key) > MAX_IDEMPOTENCY_KEY_CHARS or not key.isprintable():
+        raise _v2_problem("idempotency_key_required",
+                          f"the Idempotency-Key is 1 to {MAX_IDEMPOTENCY_KEY_CHARS} printable characters")
+    try:
+        body = json.loads(raw) if raw else None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise _v2_problem("bad_request", f"the body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise _v2_problem("bad_request", "the body is a JSON object: the response variant")
+    body_sha = sha256_hex(json.dumps({"interaction": row["id"], "body": body}, sort_keys=True, ensure_ascii=False))
+
+    async def replay() -> tuple[int, dict[str, Any], bool] | None:
+        seen = await engine.store.read(lambda c: c.execute(
+            "SELECT body_sha, status, response FROM idempotency WHERE caller = ? AND key = ?",
+            (caller.id, key)).fetchone())
+        if seen is None:
+            return None
+        if seen["body_sha"] != body_sha:
+            raise _v2_problem("idempotency_key_conflict",
+                              "this Idempotency-Key was used with another request; use a new key for a new response")
+        return seen["status"], json.loads(seen["response"]), True
+
+    def not_pending(req: sqlite3.Row) -> Problem:
+        status = V2_STATUS[req["status"]]
+        words = "being cancelled" if status == "pending" else status
+        return _v2_problem("interaction_not_pending", f"the interaction is {words}; it takes no response",
+                           extra={"interaction_status": status})
+
+    if (first := await replay()) is not None:
+        return first
+    if row["status"] != "open" or row["delivery_state"] == DeliveryState.CANCELLING.value:
+        raise not_pending(row)
+    kind, _, _ = typed_shape(row["answer_schema"])
+    answer = typed_answer(kind, json.loads(row["answer_schema"]), body)
+    made: dict[str, Any] = {}
+
+    def remember(conn: sqlite3.Connection) -> None:
+        # Runs inside the answer's own transaction: the key and the answer commit together.
+        made["object"] = interaction_object(conn.execute(_V2_SELECT + " AND q.id = ?", (row["id"],)).fetchone())
+        conn.execute("INSERT INTO idempotency (caller, key, body_sha, status, response, created_at)"
+                     " VALUES (?, ?, ?, 200, ?, ?)", (caller.id, key, body_sha, dumps(made["object"]),
+                                                      engine.clock.now_ms()))
+
+    try:
+        _, new = await engine.answer_interaction(caller, row["playbook"], row["run_id"], answer, also=remember)
+    except sqlite3.IntegrityError:          # the same key, committed meanwhile by a concurrent call
+        new = False
+    except Problem as exc:
+        if exc.name in ("answered", "not_open"):
+            new = False
+        elif exc.name == "invalid_input":
+            prefix = "answer" if kind == "form" else ""
+            raise _v2_problem("validation_failed", exc.detail, errors=[
+                {"field": _field_name(([prefix] if prefix else []) + [p for p in e["pointer"].split("/")[2:] if p])
+                 or "answer", "code": "invalid_value", "message": e["message"]} for e in exc.errors or []]) from None
+        else:
+            raise
+    if not new:
+        if (first := await replay()) is not None:
+            return first
+        raise not_pending(await find_interaction(engine, caller, row["id"]))
+    return 200, made["object"], False
+
+
+# -- the event stream ---------------------------------------------------------------------------
+
+_RUN_ENDINGS: Final = tuple(f"run_{s.value}" for s in RunStatus if s.ended)
+_STREAMED: Final = ("interaction_requested", "request_answered", *_RUN_ENDINGS)
+
+
+def _stream_messages(ev: sqlite3.Row, req: sqlite3.Row | None) -> list[tuple[str, dict[str, Any]]]:
+    """The stream messages one committed event stands for: none, one, or an interaction's end and run.ended."""
+    payload = json.loads(ev["payload"])
+    base = {"event_id": f"evt_{ev['id']}", "at": fmt_time(ev["at"]), "playbook": ev["playbook"],
+            "run_id": ev["run_id"]}
+    typed = req is not None and req["answer_schema"] is not None
+    kind = typed_shape(req["answer_schema"])[0] if typed else None
+    about = {"interaction_id": req["id"], "interaction_type": kind} if typed else {}
+    if ev["type"] == "interaction_requested":
+        return [("interaction.created", {**base, **about})] if typed else []
+    if ev["type"] == "request_answered":
+        return [("interaction.answered", {**base, **about,
+                                          "response": typed_response(kind, payload.get("answer"), ev["at"])})] if typed else []
+    out = []
+    if typed and payload.get("kind") in ("expired", "cancelled") and ev["type"] == "run_rejected":
+        out.append((f"interaction.{payload['kind']}", {**base, **about}))
+    out.append(("run.ended", {**base, "status": payload.get("status"), "kind": payload.get("kind")}))
+    return out
+
+
+def _stream_page(conn: sqlite3.Connection, playbooks: list[str], after: int) -> tuple[bytes, int, bool]:
+    """The SSE bytes of the streamed events after `after`; the last id read; whether more follow."""
+    rows = conn.execute(
+        f"SELECT id, playbook, run_id, type, at, payload FROM events WHERE id > ?"
+        f" AND type IN ({','.join('?' * len(_STREAMED))}) AND playbook IN ({','.join('?' * len(playbooks))})"
+        " ORDER BY id LIMIT ?", (after, *_STREAMED, *playbooks, SSE_PAGE)).fetchall()
+    reqs: dict[tuple[str, str], sqlite3.Row | None] = {}
+    chunks = []
+    for ev in rows:
+        where = (ev["playbook"], ev["run_id"])
+        if where not in reqs:
+            reqs[where] = conn.execute("SELECT id, answer_schema FROM requests WHERE playbook = ? AND run_id = ?",
+                                       where).fetchone()
+        for name, data in _stream_messages(ev, reqs[where]):
+            chunks.append(f"id: evt_{ev['id']}\nevent: {name}\ndata: {dumps(data)}\n\n")
+    return "".join(chunks).encode(), (rows[-1]["id"] if rows else after), len(rows) == SSE_PAGE
+
+
+def _last_event_id(request: web.Request) -> int | None:
+    text = request.headers.get("Last-Event-ID") or request.query.get("last_event_id")
+    if not text:
+        return None
+    m = re.fullmatch(r"(?:evt_)?([0-9]{1,18})", text.strip())
+    if not m:
+        raise _v2_problem("bad_request", "Last-Event-ID is an event id as the stream sent it (evt_123)")
+    return int(m.group(1))
+
+
+async def serve_stream(request: web.Request, playbooks: list[str]) -> web.StreamResponse:
+    """Server-Sent Events of `playbooks`, from Last-Event-ID (or from now) on, until the client leaves."""
+    engine = request.app[ENGINE_KEY]
+    after = _last_event_id(request)
+    doorbell = engine.subscribe()           # before reading: nothing committed from here on is missed
+    tasks: set[asyncio.Task[Any]] = request.app[SSE_TASKS_KEY]
+    me = asyncio.current_task()
+    tasks.add(me)
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       "X-Accel-Buffering": "no"})
+    try:
+        if after is None:
+            after = await engine.store.read(lambda c: c.execute("SELECT COALESCE(MAX(id), 0) FROM events").fetchone()[0])
+        await resp.prepare(request)
+        await resp.write(f"retry: {SSE_RETRY_MS}\n: stream open after evt_{after}\n\n".encode())
+        while True:
+            while not doorbell.empty():
+                doorbell.get_nowait()
+            data, after, more = await engine.store.read(functools.partial(_stream_page, playbooks=playbooks,
+                                                                          after=after))
+            if data:
+                await asyncio.wait_for(resp.write(data), SSE_WRITE_TIMEOUT_S)
+            if more:
+                continue
+            try:
+                await asyncio.wait_for(doorbell.get(), SSE_KEEPALIVE_S)
+            except asyncio.TimeoutError:
+                await asyncio.wait_for(resp.write(b": keep-alive\n\n"), SSE_WRITE_TIMEOUT_S)
+    except (asyncio.TimeoutError, ConnectionError):
+        if not resp.prepared:
+            raise
+        if request.transport is not None:       # a consumer that stopped reading: it resumes later
+            request.transport.close()
+        return resp
+    finally:
+        engine.unsubscribe(doorbell)
+        tasks.discard(me)
+
+
+# -- routes -------------------------------------------------------------------------------------
+
+SSE_TASKS_KEY: Final = web.AppKey("sse_tasks", set)
+
+
+async def h_v2_list(request: web.Request) -> web.Response:
+    q = request.query
+    return _json(await list_typed_interactions(request.app[ENGINE_KEY], _caller(request), q.get("status"),
+                                               q.get("run_id"), q.get("limit"), q.get("cursor")))
+
+
+async def h_v2_get(request: web.Request) -> web.Response:
+    row = await find_interaction(request.app[ENGINE_KEY], _caller(request), request.match_info["id"])
+    return _json(interaction_object(row))
+
+
+async def h_v2_respond(request: web.Request) -> web.Response:
+    engine, caller = request.app[ENGINE_KEY], _caller(request)
+    row = await find_interaction(engine, caller, request.match_info["id"])     # 404 before anything else
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise _v2_problem("too_large", f"the body is larger than {MAX_BODY_BYTES // MIB} MiB") from None
+    status, obj, replayed = await respond_interaction(engine, caller, row, request.headers.get("Idempotency-Key"), raw)
+    resp = _json(obj, status)
+    if replayed:
+        resp.headers["Idempotent-Replayed"] = "true"
+    return resp
+
+
+async def h_v2_events(request: web.Request) -> web.StreamResponse:
+    return await serve_stream(request, _visible(request.app[ENGINE_KEY], _caller(request)))
+
+
+async def h_playbook_stream(request: web.Request) -> web.StreamResponse:
+    return await serve_stream(request, [_pb(request)])
+
+
+_RESPONSE_BODY: Final = {"type": "object", "required": ["type"], "properties": {
+    "type": {"type": "string", "enum": [*ASK_ANSWER_SCHEMAS, "form"]},
+    "approved": {"type": "boolean"}, "comment": {"type": "string", "maxLength": 2000},
+    "text": {"type": "string", "maxLength": 8000}, "option_ids": {"type": "array", "items": {"type": "string"}},
+    "confirmed": {"type": "boolean"}, "answer": {}}}
+
+TYPED_ROUTES: Final[list[Route]] = [
+    Route("GET", "/v2/interactions", h_v2_list, "List typed interactions, newest first",
+          query=("status", "run_id", "limit", "cursor")),
+    Route("GET", "/v2/interactions/{id}", h_v2_get, "Get one typed interaction"),
+    Route("POST", "/v2/interactions/{id}/responses", h_v2_respond,
+          "Respond to an interaction (Idempotency-Key header required)", Role.WRITER, _RESPONSE_BODY),
+    Route("GET", "/v2/events", h_v2_events, "Server-Sent Events of every visible playbook (Last-Event-ID resumes)"),
+    Route("GET", PB + "/stream", h_playbook_stream, "Server-Sent Events of one playbook (Last-Event-ID resumes)"),
+]
+ROUTES.extend(TYPED_ROUTES)                 # served by build_app's loop and documented in /openapi.json
+ROUTE_BY_HANDLER.update({r.handler: r for r in TYPED_ROUTES})
+
+
+@web.middleware
+async def _v2_codes(request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
+    """Every problem on /v2 carries `code` beside the problem fields, also those of auth and routing."""
+    resp = await handler(request)
+    if (request.path.startswith("/v2/") and isinstance(resp, web.Response)
+            and resp.content_type == "application/problem+json" and isinstance(resp.body, bytes)):
+        body = json.loads(resp.body)
+        if "code" not in body:
+            body["code"] = str(body.get("type", "")).rsplit("/", 1)[-1]
+            resp = web.Response(text=dumps(body), status=resp.status, content_type="application/problem+json")
+    return resp
+
+
+def mount_typed_api(app: web.Application) -> None:
+    """What the typed API needs of an app beyond its routes: `code` on its problems, streams ended at shutdown."""
+    app.middlewares.insert(0, _v2_codes)
+    app[SSE_TASKS_KEY] = set()
+
+    async def end_streams(app: web.Application) -> None:
+        for task in list(app[SSE_TASKS_KEY]):
+            task.cancel()
+    app.on_shutdown.append(end_streams)
+
+
+# -- the Python client --------------------------------------------------------------------------
+#
+# `Client(base_url, token)` speaks the HTTP API with the standard library only. Every call may be
+# retried after a lost connection or a 5xx problem: answering carries one Idempotency-Key for all
+# its tries, a run gets its run_id before the first try, and the rest are reads or idempotent.
+
+
+class ClientError(Problem):
+    """What the daemon answered with a problem (or `unreachable` when it was not reached)."""
+
+    @property
+    def problem(self) -> dict[str, Any]:
+        return self.body()
+
+
+class Client:
+    """A small synchronous client of interactiond's HTTP API (urllib only)."""
+
+    def __init__(self, base_url: str, token: str, *, playbook: str = DEFAULT_PLAYBOOK, timeout: float = 75.0,
+                 retries: int = 3, backoff: float = 0.25) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.token = token
+        self.playbook = playbook
+        self.timeout = timeout
+        self.retries = retries
+        self.backoff = backoff
+        org, _, name = playbook.partition("/")
+        self.pb_path = f"/v1/orgs/{org}/playbooks/{name}"
+        self.interactions = _Interactions(self)
+        self.runs = _Runs(self)
+        self.definitions = _Definitions(self)
+
+    def request(self, method: str, path: str, body: Any = None, *, query: dict[str, Any] | None = None,
+                headers: dict[str, str] | None = None) -> Any:
+        """One call, retried after a lost connection or a 5xx problem; a problem raises ClientError.
+
+        A run object comes back whatever its HTTP status (the status tells the run's ending).
+        """
+        url = self.base_url + path
+        if query:
+            url += "?" + urllib.parse.urlencode({k: v for k, v in query.items() if v is not None})
+        data = dumps(body).encode() if body is not None else None
+        head = {"Authorization": f"Bearer {self.token}", "Accept": "application/json", **(headers or {})}
+        if data is not None:
+            head["Content-Type"] = "application/json"
+        for attempt in range(self.retries + 1):
+            last = attempt == self.retries
+            req = urllib.request.Request(url, data=data, method=method, headers=head)
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                    return json.loads(resp.read() or b"null")
+            except urllib.error.HTTPError as exc:
+                raw, ctype = exc.read(), exc.headers.get_content_type()
+                try:
+                    got = json.loads(raw)
+                except ValueError:
+                    got = None
+                if ctype == "application/json" and isinstance(got, dict) and "run_id" in got:
+                    return got
+                if exc.code >= 500 and not last:
+                    time.sleep(self.backoff * 2 ** attempt)
+                    continue
+                if not isinstance(got, dict):
+                    got = {"type": PROBLEM_BASE + "failed", "title": exc.reason, "status": exc.code,
+                           "detail": raw.decode(errors="replace")[:500]}
+                raise ClientError.from_body(got) from None
+            except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
+                if not last:
+                    time.sleep(self.backoff * 2 ** attempt)
+                    continue
+                raise ClientError("unreachable", f"{method} {url}: {exc}", status=503, code="unreachable") from exc
+        raise AssertionError("unreachable")
+
+
+class _Interactions:
+    def __init__(self, client: Client) -> None:
+        self._c = client
+
+    def list(self, status: str | None = None, run_id: str | None = None, limit: int | None = None) -> Iterable[dict[str, Any]]:
+        """Every matching interaction, newest first, fetching `limit` per page as the iteration goes."""
+        cursor = None
+        while True:
+            page = self._c.request("GET", "/v2/interactions", query={"status": status, "run_id": run_id,
+                                                                      "limit": limit, "cursor": cursor})
+            yield from page["data"]
+            cursor = page["page"]["next_cursor"]
+            if not page["page"]["has_more"] or not cursor:
+                return
+
+    def get(self, interaction_id: str) -> dict[str, Any]:
+        return self._c.request("GET", f"/v2/interactions/{urllib.parse.quote(interaction_id, safe='')}")
+
+    def respond(self, interaction_id: str, type: str, *, idempotency_key: str | None = None,
+                **fields: Any) -> dict[str, Any]:
+        """Answer: respond(id, type="approval", approved=True, comment=...), type="text", text=...,
+        type="choice", option_ids=[...], type="confirmation", confirmed=..., or type="form", answer={...}.
+        """
+        key = idempotency_key or secrets.token_hex(16)
+        return self._c.request("POST", f"/v2/interactions/{urllib.parse.quote(interaction_id, safe='')}/responses",
+                               {"type": type, **fields}, headers={"Idempotency-Key": key})
+
+
+class _Runs:
+    def __init__(self, client: Client) -> None:
+        self._c = client
+
+    def _path(self, run_id: str, tail: str = "") -> str:
+        return f"{self._c.pb_path}/runs/{urllib.parse.quote(run_id, safe='')}{tail}"
+
+    def start(self, type: str, name: str, input: Any = None, run_id: str | None = None) -> dict[str, Any]:
+        """Start a run; its run_id is chosen before the first try, so a retry finds the same run."""
+        body = {"type": type, "name": name, "input": {} if input is None else input, "run_id": run_id or new_run_id()}
+        return self._c.request("POST", f"{self._c.pb_path}/runs", body)
+
+    def get(self, run_id: str) -> dict[str, Any]:
+        return self._c.request("GET", self._path(run_id))
+
+    def wait(self, run_id: str, timeout: float = 60.0) -> dict[str, Any]:
+        """The run once it ends, or as it stands after `timeout` seconds (long polls of up to a minute)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = max(0.0, deadline - time.monotonic())
+            run = self._c.request("POST", self._path(run_id, "/wait"),
+                                  query={"timeout": f"{min(left, MAX_HTTP_WAIT_S):.3f}"})
+            if RunStatus(run["status"]).ended or left <= 0:
+                return run
+
+    def cancel(self, run_id: str) -> dict[str, Any]:
+        return self._c.request("POST", self._path(run_id, "/cancel"))
+
+    def pending_interactions(self, run_id: str) -> list[dict[str, Any]]:
+        return list(self._c.interactions.list(status="pending", run_id=run_id))
+
+
+class _Definitions:
+    def __init__(self, client: Client) -> None:
+        self._c = client
+
+    def create(self, type: str, name: str, source: str) -> dict[str, Any]:
+        return self._c.request("POST", f"{self._c.pb_path}/definitions", {"type": type, "name": name, "source": source})
+
+    def get(self, type: str, name: str, version: int | None = None) -> dict[str, Any]:
+        return self._c.request("GET", f"{self._c.pb_path}/definitions/{type}/{urllib.parse.quote(name, safe='')}",
+                               query={"version": version})
+
+
 # Command line ###################################################################################
 #
 # `serve` and `stdio` run the engine; `check` and `token` work on files; `run`, `inbox` and
@@ -5172,6 +5803,7 @@ def build_app(engine: Engine, *, manage_engine: bool = True, hosts: Iterable[str
     for r in ROUTES:
         app.router.add_route(r.method, r.path, r.handler)
     mount_mcp(app, engine, sorted({"127.0.0.1:*", "localhost:*", "[::1]:*", *(f"{h}:*" for h in hosts)}))
+    mount_typed_api(app)
     if manage_engine:
         async def lifecycle(app: web.Application) -> Any:
             await engine.store.open()
@@ -5422,10 +6054,17 @@ def _http(method: str, url: str, token: str, body: Any = None) -> tuple[int, Any
 
 def _cli_client(args: Any) -> int:
     url, token = _client_token(args)
-    base = f"{url}/v1/orgs/{args.playbook}/playbooks".replace("/playbooks", "", 0)
     org, _, name = args.playbook.partition("/")
     base = f"{url}/v1/orgs/{org}/playbooks/{name}"
-    if args.cmd == "run":
+    if args.cmd == "define":
+        try:
+            source = Path(args.file).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise SystemExit(f"interactiond: {args.file}: {exc.strerror}")
+        type_ = args.type or ("workflow" if args.file.endswith((".yaml", ".yml")) else "interaction")
+        status, out = _http("POST", f"{base}/definitions", token,
+                            {"type": type_, "name": args.name or Path(args.file).stem, "source": source})
+    elif args.cmd == "run":
         try:
             input_ = json.loads(args.input)
         except ValueError as exc:
@@ -5498,22 +6137,28 @@ def main(argv: list[str] | None = None) -> int:
     common(p)
     p.add_argument("files", nargs="+")
     p = sub.add_parser("token", help="create, list or revoke API tokens")
-    common(p)
     tsub = p.add_subparsers(dest="token_cmd", required=True)
-    t = tsub.add_parser("create")
-    t.add_argument("--playbook")
+    t = tsub.add_parser("create", help="print a new token once")
+    common(t)
+    t.add_argument("--playbook", help="bind the token to one playbook, ORG/NAME")
     t.add_argument("--role", required=True, choices=[r.value for r in Role])
     t.add_argument("--name")
-    tsub.add_parser("list")
-    t = tsub.add_parser("revoke")
+    common(tsub.add_parser("list", help="list tokens (never their secrets)"))
+    t = tsub.add_parser("revoke", help="revoke a token by its id")
+    common(t)
     t.add_argument("id")
-    for name, helptext in (("run", "start a run"), ("inbox", "list open requests"), ("answer", "answer a request")):
+    for name, helptext in (("define", "save a definition from a file"), ("run", "start a run"),
+                           ("inbox", "list open requests"), ("answer", "answer a request")):
         p = sub.add_parser(name, help=helptext)
         common(p)
         p.add_argument("--url", help="the daemon's URL (default: the one serve wrote beside the database)")
         p.add_argument("--token", help="an API token (env: INTERACTIOND_TOKEN)")
         p.add_argument("--playbook", default=DEFAULT_PLAYBOOK)
-        if name == "run":
+        if name == "define":
+            p.add_argument("file", help="a function document (.md) or a workflow (.yaml)")
+            p.add_argument("--name", help="the definition's name (default: the file's name without extension)")
+            p.add_argument("--type", choices=["interaction", "workflow"])
+        elif name == "run":
             p.add_argument("type", choices=["interaction", "workflow"])
             p.add_argument("name")
             p.add_argument("--input", default="{}")
@@ -5529,7 +6174,7 @@ def main(argv: list[str] | None = None) -> int:
         return check_documents(args.files)
     if args.cmd == "token":
         return _cli_token(args)
-    if args.cmd in ("run", "inbox", "answer"):
+    if args.cmd in ("define", "run", "inbox", "answer"):
         return _cli_client(args)
     try:
         config = load_config(args.config or os.environ.get("INTERACTIOND_CONFIG"))

@@ -1,0 +1,119 @@
+"""The command line, run as a user runs it: serve, check, token, define/run/inbox/answer, and stdio
+as a thin front over a running engine."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mcp import Client, StdioServerParameters
+
+ROOT = Path(__file__).resolve().parent.parent
+EXE = [sys.executable, "-m", "interactiond"]
+
+
+def cli(*args: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([*EXE, *args], cwd=cwd, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if check:
+        assert proc.returncode == 0, proc.stderr + proc.stdout
+    return proc
+
+
+@pytest.fixture
+def served(tmp_path):
+    """`interactiond serve` on a fresh directory, as the README's first command starts it."""
+    proc = subprocess.Popen([*EXE, "serve", "--port", "0", "--clock", "manual", "--host", "127.0.0.1"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("inbox:"):
+            break
+    url = re.search(r"at (http://\S+)", lines[0]).group(1)
+    yield proc, url, tmp_path, lines
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def test_serve_on_a_fresh_directory_and_the_client_commands(served):
+    proc, url, cwd, lines = served
+    assert (cwd / "interactiond.db").exists()
+    token_file = cwd / "interactiond.db.token"
+    assert token_file.stat().st_mode & 0o777 == 0o600
+    assert re.match(rf"inbox: {re.escape(url)}/login\?token=itd_", lines[1])
+    out = json.loads(cli("define", str(ROOT / "examples" / "approve-brief.md"), cwd=cwd).stdout)
+    assert out["name"] == "approve-brief" and out["version"] == 1
+    run = json.loads(cli("run", "interaction", "approve-brief", "--input",
+                         json.dumps({"editor": "ana", "title": "T", "draft": "D"}), cwd=cwd).stdout)
+    assert run["status"] == "started"
+    inbox = json.loads(cli("inbox", "--to", "ana", cwd=cwd).stdout)
+    assert [r["run_id"] for r in inbox["data"]] == [run["run_id"]]
+    bad = cli("answer", run["run_id"], '{"decision": "maybe"}', cwd=cwd, check=False)
+    assert bad.returncode == 1 and "/answer/decision" in bad.stdout
+    fact = json.loads(cli("answer", run["run_id"], '{"decision": "publish"}', cwd=cwd).stdout)
+    assert fact["answer"] == {"decision": "publish"}
+    # A second engine on the same file refuses to start and names the first.
+    second = cli("serve", "--port", "0", cwd=cwd, check=False)
+    assert second.returncode == 1 and str(proc.pid) in second.stderr
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    assert not (cwd / "interactiond.db.url").exists()
+
+
+async def test_stdio_is_a_thin_front_when_serve_runs(served):
+    proc, url, cwd, _ = served
+    params = StdioServerParameters(command=sys.executable, args=["-m", "interactiond", "stdio"], cwd=str(cwd),
+                                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+    async with Client(params, read_timeout_seconds=60) as c:
+        r = await c.call_tool("ask", {"type": "text", "prompt": "Name it", "to": "bo"})
+        assert not r.is_error, r.structured_content
+        run_id = r.structured_content["run_id"]
+    # The request lives in the running engine: the HTTP side sees it and answers it.
+    inbox = json.loads(cli("inbox", "--to", "bo", cwd=cwd).stdout)
+    assert [x["run_id"] for x in inbox["data"]] == [run_id]
+    json.loads(cli("answer", run_id, '{"text": "Atlas"}', cwd=cwd).stdout)
+    async with Client(params, read_timeout_seconds=60) as c:
+        r = await c.call_tool("get_run", {"run_id": run_id})
+        assert r.structured_content["output"] == {"text": "Atlas"}
+
+
+def test_check(tmp_path):
+    ok = cli("check", *[str(p) for p in sorted((ROOT / "examples").glob("*.md"))], cwd=tmp_path)
+    assert ok.returncode == 0
+    broken = tmp_path / "broken.md"
+    broken.write_text("---\nto: '{{ input.owner }}'\nexpires: P90D\nmodel: gpt\n---\nHi\n")
+    out = cli("check", str(broken), cwd=tmp_path, check=False)
+    assert out.returncode == 1
+    assert f"{broken}:3: expires:" in out.stdout and f"{broken}:4: model:" in out.stdout
+
+
+def test_tokens(tmp_path):
+    db = str(tmp_path / "t.db")
+    created = cli("token", "create", "--db", db, "--playbook", "acme/ops", "--role", "reader", "--name", "dash",
+                  cwd=tmp_path).stdout.split()
+    assert created[0].startswith("tok_") and created[1].startswith("itd_")
+    listed = cli("token", "list", "--db", db, cwd=tmp_path).stdout
+    assert created[0] in listed and "reader" in listed and "acme/ops" in listed and created[1] not in listed
+    cli("token", "revoke", "--db", db, created[0], cwd=tmp_path)
+    assert "revoked" in cli("token", "list", "--db", db, cwd=tmp_path).stdout
+    assert cli("token", "revoke", "--db", db, created[0], cwd=tmp_path, check=False).returncode == 1
+    bad = cli("token", "create", "--db", db, "--playbook", "Not A Playbook", "--role", "reader", cwd=tmp_path,
+              check=False)
+    assert bad.returncode == 2
+
+
+def test_configuration_errors_stop_the_start(tmp_path):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("listen: {port: 99999}\nservers:\n  Chat: {command: [x]}\nplaybooks:\n  local/default: {servers: [nope]}\n")
+    out = cli("serve", "--config", str(cfg), cwd=tmp_path, check=False)
+    assert out.returncode == 2
+    for path in ("listen.port", "servers.Chat", "playbooks.local/default.servers[0]"):
+        assert path in out.stderr, out.stderr
