@@ -1,0 +1,459 @@
+"""interactiond benchmarks: one JSON line per figure, each with its bar and whether it is met.
+
+    python bench/run.py [--quick] [--only NAME[,NAME...]] [--keep DIR]
+
+Everything crosses real HTTP from this process (an aiohttp client) to the daemon started as a
+subprocess (`interactiond serve`) on a temporary database, exactly as a user would run it; the
+comparison server (a bare aiohttp handler) is a subprocess too and is driven by the same client
+in the same run, so the ratios hold on a noisy machine. bench/README.md explains each figure.
+
+Figures (SPEC.md section 13):
+  create_answer_per_s          create+answer end to end over HTTP, 16 clients          >= 1000/s
+  bare_aiohttp_per_s           the same client against a bare aiohttp handler          (the limit)
+  run_definition_ratio         POST /runs of an inbox function / the limit             >= 0.4
+  answer_ratio_10k_open        answers with 10,000 open, 16 clients / the limit         >= 0.5
+  wake_p50_ms, wake_p99_ms     answer -> a long-polling waiter answered                p99 < 10 ms
+  list_p50_ms, list_p99_ms     GET /interactions?to=..&limit=50 with 10,000 open       p50 < 5 ms
+  restart_to_answer_ms         kill -9 with 10,000 open, start again: first answer     < 1000 ms
+  peak_rss_mb_10k_open         VmHWM of the daemon holding 10,000 open                 < 100 MB
+  idle_cpu_pct_10k_open        CPU of the idle daemon with 10,000 open                 < 1 %
+  reads_per_tick_1000_in_10    chat reads per read tick, 1,000 requests, 10 channels   <= 10
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+import chat_server  # noqa: E402
+
+CONCURRENCY = 16
+PB = "/v1/orgs/local/playbooks/default"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+APPROVE = """---
+description: Asks an owner to approve a brief (bench)
+to: '{{ input.owner }}'
+expires: P2D
+input:
+  schema:
+    type: object
+    required: [owner, brief]
+    properties:
+      owner: { type: string }
+      brief: { type: string, maxLength: 4000 }
+output:
+  schema:
+    type: object
+    required: [verdict]
+    properties:
+      verdict: { type: string, enum: [approve, revise] }
+      note: { type: string, maxLength: 2000 }
+---
+Please review this brief:
+
+{{ input.brief }}
+
+Approve it, or ask for a revision.
+"""
+
+# Replies are read per channel: 1,000 requests in 10 channels share 10 readings.
+CHANNEL_ASK = """---
+description: Asks in a channel; replies are read from the whole channel (bench)
+to: '{{ input.owner }}'
+expires: P1D
+deliver:
+  server: chat
+  tool: post_message
+  with: { channel: '{{ input.channel }}', text: '{{ message }}' }
+  sent: { conversation: /channel, id: /ts }
+replies:
+  conversation: '{{ sent.conversation }}'
+  tool: channel_history
+  with: { channel: '{{ sent.conversation }}', oldest: '{{ since | default: "0" }}' }
+  read:
+    list: /messages
+    order: oldest_first
+    each: { id: /ts, sender: /user, text: /text, to: /thread_ts }
+  wait: PT5S
+reply: { verdict: word, note: rest }
+input:
+  schema:
+    type: object
+    required: [owner, channel, ask]
+    properties:
+      owner: { type: string }
+      channel: { type: string }
+      ask: { type: string }
+output:
+  schema:
+    type: object
+    required: [verdict]
+    properties:
+      verdict: { type: string, enum: [approve, revise] }
+      note: { type: string }
+---
+{{ input.ask }}
+"""
+
+BARE_SERVER = textwrap.dedent("""
+    import json, sys
+    from aiohttp import web
+
+    async def handle(request):
+        body = await request.json()
+        return web.Response(text=json.dumps({"ok": True, "echo": body}), content_type="application/json")
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/bare/{id}", handle)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        print(f"http://127.0.0.1:{runner.addresses[0][1]}", flush=True)
+        import asyncio
+        await asyncio.Event().wait()
+
+    import asyncio
+    asyncio.run(main())
+""")
+
+
+# -- output -------------------------------------------------------------------------------------
+
+FIGURES: list[dict[str, Any]] = []
+
+
+def figure(name: str, value: float, unit: str, bar: str, met: bool | None, **extra: Any) -> None:
+    line = {"name": name, "value": round(value, 3) if isinstance(value, float) else value, "unit": unit,
+            "bar": bar, "met": met, **extra}
+    FIGURES.append(line)
+    print(json.dumps(line), flush=True)
+
+
+def note(text: str) -> None:
+    print(f"# {text}", file=sys.stderr, flush=True)
+
+
+def pct(values: list[float], p: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(p / 100 * len(s) + 0.5) - 1))]
+
+
+# -- processes ----------------------------------------------------------------------------------
+
+class Proc:
+    """A subprocess that prints its URL on its first line; its /proc figures."""
+
+    def __init__(self, argv: list[str], env: dict[str, str] | None = None, log: Path | None = None) -> None:
+        self.argv = argv
+        self.log = open(log, "ab") if log else subprocess.DEVNULL
+        self.started = time.perf_counter()
+        self.p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self.log, env=env, cwd=ROOT)
+        self.url = ""
+
+    def wait_url(self, timeout: float = 60.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.p.stdout.readline().decode()
+            if not line:
+                raise RuntimeError(f"{self.argv[:3]} exited with {self.p.wait()}")
+            m = re.search(r"(http://[\d.]+:\d+)", line)
+            if m:
+                self.url = m.group(1)
+                return self.url
+        raise RuntimeError("no URL printed")
+
+    @property
+    def pid(self) -> int:
+        return self.p.pid
+
+    def status(self, field: str) -> int:
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])          # kB
+        raise KeyError(field)
+
+    def cpu_ticks(self) -> int:
+        stat = Path(f"/proc/{self.pid}/stat").read_text()
+        fields = stat[stat.rindex(")") + 2:].split()
+        return int(fields[11]) + int(fields[12])     # utime + stime
+
+    def threads(self) -> int:
+        return self.status("Threads")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.p.poll() is None:
+            self.p.send_signal(sig)
+        try:
+            self.p.wait(15)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait()
+
+
+def start_daemon(db: Path, *, manual: bool = False, config: Path | None = None, env: dict[str, str] | None = None,
+                 log: Path | None = None) -> Proc:
+    argv = [sys.executable, "-m", "interactiond", "serve", "--db", str(db), "--host", "127.0.0.1", "--port", "0"]
+    if manual:
+        argv += ["--clock", "manual"]
+    if config:
+        argv += ["--config", str(config)]
+    proc = Proc(argv, env={**os.environ, **(env or {})}, log=log)
+    proc.wait_url()
+    return proc
+
+
+# -- the client ---------------------------------------------------------------------------------
+
+class Api:
+    def __init__(self, url: str, token: str) -> None:
+        self.url = url
+        self.headers = {"Authorization": f"Bearer {token}"}
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64),
+                                             timeout=aiohttp.ClientTimeout(total=120))
+
+    async def close(self) -> None:
+        await self.session.close()
+
+    async def call(self, method: str, tail: str, body: Any = None) -> tuple[int, Any]:
+        url = self.url + (tail if tail.startswith("/v1/") or tail.startswith("/healthz") else PB + tail)
+        async with self.session.request(method, url, json=body, headers=self.headers) as resp:
+            data = await resp.read()
+            return resp.status, (json.loads(data) if data else None)
+
+    async def run(self, name: str, input_: Any) -> dict[str, Any]:
+        status, run = await self.call("POST", "/runs", {"type": "interaction", "name": name, "input": input_})
+        if status not in (200, 201, 202):
+            raise RuntimeError(f"run: {status} {run}")
+        return run
+
+    async def answer(self, run_id: str, answer: Any) -> dict[str, Any]:
+        status, fact = await self.call("POST", f"/runs/{run_id}/answer", {"answer": answer})
+        if status != 200:
+            raise RuntimeError(f"answer: {status} {fact}")
+        return fact
+
+
+async def pool(n: int, worker: Callable[[int], Awaitable[Any]], concurrency: int = CONCURRENCY) -> float:
+    """Run worker(i) for i in range(n) on `concurrency` clients; returns the seconds it took."""
+    counter = iter(range(n))
+
+    async def client() -> None:
+        for i in counter:
+            await worker(i)
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return time.perf_counter() - t0
+
+
+async def bare_rate(session: aiohttp.ClientSession, url: str, n: int) -> float:
+    """Requests per second of the same client against the bare aiohttp handler."""
+    async def one(i: int) -> None:
+        async with session.post(f"{url}/bare/{i}", json={"answer": {"verdict": "approve"}}) as resp:
+            await resp.read()
+            assert resp.status == 200
+    await pool(min(n, 300), one)                        # warm the connections
+    return n / await pool(n, one)
+
+
+def brief(i: int) -> dict[str, Any]:
+    return {"owner": f"user{i % 20}", "brief": f"Brief number {i}: a launch plan with a budget."}
+
+
+# -- the figures --------------------------------------------------------------------------------
+
+async def main_figures(args: argparse.Namespace, work: Path) -> None:
+    quick = args.quick
+    n_pairs = 600 if quick else 3000
+    n_open = 10_000
+    n_answer = 1000 if quick else 4000
+    n_bare = 2000 if quick else 8000
+    n_lat = 100 if quick else 400
+    idle_s = 3.0 if quick else 6.0
+
+    bare = Proc([sys.executable, "-c", BARE_SERVER])
+    bare.wait_url()
+    bare_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64))
+    db = work / "bench.db"
+    env = {"INTERACTION_OPEN_REQUESTS": str(n_open + n_answer + 1000)}
+    daemon = start_daemon(db, env=env, log=work / "daemon.log")
+    api = Api(daemon.url, (Path(str(db) + ".token")).read_text().strip())
+    try:
+        status, _ = await api.call("POST", "/definitions", {"type": "interaction", "name": "approve", "source": APPROVE})
+        assert status in (200, 201), status
+        answer = {"verdict": "approve", "note": "Ship it."}
+
+        # create + answer, end to end
+        async def pair(i: int) -> None:
+            run = await api.run("approve", brief(i))
+            await api.answer(run["run_id"], answer)
+        await pool(100, pair)                            # warm-up
+        rate = n_pairs / await pool(n_pairs, pair)
+        figure("create_answer_per_s", rate, "pairs/s", ">= 1000", rate >= 1000,
+               note="POST /runs then POST /runs/{id}/answer, 16 clients, over HTTP")
+
+        # run_definition: seed the open requests through the API, 16 clients
+        limit = await bare_rate(bare_session, bare.url, n_bare)
+        run_ids: list[str] = []
+
+        async def seed(i: int) -> None:
+            run_ids.append((await api.run("approve", brief(i)))["run_id"])
+        seconds = await pool(n_open + n_answer, seed)
+        runs_rate = (n_open + n_answer) / seconds
+        figure("bare_aiohttp_per_s", limit, "requests/s", "the limit (SPEC: 3,000-5,500 on this machine)", None)
+        figure("run_definition_ratio", runs_rate / limit, "ratio", ">= 0.4", runs_rate / limit >= 0.4,
+               runs_per_s=round(runs_rate, 1), note=f"{n_open + n_answer} runs of an inbox function, 16 clients")
+
+        # list_interactions, 10,000 open, filtered by `to`
+        lat = []
+        for i in range(n_lat):
+            t0 = time.perf_counter()
+            status, page = await api.call("GET", f"/interactions?to=user{i % 20}&limit=50")
+            lat.append((time.perf_counter() - t0) * 1000)
+            assert status == 200 and len(page["data"]) == 50, status
+        figure("list_p50_ms", statistics.median(lat), "ms", "< 5", statistics.median(lat) < 5,
+               open=n_open + n_answer)
+        figure("list_p99_ms", pct(lat, 99), "ms", "(reported)", None)
+
+        # answer -> waiting caller woken
+        waiter = Api(daemon.url, api.headers["Authorization"][7:])
+        wake = []
+        for i in range(n_lat):
+            run = await api.run("approve", brief(i))
+            wait = asyncio.ensure_future(waiter.call("POST", f"/runs/{run['run_id']}/wait?timeout=30"))
+            await asyncio.sleep(0.02)                    # the waiter is parked
+            t0 = time.perf_counter()
+            await api.answer(run["run_id"], answer)
+            status, ended = await wait
+            wake.append((time.perf_counter() - t0) * 1000)
+            assert status == 200 and ended["status"] == "succeeded", (status, ended)
+        await waiter.close()
+        figure("wake_p50_ms", statistics.median(wake), "ms", "(reported)", None)
+        figure("wake_p99_ms", pct(wake, 99), "ms", "< 10", pct(wake, 99) < 10,
+               note="from sending the answer to the long-polling waiter's response")
+
+        # answer throughput with 10,000 open
+        limit2 = await bare_rate(bare_session, bare.url, n_bare)
+        to_answer = run_ids[:n_answer]
+
+        async def answer_one(i: int) -> None:
+            await api.answer(to_answer[i], answer)
+        ans_rate = n_answer / await pool(n_answer, answer_one)
+        figure("answer_ratio_10k_open", ans_rate / limit2, "ratio", ">= 0.5", ans_rate / limit2 >= 0.5,
+               answers_per_s=round(ans_rate, 1), bare_per_s=round(limit2, 1),
+               note=f"{n_answer} answers, {n_open + n_answer} -> {n_open} open, 16 clients")
+
+        rss1 = daemon.status("VmHWM") / 1024
+        threads = daemon.threads()
+        await api.close()
+
+        # restart: kill -9 with 10,000 open, start again, time until an answer succeeds
+        daemon.kill(signal.SIGKILL)
+        t0 = time.perf_counter()
+        daemon = start_daemon(db, env=env, log=work / "daemon.log")
+        api = Api(daemon.url, api.headers["Authorization"][7:])
+        target = run_ids[n_answer]
+        await api.answer(target, answer)
+        restart_ms = (time.perf_counter() - t0) * 1000
+        status, page = await api.call("GET", "/interactions?limit=1")
+        figure("restart_to_answer_ms", restart_ms, "ms", "< 1000", restart_ms < 1000,
+               note="from spawning the process (imports included) to the first answer's 200")
+
+        # idle with 10,000 open
+        await asyncio.sleep(1.0)
+        c0, w0 = daemon.cpu_ticks(), time.perf_counter()
+        await asyncio.sleep(idle_s)
+        cpu = (daemon.cpu_ticks() - c0) / CLK_TCK / (time.perf_counter() - w0) * 100
+        rss2 = daemon.status("VmHWM") / 1024
+        figure("peak_rss_mb_10k_open", max(rss1, rss2), "MB", "< 100", max(rss1, rss2) < 100,
+               seeded_process_mb=round(rss1, 1), restarted_process_mb=round(rss2, 1), threads=threads)
+        figure("idle_cpu_pct_10k_open", cpu, "%", "< 1", cpu < 1, seconds=idle_s)
+        await api.close()
+    finally:
+        daemon.kill(signal.SIGTERM)
+        bare.kill(signal.SIGTERM)
+        await bare_session.close()
+
+
+async def reads_figure(args: argparse.Namespace, work: Path) -> None:
+    """1,000 requests delivered into 10 channels: how many reads each read tick makes."""
+    chat_db = work / "chat.db"
+    config = work / "bench.yaml"
+    config.write_text(json.dumps({
+        "servers": {"chat": {"command": [sys.executable, str(ROOT / "examples" / "chat_server.py"), "serve",
+                                         "--db", str(chat_db)]}},
+        "playbooks": {"local/default": {"servers": ["chat"]}}}))
+    db = work / "reads.db"
+    daemon = start_daemon(db, manual=True, config=config, log=work / "reads.log")
+    api = Api(daemon.url, (Path(str(db) + ".token")).read_text().strip())
+    n, channels = 1000, 10
+    try:
+        status, body = await api.call("POST", "/definitions", {"type": "interaction", "name": "ask",
+                                                               "source": CHANNEL_ASK})
+        assert status in (200, 201), body
+
+        async def one(i: int) -> None:
+            await api.run("ask", {"owner": f"user{i % 50}", "channel": f"team{i % channels}", "ask": f"Question {i}?"})
+        await pool(n, one)
+        status, _ = await api.call("POST", "/v1/admin/clock", {"advance": "PT0S"})   # every first attempt
+        assert status == 200
+        delivered = chat_server.calls(str(chat_db), "post_message")
+        ticks = []
+        for step in ("PT5S", "PT10S", "PT20S"):
+            before = chat_server.calls(str(chat_db), "channel_history")
+            status, _ = await api.call("POST", "/v1/admin/clock", {"advance": step})
+            assert status == 200
+            ticks.append(chat_server.calls(str(chat_db), "channel_history") - before)
+        worst = max(ticks)
+        figure("reads_per_tick_1000_in_10", worst, "reads/tick", "<= 10 (not 1,000)", worst <= channels and worst > 0,
+               ticks=ticks, delivered=delivered)
+    finally:
+        await api.close()
+        daemon.kill(signal.SIGTERM)
+
+
+async def amain(args: argparse.Namespace) -> int:
+    work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="interactiond-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    note(f"work directory {work}; {os.cpu_count()} cores; load {os.getloadavg()[0]:.2f}")
+    try:
+        if not args.only or "main" in args.only:
+            await main_figures(args, work)
+        if not args.only or "reads" in args.only:
+            await reads_figure(args, work)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    missed = [f["name"] for f in FIGURES if f["met"] is False]
+    note(f"{len(FIGURES)} figures, missed: {', '.join(missed) or 'none'}")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer samples: a run of about a minute")
+    parser.add_argument("--only", type=lambda s: s.split(","), help="main and/or reads")
+    parser.add_argument("--keep", help="work in this directory and keep it (logs, databases)")
+    return asyncio.run(amain(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
