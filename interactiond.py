@@ -2675,6 +2675,7 @@ class ToolSession:
         self._owner: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
         self._lock = asyncio.Lock()
+        self._retry_after_ms: int | None = None
 
     def _transport(self, stack: contextlib.AsyncExitStack) -> Any:
         c = self.config
@@ -2693,7 +2694,8 @@ class ToolSession:
                 if transport is None:
                     http = await stack.enter_async_context(httpx2.AsyncClient(
                         headers=self.config.headers, follow_redirects=True,
-                        timeout=httpx2.Timeout(CALL_TIMEOUT_S + 5, connect=OPEN_TIMEOUT_S)))
+                        timeout=httpx2.Timeout(CALL_TIMEOUT_S + 5, connect=OPEN_TIMEOUT_S),
+                        event_hooks={"response": [self._note_retry_after]}))
                     transport = _streamable_client(self.config.url, http_client=http)
                 client = await stack.enter_async_context(
                     _McpClient(transport, read_timeout_seconds=LIST_TIMEOUT_S))
@@ -2739,8 +2741,21 @@ class ToolSession:
                 try:
                     await self._open()
                 except Exception as exc:
-                    raise classify_failure(exc, sent=False) from None
+                    raise self._failure(exc, sent=False) from None
             return self._client
+
+    async def _note_retry_after(self, response: Any) -> None:
+        """The SDK turns a 429/503 into a bare error; keep the Retry-After it came with."""
+        if response.status_code in (429, 503):
+            value = response.headers.get("retry-after", "").strip()
+            self._retry_after_ms = int(float(value) * 1000) if re.fullmatch(r"\d+(\.\d+)?", value) else None
+
+    def _failure(self, exc: BaseException, *, sent: bool) -> ToolFailure:
+        failure = classify_failure(exc, sent=sent)
+        if failure.retry_after_ms is None and self._retry_after_ms is not None:
+            failure.retry_after_ms = self._retry_after_ms
+        self._retry_after_ms = None
+        return failure
 
     def read_only(self, tool: str) -> bool:
         t = self.tools.get(tool)
@@ -2757,7 +2772,7 @@ class ToolSession:
         except BaseException as exc:
             if _is_connection_error(exc):
                 await self.close()
-            raise classify_failure(exc, sent=True) from None
+            raise self._failure(exc, sent=True) from None
 
     async def close(self) -> None:
         self._client = None
@@ -3201,6 +3216,13 @@ class Engine:
                         " description, active, created_at, created_by) VALUES (?, 'interaction', ?, 1, ?, ?, ?, ?, 1, ?,"
                         " 'interactiond')", (pb, name, source, sha256_hex(source), docs[name].overview,
                                              docs[name].description, now))
+            # A call to a system cut off by a stop: the tool may have acted; nobody knows.
+            for run in conn.execute("SELECT playbook, run_id FROM runs WHERE status = 'started' AND tools_called = 1"
+                                    " AND type = 'interaction'").fetchall():
+                _end_run(conn, fx, run["playbook"], run["run_id"], RunStatus.CONFLICT, now=now, by="interactiond",
+                         kind="effect_unknown", problem=ending_problem(
+                             RunStatus.CONFLICT, "effect_unknown", "the daemon stopped while the tool call was in "
+                             "flight; whether the tool acted is unknown", extra={"because": "lost"}))
             # Recount open requests: the counter is a cache of requests.open.
             conn.execute("UPDATE playbooks SET open_requests ="
                          " (SELECT COUNT(*) FROM requests r WHERE r.playbook = playbooks.id AND r.open = 1)")
@@ -5339,7 +5361,8 @@ def typed_answer(kind: str, schema: dict[str, Any], body: dict[str, Any]) -> Any
         else:
             errors += _field_errors(validator, answer, ["answer"])
     if errors:
-        raise _v2_problem("validation_failed", "the response does not fit the interaction", errors=errors)
+        raise _v2_problem("validation_failed", "the response does not fit the interaction",
+                          errors=sorted(errors, key=lambda e: (e["field"], e["code"])))
     return answer
 
 

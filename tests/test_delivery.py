@@ -307,3 +307,26 @@ async def test_cancel_while_delivered(d):
     await d.advance("PT10M")
     assert chat_server.calls(d.chat, "thread_replies") == 0       # the reading rests: nobody waits
     assert (await d.call("GET", f"/runs/{run_id}"))[1]["kind"] == "cancelled"
+
+
+async def test_http_429_retry_after_reaches_the_schedule(tmp_path, aiohttp_client):
+    """A tool server over streamable HTTP answering 429 with Retry-After: 2 is retried 2 s later."""
+    from test_tool_servers import FLAKY, HttpServer
+    server = HttpServer(FLAKY, "--http-429", "2")   # discover, then initialize
+    try:
+        url = server.url()
+        config = itd.Config(servers={"web": itd.ServerConfig("web", url=url, transport="http")},
+                            playbooks={"local/default": ("web",)})
+        d = await start_daemon(aiohttp_client, str(tmp_path / "t.db"), config=config)
+        source = NOTIFY_DOC.replace("server: chat", "server: web").replace("tool: post_message", "tool: echo") \
+            .replace("with: { channel: '{{ to }}', text: '{{ message }}' }", "with: { text: '{{ message }}' }")
+        run_id = await start(d, "note", source, {"owner": "ana"})
+        failed = [e for e in await events(d, run_id) if e["type"] == "delivery_failed"]
+        assert len(failed) == 1 and failed[0]["payload"]["retry_after_ms"] == 2000
+        await d.advance("PT1S")
+        assert (await d.call("GET", f"/runs/{run_id}"))[1]["status"] == "waiting"
+        await d.advance("PT1S")
+        run = (await d.call("GET", f"/runs/{run_id}"))[1]
+        assert run["status"] == "succeeded", await events(d, run_id)
+    finally:
+        server.stop()

@@ -189,3 +189,23 @@ async def test_search_introspect_execute_over_http(d):
     assert (await d.call("GET", "/tools", playbook="acme/other", role="other"))[1] == {"servers": []}
     assert (await d.call("GET", "/tools/unused/echo"))[0] == 503
     assert (await d.call("POST", "/tools/flaky/echo", {"arguments": {}}, role="reader"))[0] == 403
+
+
+async def test_a_call_cut_off_by_a_stop_ends_effect_unknown_at_restart(d, aiohttp_client):
+    await d.define("hang", call_doc("hang_rw"))
+    pending = asyncio.create_task(d.run("hang", {}, run_id="cut"))
+    for _ in range(200):
+        await asyncio.sleep(0.05)
+        if calls(d):
+            break
+    assert [c["tool"] for c in calls(d)] == ["hang_rw"]
+    status, run = await d.call("GET", "/runs/cut")
+    assert run["status"] == "started"
+    pending.cancel()
+    await d.client.close()
+    d2 = await start_daemon(aiohttp_client, d.db, clock=itd.ManualClock(d.clock.now_ms()), tokens=d.tokens,
+                            config=d.engine.config)
+    status, run = await d2.call("GET", "/runs/cut")
+    assert run["status"] == "conflict" and run["kind"] == "effect_unknown" and run["problem"]["because"] == "lost"
+    status, again = await d2.run("hang", {}, run_id="cut")
+    assert status == 409 and again["kind"] == "tools_called"
