@@ -2643,6 +2643,14 @@ def result_meta(result: Any) -> dict[str, Any]:
     return dict(result.meta or {}) if getattr(result, "meta", None) else {}
 
 
+def result_retry_after(result: Any) -> int | None:
+    """The wait a tool's error result asks for: `retry_after_ms` in its _meta or structured content."""
+    retry = result_meta(result).get("retry_after_ms")
+    if retry is None and isinstance(result.structured_content, dict):
+        retry = result.structured_content.get("retry_after_ms")
+    return int(retry) if isinstance(retry, (int, float)) and not isinstance(retry, bool) and retry >= 0 else None
+
+
 def result_answer(result: Any) -> tuple[bool, Any]:
     """What a tool answered: structured content, else its first text parsed as JSON, else that text."""
     if result.structured_content is not None:
@@ -2976,7 +2984,8 @@ def _sent_value(answer: Any, pointer: str) -> str | None:
 def _read_messages(result: Any, read: Any) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
     """The messages of a reading tool's answer, oldest first, or why the read failed."""
     if result.is_error:
-        return {"because": "tool_error", "message": _result_text(result)}, []
+        return {"because": "tool_error", "message": _result_text(result),
+                "retry_after_ms": result_retry_after(result)}, []
     has, answer = result_answer(result)
     if not has:
         return {"because": "no_list", "message": "the answer holds nothing"}, []
@@ -4057,12 +4066,8 @@ class Engine:
             return {"because": because, "message": self.tools.scrub(exc.message), "retry_after_ms": exc.retry_after_ms}
         wire = result_wire(result)
         if result.is_error:
-            meta = result_meta(result)
-            retry = meta.get("retry_after_ms")
-            if retry is None and isinstance(result.structured_content, dict):
-                retry = result.structured_content.get("retry_after_ms")
             return {"because": "tool_error", "message": self.tools.scrub(_result_text(result)),
-                    "retry_after_ms": int(retry) if isinstance(retry, (int, float)) and not isinstance(retry, bool) else None}
+                    "retry_after_ms": result_retry_after(result)}
         has, answer = result_answer(result)
         return {"ok": True, "answer": answer if has else None, "result_size": json_size(wire),
                 "result_sha256": sha256_hex(dumps(wire))}
@@ -5811,6 +5816,919 @@ class _Definitions:
                                query={"version": version})
 
 
+# Web inbox ######################################################################################
+#
+# The page a person answers on, served from the module at `GET /`: one HTML document with its CSS
+# and JavaScript inline (no build step, no external assets; the Content-Security-Policy admits
+# exactly those two, by their hashes). It signs in by trading the one-time login token that `serve`
+# prints (`GET /login?token=...`, revoked on use) for a session token of the same role, kept in an
+# HttpOnly SameSite=Strict cookie, and then calls the v1 API with that cookie like any client: the
+# same role rules hold, and the middleware checks the Origin of every state-changing call. Three
+# small helpers serve what the page cannot do well itself:
+#
+#   GET  /web/session                                 who is signed in, the playbooks they see,
+#                                                     whether the daemon serves an event stream
+#   POST /web/render  {items: [{markdown, schema}]}   Markdown as safe HTML (raw HTML off), and an
+#                                                     answer schema as a form (`answer_form`)
+#   GET  /web/orgs/{org}/playbooks/{playbook}/counts  open requests by addressee
+#
+# Live updates: the playbook's event stream (`.../stream`, EventSource) when the daemon serves one,
+# else (or with `/?live=poll`, for a proxy that breaks SSE) `/interactions` every WEB_POLL_MS.
+
+WEB_POLL_MS: Final = 2000           # without an event stream, how often the page asks /interactions
+WEB_RENDER_ITEMS: Final = 200       # items per POST /web/render: one full page of /interactions
+#: A string property named like this sits beside the choice buttons, as the answer's note.
+NOTE_NAME_RE: Final = re.compile(r"note|comment|reason|remark|feedback|explanation|why|message|details?", re.I)
+
+
+def _form_label(name: str, schema: dict[str, Any]) -> str:
+    title = schema.get("title")
+    if isinstance(title, str) and title.strip():
+        return title.strip()
+    text = re.sub(r"[_-]+", " ", name).strip()
+    return text[:1].upper() + text[1:] if text else "Answer"
+
+
+def _form_types(schema: dict[str, Any]) -> set[str]:
+    t = schema.get("type")
+    types = {t} if isinstance(t, str) else {x for x in t if isinstance(x, str)} if isinstance(t, list) else set()
+    return types - {"null"} if len(types) > 1 else types
+
+
+def _form_choices(schema: dict[str, Any]) -> tuple[list[Any], list[str]] | None:
+    """The values a choice offers, with their labels: an enum, a oneOf/anyOf of consts, a boolean."""
+    def scalar(v: Any) -> bool:
+        return not isinstance(v, (dict, list))
+
+    def label(v: Any) -> str:
+        return {True: "Yes", False: "No", None: "None"}.get(v, str(v)) if isinstance(v, (bool, type(None))) else str(v)
+    enum_ = schema.get("enum")
+    if isinstance(enum_, list) and enum_ and all(map(scalar, enum_)):
+        return list(enum_), [label(v) for v in enum_]
+    alts = schema.get("oneOf") or schema.get("anyOf")
+    if isinstance(alts, list) and alts and all(isinstance(a, dict) and "const" in a and scalar(a["const"]) for a in alts):
+        return [a["const"] for a in alts], [str(a.get("title") or label(a["const"])) for a in alts]
+    if _form_types(schema) == {"boolean"}:
+        return [True, False], ["Yes", "No"]
+    return None
+
+
+def _number_bounds(schema: dict[str, Any], integer: bool) -> dict[str, Any]:
+    """The input's min/max (inclusive) and the bounds in words, e.g. "a whole number from 1 to 12"."""
+    def num(key: str) -> Any:
+        v = schema.get(key)
+        return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+    out: dict[str, Any] = {}
+    said: list[str] = []
+    for attr, inclusive, exclusive, sign in (("min", "minimum", "exclusiveMinimum", 1), ("max", "maximum", "exclusiveMaximum", -1)):
+        inc, exc = num(inclusive), num(exclusive)
+        if exc is not None and (inc is None or (exc - inc) * sign >= 0):
+            if integer:
+                out[attr] = math.floor(exc) + 1 if sign > 0 else math.ceil(exc) - 1
+            else:
+                out[attr] = exc
+                said.append(f"{'more' if sign > 0 else 'less'} than {exc}")
+                continue
+        elif inc is not None:
+            out[attr] = inc
+        else:
+            continue
+        said.append(f"{'at least' if sign > 0 else 'at most'} {out[attr]}")
+    if said == [f"at least {out.get('min')}", f"at most {out.get('max')}"]:
+        said = [f"from {out['min']} to {out['max']}"]
+    out["bounds"] = " ".join(["a whole number" if integer else "a number", " and ".join(said)]).strip()
+    return out
+
+
+def form_field(name: str, pointer: str, schema: Any, required: bool) -> dict[str, Any]:
+    """How the page asks for one value; `kind` is choice, text, number, checkboxes or json."""
+    schema = schema if isinstance(schema, dict) else {}
+    out: dict[str, Any] = {"name": name, "pointer": pointer, "label": _form_label(name, schema), "required": required}
+    if isinstance(schema.get("description"), str):
+        out["hint"] = schema["description"]
+    types = _form_types(schema)
+    items = schema.get("items")
+    if (choices := _form_choices(schema)) is not None:
+        out.update(kind="choice", values=choices[0], labels=choices[1])
+    elif types == {"string"}:
+        out.update(kind="text", **{k: schema[k] for k in ("maxLength", "minLength") if isinstance(schema.get(k), int)})
+        if "maxLength" in out:
+            out["bounds"] = f"at most {out['maxLength']} characters"
+        if NOTE_NAME_RE.search(name):
+            out["note"] = True
+    elif types and types <= {"integer", "number"}:
+        integer = types == {"integer"}
+        out.update(kind="number", integer=integer, **_number_bounds(schema, integer))
+    elif types == {"array"} and isinstance(items, dict) and _form_types(items) != {"boolean"} \
+            and (choices := _form_choices(items)) is not None:
+        out.update(kind="checkboxes", values=choices[0], labels=choices[1],
+                   **{k: schema[k] for k in ("minItems", "maxItems") if isinstance(schema.get(k), int)})
+    else:
+        out.update(kind="json", example="{}" if types == {"object"} else "[]" if types == {"array"} else "",
+                   bounds="JSON, checked by the daemon when you send it")
+    return out
+
+
+def answer_form(schema: Any) -> dict[str, Any]:
+    """The form the page generates for an answer schema.
+
+    `mode` is `choice` (one button per value of the one choice, which sends the answer; a note-like
+    text field beside the buttons), `fields` (a form with a send button), `json` (one JSON editor)
+    or `none` (a notification). Each field's `pointer` is relative to the answer, as the server's
+    error pointers are after `/answer`, so an error lands next to the field it names.
+    """
+    if schema is None:
+        return {"mode": "none", "fields": []}
+    if not isinstance(schema, dict):
+        return {"mode": "json", "fields": [form_field("answer", "", {}, True)]}
+    props = schema.get("properties")
+    if isinstance(props, dict) and props and _form_types(schema) in ({"object"}, set()):
+        required = set(schema.get("required") or ())
+        fields = [form_field(n, pointer_join([n]), s, n in required) for n, s in props.items()]
+        choices = [f for f in fields if f["kind"] == "choice"]
+        if len(choices) == 1:
+            return {"mode": "choice", "choice": choices[0], "fields": [f for f in fields if f is not choices[0]]}
+        return {"mode": "fields", "fields": fields}
+    root = form_field("answer", "", schema, True)
+    if root["kind"] == "choice":
+        return {"mode": "choice", "choice": root, "fields": []}
+    return {"mode": "json" if root["kind"] == "json" else "fields", "fields": [root]}
+
+
+@functools.cache
+def _markdown() -> Any:
+    from markdown_it import MarkdownIt      # on first use: only the inbox page renders Markdown
+    return MarkdownIt("commonmark", {"html": False}).enable(["table", "strikethrough"])
+
+
+def render_markdown(text: str) -> str:
+    """Markdown as HTML that is safe to show: raw HTML is escaped, unsafe link schemes dropped."""
+    return _markdown().render(text)
+
+
+async def trade_login_token(store: Store, secret: str) -> str | None:
+    """Revoke a one-time login token and make a session token of its role; None when it is spent."""
+    now = int(time.time() * 1000)
+
+    def change(conn: sqlite3.Connection, fx: Effects) -> str | None:
+        row = conn.execute("UPDATE tokens SET revoked_at = ? WHERE hash = ? AND purpose = 'login' AND revoked_at IS NULL"
+                           " RETURNING role, playbook", (now, sha256_hex(secret))).fetchone()
+        if row is None:
+            return None
+        return create_token(conn, row["role"], row["playbook"], "inbox session", purpose="session", now=now)[1]
+    return await store.write(change)
+
+
+def _see_other(location: str) -> web.Response:
+    return web.Response(status=303, headers={"Location": location, "Cache-Control": "no-store",
+                                             "Referrer-Policy": "no-referrer"})
+
+
+async def h_inbox_page(request: web.Request) -> web.Response:
+    return web.Response(text=INBOX_HTML, content_type="text/html", headers=INBOX_HEADERS)
+
+
+async def h_login(request: web.Request) -> web.Response:
+    secret = request.query.get("token", "")
+    session = await trade_login_token(request.app[ENGINE_KEY].store, secret) if secret else None
+    if session is None:
+        current = request.cookies.get(SESSION_COOKIE)
+        if current and await lookup_token(request.app, current) is not None:
+            return _see_other("/")          # a spent link opened again by someone signed in
+        return web.Response(status=401, text=LOGIN_SPENT_HTML, content_type="text/html", headers=INBOX_HEADERS)
+    resp = _see_other("/")
+    resp.set_cookie(SESSION_COOKIE, session, httponly=True, samesite="Strict", path="/", secure=request.secure)
+    return resp
+
+
+async def h_logout(request: web.Request) -> web.Response:
+    secret = request.cookies.get(SESSION_COOKIE)
+    if secret:
+        digest, now = sha256_hex(secret), int(time.time() * 1000)
+        await request.app[ENGINE_KEY].store.write(lambda c, fx: c.execute(
+            "UPDATE tokens SET revoked_at = ? WHERE hash = ? AND purpose = 'session' AND revoked_at IS NULL",
+            (now, digest)).rowcount)
+        request.app[TOKENS_KEY].pop(digest, None)
+    resp = web.Response(status=204, headers={"Cache-Control": "no-store"})
+    resp.del_cookie(SESSION_COOKIE, path="/")
+    return resp
+
+
+async def h_web_session(request: web.Request) -> web.Response:
+    caller, engine = _caller(request), request.app[ENGINE_KEY]
+    seen = sorted(pb for pb in engine.playbooks if caller.sees(pb))
+    stream = any(getattr(r, "canonical", None) == PB + "/stream" for r in request.app.router.resources())
+    return _json({"caller": caller.id, "role": caller.role.value, "playbooks": seen,
+                  "playbook": DEFAULT_PLAYBOOK if DEFAULT_PLAYBOOK in seen else (seen[0] if seen else None),
+                  "stream": stream, "poll_ms": WEB_POLL_MS, "now": fmt_time(engine.clock.now_ms())})
+
+
+async def h_web_render(request: web.Request) -> web.Response:
+    items = (await _json_body(request)).get("items")
+    if not isinstance(items, list) or len(items) > WEB_RENDER_ITEMS:
+        raise Problem("invalid_request", f"items is a list of at most {WEB_RENDER_ITEMS}",
+                      errors=[{"pointer": "/items", "message": f"a list of at most {WEB_RENDER_ITEMS}"}])
+    out = []
+    for item in items:
+        item = item if isinstance(item, dict) else {}
+        done: dict[str, Any] = {}
+        if isinstance(item.get("markdown"), str):
+            done["html"] = render_markdown(item["markdown"])
+        if "schema" in item:
+            done["form"] = answer_form(item["schema"])
+        out.append(done)
+    return _json({"items": out})
+
+
+async def h_web_counts(request: web.Request) -> web.Response:
+    playbook, engine = _pb(request), request.app[ENGINE_KEY]
+    rows = await engine.store.read(lambda c: c.execute(
+        "SELECT party, COUNT(*) AS n FROM requests WHERE playbook = ? AND open = 1 GROUP BY party ORDER BY party",
+        (playbook,)).fetchall())
+    return _json({"total": sum(r["n"] for r in rows), "to": [{"to": r["party"], "count": r["n"]} for r in rows],
+                  "now": fmt_time(engine.clock.now_ms())})
+
+
+def mount_web(app: web.Application) -> None:
+    """The inbox page, its sign-in and its helpers (the middleware authenticates all but / and /login)."""
+    app.router.add_get("/", h_inbox_page)
+    app.router.add_get("/login", h_login)
+    app.router.add_post("/logout", h_logout)
+    app.router.add_get("/web/session", h_web_session)
+    app.router.add_post("/web/render", h_web_render)
+    app.router.add_get("/web/orgs/{org}/playbooks/{playbook}/counts", h_web_counts)
+
+
+_INBOX_CSS: Final = """
+:root { color-scheme: light dark; --fg: #1c1f24; --bg: #f5f6f8; --card: #fff; --line: #cfd5de; --muted: #565e6b;
+  --accent: #1b5cc4; --on-accent: #fff; --err: #b0001e; --ok: #1b7a3a; }
+@media (prefers-color-scheme: dark) { :root { --fg: #e6e8eb; --bg: #14161a; --card: #1e2126; --line: #3b414a;
+  --muted: #a7aeb9; --accent: #86b4ff; --on-accent: #0b1830; --err: #ff9090; --ok: #80d69b; } }
+* { box-sizing: border-box; }
+[hidden] { display: none !important; }
+body { margin: 0; font: 16px/1.5 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; color: var(--fg);
+  background: var(--bg); }
+a { color: var(--accent); }
+:focus-visible { outline: 3px solid var(--accent); outline-offset: 2px; }
+header.top { display: flex; flex-wrap: wrap; gap: .5rem 1rem; align-items: center; padding: .6rem 1rem;
+  background: var(--card); border-bottom: 1px solid var(--line); }
+.brand { font-weight: 700; }
+nav a { margin-right: .9rem; }
+nav a[aria-current=page] { font-weight: 700; text-decoration: none; }
+.ctl { margin-left: auto; display: flex; flex-wrap: wrap; gap: .5rem; align-items: center; }
+main { max-width: 60rem; margin: 0 auto; padding: 1rem; }
+h1 { font-size: 1.5rem; margin: .25rem 0 .75rem; }
+h2 { font-size: 1.15rem; margin: 0; }
+.muted, .hint { color: var(--muted); }
+.hint { font-size: .875rem; margin: .15rem 0 0; }
+.bar { display: flex; flex-wrap: wrap; gap: .5rem; align-items: center; margin-bottom: 1rem; }
+ol.requests, ol.timeline { list-style: none; padding: 0; margin: 0; }
+.card, .req article { background: var(--card); border: 1px solid var(--line); border-radius: .5rem; padding: 1rem;
+  margin-bottom: 1rem; }
+.to { font-weight: 400; color: var(--muted); font-size: .95rem; }
+.meta { margin: .25rem 0 .5rem; font-size: .875rem; color: var(--muted); }
+.msg { overflow-wrap: anywhere; }
+.msg pre { overflow-x: auto; }
+.msg img { max-width: 100%; }
+.msg table { border-collapse: collapse; }
+.msg th, .msg td { border: 1px solid var(--line); padding: .2rem .4rem; }
+label, legend { font-weight: 600; }
+.field { display: flex; flex-direction: column; margin: .6rem 0; }
+.opt { font-weight: 400; display: inline-flex; gap: .4rem; align-items: center; margin-right: 1rem; min-height: 2rem; }
+textarea, input, select { font: inherit; color: inherit; background: var(--bg); border: 1px solid var(--line);
+  border-radius: .35rem; padding: .4rem .5rem; max-width: 100%; }
+textarea { width: 100%; resize: vertical; }
+textarea.json, code, pre, .preview { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; }
+textarea.json { font-size: .9rem; }
+input[type=number] { width: 12rem; }
+fieldset { border: 1px solid var(--line); border-radius: .35rem; margin: 0; padding: .3rem .75rem .5rem; }
+legend { padding: 0 .25rem; }
+button { font: inherit; cursor: pointer; border: 1px solid var(--line); border-radius: .35rem; padding: .45rem .9rem;
+  background: var(--card); color: inherit; min-height: 2.5rem; }
+button.primary, .choice button { background: var(--accent); border-color: var(--accent); color: var(--on-accent);
+  font-weight: 600; }
+button:disabled { opacity: .6; cursor: default; }
+[aria-invalid=true] { border-color: var(--err); box-shadow: 0 0 0 1px var(--err); }
+.choice-row { display: flex; flex-wrap: wrap; gap: .5rem 1rem; align-items: flex-end; margin-top: .5rem; }
+.choice-row .field { flex: 1 1 16rem; margin: 0; }
+.choice-col { display: flex; flex-direction: column; gap: .25rem; }
+.choice { display: flex; flex-wrap: wrap; gap: .5rem; }
+.err { color: var(--err); font-size: .9rem; margin: .2rem 0 0; font-weight: 600; }
+.err:empty { display: none; }
+#status p { background: var(--card); border-left: 4px solid var(--ok); padding: .5rem .75rem; margin: 0 0 1rem; }
+.timeline li { margin-bottom: .5rem; }
+button.event { width: 100%; text-align: left; display: flex; flex-wrap: wrap; gap: .1rem .75rem; }
+.preview { flex-basis: 100%; font-size: .85rem; color: var(--muted); overflow-wrap: anywhere; }
+pre { background: var(--card); border: 1px solid var(--line); border-radius: .35rem; padding: .75rem;
+  overflow-x: auto; font-size: .85rem; margin: .25rem 0 .75rem; }
+dl.run { display: grid; grid-template-columns: max-content 1fr; gap: .25rem 1rem; }
+dl.run dt { font-weight: 600; }
+dl.run dd { margin: 0; overflow-wrap: anywhere; }
+details.card summary { cursor: pointer; font-weight: 600; }
+.wide { overflow-x: auto; }
+table { border-collapse: collapse; width: 100%; }
+th, td { text-align: left; padding: .35rem .5rem; border-bottom: 1px solid var(--line); }
+@media (max-width: 40rem) { main { padding: .75rem; } .ctl { margin-left: 0; } .choice button { flex: 1 1 auto; }
+  input[type=number] { width: 100%; } }
+"""
+
+_INBOX_JS: Final = r"""
+"use strict";
+const $ = (sel) => document.querySelector(sel);
+const enc = encodeURIComponent;
+const S = {session: null, pb: null, to: "", items: new Map(), gone: new Set(), timer: null, es: null, skew: 0,
+           seq: 0, busy: false, again: false, countsSig: "", loaded: false};
+const STREAM_EVENTS = ["interaction.created", "interaction.answered", "interaction.expired", "interaction.cancelled",
+                       "run.ended"];
+const FORCE_POLL = new URLSearchParams(location.search).get("live") === "poll";   // for proxies that break SSE
+
+function h(tag, attrs, ...kids) {
+  const el = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (v === false || v === null || v === undefined) continue;
+    if (k === "text") el.textContent = v;
+    else if (k === "class") el.className = v;
+    else el.setAttribute(k, v === true ? "" : String(v));
+  }
+  for (const kid of kids.flat()) {
+    if (kid !== null && kid !== undefined && kid !== false) el.append(kid instanceof Node ? kid : String(kid));
+  }
+  return el;
+}
+
+function base(pb = S.pb) {
+  const [org, name] = pb.split("/");
+  return `/v1/orgs/${enc(org)}/playbooks/${enc(name)}`;
+}
+
+async function api(method, path, body) {
+  const init = {method, credentials: "same-origin", headers: {"Accept": "application/json"}};
+  if (body !== undefined) {
+    init.headers["Content-Type"] = "application/json";
+    init.body = JSON.stringify(body);
+  }
+  let resp;
+  try {
+    resp = await fetch(path, init);
+  } catch (e) {
+    return {status: 0, ok: false, body: {title: "The daemon did not answer", detail: String(e)}};
+  }
+  const text = await resp.text();
+  let data = null;
+  try { data = text ? JSON.parse(text) : null; } catch (e) { data = {detail: text}; }
+  if (resp.status === 401 && S.session) signedOut();
+  return {status: resp.status, ok: resp.ok, body: data};
+}
+
+function problemText(p) {
+  if (!p) return "The daemon did not say why.";
+  return [p.title, p.detail].filter(Boolean).join(": ") || JSON.stringify(p);
+}
+
+// Times: the daemon's clock may differ from this machine's (a manual clock in demos), so relative
+// times count from the daemon's "now" as last reported.
+const RTF = new Intl.RelativeTimeFormat("en", {numeric: "auto"});
+const UNITS = [["year", 31536000], ["month", 2592000], ["week", 604800], ["day", 86400], ["hour", 3600], ["minute", 60]];
+function setNow(iso) { if (iso) S.skew = Date.parse(iso) - Date.now(); }
+function relative(iso) {
+  if (!iso) return "";
+  const d = (Date.parse(iso) - (Date.now() + S.skew)) / 1000, a = Math.abs(d);
+  for (const [unit, s] of UNITS) if (a >= s) return RTF.format(Math.round(d / s), unit);
+  return RTF.format(Math.round(d), "second");
+}
+function relTime(iso) { return h("time", {datetime: iso, title: iso, "data-rel": ""}, relative(iso)); }
+function absTime(iso) {
+  return h("time", {datetime: iso, title: relative(iso)},
+           iso ? new Date(iso).toLocaleString("en-GB", {dateStyle: "medium", timeStyle: "medium"}) : "");
+}
+setInterval(() => document.querySelectorAll("time[data-rel]").forEach(t => { t.textContent = relative(t.dateTime); }), 15000);
+
+function say(...parts) {
+  const p = h("p", {tabindex: "-1"}, ...parts);
+  $("#status").replaceChildren(p);
+  return p;
+}
+
+// Signing in and the playbook -----------------------------------------------------------------
+
+async function boot() {
+  const r = await api("GET", "/web/session");
+  $("#loading").hidden = true;
+  if (r.status === 401) return signedOut();
+  if (!r.ok) return say(problemText(r.body));
+  S.session = r.body;
+  setNow(r.body.now);
+  const saved = sessionStorage.getItem("interactiond.playbook");
+  S.pb = r.body.playbooks.includes(saved) ? saved : r.body.playbook;
+  if (!S.pb) return say("This sign-in sees no playbook.");
+  $("#who").textContent = `${r.body.role} · ${r.body.caller}`;
+  const sel = $("#pb");
+  sel.replaceChildren(...r.body.playbooks.map(pb => h("option", {value: pb}, pb)));
+  sel.value = S.pb;
+  $("#pb-wrap").hidden = r.body.playbooks.length < 2;
+  for (const id of ["#nav", "#logout", "#app"]) $(id).hidden = false;
+  route(false);
+  startLive();
+}
+
+function signedOut() {
+  S.session = null;
+  stopLive();
+  for (const id of ["#nav", "#logout", "#app", "#pb-wrap"]) $(id).hidden = true;
+  $("#who").textContent = "";
+  $("#signin").hidden = false;
+}
+
+function switchPlaybook(pb) {
+  S.pb = pb;
+  sessionStorage.setItem("interactiond.playbook", pb);
+  for (const it of S.items.values()) it.el.remove();
+  S.items.clear();
+  S.to = "";
+  S.countsSig = "";
+  S.loaded = false;
+  startLive();
+  route(false);
+}
+
+// Live updates: the event stream when the daemon serves one, else asking again every poll_ms -----
+
+function stopLive() {
+  clearInterval(S.timer);
+  S.timer = null;
+  if (S.es) { S.es.close(); S.es = null; }
+}
+
+function startLive() {
+  stopLive();
+  refresh();
+  if (S.session.stream && window.EventSource && !FORCE_POLL) {
+    const es = new EventSource(`${base()}/stream`);
+    S.es = es;
+    const kick = () => refresh();
+    es.onopen = () => { $("#live").textContent = "Live: event stream"; refresh(); };
+    es.onmessage = kick;
+    for (const t of STREAM_EVENTS) es.addEventListener(t, kick);
+    es.onerror = () => { if (es.readyState === EventSource.CLOSED && S.es === es) { S.es = null; poll(); } };
+    S.timer = setInterval(refresh, 10000);      // a backstop: the stream tells no notification's arrival
+  } else {
+    poll();
+  }
+}
+
+function poll() {
+  clearInterval(S.timer);
+  S.timer = setInterval(refresh, S.session.poll_ms);
+  $("#live").textContent = `Live: checks every ${S.session.poll_ms / 1000} s`;
+}
+
+async function refresh() {
+  if (!S.session) return;
+  if (S.busy) { S.again = true; return; }
+  S.busy = true;
+  try {
+    do {
+      S.again = false;
+      const pb = S.pb, to = S.to;
+      const query = to ? `&to=${enc(to)}` : "";
+      const [list, counts] = await Promise.all([
+        api("GET", `${base(pb)}/interactions?limit=200${query}`),
+        api("GET", `/web${base(pb).slice(3)}/counts`)]);
+      if (pb !== S.pb || to !== S.to) { S.again = true; continue; }
+      if (counts.ok) showCounts(counts.body);
+      if (list.ok) await showList(list.body, pb);
+    } while (S.again && S.session);
+  } finally {
+    S.busy = false;
+  }
+}
+
+// The inbox ----------------------------------------------------------------------------------
+
+function showCounts(c) {
+  setNow(c.now);
+  $("#count").textContent = `${c.total} pending`;
+  const sig = JSON.stringify([c.to, c.total, S.to]);
+  if (sig === S.countsSig) return;
+  S.countsSig = sig;
+  const sel = $("#to");
+  const opts = [h("option", {value: ""}, `everyone (${c.total})`)];
+  if (S.to && !c.to.some(x => x.to === S.to)) opts.push(h("option", {value: S.to}, `${S.to} (0)`));
+  for (const x of c.to) opts.push(h("option", {value: x.to}, `${x.to} (${x.count})`));
+  sel.replaceChildren(...opts);
+  sel.value = S.to;
+}
+
+async function showList(page, pb) {
+  const want = page.data.filter(r => !S.gone.has(r.run_id));
+  const ids = new Set(want.map(r => r.run_id));
+  let left = 0;
+  for (const [id, it] of S.items) {
+    if (!ids.has(id)) { it.el.remove(); S.items.delete(id); left += 1; }
+  }
+  const fresh = want.filter(r => !S.items.has(r.run_id));
+  if (fresh.length) {
+    const r = await api("POST", "/web/render", {items: fresh.map(x => ({markdown: x.message, schema: x.answer_schema}))});
+    if (!r.ok || pb !== S.pb) return;
+    fresh.forEach((x, i) => {
+      if (!S.items.has(x.run_id) && !S.gone.has(x.run_id)) S.items.set(x.run_id, {req: x, el: requestEl(x, r.body.items[i])});
+    });
+  }
+  const ol = $("#requests");
+  let cur = ol.firstElementChild;
+  for (const x of want) {
+    const it = S.items.get(x.run_id);
+    if (!it) continue;
+    if (it.el === cur) cur = cur.nextElementSibling;
+    else ol.insertBefore(it.el, cur);
+  }
+  $("#empty").hidden = S.items.size > 0;
+  $("#more").hidden = !page.next_cursor;
+  if (S.loaded && (fresh.length || left)) {
+    const words = [];
+    if (fresh.length) words.push(`${fresh.length} new request${fresh.length > 1 ? "s" : ""}`);
+    if (left) words.push(`${left} left the inbox`);
+    $("#news").textContent = words.join(", ") + ".";
+  }
+  S.loaded = true;
+}
+
+function requestEl(req, shown) {
+  const n = ++S.seq, hid = `req-${n}`;
+  const msg = h("div", {class: "msg"});
+  msg.innerHTML = shown.html || "";             // rendered by the daemon with raw HTML off
+  const form = req.takes_answer ? formEl(req, shown.form, n)
+                                : h("p", {class: "muted"}, "A notification: there is nothing to answer.");
+  const delivery = req.delivery ? ` · sent with ${req.delivery.server}/${req.delivery.tool} (${req.delivery_state})` : "";
+  return h("li", {class: "req", "data-run-id": req.run_id},
+    h("article", {"aria-labelledby": hid},
+      h("h2", {id: hid}, req.name, " ", h("span", {class: "to"}, `for ${req.to}`)),
+      h("p", {class: "meta"}, "asked ", relTime(req.asked_at), " · ",
+        req.expires_at ? ["expires ", relTime(req.expires_at)] : "never expires", delivery, " · ",
+        h("a", {href: `#/runs/${enc(req.run_id)}`}, "History")),
+      msg, form));
+}
+
+function formEl(req, form, n) {
+  const f = h("form", {class: "answer", novalidate: true, "aria-label": `Answer: ${req.name}`});
+  const fields = [];
+  const formErr = h("p", {class: "err", id: `fe-${n}`, "aria-live": "polite"});
+  const notes = form.mode === "choice" ? form.fields.filter(fd => fd.note) : [];
+  const others = form.fields.filter(fd => !notes.includes(fd));
+  if (form.mode === "choice") {
+    // The first submit button is a form's default: a disabled one keeps Enter from picking a choice.
+    f.append(h("button", {type: "submit", disabled: true, hidden: true, tabindex: "-1", "aria-hidden": "true"}));
+  }
+  others.forEach((fd, i) => f.append(fieldEl(fd, `${n}-${i}`, fields)));
+  if (form.mode === "choice") {
+    const c = form.choice, gid = `c-${n}`;
+    const err = h("p", {class: "err", id: `${gid}-err`});
+    const group = h("div", {class: "choice", role: "group", "aria-labelledby": gid, "aria-describedby": `${gid}-err`},
+      c.values.map((v, i) => h("button", {type: "submit", "data-index": String(i)}, c.labels[i])));
+    fields.push({fd: c, err, control: group.firstElementChild, box: group, choice: true});
+    f.append(h("div", {class: "choice-row"}, notes.map((fd, i) => fieldEl(fd, `${n}-n${i}`, fields)),
+      h("div", {class: "choice-col"}, h("span", {class: "label", id: gid}, c.label), group, err)));
+  } else {
+    f.append(h("div", {class: "actions"}, h("button", {type: "submit", class: "primary"}, "Send the answer")));
+  }
+  f.append(formErr);
+  f.addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    submitAnswer(req, form, f, fields, formErr, ev.submitter);
+  });
+  return f;
+}
+
+function fieldEl(fd, key, fields) {
+  const id = `f-${key}`, errId = `${id}-err`, hintId = `${id}-hint`;
+  const err = h("p", {class: "err", id: errId});
+  const words = [fd.hint, fd.bounds].filter(Boolean).join(" · ");
+  const hint = words ? h("p", {class: "hint", id: hintId}, words) : null;
+  const describedBy = [hint ? hintId : null, errId].filter(Boolean).join(" ");
+  const label = fd.required ? fd.label : `${fd.label} (optional)`;
+  if (fd.kind === "choice" || fd.kind === "checkboxes") {
+    const multi = fd.kind === "checkboxes";
+    const box = h("fieldset", {"aria-describedby": describedBy}, h("legend", {}, label),
+      fd.values.map((v, i) => h("label", {class: "opt"},
+        h("input", {type: multi ? "checkbox" : "radio", name: id, value: String(i)}), fd.labels[i])));
+    fields.push({fd, err, control: box.querySelector("input"), box});
+    return h("div", {class: "field"}, box, hint, err);
+  }
+  let control;
+  if (fd.kind === "number") {
+    control = h("input", {id, name: fd.name, type: "number", inputmode: fd.integer ? "numeric" : "decimal",
+                          step: fd.integer ? "1" : "any", min: fd.min, max: fd.max, "aria-describedby": describedBy});
+  } else if (fd.kind === "text") {
+    control = h("textarea", {id, name: fd.name, rows: fd.note ? 2 : 3, maxlength: fd.maxLength, minlength: fd.minLength,
+                             "aria-describedby": describedBy});
+  } else {
+    control = h("textarea", {id, name: fd.name, rows: 6, class: "json", spellcheck: "false",
+                             "aria-describedby": describedBy}, fd.example || "");
+  }
+  const box = h("div", {class: "field"}, h("label", {for: id}, label), control, hint, err);
+  fields.push({fd, err, control, box});
+  return box;
+}
+
+function collect(form, fields, submitter) {
+  const answer = {}, bad = [];
+  let root, hasRoot = false;
+  const put = (fd, v) => { if (fd.pointer === "") { root = v; hasRoot = true; } else answer[fd.name] = v; };
+  for (const {fd, control, box, choice} of fields) {
+    if (choice) continue;
+    if (fd.kind === "text") {
+      if (control.value !== "" || fd.pointer === "") put(fd, control.value);
+    } else if (fd.kind === "number") {
+      if (control.validity.badInput) bad.push([fd.pointer, "Not a number."]);
+      else if (control.value !== "") put(fd, Number(control.value));
+    } else if (fd.kind === "choice") {
+      const c = box.querySelector("input:checked");
+      if (c) put(fd, fd.values[Number(c.value)]);
+    } else if (fd.kind === "checkboxes") {
+      const vs = [...box.querySelectorAll("input:checked")].map(c => fd.values[Number(c.value)]);
+      if (vs.length || fd.required) put(fd, vs);
+    } else {
+      const t = control.value.trim();
+      if (t) {
+        try { put(fd, JSON.parse(t)); } catch (e) { bad.push([fd.pointer, `Not JSON: ${e.message}`]); }
+      } else if (fd.pointer === "") {
+        bad.push([fd.pointer, "Write the answer as JSON."]);
+      }
+    }
+  }
+  if (form.mode === "choice") put(form.choice, form.choice.values[Number(submitter.dataset.index)]);
+  return {answer: hasRoot ? root : answer, bad};
+}
+
+function clearErrors(fields, formErr) {
+  formErr.textContent = "";
+  for (const x of fields) {
+    x.err.textContent = "";
+    x.box.querySelectorAll("[aria-invalid]").forEach(el => el.removeAttribute("aria-invalid"));
+    x.box.removeAttribute("aria-invalid");
+  }
+}
+
+// An error lands at the field whose pointer is the longest prefix of the error's pointer.
+function placeError(fields, formErr, pointer, message) {
+  const rel = typeof pointer === "string" && (pointer === "/answer" || pointer.startsWith("/answer/")) ? pointer.slice(7) : null;
+  let best = null;
+  if (rel !== null) {
+    for (const x of fields) {
+      const p = x.fd.pointer;
+      if ((rel === p || rel.startsWith(p + "/")) && (!best || p.length > best.fd.pointer.length)) best = x;
+    }
+  }
+  if (!best) {
+    formErr.textContent = [formErr.textContent, message].filter(Boolean).join(" ");
+    return null;
+  }
+  best.err.textContent = [best.err.textContent, message].filter(Boolean).join(" ");
+  const target = best.choice || best.box.tagName === "FIELDSET" ? best.box : best.control;
+  target.setAttribute("aria-invalid", "true");
+  return best;
+}
+
+async function submitAnswer(req, form, f, fields, formErr, submitter) {
+  if (form.mode === "choice" && !(submitter && submitter.dataset.index !== undefined)) return;
+  clearErrors(fields, formErr);
+  const {answer, bad} = collect(form, fields, submitter);
+  let first = null;
+  if (bad.length) {
+    for (const [p, m] of bad) first = first || placeError(fields, formErr, `/answer${p}`, m);
+    (first ? first.control : f).focus();
+    return;
+  }
+  const buttons = [...f.querySelectorAll("button:not([hidden])")];
+  buttons.forEach(b => { b.disabled = true; });
+  f.setAttribute("aria-busy", "true");
+  const r = await api("POST", `${base()}/runs/${enc(req.run_id)}/answer`, {answer});
+  f.removeAttribute("aria-busy");
+  buttons.forEach(b => { b.disabled = false; });
+  if (r.ok) return answered(req);
+  const errors = r.body && Array.isArray(r.body.errors) ? r.body.errors : [];
+  for (const e of errors) first = placeError(fields, formErr, e.pointer, e.message) || first;
+  if (!errors.length) formErr.textContent = problemText(r.body);
+  const invalid = f.querySelector("[aria-invalid=true]");
+  if (invalid) (invalid.matches("input, textarea") ? invalid : invalid.querySelector("input, button") || invalid).focus();
+  if ([404, 409, 410].includes(r.status)) refresh();
+}
+
+function answered(req) {
+  S.gone.add(req.run_id);
+  const it = S.items.get(req.run_id);
+  if (it) { it.el.remove(); S.items.delete(req.run_id); }
+  $("#empty").hidden = S.items.size > 0;
+  say(`Answered ${req.name} for ${req.to}. `, h("a", {href: `#/runs/${enc(req.run_id)}`}, "Open its history")).focus();
+  refresh();
+}
+
+// Pages: a run's history, the runs, the definitions -------------------------------------------
+
+function route(focus) {
+  const hash = location.hash.replace(/^#/, "") || "/";
+  if (!hash.startsWith("/") || !S.session) return;
+  const inbox = hash === "/";
+  $("#inbox").hidden = !inbox;
+  $("#page").hidden = inbox;
+  const section = hash.split("/")[1] || "";
+  document.querySelectorAll("#nav a").forEach(a => {
+    if (a.getAttribute("href") === `#/${section}`) a.setAttribute("aria-current", "page");
+    else a.removeAttribute("aria-current");
+  });
+  let m, done;
+  if (inbox) { document.title = "Inbox · interactiond"; done = Promise.resolve($("#inbox-h")); }
+  else if ((m = hash.match(/^\/runs\/(.+)$/))) done = showRun(decodeURIComponent(m[1]));
+  else if (hash === "/runs") done = showRuns();
+  else if (hash === "/definitions") done = showDefinitions();
+  else done = Promise.resolve(page("Not found", h("p", {}, h("a", {href: "#/"}, "Back to the inbox"))));
+  if (focus) done.then(el => el && el.focus());
+}
+
+function page(title, ...parts) {
+  document.title = `${title} · interactiond`;
+  const h1 = h("h1", {tabindex: "-1"}, title);
+  $("#page").replaceChildren(h1, ...parts);
+  return h1;
+}
+
+function pre(value) { return h("pre", {}, JSON.stringify(value, null, 2)); }
+
+async function showRun(id) {
+  page(`Run ${id}`, h("p", {class: "muted"}, "Loading…"));
+  const [run, events] = await Promise.all([api("GET", `${base()}/runs/${enc(id)}`), runEvents(id)]);
+  if (!run.ok) return page(`Run ${id}`, h("p", {class: "err"}, problemText(run.body)));
+  const r = run.body, rows = [["Function", `${r.name} (${r.type}, version ${r.version})`],
+    ["Status", r.kind ? `${r.status} (${r.kind})` : r.status], ["Started", absTime(r.created_at)],
+    ["Ended", r.ended_at ? absTime(r.ended_at) : "not yet"], ["Settled by", r.settled_by || "—"]];
+  const list = h("ol", {class: "timeline", "aria-label": "History"}, events.map(eventEl));
+  return page(`Run ${id}`,
+    h("dl", {class: "run card"}, rows.map(([k, v]) => [h("dt", {}, k), h("dd", {}, v)])),
+    r.output !== null && r.output !== undefined ? [h("h2", {}, "Output"), pre(r.output)] : null,
+    r.problem ? [h("h2", {}, "Problem"), pre(r.problem)] : null,
+    h("h2", {}, "History"), h("p", {class: "muted"}, "Each event with its time; open one to see all of it."), list);
+}
+
+async function runEvents(id) {
+  const out = [];
+  let cursor = null;
+  for (let i = 0; i < 25; i++) {
+    const r = await api("GET", `${base()}/runs/${enc(id)}/events?limit=200${cursor ? `&cursor=${enc(cursor)}` : ""}`);
+    if (!r.ok) break;
+    out.push(...r.body.data);
+    cursor = r.body.next_cursor;
+    if (!cursor) break;
+  }
+  return out;
+}
+
+function eventEl(e) {
+  const pid = `ev-${++S.seq}`;
+  const text = e.truncated ? `${e.preview}… (${e.size} bytes)` : JSON.stringify(e.payload);
+  const whole = h("pre", {id: pid, hidden: true});
+  const btn = h("button", {type: "button", class: "event", "aria-expanded": "false", "aria-controls": pid},
+    absTime(e.at), h("strong", {}, e.type), e.by ? h("span", {class: "muted"}, `by ${e.by}`) : null,
+    h("span", {class: "preview"}, text.length > 240 ? `${text.slice(0, 240)}…` : text));
+  btn.addEventListener("click", async () => {
+    if (btn.getAttribute("aria-expanded") === "true") {
+      btn.setAttribute("aria-expanded", "false");
+      whole.hidden = true;
+      return;
+    }
+    if (!whole.dataset.loaded) {
+      const r = await api("GET", `${base()}/events/${enc(e.id)}`);
+      whole.textContent = r.ok ? JSON.stringify(r.body, null, 2) : problemText(r.body);
+      if (r.ok) whole.dataset.loaded = "1";
+    }
+    btn.setAttribute("aria-expanded", "true");
+    whole.hidden = false;
+  });
+  return h("li", {"data-event-id": e.id}, btn, whole);
+}
+
+async function showRuns() {
+  page("Runs", h("p", {class: "muted"}, "Loading…"));
+  const r = await api("GET", `${base()}/runs?limit=50`);
+  if (!r.ok) return page("Runs", h("p", {class: "err"}, problemText(r.body)));
+  const rows = r.body.data.map(x => h("tr", {},
+    h("td", {}, h("a", {href: `#/runs/${enc(x.run_id)}`}, x.run_id)), h("td", {}, x.name),
+    h("td", {}, x.kind ? `${x.status} (${x.kind})` : x.status), h("td", {}, absTime(x.created_at))));
+  return page("Runs", rows.length ? h("div", {class: "wide"}, h("table", {},
+    h("caption", {class: "muted"}, "The latest runs, newest first"),
+    h("thead", {}, h("tr", {}, ["Run", "Function", "Status", "Started"].map(t => h("th", {scope: "col"}, t)))),
+    h("tbody", {}, rows))) : h("p", {class: "muted"}, "No runs yet."));
+}
+
+async function showDefinitions() {
+  page("Definitions", h("p", {class: "muted"}, "Loading…"));
+  const r = await api("GET", `${base()}/definitions`);
+  if (!r.ok) return page("Definitions", h("p", {class: "err"}, problemText(r.body)));
+  const items = r.body.data.map(d => {
+    const body = h("div", {}, h("p", {class: "muted"}, "Loading…"));
+    const det = h("details", {class: "card", "data-name": d.name},
+      h("summary", {}, `${d.name} `, h("span", {class: "to"}, `${d.type}, version ${d.version}`)),
+      d.description ? h("p", {}, d.description) : null, body);
+    det.addEventListener("toggle", async () => {
+      if (!det.open || det.dataset.loaded) return;
+      det.dataset.loaded = "1";
+      const g = await api("GET", `${base()}/definitions/${enc(d.type)}/${enc(d.name)}`);
+      if (!g.ok) { body.replaceChildren(h("p", {class: "err"}, problemText(g.body))); return; }
+      const shown = await api("POST", "/web/render", {items: [{markdown: g.body.overview || ""}]});
+      const overview = h("div", {class: "msg"});
+      if (shown.ok) overview.innerHTML = shown.body.items[0].html; else overview.textContent = g.body.overview || "";
+      body.replaceChildren(h("h2", {}, "Overview"), overview, h("h2", {}, "Source"), h("pre", {}, g.body.source));
+    });
+    return det;
+  });
+  return page("Definitions", items.length ? items : h("p", {class: "muted"}, "No definitions."));
+}
+
+// Wiring -------------------------------------------------------------------------------------
+
+$("#to").addEventListener("change", (ev) => {
+  S.to = ev.target.value;
+  refresh();
+});
+$("#pb").addEventListener("change", (ev) => switchPlaybook(ev.target.value));
+$("#logout").addEventListener("click", async () => {
+  await api("POST", "/logout");
+  signedOut();
+});
+window.addEventListener("hashchange", () => route(true));
+boot();
+"""
+
+_INBOX_PAGE: Final = """<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<meta name="referrer" content="no-referrer">
+<title>Inbox · interactiond</title>
+<link rel="icon" href="data:,">
+<style>{css}</style>
+</head>
+<body>
+<header class="top">
+  <span class="brand">interactiond</span>
+  <nav id="nav" aria-label="Pages" hidden><a href="#/">Inbox</a><a href="#/runs">Runs</a><a href="#/definitions">Definitions</a></nav>
+  <div class="ctl">
+    <span id="pb-wrap" hidden><label for="pb">Playbook</label> <select id="pb"></select></span>
+    <span id="who" class="muted"></span>
+    <button id="logout" type="button" hidden>Log out</button>
+  </div>
+</header>
+<main id="main">
+  <p id="loading" class="muted">Loading…</p>
+  <section id="signin" hidden>
+    <h1>Sign in</h1>
+    <p>Open the inbox link that <code>interactiond serve</code> printed when it started: it ends in
+      <code>/login?token=…</code>. Each link works once; every start of the daemon prints a new one.</p>
+  </section>
+  <div id="app" hidden>
+    <div id="status" role="status" aria-live="polite"></div>
+    <section id="inbox" aria-labelledby="inbox-h">
+      <h1 id="inbox-h" tabindex="-1">Inbox <span id="count" class="to"></span></h1>
+      <div class="bar">
+        <label for="to">Addressed to</label>
+        <select id="to"><option value="">everyone</option></select>
+        <span id="live" class="muted"></span>
+        <span id="news" class="muted" aria-live="polite"></span>
+      </div>
+      <p id="empty" class="muted" hidden>Nothing is waiting for an answer.</p>
+      <ol id="requests" class="requests" aria-label="Pending requests, newest first"></ol>
+      <p id="more" class="muted" hidden>Only the newest 200 are shown; answer some to see the rest.</p>
+    </section>
+    <section id="page" hidden></section>
+  </div>
+</main>
+<script>{js}</script>
+</body>
+</html>
+"""
+
+
+def _csp_source(text: str) -> str:
+    return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
+
+
+INBOX_HTML: Final = _INBOX_PAGE.replace("{css}", _INBOX_CSS).replace("{js}", _INBOX_JS)
+#: The page runs only its own inline script and style (by hash) and talks only to this daemon.
+INBOX_HEADERS: Final = {
+    "Content-Security-Policy": f"default-src 'none'; script-src {_csp_source(_INBOX_JS)}; style-src "
+                               f"{_csp_source(_INBOX_CSS)}; connect-src 'self'; img-src 'self' data:; base-uri 'none';"
+                               " form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-store",
+}
+LOGIN_SPENT_HTML: Final = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
+<title>Sign-in link spent · interactiond</title></head>
+<body><h1>This sign-in link does not work</h1>
+<p>It was used already, or it is not one this daemon made. Each inbox link works once; every start of
+<code>interactiond serve</code> prints a new one.</p></body></html>
+"""
+
+
 # Command line ###################################################################################
 #
 # `serve` and `stdio` run the engine; `check` and `token` work on files; `run`, `inbox` and
@@ -5827,6 +6745,7 @@ def build_app(engine: Engine, *, manage_engine: bool = True, hosts: Iterable[str
         app.router.add_route(r.method, r.path, r.handler)
     mount_mcp(app, engine, sorted({"127.0.0.1:*", "localhost:*", "[::1]:*", *(f"{h}:*" for h in hosts)}))
     mount_typed_api(app)
+    mount_web(app)
     if manage_engine:
         async def lifecycle(app: web.Application) -> Any:
             await engine.store.open()

@@ -330,3 +330,61 @@ async def test_http_429_retry_after_reaches_the_schedule(tmp_path, aiohttp_clien
         assert run["status"] == "succeeded", await events(d, run_id)
     finally:
         server.stop()
+
+
+async def test_own_messages_are_not_replies_and_failed_reads_go_on(d):
+    run_id = await start(d, "chat-approval", SEED_CHAT, {"owner": "ana", "draft": "x"})
+    await d.advance("PT1M")                       # the thread holds only the playbook's own message
+    assert chat_server.calls(d.chat, "thread_replies") == 1
+    assert (await d.call("GET", "/events?type=replies_read"))[1]["data"] == []
+    chat_server.inject_fault(d.chat, "thread_replies", 1, retry_after_ms=30 * 60_000)
+    await d.advance("PT1M")
+    failed = (await d.call("GET", "/events?type=reading_failed"))[1]["data"]
+    assert len(failed) == 1 and failed[0]["payload"]["because"] == "tool_error"
+    # Retry-After on a read is honoured (up to an hour): nothing for 30 minutes, then the reading goes on.
+    await d.advance("PT29M")
+    assert chat_server.calls(d.chat, "thread_replies") == 2
+    ts = chat_server.messages(d.chat, "ana")[0]["ts"]
+    chat_server.say(d.chat, "ana", "ana", "approve", thread_ts=ts)
+    await d.advance("PT1M")
+    assert chat_server.calls(d.chat, "thread_replies") == 3
+    assert (await d.call("GET", f"/runs/{run_id}"))[1]["output"] == {"verdict": "approve"}
+
+
+async def test_a_reply_past_8_kib_is_refused(d):
+    run_id = await start(d, "chat-approval", SEED_CHAT, {"owner": "ana", "draft": "x"})
+    ts = chat_server.messages(d.chat, "ana")[0]["ts"]
+    chat_server.say(d.chat, "ana", "ana", "approve " + "x" * 9000, thread_ts=ts)
+    await d.advance("PT1M")
+    refused = [e for e in await events(d, run_id) if e["type"] == "reply_refused"]
+    assert len(refused) == 1 and "x" * 50 not in str(refused[0])
+    told = [m for m in chat_server.messages(d.chat, "ana") if m["user"] == "interactiond" and m["thread_ts"]]
+    assert "8 KiB" in told[0]["text"]
+
+
+async def test_unreadable_sent_pointer_delivers_without_replies(d):
+    source = SEED_CHAT.replace("conversation: /channel", "conversation: /nowhere")
+    run_id = await start(d, "chat-approval", source, {"owner": "ana", "draft": "x"})
+    req = await request_of(d, run_id)
+    assert req["delivery_state"] == "delivered" and req["conversation"] is None
+    ok = [e for e in await events(d, run_id) if e["type"] == "delivery_succeeded"][0]
+    assert ok["payload"]["delivered_as"] is None
+    await d.advance("PT10M")
+    assert chat_server.calls(d.chat, "thread_replies") == 0
+    assert (await d.call("POST", f"/runs/{run_id}/answer", {"answer": {"verdict": "approve"}}))[0] == 200
+
+
+async def test_a_tool_no_longer_offered_fails_the_attempt(d, aiohttp_client):
+    chat_server.inject_fault(d.chat, "post_message", 1)
+    run_id = await start(d, "chat-approval", SEED_CHAT, {"owner": "ana", "draft": "x"})
+    now = d.clock.now_ms()
+    await d.client.close()
+    narrowed = itd.Config(servers={"chat": itd.ServerConfig("chat", command=d.config.servers["chat"].command,
+                                                            tools=("thread_replies",))},
+                          playbooks={"local/default": ("chat",)})
+    d2 = await start_daemon(aiohttp_client, d.db, clock=itd.ManualClock(now), config=narrowed, tokens=d.tokens)
+    await d2.advance("PT1M")
+    failed = [e for e in await events(d2, run_id) if e["type"] == "delivery_failed"]
+    assert [e["payload"]["because"] for e in failed] == ["tool_error", "tool_not_offered"]
+    req = await request_of(d2, run_id)
+    assert req["attempts"] == 2 and req["delivery_state"] == "retrying"

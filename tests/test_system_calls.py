@@ -209,3 +209,20 @@ async def test_a_call_cut_off_by_a_stop_ends_effect_unknown_at_restart(d, aiohtt
     assert run["status"] == "conflict" and run["kind"] == "effect_unknown" and run["problem"]["because"] == "lost"
     status, again = await d2.run("hang", {}, run_id="cut")
     assert status == 409 and again["kind"] == "tools_called"
+
+
+async def test_search_introspect_execute_over_mcp(d):
+    from mcp import Client
+    server = itd.make_mcp_server(d.engine, caller=itd.Caller("stdio", itd.Role.OPERATOR))
+    async with Client(server) as c:
+        found = (await c.call_tool("search", {"query": "echo"})).structured_content
+        flaky = next(s for s in found["servers"] if s["name"] == "flaky")
+        names = [t["name"] for t in flaky["tools"]]
+        assert "echo" in names and "write" not in names          # the query keeps matching tools only
+        info = (await c.call_tool("introspect", {"server": "flaky", "tool": "write"})).structured_content
+        assert info["read_only"] is False and "text" in info["input_schema"]["properties"]
+        r = await c.call_tool("execute", {"server": "flaky", "tool": "echo", "arguments": {"text": "via mcp"}})
+        assert not r.is_error and r.structured_content["answer"]["echo"] == "via mcp"
+        r = await c.call_tool("execute", {"server": "unused", "tool": "echo", "arguments": {"text": "x"}})
+        assert r.is_error and r.structured_content["kind"] == "tool_not_offered"
+    assert calls(d)[-1] == {"tool": "echo", "arguments": {"text": "via mcp"}}
