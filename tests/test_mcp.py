@@ -137,10 +137,12 @@ async def test_wait_run_returns_the_run_as_it_stands_and_reports_progress(d):
         progress = []
 
         async def on_progress(p, total, message):
-            progress.append(message)
+            progress.append((p, total, message))
         r = await c.call_tool("wait_run", {"run_id": run_id, "max_wait": 6}, progress_callback=on_progress)
         assert r.structured_content["status"] == "waiting"
         assert progress, "a long wait sends progress notifications"
+        waited, total, message = progress[0]
+        assert 4 <= waited <= total <= 7 and "waiting" in message
 
 
 def _stdio_params(db: str, *extra: str) -> StdioServerParameters:
