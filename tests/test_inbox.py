@@ -353,3 +353,17 @@ async def test_openapi_matches_routes(d):
 def test_embedded_schema_equals_schema_sql():
     from pathlib import Path
     assert itd.SCHEMA_SQL == (Path(__file__).resolve().parent.parent / "schema.sql").read_text()
+
+
+async def test_list_runs_filters_and_pages(d):
+    await d.define("approve", APPROVAL)
+    await d.define("notify", NOTIFY)
+    waiting = [(await d.run("approve", INPUT))[1]["run_id"] for _ in range(3)]
+    done = (await d.run("notify", {"owner": "ana"}))[1]["run_id"]
+    _, page = await d.call("GET", "/runs?status=waiting&limit=2")
+    assert [r["run_id"] for r in page["data"]] == waiting[::-1][:2] and page["next_cursor"]
+    _, rest = await d.call("GET", f"/runs?status=waiting&limit=2&cursor={page['next_cursor']}")
+    assert [r["run_id"] for r in rest["data"]] == [waiting[0]] and rest["next_cursor"] is None
+    _, by_fn = await d.call("GET", "/runs?function=notify")
+    assert [r["run_id"] for r in by_fn["data"]] == [done]
+    assert (await d.call("GET", "/runs?status=bogus"))[0] == 422
