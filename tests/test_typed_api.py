@@ -5,6 +5,7 @@ import asyncio
 import json
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 
@@ -373,7 +374,10 @@ class SseReader:
         async def one() -> dict[str, str]:
             block: dict[str, str] = {}
             while True:
-                line = (await self.resp.content.readline()).decode()
+                try:
+                    line = (await self.resp.content.readline()).decode()
+                except aiohttp.ClientPayloadError:
+                    line = ""
                 if not line:
                     raise EOFError("the stream ended")
                 line = line.rstrip("\r\n")
@@ -473,21 +477,47 @@ async def test_stream_keep_alive(d, monkeypatch):
     await asyncio.wait_for(keep_alive(), 10)
 
 
-async def test_a_slow_consumer_never_blocks_the_engine(d):
-    stalled = await open_stream(d)             # never read while the engine works
+@pytest.fixture
+def stalled_writes(monkeypatch):
+    """Holds every stream write that carries events until the gate opens: a consumer that does not read."""
+    gate = asyncio.Event()
+    write = web.StreamResponse.write
+
+    async def held(self: web.StreamResponse, data: bytes) -> None:
+        if self.content_type == "text/event-stream" and b"\nevent: " in data:
+            await gate.wait()
+        await write(self, data)
+    monkeypatch.setattr(web.StreamResponse, "write", held)
+    return gate
+
+
+async def test_a_slow_consumer_never_blocks_the_engine(d, stalled_writes):
+    stream = await open_stream(d)
     n = 1200                                    # past the engine's per-subscriber queue bound
-    caller = itd.OPERATOR_LOCAL
 
     async def one(i: int) -> None:
-        await d.engine.run_definition(caller, "local/default", "interaction", "ask-confirmation",
+        await d.engine.run_definition(itd.OPERATOR_LOCAL, "local/default", "interaction", "ask-confirmation",
                                       {"prompt": f"#{i}", "to": "ana"})
     await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(n))), 60)
-    _, page = await d.call("GET", "/v2/interactions?limit=1")
-    assert page["page"]["has_more"]
-    got = [await stalled.next() for _ in range(n)]
+    assert len(d.engine._subscribers) == 1      # the stream is still there, stuck in its write
+    stalled_writes.set()
+    got = [await stream.next() for _ in range(n)]
     ids = [int(e["id"].removeprefix("evt_")) for e in got]
     assert all(e["event"] == "interaction.created" for e in got)
     assert ids == sorted(set(ids)) and len(ids) == n       # no gap, no duplicate, in order
+
+
+async def test_a_stalled_consumer_is_dropped_and_resumes(d, stalled_writes, monkeypatch):
+    monkeypatch.setattr(itd, "SSE_WRITE_TIMEOUT_S", 0.05)
+    stream = await open_stream(d)
+    x = await ask(d, "approval")
+    with pytest.raises(EOFError):
+        await stream.next()
+    assert d.engine._subscribers == set()
+    stalled_writes.set()
+    again = await open_stream(d, last="0")
+    (_, name, data), = await again.take(1)
+    assert name == "interaction.created" and data["interaction_id"] == x["id"]
 
 
 # -- the client against the live app ------------------------------------------------------------
