@@ -3036,12 +3036,12 @@ def _end_run(conn: sqlite3.Connection, fx: Effects, playbook: str, run_id: str, 
              problem: Problem | None = None) -> None:
     """Write a run's ending and its event; the run must be live (guarded)."""
     pbody = problem.body() if problem is not None else None
-    cur = conn.execute(
+    ended = conn.execute(
         "UPDATE runs SET status = ?, kind = ?, output = ?, problem = ?, ended_at = ?, settled_by = ?"
-        " WHERE playbook = ? AND run_id = ? AND status IN ('started', 'waiting')",
+        " WHERE playbook = ? AND run_id = ? AND status IN ('started', 'waiting') RETURNING parent",
         (status.value, kind, dumps(output) if output is not None else None, dumps(pbody) if pbody else None,
-         now, by, playbook, run_id))
-    if cur.rowcount != 1:
+         now, by, playbook, run_id)).fetchone()
+    if ended is None:
         raise Problem("conflict", "the run has already ended")
     payload: dict[str, Any] = {"status": status.value, "kind": kind}
     if status is RunStatus.SUCCEEDED:
@@ -3050,6 +3050,9 @@ def _end_run(conn: sqlite3.Connection, fx: Effects, playbook: str, run_id: str, 
         payload["problem"] = pbody
     append_event(conn, fx, playbook, run_id, "run_" + status.value, now, by, payload)
     fx.wakes.append((playbook, run_id))
+    if ended["parent"] is not None:
+        # Workflows: the workflow run waiting on this one moves on, woken in this same transaction.
+        _set_timer(conn, fx, _timer_key("workflow", playbook, ended["parent"]), now)
 
 
 class TimerWheel:
@@ -3208,6 +3211,7 @@ class Engine:
         self._inflight: set[tuple[str, str]] = set()
         self.playbooks: set[str] = set(config.playbooks)
         self.tools = ToolServers(config)
+        self.workflows = Workflows(self)      # the workflow executor (section Workflows)
 
     # -- life ---------------------------------------------------------------------------------
 
@@ -3324,11 +3328,10 @@ class Engine:
 
     # -- definitions ----------------------------------------------------------------------------
 
-    def _parse(self, type_: str, source: str) -> Any:
+    def _parse(self, type_: str, source: str, name: str | None = None) -> Any:
         if type_ == "interaction":
             return parse_function(source)
-        raise Problem("invalid_request", "workflow definitions are not served by this version",
-                      errors=[{"pointer": "/type", "message": "must be interaction"}])
+        return parse_workflow(source, name)    # Workflows: `name` (when saving) must equal document.name
 
     def _doc(self, playbook: str, type_: str, name: str, version: int, source: str) -> Any:
         key = (playbook, type_, name, version)
@@ -3361,7 +3364,7 @@ class Engine:
             raise Problem("invalid_request", "source is the document's text",
                           errors=[{"pointer": "/source", "message": "a non-empty text"}])
         try:
-            doc = self._parse(type_, source)
+            doc = self._parse(type_, source, name)
         except DocumentError as exc:
             raise Problem("invalid_document", f"the document breaks {len(exc.problems)} rule(s)",
                           errors=exc.problems) from None
@@ -3378,9 +3381,9 @@ class Engine:
                 conn.execute("UPDATE definitions SET active = 0 WHERE playbook = ? AND type = ? AND name = ?",
                              (playbook, type_, name))
             conn.execute("INSERT INTO definitions (playbook, type, name, version, source, source_sha, overview,"
-                         " description, active, created_at, created_by) VALUES (?,?,?,?,?,?,?,?,1,?,?)",
-                         (playbook, type_, name, version, source, sha, doc.overview, doc.description, now,
-                          caller.id))
+                         " description, uses, active, created_at, created_by) VALUES (?,?,?,?,?,?,?,?,?,1,?,?)",
+                         (playbook, type_, name, version, source, sha, doc.overview, doc.description,
+                          dumps(getattr(doc, "uses", [])), now, caller.id))   # uses: what a workflow calls
             append_event(conn, fx, playbook, None, "definition_created", now, caller.id,
                          {"type": type_, "name": name, "version": version, "sha256": sha})
             return version, True
@@ -3388,7 +3391,10 @@ class Engine:
         version, created = await self.store.write(change)
         self._docs[(playbook, type_, name, version)] = doc
         self._current[(playbook, type_, name)] = (version, doc)
-        return await self.get_definition(caller, playbook, type_, name, version), created
+        out = await self.get_definition(caller, playbook, type_, name, version)
+        if type_ == "workflow":                # Workflows: calls of definitions that do not exist yet
+            out["warnings"] = await self.workflows.warnings(playbook, doc)
+        return out, created
 
     async def _definition_row(self, playbook: str, type_: str, name: str, version: int | None) -> sqlite3.Row:
         def query(conn: sqlite3.Connection) -> sqlite3.Row | None:
@@ -3406,7 +3412,7 @@ class Engine:
     async def get_definition(self, caller: Caller, playbook: str, type_: str, name: str,
                              version: int | None = None) -> dict[str, Any]:
         row = await self._definition_row(playbook, type_, name, version)
-        used_by: list[dict[str, Any]] = []
+        used_by = await self.workflows.used_by(playbook, type_, name)   # Workflows: the active ones calling it
         overview = row["overview"]
         if used_by:
             overview += "\n\n**Used by:** " + ", ".join(u["name"] for u in used_by)
@@ -3515,8 +3521,11 @@ class Engine:
         return args
 
     async def run_definition(self, caller: Caller, playbook: str, type_: str, name: str, input_: Any = None,
-                             run_id: str | None = None) -> tuple[dict[str, Any], bool]:
-        """Start a run. Returns the run object and whether this call started it."""
+                             run_id: str | None = None, *, parent: str | None = None) -> tuple[dict[str, Any], bool]:
+        """Start a run. Returns the run object and whether this call started it.
+
+        `parent` is the workflow run that starts this one as a step; its ending wakes that run.
+        """
         caller.require(Role.WRITER)
         self._check_def_name(type_, name)
         if run_id is not None and (not isinstance(run_id, str) or not RUN_ID_RE.fullmatch(run_id)):
@@ -3532,9 +3541,12 @@ class Engine:
         now = self.clock.now_ms()
         ending: Problem | None = None
         prepared: dict[str, Any] = {}
+        if type_ == "workflow":                 # Workflows: the run row; its tasks follow on the timer task
+            return await self.workflows.start(caller, playbook, name, version, doc, input_, run_id, input_text,
+                                              input_sha, parent)
         if doc.shape is Shape.SYSTEM:
             return await self._run_system(caller, playbook, type_, name, version, doc, input_, run_id,
-                                          input_text, input_sha)
+                                          input_text, input_sha, parent=parent)
         else:
             try:
                 prepared = self._prepare_request(doc, input_, now)
@@ -3555,8 +3567,8 @@ class Engine:
             if row is not None:
                 return self._rerun(row, type_, name, input_sha), False
             conn.execute("INSERT INTO runs (playbook, run_id, type, name, version, input, input_sha, status,"
-                         " created_at, created_by) VALUES (?,?,?,?,?,?,?,'started',?,?)",
-                         (playbook, run_id, type_, name, version, input_text, input_sha, now, caller.id))
+                         " parent, created_at, created_by) VALUES (?,?,?,?,?,?,?,'started',?,?,?)",
+                         (playbook, run_id, type_, name, version, input_text, input_sha, parent, now, caller.id))
             end = ending
             if end is None and (doc.output_schema is not None or doc.deliver is not None):
                 cur = conn.execute("UPDATE playbooks SET open_requests = open_requests + 1"
@@ -3663,17 +3675,25 @@ class Engine:
                 if run["kind"] == "cancelled":
                     return run_object(run)
                 raise Problem("not_open", f"run {run_id} has already ended ({run['status']})", kind="ended")
-            req = conn.execute("SELECT * FROM requests WHERE playbook = ? AND run_id = ?", (playbook, run_id)).fetchone()
-            if req is not None and req["delivery_state"] == DeliveryState.DELIVERING.value:
-                conn.execute("UPDATE requests SET delivery_state = 'cancelling' WHERE seq = ?", (req["seq"],))
-                append_event(conn, fx, playbook, run_id, "cancel_requested", now, caller.id, {})
-            else:
-                self._close_request(conn, fx, playbook, run_id, "cancelled", now)
-                _end_run(conn, fx, playbook, run_id, RunStatus.REJECTED, now=now, by=caller.id, kind="cancelled",
-                         problem=ending_problem(RunStatus.REJECTED, "cancelled", "the run was cancelled"))
+            self._cancel_in(conn, fx, run, now, caller.id)
             return run_object(conn.execute("SELECT * FROM runs WHERE playbook = ? AND run_id = ?",
                                            (playbook, run_id)).fetchone())
         return await self.store.write(change)
+
+    def _cancel_in(self, conn: sqlite3.Connection, fx: Effects, run: sqlite3.Row, now: int, by: str) -> None:
+        """Cancel a live run inside a change: cancel_run, and a workflow cancelling its child."""
+        playbook, run_id = run["playbook"], run["run_id"]
+        if run["type"] == "workflow":          # Workflows: its open child is cancelled with it
+            self.workflows.cancel_in(conn, fx, run, now, by)
+            return
+        req = conn.execute("SELECT * FROM requests WHERE playbook = ? AND run_id = ?", (playbook, run_id)).fetchone()
+        if req is not None and req["delivery_state"] == DeliveryState.DELIVERING.value:
+            conn.execute("UPDATE requests SET delivery_state = 'cancelling' WHERE seq = ?", (req["seq"],))
+            append_event(conn, fx, playbook, run_id, "cancel_requested", now, by, {})
+        else:
+            self._close_request(conn, fx, playbook, run_id, "cancelled", now)
+            _end_run(conn, fx, playbook, run_id, RunStatus.REJECTED, now=now, by=by, kind="cancelled",
+                     problem=ending_problem(RunStatus.REJECTED, "cancelled", "the run was cancelled"))
 
     def _close_request(self, conn: sqlite3.Connection, fx: Effects, playbook: str, run_id: str, status: str,
                        now: int) -> sqlite3.Row | None:
@@ -3788,7 +3808,8 @@ class Engine:
                 "content": [b.model_dump(mode="json", by_alias=True, exclude_none=True) for b in result.content or ()]}
 
     async def _run_system(self, caller: Caller, playbook: str, type_: str, name: str, version: int, doc: Any,
-                          input_: Any, run_id: str, input_text: str, input_sha: str) -> tuple[dict[str, Any], bool]:
+                          input_: Any, run_id: str, input_text: str, input_sha: str, *,
+                          parent: str | None = None) -> tuple[dict[str, Any], bool]:
         """A function that asks a system: one call, within 70 s, ending as the behaviour table says."""
         call = doc.call
         now = self.clock.now_ms()
@@ -3834,9 +3855,9 @@ class Engine:
             if row is not None:
                 return self._rerun(row, type_, name, input_sha), False
             conn.execute("INSERT INTO runs (playbook, run_id, type, name, version, input, input_sha, status,"
-                         " tools_called, created_at, created_by) VALUES (?,?,?,?,?,?,?,'started',?,?,?)",
+                         " tools_called, parent, created_at, created_by) VALUES (?,?,?,?,?,?,?,'started',?,?,?,?)",
                          (playbook, run_id, type_, name, version, input_text, input_sha,
-                          0 if ending is not None else 1, now, caller.id))
+                          0 if ending is not None else 1, parent, now, caller.id))
             if ending is not None:
                 _end_run(conn, fx, playbook, run_id, _status_of(ending), now=now, by=caller.id, kind=ending.kind,
                          problem=ending)
@@ -4424,6 +4445,8 @@ class Engine:
                 jobs.append(self._lost(playbook, ref, key))
             elif kind == "read":
                 self.spawn(self._read(playbook, int(ref), key), f"read {ref}")
+            elif kind == "workflow":        # Workflows: a run to move on (started, woken, or due)
+                self.spawn(self.workflows.drive(playbook, ref), f"workflow {ref}")
             else:
                 log.warning("timer of unknown kind %s dropped", kind)
         if jobs:
@@ -4446,6 +4469,1285 @@ class Engine:
                      problem=ending_problem(RunStatus.REJECTED, "expired",
                                             f"nobody answered before {fmt_time(req['expires_at'])}"))
         await self.store.write(change)
+
+
+# Workflows ######################################################################################
+#
+# Theory of operation. A workflow document is YAML in the shape of the CNCF Serverless Workflow
+# DSL 1.0 (the subset of SPEC section 15). It is read with the documents' line-tracking YAML reader,
+# checked whole (every problem with its line) and compiled once: each task gets its JSON Pointer
+# (`/do/0/approval/try/0/ask`), each runtime expression `${ ... }` is compiled by jq with the
+# variables its place may read.
+#
+# A run of a workflow is a *stack of frames* kept in `runs.state`: a frame for every task list being
+# walked (where it stands, and the data flowing through it) and one for every task that has started
+# and not ended (its input, its deadline, the child run it waits on, the attempt of a `try`).
+# `Workflows.drive` moves a run on by one *transition* at a time - a task started, completed, faulted
+# or retried - and writes the transition's events with the new state in ONE change guarded by the
+# state it read. A crash therefore leaves the run at the old position or the new one, never between.
+#
+# Nothing sleeps. A run that waits (on a child run, a `wait`, a retry's delay) owns one timer,
+# `workflow:<playbook>:<run_id>`, due when it must look again: the end of the wait, or the earliest
+# deadline. A child run's ending sets its parent's timer due at once, inside the transaction that
+# ends it (`_end_run`), so an answer moves the workflow on even if the daemon stops right after it.
+# While a run is busy its timer stands a minute ahead, which picks it up after a restart.
+
+PROBLEM_TYPES.setdefault(
+    "expression", (400, "Expression failed", "A runtime expression of a workflow failed; the detail names its task."))
+
+#: The DSL's own error URIs; `errors.with.type` compares the last segment (the name) whatever the
+#: prefix, so documents written against ours, the behaviour reference's or these all match.
+DSL_ERRORS: Final = "https://serverlessworkflow.io/spec/1.0.0/errors/"
+#: A `call: run_definition` step waits at most the function's expiry (or a system call's 70 s)
+#: plus this long; then its request is cancelled and the step raises `timeout`.
+WORKFLOW_STEP_GRACE_MS: Final = 60_000
+#: While a run is busy its timer stands this far ahead: a restart mid-transition resumes it.
+WORKFLOW_BUSY_MS: Final = 60_000
+#: Tasks started in one run: ends a `then` loop that never waits before it spins for ever.
+WORKFLOW_MAX_TASKS: Final = 100_000
+#: A run's whole state as JSON (the data of every frame).
+WORKFLOW_MAX_STATE_BYTES: Final = 4 * MIB
+#: Workflows started by workflows nest this deep at most.
+WORKFLOW_MAX_DEPTH: Final = 8
+#: `wait` and a retry's delay: up to the longest expiry of a request.
+WORKFLOW_WAIT_MAX: Final = EXPIRES_MAX
+#: A task's `timeout` and a retry's `limit.duration`: a year at most.
+WORKFLOW_TIMEOUT_MAX: Final = timedelta(days=366)
+#: Attempts of a retry, the first included.
+WORKFLOW_MAX_ATTEMPTS: Final = 100
+
+_DSL_RE: Final = re.compile(r"1\.0\.\d+")
+_NAMESPACE_RE: Final = re.compile(r"[a-z0-9](?:-?[a-z0-9]){0,62}")
+_TASK_NAME_RE: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
+_JQ_VAR_RE: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+#: The variables every expression may read; a catch adds its `as` (default `error`).
+_EXPR_VARS: Final = ("input", "data", "context", "workflow", "task", "runtime")
+_WF_KEYS: Final = ("document", "input", "do", "output")
+_TASK_COMMON: Final = ("if", "input", "output", "export", "timeout", "then", "metadata")
+_TASK_KINDS: Final = ("call", "set", "switch", "wait", "raise", "try", "do")
+_TASK_KEYS: Final = {"call": ("call", "with"), "try": ("try", "catch")}
+_DSL_ONLY_TASKS: Final = ("emit", "for", "fork", "listen", "run")
+_FLOW: Final = ("continue", "exit", "end")
+_WORKFLOW_ENDINGS: Final = {400: RunStatus.INVALID_INPUT, 409: RunStatus.CONFLICT, 410: RunStatus.REJECTED,
+                            503: RunStatus.UNAVAILABLE}
+#: The status a child run's ending raises in its workflow (SPEC section 15).
+_CHILD_ERROR_STATUS: Final = {"invalid_input": 400, "conflict": 409, "rejected": 410, "unavailable": 503}
+_ERROR_PREFIXES: Final = ("https://on.auto/problems/", DSL_ERRORS, PROBLEM_BASE)
+
+
+# Runtime expressions: jq, guarded.
+#
+# jq can read the process environment (`env`, `$ENV`) and a few other things a workflow must not
+# see; a prelude shadows them. The variables are bound from one input array, so a program compiles
+# once per text and scope, not once per evaluation.
+
+_JQ_GUARD: Final = (
+    'def env: {}; def input_filename: null; def get_search_list: []; def get_prog_origin: null;'
+    ' def get_jq_origin: null; def input: error("input is not available in a workflow"); def inputs: empty;'
+    ' def debug: .; def debug(m): .; def stderr: .; def halt: error("halt is not available in a workflow");'
+    ' def halt_error: halt; def halt_error(c): halt; {} as $ENV | ')
+
+
+class ExprError(Exception):
+    """A runtime expression that does not compile or does not evaluate."""
+
+
+def _jq_message(exc: BaseException) -> str:
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    text = lines[0] if lines else "it failed"
+    text = re.sub(r"^jq: error(?: \(at [^)]*\))?: ", "", text)
+    return re.sub(r" at <top-level>, line \d+(?:, column \d+)?:?$", "", text).strip()
+
+
+@functools.lru_cache(maxsize=2048)
+def _jq_program(text: str, names: tuple[str, ...]) -> Any:
+    import jq  # imported here: only workflows need it
+
+    binds = "".join(f".[{i + 1}] as ${n} | " for i, n in enumerate(names))
+    try:
+        return jq.compile(f"{_JQ_GUARD}{binds}.[0] | (\n{text}\n)")
+    except ValueError as exc:
+        raise ExprError(_jq_message(exc)) from None
+
+
+@dataclass(frozen=True, slots=True)
+class Expr:
+    """A jq expression of a workflow, and the variables its place lets it read."""
+
+    text: str
+    names: tuple[str, ...]
+
+    def eval(self, dot: Any, scope: Mapping[str, Any]) -> Any:
+        program = _jq_program(self.text, self.names)
+        try:
+            out = program.input_value([dot, *(scope.get(n) for n in self.names)]).all()
+        except ValueError as exc:
+            raise ExprError(_jq_message(exc)) from None
+        if len(out) > 1:
+            raise ExprError(f"it gives {len(out)} values where one is expected (collect them with [ ... ])")
+        value = out[0] if out else None
+        if json_size(value) > MAX_OUTPUT_BYTES or json_depth(value) > MAX_JSON_DEPTH:
+            raise ExprError(f"its value passes {MAX_OUTPUT_BYTES // MIB} MiB as JSON or {MAX_JSON_DEPTH} levels")
+        return value
+
+
+def _fill(tree: Any, dot: Any, scope: Mapping[str, Any]) -> Any:
+    """A value with every expression in it evaluated."""
+    if isinstance(tree, Expr):
+        return tree.eval(dot, scope)
+    if isinstance(tree, dict):
+        return {k: _fill(v, dot, scope) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_fill(v, dot, scope) for v in tree]
+    return tree
+
+
+def _truthy(value: Any) -> bool:
+    return value is not None and value is not False
+
+
+def _error_name(type_: Any) -> str:
+    """`https://on.auto/problems/unanswered`, `/problems/unanswered` and `unanswered` all name `unanswered`."""
+    return str(type_).rstrip("/").rsplit("/", 1)[-1]
+
+
+def _wf_error(name: str, detail: str, *, instance: str, status: int | None = None, kind: str | None = None,
+              **extra: Any) -> dict[str, Any]:
+    body = Problem(name, detail, status=status, kind=kind).body()
+    body["instance"] = instance
+    body.update(extra)
+    return body
+
+
+def _time_object(ms: int) -> dict[str, Any]:
+    return {"iso8601": fmt_time(ms), "epoch": {"seconds": ms // 1000, "milliseconds": ms}}
+
+
+# The document.
+
+@dataclass(frozen=True, slots=True)
+class WfRetry:
+    delay_ms: int
+    backoff: str                    # constant | linear | exponential
+    count: int | None               # attempts in all, the first included
+    limit_ms: int | None            # from the first attempt's start
+
+    def delay(self, retry: int) -> int:
+        """The wait before retry number `retry` (1 for the second attempt)."""
+        if self.backoff == "linear":
+            ms = self.delay_ms * retry
+        elif self.backoff == "exponential":
+            ms = self.delay_ms * 2 ** min(retry - 1, 40)
+        else:
+            ms = self.delay_ms
+        return min(ms, int(WORKFLOW_WAIT_MAX.total_seconds() * 1000))
+
+
+@dataclass(frozen=True, slots=True)
+class WfCatch:
+    with_: dict[str, Any]           # errors.with: type, status, kind, instance (AND-ed)
+    as_: str
+    when: Expr | None
+    except_when: Expr | None
+    retry: WfRetry | None
+    do: str | None                  # the pointer of the catch's task list
+
+
+@dataclass(frozen=True, slots=True)
+class WfCall:
+    type: str
+    name: str
+    input: Any
+
+
+@dataclass(frozen=True, slots=True)
+class WfCase:
+    name: str
+    when: Expr | None
+    then: str
+
+
+@dataclass(frozen=True, slots=True)
+class WfTask:
+    name: str
+    ref: str                        # JSON Pointer in the document, the errors' `instance`
+    kind: str                       # call | set | switch | wait | raise | try | do
+    if_: Expr | None = None
+    input_from: Any = None
+    output_as: Any = None
+    export_as: Any = None
+    timeout_ms: int | None = None
+    then: str | None = None
+    body: Any = None                # set: a value; wait: ms; raise: the error; call: WfCall; switch: cases
+    lists: tuple[str, ...] = ()     # try: the try list; do: its list
+    catch: WfCatch | None = None
+
+
+@dataclass(frozen=True)
+class WorkflowDoc:
+    """A checked workflow document, compiled."""
+
+    name: str
+    document: dict[str, Any]
+    description: str | None
+    input_schema: Any
+    input_from: Any
+    output_as: Any
+    tasks: dict[str, WfTask]
+    lists: dict[str, tuple[WfTask, ...]]
+    calls: tuple[tuple[str, str, int, str], ...]    # (type, name, line, field) of each call
+    overview: str = ""
+
+    @property
+    def uses(self) -> list[list[str]]:
+        return [list(u) for u in sorted({(t, n) for t, n, _, _ in self.calls})]
+
+    @functools.cached_property
+    def input_validator(self) -> Any:
+        return compile_schema(self.input_schema) if self.input_schema is not None else None
+
+
+def parse_workflow(source: str, name: str | None = None) -> WorkflowDoc:
+    """Check and compile a workflow document; DocumentError lists every problem with its line.
+
+    `name`, when given, is the definition's name, which `document.name` must equal.
+    """
+    if not isinstance(source, str):
+        raise DocumentError([{"line": 1, "field": "", "message": "a workflow document is YAML text"}])
+    r = _Reader()
+    try:
+        data = _compose_workflow(r, source)
+        doc = _WorkflowReader(r, name).read(data)
+    except RecursionError:
+        raise DocumentError([{"line": 1, "field": "", "message": "the document nests too deeply"}]) from None
+    if r.problems or doc is None:
+        raise DocumentError(r.problems or [{"line": 1, "field": "", "message": "invalid workflow document"}])
+    return replace(doc, overview=workflow_overview(doc))
+
+
+def _compose_workflow(r: _Reader, source: str) -> dict[str, Any]:
+    """The document's data; `r` learns every field's line. Same loader as the front matter."""
+    text = source.replace("\r\n", "\n").replace("\r", "\n").removeprefix("\ufeff")
+    loader = None
+    try:
+        loader = _FrontMatterLoader(text)
+        node = loader.get_single_node()
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        raise DocumentError([{"line": mark.line + 1 if mark else 1, "field": "",
+                              "message": f"the document is not valid YAML: {exc.problem}"}]) from None
+    except yaml.YAMLError as exc:
+        raise DocumentError([{"line": 1, "field": "", "message": f"the document is not valid YAML: {exc}"}]) from None
+    finally:
+        if loader is not None:
+            loader.dispose()
+    if not isinstance(node, yaml.MappingNode):
+        raise DocumentError([{"line": node.start_mark.line + 1 if node is not None else 1, "field": "",
+                              "message": "a workflow document is a YAML mapping of document, input, do and output"}])
+    data = r.construct(node, ())
+    # The reader counts lines as for front matter (below a --- line); a workflow starts on line 1.
+    shift = _FRONT_OFFSET - 1
+    r.where = {k: _Where(w.line - shift, w.text_line - shift) for k, w in r.where.items()}
+    for p in r.problems:
+        p["line"] = max(1, p["line"] - shift)
+    return data
+
+
+class _WorkflowReader:
+    """The save-time rules of a workflow document, over the data `_Reader` composed."""
+
+    def __init__(self, r: _Reader, name: str | None) -> None:
+        self.r = r
+        self.name = name
+        self.tasks: dict[str, WfTask] = {}
+        self.lists: dict[str, tuple[WfTask, ...]] = {}
+        self.calls: list[tuple[str, str, int, str]] = []
+
+    def read(self, data: dict[str, Any]) -> WorkflowDoc | None:
+        r = self.r
+        for key in data:
+            if key not in _WF_KEYS:
+                r.add((key,), f"{key!r} is not part of the workflows interactiond runs (their keys: {', '.join(_WF_KEYS)})")
+        for key in ("document", "do"):
+            if key not in data:
+                r.add((key,), f"a workflow needs {key!r}", line=1)
+        document = self.document(data.get("document")) if "document" in data else {}
+        input_schema, input_from = self.input(data["input"]) if "input" in data else (None, None)
+        output_as = None
+        if "output" in data and r.mapping(("output",), data["output"], ("as",)) is not None and "as" in data["output"]:
+            output_as = self.tree(("output", "as"), data["output"]["as"], _EXPR_VARS)
+        if "do" in data:
+            self.task_list(("do",), data["do"], _EXPR_VARS)
+        if r.problems:
+            return None
+        return WorkflowDoc(name=document["name"], document=document,
+                           description=document.get("summary") or document.get("title"),
+                           input_schema=input_schema, input_from=input_from, output_as=output_as,
+                           tasks=self.tasks, lists=self.lists, calls=tuple(self.calls))
+
+    # -- the parts ------------------------------------------------------------------------------
+
+    def document(self, value: Any) -> dict[str, Any]:
+        r, path = self.r, ("document",)
+        doc = r.mapping(path, value, ("dsl", "namespace", "name", "version", "title", "summary", "tags", "metadata"),
+                        required=("dsl", "namespace", "name", "version"))
+        if doc is None:
+            return {}
+        if "dsl" in doc and not (isinstance(doc["dsl"], str) and _DSL_RE.fullmatch(doc["dsl"])):
+            r.add(path + ("dsl",), f"{doc['dsl']!r} is not a DSL version interactiond reads: write '1.0.x', such as '1.0.3'")
+        if "namespace" in doc and not (isinstance(doc["namespace"], str) and _NAMESPACE_RE.fullmatch(doc["namespace"])):
+            r.add(path + ("namespace",), "is lowercase letters and digits, single hyphens between them, at most 63")
+        if "name" in doc:
+            got = doc["name"]
+            if not isinstance(got, str) or not FUNCTION_NAME_RE.fullmatch(got):
+                r.add(path + ("name",), "is the workflow's name: 1 to 128 lowercase letters, digits, hyphens and underscores")
+            elif self.name is not None and got != self.name:
+                r.add(path + ("name",), f"is {got!r}, but the definition is saved as {self.name!r}; the two must be equal")
+        for key in ("version", "title", "summary"):
+            if key in doc and (not isinstance(doc[key], str) or not doc[key].strip()):
+                r.add(path + (key,), "is a text (quote a version such as '1.0.0')")
+        if "tags" in doc and not (isinstance(doc["tags"], dict) and all(isinstance(v, str) for v in doc["tags"].values())):
+            r.add(path + ("tags",), "is a mapping of names to texts")
+        if "metadata" in doc and not isinstance(doc["metadata"], dict):
+            r.add(path + ("metadata",), "is a mapping")
+        return doc
+
+    def input(self, value: Any) -> tuple[Any, Any]:
+        r, path = self.r, ("input",)
+        inp = r.mapping(path, value, ("schema", "from"))
+        if inp is None:
+            return None, None
+        schema = None
+        if "schema" in inp:
+            block = r.mapping(path + ("schema",), inp["schema"], ("format", "document"), required=("document",))
+            if block is not None:
+                if block.get("format", "json") != "json":
+                    r.add(path + ("schema", "format"), "is json, the only schema format interactiond reads")
+                if "document" in block:
+                    schema = r.schema(path + ("schema", "document"), block["document"])
+        from_ = self.tree(path + ("from",), inp["from"], _EXPR_VARS) if "from" in inp else None
+        return schema, from_
+
+    def duration(self, path: tuple[Any, ...], value: Any, low: timedelta, high: timedelta) -> int | None:
+        """An ISO 8601 text or the DSL's {days, hours, minutes, seconds, milliseconds}, as ms."""
+        r = self.r
+        if isinstance(value, dict):
+            units = {"days": 86_400_000, "hours": 3_600_000, "minutes": 60_000, "seconds": 1000, "milliseconds": 1}
+            ms = 0
+            for key, n in value.items():
+                if key not in units:
+                    r.add(path + (key,), f"{key!r} is not a unit of a duration ({', '.join(units)})")
+                    return None
+                if isinstance(n, bool) or not isinstance(n, (int, float)) or n < 0:
+                    r.add(path + (key,), "is a number of zero or more")
+                    return None
+                ms += int(n * units[key])
+            span = timedelta(milliseconds=ms)
+        else:
+            try:
+                span = parse_duration(value)
+            except ValueError as exc:
+                r.add(path, str(exc))
+                return None
+        if not low <= span <= high:
+            r.add(path, f"is {duration_words(span)}; it lies between {duration_words(low)} and {duration_words(high)}")
+            return None
+        return int(span.total_seconds() * 1000)
+
+    def expr(self, path: tuple[Any, ...], value: Any, names: tuple[str, ...]) -> Expr | None:
+        """A field that is an expression whole (if, when, exceptWhen): `${ ... }` or bare jq."""
+        if not isinstance(value, str) or not value.strip():
+            self.r.add(path, "is a runtime expression, such as '${ .approved == true }'")
+            return None
+        text = value.strip()
+        if text.startswith("${") and text.endswith("}"):
+            text = text[2:-1]
+        return self.compile(path, text, names)
+
+    def compile(self, path: tuple[Any, ...], text: str, names: tuple[str, ...]) -> Expr | None:
+        if not text.strip():
+            self.r.add(path, "the runtime expression is empty")
+            return None
+        try:
+            _jq_program(text, names)
+        except ExprError as exc:
+            self.r.add(path, f"the expression does not compile: {exc} (it may read {', '.join('$' + n for n in names)})",
+                       line=self.r.text_line(path))
+            return None
+        return Expr(text, names)
+
+    def tree(self, path: tuple[Any, ...], value: Any, names: tuple[str, ...]) -> Any:
+        """A value whose texts of the form `${ ... }` are expressions."""
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("${") and text.endswith("}"):
+                return self.compile(path, text[2:-1], names)
+            if "${" in value:
+                self.r.add(path, "a runtime expression is a whole value, '${ ... }'; to build a text use jq's"
+                           " interpolation, such as '${ \"Hello \\(.name)\" }'", line=self.r.text_line(path))
+            return value
+        if isinstance(value, dict):
+            return {k: self.tree(path + (k,), v, names) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self.tree(path + (i,), v, names) for i, v in enumerate(value)]
+        return value
+
+    def task_list(self, path: tuple[Any, ...], value: Any, names: tuple[str, ...]) -> str:
+        r = self.r
+        ref = pointer_join(path)
+        self.lists[ref] = ()
+        if not isinstance(value, list) or not value:
+            r.add(path, "is a list of named tasks, such as - ask: {call: run_definition, with: {...}}")
+            return ref
+        tasks: list[WfTask] = []
+        seen: dict[str, int] = {}
+        jumps: list[tuple[tuple[Any, ...], Any]] = []
+        for i, item in enumerate(value):
+            at = path + (i,)
+            if not isinstance(item, dict) or len(item) != 1:
+                r.add(at, "is one named task: a mapping with a single key, the task's name")
+                continue
+            (tname, body), = item.items()
+            if not _TASK_NAME_RE.fullmatch(tname):
+                r.add(at, f"{tname!r} is not a task name: 1 to 64 letters, digits, underscores, dots and hyphens")
+                continue
+            if tname in seen:
+                r.add(at, f"a task named {tname!r} is already on line {r.line(path + (seen[tname],))}; names are unique in a list")
+                continue
+            seen[tname] = i
+            task = self.task(at + (tname,), tname, body, names, jumps)
+            if task is not None:
+                tasks.append(task)
+        for jpath, target in jumps:
+            if not isinstance(target, str) or (target not in _FLOW and target not in seen):
+                r.add(jpath, f"{target!r} is neither continue, exit, end nor the name of a task of this list"
+                      f" ({', '.join(seen) or 'none'})")
+        self.lists[ref] = tuple(tasks)
+        return ref
+
+    def task(self, path: tuple[Any, ...], name: str, body: Any, names: tuple[str, ...],
+             jumps: list[tuple[tuple[Any, ...], Any]]) -> WfTask | None:
+        r = self.r
+        if not isinstance(body, dict):
+            r.add(path, "is a task: a mapping such as {set: {...}} or {call: run_definition, with: {...}}")
+            return None
+        for key in body:
+            if key in _DSL_ONLY_TASKS:
+                r.add(path + (key,), f"{key} is a task of the DSL that interactiond does not run;"
+                      f" it runs {', '.join(_TASK_KINDS)}")
+        kinds = [k for k in _TASK_KINDS if k in body]
+        if len(kinds) != 1:
+            if not any(k in body for k in _DSL_ONLY_TASKS):
+                r.add(path, f"holds {' and '.join(kinds)}; a task does one thing" if kinds else
+                      f"does nothing: a task is one of {', '.join(_TASK_KINDS)}")
+            return None
+        kind = kinds[0]
+        allowed = _TASK_COMMON + _TASK_KEYS.get(kind, (kind,))
+        for key in body:
+            if key not in allowed and key not in _DSL_ONLY_TASKS and key not in _TASK_KINDS:
+                r.add(path + (key,), f"{key!r} is not a key of a {kind} task (its keys: {', '.join(allowed)})")
+        ref = pointer_join(path)
+        common: dict[str, Any] = {}
+        if "if" in body:
+            common["if_"] = self.expr(path + ("if",), body["if"], names)
+        for key, attr in (("input", "from"), ("output", "as"), ("export", "as")):
+            if key in body and r.mapping(path + (key,), body[key], (attr,)) is not None and attr in body[key]:
+                common[f"{key}_{attr}" if key != "input" else "input_from"] = self.tree(path + (key, attr), body[key][attr], names)
+        if "timeout" in body and r.mapping(path + ("timeout",), body["timeout"], ("after",), required=("after",)):
+            if "after" in body["timeout"]:
+                common["timeout_ms"] = self.duration(path + ("timeout", "after"), body["timeout"]["after"],
+                                                     timedelta(seconds=1), WORKFLOW_TIMEOUT_MAX)
+        if "then" in body:
+            jumps.append((path + ("then",), body["then"]))
+            common["then"] = body["then"] if isinstance(body["then"], str) else None
+        spec = body[kind]
+        at = path + (kind,)
+        if kind == "call":
+            return self._task(name, ref, kind, common, body=self.call(path, spec, body.get("with"), names))
+        if kind == "set":
+            if not isinstance(spec, (dict, str)):
+                r.add(at, "is the data to set: a mapping, or a runtime expression '${ ... }'")
+            return self._task(name, ref, kind, common, body=self.tree(at, spec, names))
+        if kind == "switch":
+            return self._task(name, ref, kind, common, body=self.switch(at, spec, names, jumps))
+        if kind == "wait":
+            return self._task(name, ref, kind, common, body=self.duration(at, spec, timedelta(0), WORKFLOW_WAIT_MAX))
+        if kind == "raise":
+            return self._task(name, ref, kind, common, body=self.raise_(at, spec, names))
+        if kind == "do":
+            return self._task(name, ref, kind, common, lists=(self.task_list(at, spec, names),))
+        try_ref = self.task_list(at, spec, names)
+        if "catch" not in body:
+            r.add(path, "a try needs its catch: which errors it takes, and what then")
+            return None
+        return self._task(name, ref, kind, common, lists=(try_ref,), catch=self.catch(path + ("catch",), body["catch"], names))
+
+    def _task(self, name: str, ref: str, kind: str, common: dict[str, Any], **kw: Any) -> WfTask:
+        task = WfTask(name=name, ref=ref, kind=kind, **common, **kw)
+        self.tasks[ref] = task
+        return task
+
+    def call(self, path: tuple[Any, ...], call: Any, with_: Any, names: tuple[str, ...]) -> WfCall | None:
+        r = self.r
+        if call != "run_definition":
+            r.add(path + ("call",), f"calls {call!r}; interactiond runs call: run_definition, with a function or"
+                  " workflow of this playbook (http, grpc, openapi and asyncapi calls are not run)")
+            return None
+        w = r.mapping(path + ("with",), with_, ("type", "name", "input"), required=("name",))
+        if w is None:
+            return None
+        type_ = w.get("type", "interaction")
+        if type_ not in ("interaction", "workflow"):
+            r.add(path + ("with", "type"), f"{type_!r} is not a definition type: interaction or workflow")
+            return None
+        fn = w.get("name")
+        if not isinstance(fn, str) or not FUNCTION_NAME_RE.fullmatch(fn):
+            r.add(path + ("with", "name"), "is the name of a definition of this playbook, written out (not an expression):"
+                  " 1 to 128 lowercase letters, digits, hyphens and underscores")
+            return None
+        self.calls.append((type_, fn, r.line(path + ("with", "name")), ".".join(map(str, path + ("with", "name")))))
+        return WfCall(type_, fn, self.tree(path + ("with", "input"), w.get("input", {}), names))
+
+    def switch(self, path: tuple[Any, ...], spec: Any, names: tuple[str, ...],
+               jumps: list[tuple[tuple[Any, ...], Any]]) -> tuple[WfCase, ...]:
+        r = self.r
+        if not isinstance(spec, list) or not spec:
+            r.add(path, "is a list of named cases, such as - approved: {when: '${ .approved }', then: publish}")
+            return ()
+        cases = []
+        defaults = 0
+        for i, item in enumerate(spec):
+            at = path + (i,)
+            if not isinstance(item, dict) or len(item) != 1:
+                r.add(at, "is one named case: a mapping with a single key, the case's name")
+                continue
+            (cname, case), = item.items()
+            c = r.mapping(at + (cname,), case, ("when", "then"), required=("then",))
+            if c is None or "then" not in c:
+                continue
+            when = self.expr(at + (cname, "when"), c["when"], names) if "when" in c else None
+            defaults += "when" not in c
+            jumps.append((at + (cname, "then"), c["then"]))
+            cases.append(WfCase(str(cname), when, c["then"] if isinstance(c["then"], str) else "continue"))
+        if defaults > 1:
+            r.add(path, "has more than one default case (a case without when)")
+        return tuple(cases)
+
+    def raise_(self, path: tuple[Any, ...], spec: Any, names: tuple[str, ...]) -> dict[str, Any] | None:
+        r = self.r
+        block = r.mapping(path, spec, ("error",), required=("error",))
+        if block is None or "error" not in block:
+            return None
+        at = path + ("error",)
+        err = r.mapping(at, block["error"], ("type", "status", "title", "detail", "kind", "instance"),
+                        required=("type", "status"))
+        if err is None:
+            return None
+        if "type" in err and (not isinstance(err["type"], str) or not err["type"].strip() or "${" in err["type"]):
+            r.add(at + ("type",), "is the error's type, a URI such as https://serverlessworkflow.io/spec/1.0.0/errors/validation")
+        status = err.get("status")
+        if "status" in err and (isinstance(status, bool) or not isinstance(status, int) or not 100 <= status <= 599):
+            r.add(at + ("status",), "is an HTTP status, 100 to 599")
+        for key in ("kind", "instance"):
+            if key in err and not isinstance(err[key], str):
+                r.add(at + (key,), "is a text")
+        return {k: (self.tree(at + (k,), v, names) if k in ("title", "detail") else v) for k, v in err.items()}
+
+    def catch(self, path: tuple[Any, ...], spec: Any, names: tuple[str, ...]) -> WfCatch | None:
+        r = self.r
+        c = r.mapping(path, spec, ("errors", "as", "when", "exceptWhen", "retry", "do"))
+        if c is None:
+            return None
+        with_: dict[str, Any] = {}
+        if "errors" in c:
+            errors = r.mapping(path + ("errors",), c["errors"], ("with",))
+            if errors is not None and "with" in errors:
+                at = path + ("errors", "with")
+                w = r.mapping(at, errors["with"], ("type", "status", "kind", "instance"))
+                for key, v in (w or {}).items():
+                    if key == "status" and (isinstance(v, bool) or not isinstance(v, int)):
+                        r.add(at + (key,), "is an HTTP status such as 503")
+                    elif key != "status" and (not isinstance(v, str) or not v.strip()):
+                        r.add(at + (key,), "is a text")
+                    else:
+                        with_[key] = v
+        as_ = c.get("as", "error")
+        if not isinstance(as_, str) or not _JQ_VAR_RE.fullmatch(as_) or as_ in _EXPR_VARS or as_ == "ENV":
+            r.add(path + ("as",), f"is the name of the variable the error is kept in, such as error; not one of"
+                  f" {', '.join(_EXPR_VARS)}")
+            as_ = "error"
+        inner = tuple(dict.fromkeys(names + (as_,)))
+        when = self.expr(path + ("when",), c["when"], inner) if "when" in c else None
+        except_when = self.expr(path + ("exceptWhen",), c["exceptWhen"], inner) if "exceptWhen" in c else None
+        retry = self.retry(path + ("retry",), c["retry"]) if "retry" in c else None
+        do = self.task_list(path + ("do",), c["do"], inner) if "do" in c else None
+        if "retry" in c and "do" in c:
+            r.add(path + ("do",), "a catch with retry re-raises the error once its attempts are used up, so its do"
+                  " would never run; handle the error in an enclosing try instead")
+        return WfCatch(with_, as_, when, except_when, retry, do)
+
+    def retry(self, path: tuple[Any, ...], spec: Any) -> WfRetry | None:
+        r = self.r
+        if isinstance(spec, str):
+            r.add(path, "is a retry policy written out (interactiond has no use.retries to name one from)")
+            return None
+        block = r.mapping(path, spec, ("delay", "backoff", "limit"))
+        if block is None:
+            return None
+        delay = self.duration(path + ("delay",), block["delay"], timedelta(0), WORKFLOW_WAIT_MAX) if "delay" in block else 0
+        backoff = "constant"
+        if "backoff" in block:
+            b = r.mapping(path + ("backoff",), block["backoff"], ("constant", "linear", "exponential"))
+            if b is not None:
+                if len(b) != 1:
+                    r.add(path + ("backoff",), "names one of constant, linear and exponential, such as {exponential: {}}")
+                else:
+                    backoff = next(iter(b))
+        count = limit = None
+        lim = r.mapping(path + ("limit",), block.get("limit"), ("attempt", "duration")) if "limit" in block else None
+        if lim is not None:
+            if "attempt" in lim:
+                att = r.mapping(path + ("limit", "attempt"), lim["attempt"], ("count",), required=("count",))
+                n = (att or {}).get("count")
+                if att is not None and "count" in att:
+                    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= WORKFLOW_MAX_ATTEMPTS:
+                        r.add(path + ("limit", "attempt", "count"),
+                              f"is the number of attempts in all, the first included: 1 to {WORKFLOW_MAX_ATTEMPTS}")
+                    else:
+                        count = n
+            if "duration" in lim:
+                limit = self.duration(path + ("limit", "duration"), lim["duration"], timedelta(seconds=1), WORKFLOW_TIMEOUT_MAX)
+        if count is None and limit is None and not any(p["field"].startswith(".".join(map(str, path))) for p in r.problems):
+            r.add(path, "needs limit.attempt.count or limit.duration, so the retries end")
+        if delay is None:
+            return None
+        return WfRetry(delay, backoff, count, limit)
+
+
+# The overview.
+
+def workflow_overview(doc: WorkflowDoc) -> str:
+    """The workflow in plain Markdown: what it needs and what each task does."""
+    parts = [doc.description.strip() if doc.description else "This workflow has no summary yet."]
+    parts.append("**What it needs:**\n" + _schema_words(doc.input_schema, "Any input; the document gives no schema.",
+                                                       "An input whose fields the schema does not list"))
+    parts.append("**What it does:**\n" + "\n".join(_list_words(doc, "/do", 0)))
+    return "\n\n".join(parts) + "\n"
+
+
+def _list_words(doc: WorkflowDoc, ref: str, depth: int) -> list[str]:
+    out = []
+    for t in doc.lists.get(ref, ()):
+        out += _task_words(doc, t, depth)
+    return out
+
+
+def _catch_words(c: WfCatch) -> str:
+    f = c.with_
+    if not f:
+        return "any error"
+    what = " ".join(x for x in (_error_name(f["type"]) if f.get("type") else "an error",
+                                 f.get("kind") and f"({f['kind']})", f.get("status") and f"of status {f['status']}") if x)
+    if f.get("instance"):
+        what += f" from {f['instance']}"
+    if c.when is not None or c.except_when is not None:
+        what += " (under a condition)"
+    return what
+
+
+def _task_words(doc: WorkflowDoc, t: WfTask, depth: int) -> list[str]:
+    pad = "  " * depth
+    words = {"set": "sets the data", "switch": "chooses what comes next by its cases",
+             "try": "tries these tasks:", "do": "does these tasks:"}.get(t.kind, "")
+    if t.kind == "raise" and t.body is not None:
+        words = f"raises the error {_error_name(t.body.get('type', ''))} (status {t.body.get('status')})"
+    elif t.kind == "call" and t.body is not None:
+        words = f"runs the {t.body.type} **{t.body.name}** and waits for its ending"
+    elif t.kind == "wait" and t.body is not None:
+        words = f"waits {duration_words(timedelta(milliseconds=t.body))}"
+    if t.if_ is not None:
+        words = "when a condition holds, " + words
+    if t.timeout_ms:
+        words += f" (at most {duration_words(timedelta(milliseconds=t.timeout_ms))})"
+    lines = [f"{pad}- **{t.name}** {words}"]
+    for ref in t.lists:
+        lines += _list_words(doc, ref, depth + 1)
+    if t.catch is not None:
+        c = t.catch
+        if c.retry is not None:
+            limit = f"up to {c.retry.count} attempts in all" if c.retry.count else "for a while"
+            lines.append(f"{pad}  when they fail with {_catch_words(c)}, tries again, {limit}")
+        elif c.do is not None:
+            lines.append(f"{pad}  when they fail with {_catch_words(c)}:")
+            lines += _list_words(doc, c.do, depth + 1)
+        else:
+            lines.append(f"{pad}  when they fail with {_catch_words(c)}, carries on")
+    if t.then and t.then != "continue":
+        lines[0] += f"; then {'goes to ' + t.then if t.then not in _FLOW else t.then + 's'}"
+    return lines
+
+
+# The executor.
+
+class _Walk:
+    """One transition of one workflow run, computed in memory; `Workflows` writes it."""
+
+    def __init__(self, doc: WorkflowDoc, run: sqlite3.Row, state: dict[str, Any], now: int,
+                 child: sqlite3.Row | None, child_expires_at: int | None, start_error: dict[str, Any] | None) -> None:
+        self.doc = doc
+        self.run = run
+        self.state = state
+        self.stack: list[dict[str, Any]] = state["stack"]
+        self.now = now
+        self.child = child
+        self.child_expires_at = child_expires_at
+        self.start_error = start_error
+        self.events: list[tuple[str, dict[str, Any]]] = []
+        self.cancel: list[str] = []                    # child runs to cancel in the same change
+        self.ending: tuple[RunStatus, str | None, Any, Problem | None] | None = None
+        self.start_child: dict[str, Any] | None = None  # a call frame whose child must be started
+        self.input = json.loads(run["input"])
+
+    # -- what the transition leaves --------------------------------------------------------------
+
+    def waiting(self) -> bool:
+        top = self.stack[-1] if self.stack else {}
+        return "child" in top or "until" in top
+
+    def suspended(self) -> bool:
+        """Nothing to do before a child ends, a wait passes or a deadline comes."""
+        if self.ending is not None or not self.stack:
+            return self.ending is not None
+        top = self.stack[-1]
+        if "child" in top:
+            return self.child is not None and not RunStatus(self.child["status"]).ended
+        return "until" in top and top["until"] > self.now
+
+    def due(self) -> int | None:
+        """When the run's timer must fire next; None: no timer (ended, or only a child's ending wakes it)."""
+        if self.ending is not None:
+            return None
+        if self.start_child is not None or not self.suspended():
+            return self.now + WORKFLOW_BUSY_MS
+        times = [t for fr in self.stack for t in (fr.get("deadline"), fr.get("child_deadline"), fr.get("until")) if t]
+        return min(times) if times else None
+
+    # -- moving on --------------------------------------------------------------------------------
+
+    def advance(self) -> None:
+        """Move on until a task boundary: something happened, the run waits, or it ended."""
+        for _ in range(10_000):
+            before = dumps(self.state)
+            self._once()
+            if self.events or self.ending is not None or self.start_child is not None or self.suspended():
+                return
+            if dumps(self.state) == before:
+                return
+        self._fail(_wf_error("failed", "the workflow skipped more than 10,000 tasks without running one", instance="/do"))
+
+    def _once(self) -> None:
+        if not self.stack:
+            self._begin_workflow()
+            return
+        if self._deadlines():
+            return
+        top = self.stack[-1]
+        if "list" in top:
+            tasks = self.doc.lists[top["list"]]
+            if top["i"] >= len(tasks):
+                self._finish_list()
+            else:
+                self._begin(tasks[top["i"]])
+            return
+        task = self.doc.tasks[top["task"]]
+        if task.kind == "call":
+            self._resume_call(task, top)
+        elif task.kind == "wait" and top["until"] <= self.now:
+            self._complete(task, top["input"], top["input"])
+        elif task.kind == "try" and top.get("phase") == "retry" and top["until"] <= self.now:
+            top["phase"] = "try"
+            del top["until"]
+            self.stack.append({"list": task.lists[0], "i": 0, "data": top["input"]})
+
+    def _begin_workflow(self) -> None:
+        data = self.input
+        if self.doc.input_from is not None:
+            try:
+                data = _fill(self.doc.input_from, self.input, self._scope(None, self.input, self.now))
+            except ExprError as exc:
+                self._fail(_wf_error("expression", f"the workflow's input.from failed: {exc}", instance="/input/from"))
+                return
+        self.stack.append({"list": "/do", "i": 0, "data": data})
+
+    def _deadlines(self) -> bool:
+        """Time out the outermost task whose deadline passed; True if one did."""
+        for idx, fr in enumerate(self.stack):
+            if "task" not in fr:
+                continue
+            if "child" in fr and self.child is not None and RunStatus(self.child["status"]).ended:
+                continue                          # it ended first: its ending is taken, not the deadline
+            own, bound = fr.get("deadline"), fr.get("child_deadline")
+            if not ((own and own <= self.now) or (bound and bound <= self.now)):
+                continue
+            task = self.doc.tasks[fr["task"]]
+            top = self.stack[-1]
+            if "child" in top and self.child is not None and not RunStatus(self.child["status"]).ended:
+                self.cancel.append(top["child"])
+            del self.stack[idx + 1:]
+            if own and own <= self.now:
+                why = f"its timeout of {duration_words(timedelta(milliseconds=task.timeout_ms or 0))} passed"
+            else:
+                why = "its run did not end within the function's expiry plus one minute; the request was cancelled"
+            self._fault(task, _wf_error("timeout", f"task {task.name!r} ran out of time: {why}", instance=task.ref,
+                                        **({"run_id": fr["child"]} if "child" in fr else {})))
+            return True
+        return False
+
+    def _scope(self, task: WfTask | None, task_input: Any, started: int, **extra: Any) -> dict[str, Any]:
+        scope = {
+            "input": task_input, "data": task_input, "context": self.state["context"],
+            "workflow": {"id": self.run["run_id"], "input": self.input, "definition": {"document": self.doc.document},
+                         "startedAt": _time_object(self.run["created_at"])},
+            "task": None if task is None else {"name": task.name, "reference": task.ref, "input": task_input,
+                                               "startedAt": _time_object(started)},
+            "runtime": {"name": "interactiond", "version": __version__},
+        }
+        for fr in self.stack:
+            if fr.get("phase") == "catch":
+                scope[self.doc.tasks[fr["task"]].catch.as_] = fr["error"]
+        scope.update(extra)
+        return scope
+
+    def _expr_failed(self, task: WfTask, where: str, exc: ExprError) -> None:
+        self._fault(task, _wf_error("expression", f"task {task.name!r}: its {where} failed: {exc}", instance=task.ref))
+
+    def _begin(self, task: WfTask) -> None:
+        lf = self.stack[-1]
+        data = lf["data"]
+        if task.if_ is not None:
+            try:
+                go = _truthy(task.if_.eval(data, self._scope(task, data, self.now)))
+            except ExprError as exc:
+                self._expr_failed(task, "if", exc)
+                return
+            if not go:
+                lf["i"] += 1
+                return
+        self.state["tasks"] = self.state.get("tasks", 0) + 1
+        if self.state["tasks"] > WORKFLOW_MAX_TASKS:
+            self._fail(_wf_error("failed", f"the run started more than {WORKFLOW_MAX_TASKS} tasks; does a then loop"
+                                 " never end?", instance=task.ref))
+            return
+        started: dict[str, Any] = {"task": task.name, "ref": task.ref}
+        self.events.append(("task_started", started))
+        try:
+            input_ = _fill(task.input_from, data, self._scope(task, data, self.now)) if task.input_from is not None else data
+        except ExprError as exc:
+            self._expr_failed(task, "input.from", exc)
+            return
+        scope = self._scope(task, input_, self.now)
+        frame: dict[str, Any] = {"task": task.ref, "input": input_, "at": self.now}
+        if task.timeout_ms:
+            frame["deadline"] = self.now + task.timeout_ms
+        try:
+            if task.kind == "set":
+                self._complete(task, _fill(task.body, input_, scope), input_)
+            elif task.kind == "switch":
+                chosen = next((c for c in task.body if c.when is not None and _truthy(c.when.eval(input_, scope))),
+                              None) or next((c for c in task.body if c.when is None), None)
+                self._complete(task, input_, input_, then=chosen.then if chosen else None)
+            elif task.kind == "raise":
+                self._fault(task, self._raised(task, _fill(task.body, input_, scope)))
+            elif task.kind == "wait":
+                frame["until"] = self.now + task.body
+                self.stack.append(frame)
+            elif task.kind == "call":
+                call: WfCall = task.body
+                frame.update(child=new_run_id(), fn=[call.type, call.name], child_input=_fill(call.input, input_, scope))
+                started["run"] = {"type": call.type, "name": call.name, "run_id": frame["child"]}
+                self.stack.append(frame)
+            elif task.kind == "try":
+                frame.update(phase="try", attempt=1)
+                self.stack += [frame, {"list": task.lists[0], "i": 0, "data": input_}]
+            else:
+                self.stack += [frame, {"list": task.lists[0], "i": 0, "data": input_}]
+        except ExprError as exc:
+            self._expr_failed(task, task.kind, exc)
+
+    @staticmethod
+    def _raised(task: WfTask, err: dict[str, Any]) -> dict[str, Any]:
+        type_ = str(err["type"])
+        if type_.startswith(_ERROR_PREFIXES):
+            type_ = PROBLEM_BASE + _error_name(type_)
+        out = {"type": type_, "title": err.get("title") or _error_name(type_).replace("_", " ").capitalize(),
+               "status": err["status"], "detail": err.get("detail") or f"task {task.name!r} raised it",
+               "instance": err.get("instance") or task.ref}
+        if err.get("kind") is not None:
+            out["kind"] = err["kind"]
+        return out
+
+    def _resume_call(self, task: WfTask, fr: dict[str, Any]) -> None:
+        child = self.child
+        if child is None:
+            if self.start_error is not None:
+                self._fault(task, dict(self.start_error, instance=task.ref, run_id=fr["child"]))
+            else:
+                self.start_child = fr
+            return
+        if not RunStatus(child["status"]).ended:
+            if "child_deadline" not in fr:                 # its bound, once the child run exists
+                if self.child_expires_at is not None:
+                    fr["child_deadline"] = self.child_expires_at + WORKFLOW_STEP_GRACE_MS
+                elif child["type"] == "interaction":       # a system call: 70 s at most
+                    fr["child_deadline"] = fr["at"] + int(SYSTEM_CALL_TOTAL_S * 1000) + WORKFLOW_STEP_GRACE_MS
+                else:
+                    fr["child_deadline"] = None            # a workflow: only a timeout bounds it
+            return
+        if child["status"] == RunStatus.SUCCEEDED.value:
+            output = json.loads(child["output"]) if child["output"] is not None else None
+            self._complete(task, output, fr["input"], run_id=child["run_id"])
+            return
+        body = json.loads(child["problem"]) if child["problem"] else Problem("failed", "the run failed").body()
+        self._fault(task, dict(body, status=_CHILD_ERROR_STATUS.get(child["status"], 500), instance=task.ref,
+                               run_id=child["run_id"]))
+
+    def _complete(self, task: WfTask, raw: Any, task_input: Any, *, then: str | None = None,
+                  run_id: str | None = None) -> None:
+        top = self.stack[-1]
+        started = top["at"] if top.get("task") == task.ref else self.now
+        scope = self._scope(task, task_input, started)
+        out = raw
+        try:
+            if task.output_as is not None:
+                out = _fill(task.output_as, raw, scope)
+            if task.export_as is not None:
+                self.state["context"] = _fill(task.export_as, out, scope)
+        except ExprError as exc:
+            self._expr_failed(task, "output.as" if task.output_as is not None else "export.as", exc)
+            return
+        if top.get("task") == task.ref:
+            self.stack.pop()
+        done: dict[str, Any] = {"task": task.name, "ref": task.ref, "output": out}
+        if run_id is not None:
+            done["run_id"] = run_id
+        self.events.append(("task_completed", done))
+        self._flow(then or task.then or "continue", out)
+
+    def _flow(self, then: str, out: Any) -> None:
+        lf = self.stack[-1]
+        tasks = self.doc.lists[lf["list"]]
+        lf["data"] = out
+        if then == "continue":
+            lf["i"] += 1
+        elif then == "exit":
+            lf["i"] = len(tasks)
+        elif then == "end":
+            self._end(out)
+        else:
+            lf["i"] = next(i for i, t in enumerate(tasks) if t.name == then)
+
+    def _finish_list(self) -> None:
+        lf = self.stack.pop()
+        if not self.stack:
+            self._end(lf["data"])
+            return
+        owner = self.stack[-1]
+        self._complete(self.doc.tasks[owner["task"]], lf["data"], owner["input"])
+
+    def _end(self, out: Any) -> None:
+        if self.doc.output_as is not None:
+            try:
+                out = _fill(self.doc.output_as, out, self._scope(None, out, self.now))
+            except ExprError as exc:
+                self._fail(_wf_error("expression", f"the workflow's output.as failed: {exc}", instance="/output/as"))
+                return
+        self.ending = (RunStatus.SUCCEEDED, None, out, None)
+
+    def _fail(self, error: dict[str, Any]) -> None:
+        """An error nobody caught: the run ends as its status implies, the error its problem."""
+        status = _WORKFLOW_ENDINGS.get(error.get("status"), RunStatus.FAILED)
+        name = _error_name(error.get("type", "failed"))
+        problem = Problem(name, str(error.get("detail", "")), status=error.get("status"), kind=error.get("kind"),
+                          title=error.get("title"))
+        problem.extra = {k: v for k, v in error.items() if k not in ("title", "status", "detail", "kind")}
+        self.ending = (status, error.get("kind"), None, problem)
+
+    def _fault(self, task: WfTask, error: dict[str, Any]) -> None:
+        """`task` raised `error`: it ends faulted, and the error climbs to the nearest try that takes it."""
+        faulted = {"task": task.name, "ref": task.ref, "error": error}
+        self.events.append(("task_faulted", faulted))
+        if self.stack and self.stack[-1].get("task") == task.ref:
+            self.stack.pop()
+        while self.stack:
+            top = self.stack[-1]
+            if "list" in top:
+                self.stack.pop()
+                continue
+            owner = self.doc.tasks[top["task"]]
+            if owner.kind == "try" and top.get("phase") == "try":
+                taken, error = self._catch(owner, top, error)
+                if taken:
+                    return
+            self.events.append(("task_faulted", {"task": owner.name, "ref": owner.ref, "error": error}))
+            self.stack.pop()
+        self._fail(error)
+
+    def _catch(self, task: WfTask, fr: dict[str, Any], error: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
+        c = task.catch
+        assert c is not None
+        for key, want in c.with_.items():
+            got = error.get(key)
+            if (key == "type" and _error_name(got or "") != _error_name(want)) or (key != "type" and got != want):
+                return False, error
+        scope = self._scope(task, fr["input"], fr["at"], **{c.as_: error})
+        try:
+            if c.when is not None and not _truthy(c.when.eval(error, scope)):
+                return False, error
+            if c.except_when is not None and _truthy(c.except_when.eval(error, scope)):
+                return False, error
+        except ExprError as exc:
+            return False, _wf_error("expression", f"task {task.name!r}: its catch's condition failed: {exc}",
+                                    instance=task.ref)
+        if c.retry is not None:
+            r = c.retry
+            attempt = fr["attempt"]
+            wait = r.delay(attempt)
+            if (r.count is None or attempt < r.count) and (r.limit_ms is None or self.now + wait - fr["at"] <= r.limit_ms):
+                fr.update(phase="retry", attempt=attempt + 1, until=self.now + wait)
+                self.events.append(("task_retried", {"task": task.name, "ref": task.ref, "attempt": attempt + 1,
+                                                     "delay_ms": wait, "at": fmt_time(self.now + wait), "error": error}))
+                return True, error
+            return False, error                          # retries used up: the error goes on up
+        fr.update(phase="catch", error=error)
+        if c.do is not None:
+            self.stack.append({"list": c.do, "i": 0, "data": fr["input"]})
+        else:
+            self._complete(task, fr["input"], fr["input"])
+        return True, error
+
+
+class Workflows:
+    """Runs workflows for the engine: their start, every transition, their cancel, their uses."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._busy: dict[tuple[str, str], bool] = {}              # run -> drive again when done
+        self._start_errors: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {}
+
+    # -- definitions ----------------------------------------------------------------------------
+
+    async def used_by(self, playbook: str, type_: str, name: str) -> list[dict[str, Any]]:
+        """The active workflows of the playbook that call this definition."""
+        rows = await self.engine.store.read(lambda c: c.execute(
+            "SELECT name, version FROM definitions d WHERE playbook = ? AND type = 'workflow' AND active = 1"
+            " AND EXISTS (SELECT 1 FROM json_each(d.uses) u WHERE json_extract(u.value, '$[0]') = ?"
+            " AND json_extract(u.value, '$[1]') = ?) ORDER BY name", (playbook, type_, name)).fetchall())
+        return [{"type": "workflow", "name": r["name"], "version": r["version"]} for r in rows]
+
+    async def warnings(self, playbook: str, doc: WorkflowDoc) -> list[dict[str, Any]]:
+        """Calls of definitions that do not exist (yet): saved anyway, a run fails at that task."""
+        def query(conn: sqlite3.Connection) -> set[tuple[str, str]]:
+            return {(r["type"], r["name"]) for r in conn.execute(
+                "SELECT DISTINCT type, name FROM definitions WHERE playbook = ? AND active = 1", (playbook,))}
+        known = await self.engine.store.read(query)
+        return [{"line": line, "field": field,
+                 "message": f"no {type_} named {name!r} in this playbook yet; a run fails at this task until it exists"}
+                for type_, name, line, field in doc.calls if (type_, name) not in known]
+
+    # -- runs -----------------------------------------------------------------------------------
+
+    async def start(self, caller: Caller, playbook: str, name: str, version: int, doc: WorkflowDoc, input_: Any,
+                    run_id: str, input_text: str, input_sha: str, parent: str | None) -> tuple[dict[str, Any], bool]:
+        """The run row, with its timer due now: the first transition follows on the timer task."""
+        now = self.engine.clock.now_ms()
+        ending: Problem | None = None
+        if doc.input_validator is not None:
+            errors = schema_errors(doc.input_validator, input_, "/input")
+            if errors:
+                ending = ending_problem(RunStatus.INVALID_INPUT, None, "the input does not match the workflow's"
+                                        " input schema", errors=errors)
+        state = dumps({"stack": [], "context": {}, "tasks": 0})
+
+        def change(conn: sqlite3.Connection, fx: Effects) -> tuple[dict[str, Any], bool]:
+            row = conn.execute("SELECT * FROM runs WHERE playbook = ? AND run_id = ?", (playbook, run_id)).fetchone()
+            if row is not None:
+                return self.engine._rerun(row, "workflow", name, input_sha), False
+            if parent is not None and self._depth(conn, playbook, parent) >= WORKFLOW_MAX_DEPTH:
+                raise ending_problem(RunStatus.CONFLICT, "unworkable", f"workflows nest at most {WORKFLOW_MAX_DEPTH} deep")
+            conn.execute("INSERT INTO runs (playbook, run_id, type, name, version, input, input_sha, status, parent,"
+                         " state, created_at, created_by) VALUES (?,?,'workflow',?,?,?,?,'started',?,?,?,?)",
+                         (playbook, run_id, name, version, input_text, input_sha, parent, state, now, caller.id))
+            if ending is not None:
+                _end_run(conn, fx, playbook, run_id, RunStatus.INVALID_INPUT, now=now, by=caller.id, problem=ending)
+            else:
+                _set_timer(conn, fx, _timer_key("workflow", playbook, run_id), now)
+            return run_object(conn.execute("SELECT * FROM runs WHERE playbook = ? AND run_id = ?",
+                                           (playbook, run_id)).fetchone()), True
+        return await self.engine.store.write(change)
+
+    @staticmethod
+    def _depth(conn: sqlite3.Connection, playbook: str, run_id: str) -> int:
+        row = conn.execute(
+            "WITH RECURSIVE up(id, n) AS (SELECT ?, 1 UNION ALL SELECT r.parent, up.n + 1 FROM runs r JOIN up"
+            " ON r.playbook = ? AND r.run_id = up.id WHERE r.parent IS NOT NULL AND up.n < 64) SELECT MAX(n) FROM up",
+            (run_id, playbook)).fetchone()
+        return row[0] or 1
+
+    async def drive(self, playbook: str, run_id: str) -> None:
+        """Move a run on as far as it goes now; one drive per run at a time, asked again if busy."""
+        key = (playbook, run_id)
+        if key in self._busy:
+            self._busy[key] = True
+            return
+        self._busy[key] = False
+        try:
+            while True:
+                if await self._step(playbook, run_id):
+                    continue
+                if not self._busy[key]:
+                    break
+                self._busy[key] = False
+        finally:
+            self._busy.pop(key, None)
+            self._start_errors.pop(key, None)
+
+    async def _doc(self, run: sqlite3.Row) -> WorkflowDoc:
+        engine = self.engine
+        key = (run["playbook"], "workflow", run["name"], run["version"])
+        doc = engine._docs.get(key)
+        if doc is None:
+            row = await engine._definition_row(run["playbook"], "workflow", run["name"], run["version"])
+            doc = engine._doc(run["playbook"], "workflow", run["name"], run["version"], row["source"])
+        return doc
+
+    async def _step(self, playbook: str, run_id: str) -> bool:
+        """One transition, written; True when there is more to do at once."""
+        engine = self.engine
+        key = _timer_key("workflow", playbook, run_id)
+
+        def look(conn: sqlite3.Connection) -> tuple[Any, ...]:
+            run = conn.execute("SELECT * FROM runs WHERE playbook = ? AND run_id = ?", (playbook, run_id)).fetchone()
+            timer = conn.execute("SELECT due_at FROM timers WHERE key = ?", (key,)).fetchone()
+            child = expires = None
+            stack = json.loads(run["state"])["stack"] if run is not None and run["state"] else []
+            if stack and "child" in stack[-1]:
+                child = conn.execute("SELECT * FROM runs WHERE playbook = ? AND run_id = ?",
+                                     (playbook, stack[-1]["child"])).fetchone()
+                req = conn.execute("SELECT expires_at FROM requests WHERE playbook = ? AND run_id = ?",
+                                   (playbook, stack[-1]["child"])).fetchone()
+                expires = req["expires_at"] if req is not None else None
+            return run, (timer["due_at"] if timer is not None else None), child, expires
+
+        run, timer_due, child, expires = await engine.store.read(look)
+        if run is None or run["type"] != "workflow" or not run["state"]:
+            return False
+        if RunStatus(run["status"]).ended:
+            # Ended meanwhile (cancelled while a child was being started): leave nothing behind.
+            if timer_due is not None or (child is not None and not RunStatus(child["status"]).ended):
+                await engine.store.write(lambda c, fx: self._tidy(c, fx, run, key))
+            return False
+        now = engine.clock.now_ms()
+        doc = await self._doc(run)
+        state = json.loads(run["state"])
+        failed = self._start_errors.get((playbook, run_id))
+        top = state["stack"][-1] if state["stack"] else {}
+        walk = _Walk(doc, run, state, now, child, expires,
+                     failed[1] if failed is not None and failed[0] == top.get("child") else None)
+        try:
+            walk.advance()
+        except Exception:
+            log.exception("workflow run %s broke down", run_id)
+            walk = _Walk(doc, run, json.loads(run["state"]), now, child, expires, None)
+            walk._fail(_wf_error("failed", "the daemon broke down while running the workflow", instance="/do"))
+        new_state = dumps(walk.state)
+        if walk.ending is None and len(new_state.encode()) > WORKFLOW_MAX_STATE_BYTES:
+            walk.events.clear()
+            walk._fail(_wf_error("failed", f"the workflow's data passed {WORKFLOW_MAX_STATE_BYTES // MIB} MiB",
+                                 instance="/do"))
+            new_state = run["state"]
+        status = RunStatus.WAITING if walk.waiting() else RunStatus.STARTED
+        due = walk.due()
+        if (not walk.events and walk.ending is None and not walk.cancel and new_state == run["state"]
+                and status.value == run["status"] and due == timer_due):
+            if walk.start_child is None:
+                return False
+        else:
+            def change(conn: sqlite3.Connection, fx: Effects) -> bool:
+                row = conn.execute("SELECT status, state FROM runs WHERE playbook = ? AND run_id = ?",
+                                   (playbook, run_id)).fetchone()
+                if row is None or RunStatus(row["status"]).ended or row["state"] != run["state"]:
+                    return False                                   # moved meanwhile: look again
+                for type_, payload in walk.events:
+                    append_event(conn, fx, playbook, run_id, type_, now, "interactiond", payload)
+                for child_id in walk.cancel:
+                    self._cancel_child(conn, fx, playbook, child_id, now, "interactiond")
+                conn.execute("UPDATE runs SET state = ?, status = ? WHERE playbook = ? AND run_id = ?",
+                             (new_state, status.value, playbook, run_id))
+                if walk.ending is not None:
+                    end_status, kind, output, problem = walk.ending
+                    _end_run(conn, fx, playbook, run_id, end_status, now=now, by="interactiond", kind=kind,
+                             output=output, problem=problem)
+                if due is None:
+                    _drop_timer(conn, fx, key)
+                else:
+                    _set_timer(conn, fx, key, due)
+                return True
+            if not await engine.store.write(change):
+                return True
+        if walk.start_child is not None:
+            await self._start_child(run, walk.start_child)
+            return True
+        return walk.ending is None and not walk.suspended()
+
+    async def _start_child(self, run: sqlite3.Row, fr: dict[str, Any]) -> None:
+        playbook, run_id = run["playbook"], run["run_id"]
+        caller = Caller(run["created_by"], Role.WRITER, playbook)
+        type_, name = fr["fn"]
+        try:
+            await self.engine.run_definition(caller, playbook, type_, name, fr["child_input"], run_id=fr["child"],
+                                              parent=run_id)
+        except Problem as exc:
+            body = exc.body()
+            if exc.name == "not_found":
+                body["detail"] = (f"task {self._task_name(fr)!r} runs the {type_} {name!r}, which does not exist in this"
+                                  " playbook (or was deleted); save it, then run the workflow again")
+            self._start_errors[(playbook, run_id)] = (fr["child"], body)
+        except Exception:
+            log.exception("starting a child run of workflow run %s failed", run_id)
+            self._start_errors[(playbook, run_id)] = (fr["child"], Problem("failed", "the child run could not be started").body())
+
+    @staticmethod
+    def _task_name(fr: dict[str, Any]) -> str:
+        return pointer_parse(fr["task"])[-1]
+
+    # -- cancelling -----------------------------------------------------------------------------
+
+    def _cancel_child(self, conn: sqlite3.Connection, fx: Effects, playbook: str, child_id: str, now: int,
+                      by: str) -> None:
+        """Cancel a workflow's open child run inside the workflow's change (a system call in flight ends alone)."""
+        child = conn.execute("SELECT * FROM runs WHERE playbook = ? AND run_id = ?", (playbook, child_id)).fetchone()
+        if child is None or RunStatus(child["status"]).ended:
+            return
+        if child["type"] != "workflow" and conn.execute(
+                "SELECT 1 FROM requests WHERE playbook = ? AND run_id = ?", (playbook, child_id)).fetchone() is None:
+            return
+        self.engine._cancel_in(conn, fx, child, now, by)
+
+    def cancel_in(self, conn: sqlite3.Connection, fx: Effects, run: sqlite3.Row, now: int, by: str) -> None:
+        """cancel_run of a live workflow: its open child is cancelled and it ends cancelled, together."""
+        stack = json.loads(run["state"])["stack"] if run["state"] else []
+        for fr in stack:
+            if "child" in fr:
+                self._cancel_child(conn, fx, run["playbook"], fr["child"], now, by)
+        _end_run(conn, fx, run["playbook"], run["run_id"], RunStatus.REJECTED, now=now, by=by, kind="cancelled",
+                 problem=ending_problem(RunStatus.REJECTED, "cancelled", "the run was cancelled"))
+        _drop_timer(conn, fx, _timer_key("workflow", run["playbook"], run["run_id"]))
+
+    def _tidy(self, conn: sqlite3.Connection, fx: Effects, run: sqlite3.Row, key: str) -> None:
+        stack = json.loads(run["state"])["stack"] if run["state"] else []
+        if stack and "child" in stack[-1]:
+            self._cancel_child(conn, fx, run["playbook"], stack[-1]["child"], self.engine.clock.now_ms(), "interactiond")
+        _drop_timer(conn, fx, key)
 
 
 # HTTP API #######################################################################################
@@ -6155,7 +7457,7 @@ function h(tag, attrs, ...kids) {
     else if (k === "class") el.className = v;
     else el.setAttribute(k, v === true ? "" : String(v));
   }
-  for (const kid of kids.flat()) {
+  for (const kid of kids.flat(Infinity)) {
     if (kid !== null && kid !== undefined && kid !== false) el.append(kid instanceof Node ? kid : String(kid));
   }
   return el;
@@ -6226,7 +7528,8 @@ async function boot() {
   const saved = sessionStorage.getItem("interactiond.playbook");
   S.pb = r.body.playbooks.includes(saved) ? saved : r.body.playbook;
   if (!S.pb) return say("This sign-in sees no playbook.");
-  $("#who").textContent = `${r.body.role} · ${r.body.caller}`;
+  $("#who").textContent = `Signed in as ${r.body.role}`;
+  $("#who").title = r.body.caller;
   const sel = $("#pb");
   sel.replaceChildren(...r.body.playbooks.map(pb => h("option", {value: pb}, pb)));
   sel.value = S.pb;
@@ -6534,6 +7837,7 @@ function route(focus) {
   const hash = location.hash.replace(/^#/, "") || "/";
   if (!hash.startsWith("/") || !S.session) return;
   const inbox = hash === "/";
+  if (!inbox) $("#status").replaceChildren();
   $("#inbox").hidden = !inbox;
   $("#page").hidden = inbox;
   const section = hash.split("/")[1] || "";
@@ -6553,7 +7857,7 @@ function route(focus) {
 function page(title, ...parts) {
   document.title = `${title} · interactiond`;
   const h1 = h("h1", {tabindex: "-1"}, title);
-  $("#page").replaceChildren(h1, ...parts);
+  $("#page").replaceChildren(h1, ...parts.flat().filter(x => x !== null && x !== undefined && x !== false));
   return h1;
 }
 
