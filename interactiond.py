@@ -3972,27 +3972,24 @@ class Engine:
         if json_depth(answer) > MAX_JSON_DEPTH or json_size(answer) > MAX_ANSWER_BYTES:
             raise ending_problem(RunStatus.INVALID_INPUT, None, f"the answer takes at most {MAX_ANSWER_BYTES // KIB} KiB as JSON",
                                  errors=[{"pointer": "/answer", "message": f"at most {MAX_ANSWER_BYTES // KIB} KiB as JSON, {MAX_JSON_DEPTH} levels"}])
-        req = await self.store.read(lambda c: c.execute("SELECT * FROM requests WHERE playbook = ? AND run_id = ?",
-                                                        (playbook, run_id)).fetchone())
-        # One hop to the writer: the request is read, checked and answered in one change (a read
-        # first and then the write cost a second thread hop, the larger part of an answer's latency).
-        if req is None:
-            raise not_found(f"no request of run {run_id} in this playbook")
-        self._answer_state_check(req, answer)
-        errors = schema_errors(_compiled_schema(req["answer_schema"]), answer, "/answer")   # stored as dumps() wrote it
-        if errors:
-            raise ending_problem(RunStatus.INVALID_INPUT, None, "the answer does not match the request's answer schema",
-                                 errors=errors)
         now = self.clock.now_ms()
 
+        # One hop to the writer: the request is read, checked and answered in one change (a read
+        # first and then the write cost a second thread hop, the larger part of an answer's latency).
         def change(conn: sqlite3.Connection, fx: Effects) -> tuple[dict[str, Any], bool]:
-            row = conn.execute("SELECT * FROM requests WHERE seq = ?", (req["seq"],)).fetchone()
+            row = conn.execute("SELECT * FROM requests WHERE playbook = ? AND run_id = ?", (playbook, run_id)).fetchone()
+            if row is None:
+                raise not_found(f"no request of run {run_id} in this playbook")
             if self._answer_state_check(row, answer):
                 return answer_fact(row), False
-            self._record_answer(conn, fx, row, answer, claimed_for, by, now)
+            errors = schema_errors(_compiled_schema(row["answer_schema"]), answer, "/answer")   # stored as dumps() wrote it
+            if errors:
+                raise ending_problem(RunStatus.INVALID_INPUT, None, "the answer does not match the request's answer schema",
+                                     errors=errors)
+            closed = self._record_answer(conn, fx, row, answer, claimed_for, by, now)
             if also is not None:
                 also(conn)
-            return answer_fact(conn.execute("SELECT * FROM requests WHERE seq = ?", (row["seq"],)).fetchone()), True
+            return answer_fact(closed), True
         return await self.store.write(change)
 
     def _record_answer(self, conn: sqlite3.Connection, fx: Effects, row: sqlite3.Row, answer: Any,
@@ -4009,6 +4006,7 @@ class Engine:
                      (dumps(answer), answer_id, by, now, claimed_for, reply_id, row["seq"]))
         closed = self._close_request(conn, fx, playbook, run_id, "answered", now)
         _end_run(conn, fx, playbook, run_id, RunStatus.SUCCEEDED, now=now, by=by, output=answer)
+        return closed
 
     @staticmethod
     def _answer_state_check(req: sqlite3.Row, answer: Any) -> bool:
