@@ -4585,13 +4585,17 @@ class Expr:
         try:
             out = program.input_value([dot, *(scope.get(n) for n in self.names)]).all()
         except ValueError as exc:
-            raise ExprError(_jq_message(exc)) from None
+            raise ExprError(f"{_jq_message(exc)}, in {self.quoted()}") from None
         if len(out) > 1:
-            raise ExprError(f"it gives {len(out)} values where one is expected (collect them with [ ... ])")
+            raise ExprError(f"{self.quoted()} gives {len(out)} values where one is expected (collect them with [ ... ])")
         value = out[0] if out else None
         if json_size(value) > MAX_OUTPUT_BYTES or json_depth(value) > MAX_JSON_DEPTH:
-            raise ExprError(f"its value passes {MAX_OUTPUT_BYTES // MIB} MiB as JSON or {MAX_JSON_DEPTH} levels")
+            raise ExprError(f"{self.quoted()} gives more than {MAX_OUTPUT_BYTES // MIB} MiB as JSON or {MAX_JSON_DEPTH} levels")
         return value
+
+    def quoted(self) -> str:
+        text = " ".join(self.text.split())
+        return "${ " + (text if len(text) <= 200 else text[:197] + "...") + " }"
 
 
 def _fill(tree: Any, dot: Any, scope: Mapping[str, Any]) -> Any:
@@ -5232,7 +5236,9 @@ class _Walk:
             return None
         if self.start_child is not None or not self.suspended():
             return self.now + WORKFLOW_BUSY_MS
-        times = [t for fr in self.stack for t in (fr.get("deadline"), fr.get("child_deadline"), fr.get("until")) if t]
+        # Moments already past were let pass for an earlier one (see _deadlines): the child's ending wakes it.
+        times = [t for fr in self.stack for t in (fr.get("deadline"), fr.get("child_deadline"), fr.get("until"))
+                 if t and t > self.now]
         return min(times) if times else None
 
     # -- moving on --------------------------------------------------------------------------------
@@ -5283,21 +5289,31 @@ class _Walk:
         self.stack.append({"list": "/do", "i": 0, "data": data})
 
     def _deadlines(self) -> bool:
-        """Time out the outermost task whose deadline passed; True if one did."""
+        """Time out the outermost task whose deadline passed; True if one did.
+
+        After the daemon was down several moments may have passed at once; the earliest one wins. So a
+        child whose request expired before a deadline, or a wait that ended before it, is let end first.
+        """
+        top = self.stack[-1]
+        first: int | None = top.get("until")
+        if "child" in top and self.child is not None:
+            if RunStatus(self.child["status"]).ended:
+                first = 0                         # it ended first: its ending is taken, not a deadline
+            elif self.child_expires_at is not None:
+                first = self.child_expires_at     # its expiry ends it (the engine's own timer)
         for idx, fr in enumerate(self.stack):
             if "task" not in fr:
                 continue
-            if "child" in fr and self.child is not None and RunStatus(self.child["status"]).ended:
-                continue                          # it ended first: its ending is taken, not the deadline
             own, bound = fr.get("deadline"), fr.get("child_deadline")
-            if not ((own and own <= self.now) or (bound and bound <= self.now)):
+            due = min(t for t in (own, bound, math.inf) if t)
+            if due > self.now or (first is not None and first <= self.now and first <= due):
                 continue
             task = self.doc.tasks[fr["task"]]
             top = self.stack[-1]
             if "child" in top and self.child is not None and not RunStatus(self.child["status"]).ended:
                 self.cancel.append(top["child"])
             del self.stack[idx + 1:]
-            if own and own <= self.now:
+            if own and own == due:
                 why = f"its timeout of {duration_words(timedelta(milliseconds=task.timeout_ms or 0))} passed"
             else:
                 why = "its run did not end within the function's expiry plus one minute; the request was cancelled"
@@ -5680,6 +5696,11 @@ class Workflows:
                                    (playbook, run_id)).fetchone()
                 if row is None or RunStatus(row["status"]).ended or row["state"] != run["state"]:
                     return False                                   # moved meanwhile: look again
+                if child is not None and not RunStatus(child["status"]).ended:
+                    now_child = conn.execute("SELECT status FROM runs WHERE playbook = ? AND run_id = ?",
+                                             (playbook, child["run_id"])).fetchone()
+                    if RunStatus(now_child["status"]).ended:
+                        return False                               # its child ended meanwhile: look again
                 for type_, payload in walk.events:
                     append_event(conn, fx, playbook, run_id, type_, now, "interactiond", payload)
                 for child_id in walk.cancel:
@@ -7660,6 +7681,8 @@ async function showList(page, pb) {
     if (fresh.length) words.push(`${fresh.length} new request${fresh.length > 1 ? "s" : ""}`);
     if (left) words.push(`${left} left the inbox`);
     $("#news").textContent = words.join(", ") + ".";
+    clearTimeout(S.newsTimer);
+    S.newsTimer = setTimeout(() => { $("#news").textContent = ""; }, 8000);
   }
   S.loaded = true;
 }
