@@ -5721,7 +5721,8 @@ class Workflows:
         if walk.start_child is not None:
             await self._start_child(run, walk.start_child)
             return True
-        return walk.ending is None and not walk.suspended()
+        moved = bool(walk.events) or new_state != run["state"]
+        return walk.ending is None and not walk.suspended() and moved
 
     async def _start_child(self, run: sqlite3.Row, fr: dict[str, Any]) -> None:
         playbook, run_id = run["playbook"], run["run_id"]

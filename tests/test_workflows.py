@@ -532,3 +532,29 @@ async def test_used_by_lists_the_active_workflows(d):
     await d.call("DELETE", "/definitions/workflow/brief-approval")
     _, fn = await d.call("GET", "/definitions/interaction/approve-campaign-brief")
     assert fn["used_by"] == []
+
+
+async def test_a_workflow_calls_a_workflow_and_cancel_reaches_the_request(d):
+    await d.define("approve-campaign-brief", APPROVAL)
+    await define_wf(d, "brief-approval", SEED)
+    await define_wf(d, "outer", workflow("outer", """\
+do:
+  - inner:
+      call: run_definition
+      with: {type: workflow, name: brief-approval, input: '${ $input }'}
+      output: {as: '${ {inner: .} }'}
+"""))
+    first = await start(d, "outer", INPUT)
+    inner = child_of(await history(d, first["run_id"]), "inner")
+    assert (await get_run(d, inner))["status"] == "waiting"
+    ask = child_of(await history(d, inner), "ask")
+    await d.call("POST", f"/runs/{ask}/answer", {"answer": {"verdict": "approve"}})
+    await d.advance("PT0S")
+    assert (await get_run(d, first["run_id"]))["output"] == {"inner": {"verdict": "approve"}}
+
+    second = await start(d, "outer", INPUT)
+    inner = child_of(await history(d, second["run_id"]), "inner")
+    ask = child_of(await history(d, inner), "ask")
+    await d.call("POST", f"/runs/{second['run_id']}/cancel")
+    assert [(await get_run(d, r))["kind"] for r in (second["run_id"], inner, ask)] == ["cancelled"] * 3
+    assert await inbox(d) == []
