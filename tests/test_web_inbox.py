@@ -454,6 +454,7 @@ def test_the_inbox_in_a_real_browser(served):
             page.set_viewport_size({"width": 360, "height": 780})
             expect(page.locator(f'li[data-run-id="{run_d}"]')).to_be_visible()
             assert page.evaluate("document.documentElement.scrollWidth") <= 360
+            page.screenshot(path=str(ARTIFACTS / "inbox-phone.png"))
             unlabelled = page.evaluate("""[...document.querySelectorAll('input, textarea, select, button')]
                 .filter(e => e.offsetParent !== null)
                 .filter(e => e.tagName === 'BUTTON' ? !e.textContent.trim() : !e.labels.length && !e.getAttribute('aria-label'))
