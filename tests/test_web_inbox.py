@@ -65,6 +65,10 @@ def test_enum_is_one_button_per_value_with_the_note_beside_it():
     [note] = form["fields"]
     assert note["kind"] == "text" and note["maxLength"] == 2000 and note["note"] is True and note["pointer"] == "/note"
     assert note["required"] is False and note["bounds"] == "at most 2000 characters"
+    noted = [f.get("note", False) for f in itd.answer_form({"type": "object", "properties": {
+        "verdict": {"enum": ["a", "b"]}, "reviewerNote": {"type": "string"}, "why_not": {"type": "string"},
+        "notebook": {"type": "string"}, "title": {"type": "string"}}})["fields"]]
+    assert noted == [True, True, False, False]
 
 
 def test_the_canonical_ask_schemas():
