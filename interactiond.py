@@ -3260,6 +3260,7 @@ class Engine:
                 if not f.done():
                     f.set_result(None)
         await self.tools.close()
+        await self.workflows.close()          # Workflows: its jq process
 
     def spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
         """A named side task, kept until it ends; its failure is logged, never lost."""
@@ -4545,7 +4546,13 @@ _ERROR_PREFIXES: Final = ("https://on.auto/problems/", DSL_ERRORS, PROBLEM_BASE)
 #
 # jq can read the process environment (`env`, `$ENV`) and a few other things a workflow must not
 # see; a prelude shadows them. The variables are bound from one input array, so a program compiles
-# once per text and scope, not once per evaluation.
+# once per text and scope, not once per evaluation. jq holds the GIL while it runs, so a program that
+# loops or swells would stall the whole daemon: programs run in one child process instead, bounded
+# in time and memory, and one that passes a bound is stopped (the process is started again).
+
+#: One evaluation of a runtime expression: real seconds, and the child process's address space.
+JQ_TIMEOUT_S: Final = 2.0
+JQ_MEMORY_BYTES: Final = 1024 * MIB
 
 _JQ_GUARD: Final = (
     'def env: {}; def input_filename: null; def get_search_list: []; def get_prog_origin: null;'
@@ -4553,25 +4560,59 @@ _JQ_GUARD: Final = (
     ' def debug: .; def debug(m): .; def stderr: .; def halt: error("halt is not available in a workflow");'
     ' def halt_error: halt; def halt_error(c): halt; {} as $ENV | ')
 
+#: The child process: one JSON request a line, {"p": program, "v": input}; one reply a line.
+_JQ_WORKER: Final = """\
+import json, resource, sys
+try:
+    resource.setrlimit(resource.RLIMIT_AS, ({memory}, {memory}))
+except (ValueError, OSError):
+    pass
+import jq
+programs = {{}}
+for line in sys.stdin:
+    req = json.loads(line)
+    try:
+        program = programs.get(req["p"])
+        if program is None:
+            if len(programs) >= 1024:
+                programs.clear()
+            program = programs[req["p"]] = jq.compile(req["p"])
+        out = program.input_value(req["v"]).all()
+        text = json.dumps({{"ok": out[0] if out else None, "n": len(out)}})
+        if len(text) > {size}:
+            text = json.dumps({{"err": "its value passes {mib} MiB as JSON"}})
+    except MemoryError:
+        text = json.dumps({{"err": "it needs more memory than an expression may use"}})
+    except Exception as exc:
+        text = json.dumps({{"err": str(exc)}})
+    sys.stdout.write(text + "\\n")
+    sys.stdout.flush()
+""".format(memory=JQ_MEMORY_BYTES, size=MAX_OUTPUT_BYTES + 64, mib=MAX_OUTPUT_BYTES // MIB)
+
 
 class ExprError(Exception):
     """A runtime expression that does not compile or does not evaluate."""
 
 
-def _jq_message(exc: BaseException) -> str:
+def _jq_message(exc: BaseException | str) -> str:
     lines = [line for line in str(exc).strip().splitlines() if line.strip()]
     text = lines[0] if lines else "it failed"
     text = re.sub(r"^jq: error(?: \(at [^)]*\))?: ", "", text)
     return re.sub(r" at <top-level>, line \d+(?:, column \d+)?:?$", "", text).strip()
 
 
+def _jq_source(text: str, names: tuple[str, ...]) -> str:
+    binds = "".join(f".[{i + 1}] as ${n} | " for i, n in enumerate(names))
+    return f"{_JQ_GUARD}{binds}.[0] | (\n{text}\n)"
+
+
 @functools.lru_cache(maxsize=2048)
 def _jq_program(text: str, names: tuple[str, ...]) -> Any:
+    """Compile in process: the save-time check (compiling is bounded by the text; running is not)."""
     import jq  # imported here: only workflows need it
 
-    binds = "".join(f".[{i + 1}] as ${n} | " for i, n in enumerate(names))
     try:
-        return jq.compile(f"{_JQ_GUARD}{binds}.[0] | (\n{text}\n)")
+        return jq.compile(_jq_source(text, names))
     except ValueError as exc:
         raise ExprError(_jq_message(exc)) from None
 
@@ -4583,33 +4624,64 @@ class Expr:
     text: str
     names: tuple[str, ...]
 
-    def eval(self, dot: Any, scope: Mapping[str, Any]) -> Any:
-        program = _jq_program(self.text, self.names)
-        try:
-            out = program.input_value([dot, *(scope.get(n) for n in self.names)]).all()
-        except ValueError as exc:
-            raise ExprError(f"{_jq_message(exc)}, in {self.quoted()}") from None
-        if len(out) > 1:
-            raise ExprError(f"{self.quoted()} gives {len(out)} values where one is expected (collect them with [ ... ])")
-        value = out[0] if out else None
-        if json_size(value) > MAX_OUTPUT_BYTES or json_depth(value) > MAX_JSON_DEPTH:
-            raise ExprError(f"{self.quoted()} gives more than {MAX_OUTPUT_BYTES // MIB} MiB as JSON or {MAX_JSON_DEPTH} levels")
-        return value
-
     def quoted(self) -> str:
         text = " ".join(self.text.split())
         return "${ " + (text if len(text) <= 200 else text[:197] + "...") + " }"
 
 
-def _fill(tree: Any, dot: Any, scope: Mapping[str, Any]) -> Any:
-    """A value with every expression in it evaluated."""
-    if isinstance(tree, Expr):
-        return tree.eval(dot, scope)
-    if isinstance(tree, dict):
-        return {k: _fill(v, dot, scope) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_fill(v, dot, scope) for v in tree]
-    return tree
+class JqRunner:
+    """Runs workflow expressions in one child process, one at a time, each within its bounds."""
+
+    def __init__(self) -> None:
+        self._proc: asyncio.subprocess.Process | None = None
+        self._lock = asyncio.Lock()
+
+    async def eval(self, expr: Expr, dot: Any, scope: Mapping[str, Any]) -> Any:
+        request = dumps({"p": _jq_source(expr.text, expr.names), "v": [dot, *(scope.get(n) for n in expr.names)]})
+        async with self._lock:
+            try:
+                if self._proc is None or self._proc.returncode is not None:
+                    self._proc = await asyncio.create_subprocess_exec(
+                        sys.executable, "-X", "utf8", "-c", _JQ_WORKER, stdin=asyncio.subprocess.PIPE,
+                        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, limit=2 * MAX_OUTPUT_BYTES)
+                assert self._proc.stdin is not None and self._proc.stdout is not None
+                self._proc.stdin.write(request.encode() + b"\n")
+                await self._proc.stdin.drain()
+                line = await asyncio.wait_for(self._proc.stdout.readline(), JQ_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                await self.close()
+                raise ExprError(f"{expr.quoted()} ran longer than {JQ_TIMEOUT_S:g} seconds and was stopped") from None
+            except (OSError, ValueError, asyncio.LimitOverrunError) as exc:
+                await self.close()
+                raise ExprError(f"{expr.quoted()} could not be run: {exc}") from None
+            if not line:
+                await self.close()
+                raise ExprError(f"{expr.quoted()} needed more memory than an expression may use and was stopped")
+        reply = json.loads(line)
+        if "err" in reply:
+            raise ExprError(f"{_jq_message(reply['err'])}, in {expr.quoted()}")
+        if reply["n"] > 1:
+            raise ExprError(f"{expr.quoted()} gives {reply['n']} values where one is expected (collect them with [ ... ])")
+        if json_depth(reply["ok"]) > MAX_JSON_DEPTH:
+            raise ExprError(f"{expr.quoted()} gives a value deeper than {MAX_JSON_DEPTH} levels")
+        return reply["ok"]
+
+    async def fill(self, tree: Any, dot: Any, scope: Mapping[str, Any]) -> Any:
+        """A value with every expression in it evaluated."""
+        if isinstance(tree, Expr):
+            return await self.eval(tree, dot, scope)
+        if isinstance(tree, dict):
+            return {k: await self.fill(v, dot, scope) for k, v in tree.items()}
+        if isinstance(tree, list):
+            return [await self.fill(v, dot, scope) for v in tree]
+        return tree
+
+    async def close(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
 
 
 def _truthy(value: Any) -> bool:
@@ -5202,8 +5274,9 @@ def _task_words(doc: WorkflowDoc, t: WfTask, depth: int) -> list[str]:
 class _Walk:
     """One transition of one workflow run, computed in memory; `Workflows` writes it."""
 
-    def __init__(self, doc: WorkflowDoc, run: sqlite3.Row, state: dict[str, Any], now: int,
+    def __init__(self, jq: JqRunner, doc: WorkflowDoc, run: sqlite3.Row, state: dict[str, Any], now: int,
                  child: sqlite3.Row | None, child_expires_at: int | None, start_error: dict[str, Any] | None) -> None:
+        self.jq = jq
         self.doc = doc
         self.run = run
         self.state = state
@@ -5246,52 +5319,52 @@ class _Walk:
 
     # -- moving on --------------------------------------------------------------------------------
 
-    def advance(self) -> None:
+    async def advance(self) -> None:
         """Move on until a task boundary: something happened, the run waits, or it ended."""
         for _ in range(10_000):
             before = dumps(self.state)
-            self._once()
+            await self._once()
             if self.events or self.ending is not None or self.start_child is not None or self.suspended():
                 return
             if dumps(self.state) == before:
                 return
         self._fail(_wf_error("failed", "the workflow skipped more than 10,000 tasks without running one", instance="/do"))
 
-    def _once(self) -> None:
+    async def _once(self) -> None:
         if not self.stack:
-            self._begin_workflow()
+            await self._begin_workflow()
             return
-        if self._deadlines():
+        if await self._deadlines():
             return
         top = self.stack[-1]
         if "list" in top:
             tasks = self.doc.lists[top["list"]]
             if top["i"] >= len(tasks):
-                self._finish_list()
+                await self._finish_list()
             else:
-                self._begin(tasks[top["i"]])
+                await self._begin(tasks[top["i"]])
             return
         task = self.doc.tasks[top["task"]]
         if task.kind == "call":
-            self._resume_call(task, top)
+            await self._resume_call(task, top)
         elif task.kind == "wait" and top["until"] <= self.now:
-            self._complete(task, top["input"], top["input"])
+            await self._complete(task, top["input"], top["input"])
         elif task.kind == "try" and top.get("phase") == "retry" and top["until"] <= self.now:
             top["phase"] = "try"
             del top["until"]
             self.stack.append({"list": task.lists[0], "i": 0, "data": top["input"]})
 
-    def _begin_workflow(self) -> None:
+    async def _begin_workflow(self) -> None:
         data = self.input
         if self.doc.input_from is not None:
             try:
-                data = _fill(self.doc.input_from, self.input, self._scope(None, self.input, self.now))
+                data = await self.jq.fill(self.doc.input_from, self.input, self._scope(None, self.input, self.now))
             except ExprError as exc:
                 self._fail(_wf_error("expression", f"the workflow's input.from failed: {exc}", instance="/input/from"))
                 return
         self.stack.append({"list": "/do", "i": 0, "data": data})
 
-    def _deadlines(self) -> bool:
+    async def _deadlines(self) -> bool:
         """Time out the outermost task whose deadline passed; True if one did.
 
         After the daemon was down several moments may have passed at once; the earliest one wins. So a
@@ -5320,7 +5393,7 @@ class _Walk:
                 why = f"its timeout of {duration_words(timedelta(milliseconds=task.timeout_ms or 0))} passed"
             else:
                 why = "its run did not end within the function's expiry plus one minute; the request was cancelled"
-            self._fault(task, _wf_error("timeout", f"task {task.name!r} ran out of time: {why}", instance=task.ref,
+            await self._fault(task, _wf_error("timeout", f"task {task.name!r} ran out of time: {why}", instance=task.ref,
                                         **({"run_id": fr["child"]} if "child" in fr else {})))
             return True
         return False
@@ -5340,17 +5413,17 @@ class _Walk:
         scope.update(extra)
         return scope
 
-    def _expr_failed(self, task: WfTask, where: str, exc: ExprError) -> None:
-        self._fault(task, _wf_error("expression", f"task {task.name!r}: its {where} failed: {exc}", instance=task.ref))
+    async def _expr_failed(self, task: WfTask, where: str, exc: ExprError) -> None:
+        await self._fault(task, _wf_error("expression", f"task {task.name!r}: its {where} failed: {exc}", instance=task.ref))
 
-    def _begin(self, task: WfTask) -> None:
+    async def _begin(self, task: WfTask) -> None:
         lf = self.stack[-1]
         data = lf["data"]
         if task.if_ is not None:
             try:
-                go = _truthy(task.if_.eval(data, self._scope(task, data, self.now)))
+                go = _truthy(await self.jq.eval(task.if_, data, self._scope(task, data, self.now)))
             except ExprError as exc:
-                self._expr_failed(task, "if", exc)
+                await self._expr_failed(task, "if", exc)
                 return
             if not go:
                 lf["i"] += 1
@@ -5363,9 +5436,9 @@ class _Walk:
         started: dict[str, Any] = {"task": task.name, "ref": task.ref}
         self.events.append(("task_started", started))
         try:
-            input_ = _fill(task.input_from, data, self._scope(task, data, self.now)) if task.input_from is not None else data
+            input_ = await self.jq.fill(task.input_from, data, self._scope(task, data, self.now)) if task.input_from is not None else data
         except ExprError as exc:
-            self._expr_failed(task, "input.from", exc)
+            await self._expr_failed(task, "input.from", exc)
             return
         scope = self._scope(task, input_, self.now)
         frame: dict[str, Any] = {"task": task.ref, "input": input_, "at": self.now}
@@ -5373,19 +5446,23 @@ class _Walk:
             frame["deadline"] = self.now + task.timeout_ms
         try:
             if task.kind == "set":
-                self._complete(task, _fill(task.body, input_, scope), input_)
+                await self._complete(task, await self.jq.fill(task.body, input_, scope), input_)
             elif task.kind == "switch":
-                chosen = next((c for c in task.body if c.when is not None and _truthy(c.when.eval(input_, scope))),
-                              None) or next((c for c in task.body if c.when is None), None)
-                self._complete(task, input_, input_, then=chosen.then if chosen else None)
+                chosen = None
+                for case in task.body:
+                    if case.when is not None and _truthy(await self.jq.eval(case.when, input_, scope)):
+                        chosen = case
+                        break
+                chosen = chosen or next((c for c in task.body if c.when is None), None)
+                await self._complete(task, input_, input_, then=chosen.then if chosen else None)
             elif task.kind == "raise":
-                self._fault(task, self._raised(task, _fill(task.body, input_, scope)))
+                await self._fault(task, self._raised(task, await self.jq.fill(task.body, input_, scope)))
             elif task.kind == "wait":
                 frame["until"] = self.now + task.body
                 self.stack.append(frame)
             elif task.kind == "call":
                 call: WfCall = task.body
-                frame.update(child=new_run_id(), fn=[call.type, call.name], child_input=_fill(call.input, input_, scope))
+                frame.update(child=new_run_id(), fn=[call.type, call.name], child_input=await self.jq.fill(call.input, input_, scope))
                 started["run"] = {"type": call.type, "name": call.name, "run_id": frame["child"]}
                 self.stack.append(frame)
             elif task.kind == "try":
@@ -5394,7 +5471,7 @@ class _Walk:
             else:
                 self.stack += [frame, {"list": task.lists[0], "i": 0, "data": input_}]
         except ExprError as exc:
-            self._expr_failed(task, task.kind, exc)
+            await self._expr_failed(task, task.kind, exc)
 
     @staticmethod
     def _raised(task: WfTask, err: dict[str, Any]) -> dict[str, Any]:
@@ -5408,11 +5485,11 @@ class _Walk:
             out["kind"] = err["kind"]
         return out
 
-    def _resume_call(self, task: WfTask, fr: dict[str, Any]) -> None:
+    async def _resume_call(self, task: WfTask, fr: dict[str, Any]) -> None:
         child = self.child
         if child is None:
             if self.start_error is not None:
-                self._fault(task, dict(self.start_error, instance=task.ref, run_id=fr["child"]))
+                await self._fault(task, dict(self.start_error, instance=task.ref, run_id=fr["child"]))
             else:
                 self.start_child = fr
             return
@@ -5427,13 +5504,13 @@ class _Walk:
             return
         if child["status"] == RunStatus.SUCCEEDED.value:
             output = json.loads(child["output"]) if child["output"] is not None else None
-            self._complete(task, output, fr["input"], run_id=child["run_id"])
+            await self._complete(task, output, fr["input"], run_id=child["run_id"])
             return
         body = json.loads(child["problem"]) if child["problem"] else Problem("failed", "the run failed").body()
-        self._fault(task, dict(body, status=_CHILD_ERROR_STATUS.get(child["status"], 500), instance=task.ref,
+        await self._fault(task, dict(body, status=_CHILD_ERROR_STATUS.get(child["status"], 500), instance=task.ref,
                                run_id=child["run_id"]))
 
-    def _complete(self, task: WfTask, raw: Any, task_input: Any, *, then: str | None = None,
+    async def _complete(self, task: WfTask, raw: Any, task_input: Any, *, then: str | None = None,
                   run_id: str | None = None) -> None:
         top = self.stack[-1]
         started = top["at"] if top.get("task") == task.ref else self.now
@@ -5441,11 +5518,11 @@ class _Walk:
         out = raw
         try:
             if task.output_as is not None:
-                out = _fill(task.output_as, raw, scope)
+                out = await self.jq.fill(task.output_as, raw, scope)
             if task.export_as is not None:
-                self.state["context"] = _fill(task.export_as, out, scope)
+                self.state["context"] = await self.jq.fill(task.export_as, out, scope)
         except ExprError as exc:
-            self._expr_failed(task, "output.as" if task.output_as is not None else "export.as", exc)
+            await self._expr_failed(task, "output.as" if task.output_as is not None else "export.as", exc)
             return
         if top.get("task") == task.ref:
             self.stack.pop()
@@ -5453,9 +5530,9 @@ class _Walk:
         if run_id is not None:
             done["run_id"] = run_id
         self.events.append(("task_completed", done))
-        self._flow(then or task.then or "continue", out)
+        await self._flow(then or task.then or "continue", out)
 
-    def _flow(self, then: str, out: Any) -> None:
+    async def _flow(self, then: str, out: Any) -> None:
         lf = self.stack[-1]
         tasks = self.doc.lists[lf["list"]]
         lf["data"] = out
@@ -5464,22 +5541,22 @@ class _Walk:
         elif then == "exit":
             lf["i"] = len(tasks)
         elif then == "end":
-            self._end(out)
+            await self._end(out)
         else:
             lf["i"] = next(i for i, t in enumerate(tasks) if t.name == then)
 
-    def _finish_list(self) -> None:
+    async def _finish_list(self) -> None:
         lf = self.stack.pop()
         if not self.stack:
-            self._end(lf["data"])
+            await self._end(lf["data"])
             return
         owner = self.stack[-1]
-        self._complete(self.doc.tasks[owner["task"]], lf["data"], owner["input"])
+        await self._complete(self.doc.tasks[owner["task"]], lf["data"], owner["input"])
 
-    def _end(self, out: Any) -> None:
+    async def _end(self, out: Any) -> None:
         if self.doc.output_as is not None:
             try:
-                out = _fill(self.doc.output_as, out, self._scope(None, out, self.now))
+                out = await self.jq.fill(self.doc.output_as, out, self._scope(None, out, self.now))
             except ExprError as exc:
                 self._fail(_wf_error("expression", f"the workflow's output.as failed: {exc}", instance="/output/as"))
                 return
@@ -5494,7 +5571,7 @@ class _Walk:
         problem.extra = {k: v for k, v in error.items() if k not in ("title", "status", "detail", "kind")}
         self.ending = (status, error.get("kind"), None, problem)
 
-    def _fault(self, task: WfTask, error: dict[str, Any]) -> None:
+    async def _fault(self, task: WfTask, error: dict[str, Any]) -> None:
         """`task` raised `error`: it ends faulted, and the error climbs to the nearest try that takes it."""
         faulted = {"task": task.name, "ref": task.ref, "error": error}
         self.events.append(("task_faulted", faulted))
@@ -5507,14 +5584,14 @@ class _Walk:
                 continue
             owner = self.doc.tasks[top["task"]]
             if owner.kind == "try" and top.get("phase") == "try":
-                taken, error = self._catch(owner, top, error)
+                taken, error = await self._catch(owner, top, error)
                 if taken:
                     return
             self.events.append(("task_faulted", {"task": owner.name, "ref": owner.ref, "error": error}))
             self.stack.pop()
         self._fail(error)
 
-    def _catch(self, task: WfTask, fr: dict[str, Any], error: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
+    async def _catch(self, task: WfTask, fr: dict[str, Any], error: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
         c = task.catch
         assert c is not None
         for key, want in c.with_.items():
@@ -5523,9 +5600,9 @@ class _Walk:
                 return False, error
         scope = self._scope(task, fr["input"], fr["at"], **{c.as_: error})
         try:
-            if c.when is not None and not _truthy(c.when.eval(error, scope)):
+            if c.when is not None and not _truthy(await self.jq.eval(c.when, error, scope)):
                 return False, error
-            if c.except_when is not None and _truthy(c.except_when.eval(error, scope)):
+            if c.except_when is not None and _truthy(await self.jq.eval(c.except_when, error, scope)):
                 return False, error
         except ExprError as exc:
             return False, _wf_error("expression", f"task {task.name!r}: its catch's condition failed: {exc}",
@@ -5544,7 +5621,7 @@ class _Walk:
         if c.do is not None:
             self.stack.append({"list": c.do, "i": 0, "data": fr["input"]})
         else:
-            self._complete(task, fr["input"], fr["input"])
+            await self._complete(task, fr["input"], fr["input"])
         return True, error
 
 
@@ -5555,6 +5632,10 @@ class Workflows:
         self.engine = engine
         self._busy: dict[tuple[str, str], bool] = {}              # run -> drive again when done
         self._start_errors: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {}
+        self.jq = JqRunner()
+
+    async def close(self) -> None:
+        await self.jq.close()
 
     # -- definitions ----------------------------------------------------------------------------
 
@@ -5673,13 +5754,13 @@ class Workflows:
         state = json.loads(run["state"])
         failed = self._start_errors.get((playbook, run_id))
         top = state["stack"][-1] if state["stack"] else {}
-        walk = _Walk(doc, run, state, now, child, expires,
+        walk = _Walk(self.jq, doc, run, state, now, child, expires,
                      failed[1] if failed is not None and failed[0] == top.get("child") else None)
         try:
-            walk.advance()
+            await walk.advance()
         except Exception:
             log.exception("workflow run %s broke down", run_id)
-            walk = _Walk(doc, run, json.loads(run["state"]), now, child, expires, None)
+            walk = _Walk(self.jq, doc, run, json.loads(run["state"]), now, child, expires, None)
             walk._fail(_wf_error("failed", "the daemon broke down while running the workflow", instance="/do"))
         new_state = dumps(walk.state)
         if walk.ending is None and len(new_state.encode()) > WORKFLOW_MAX_STATE_BYTES:

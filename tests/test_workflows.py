@@ -558,3 +558,15 @@ do:
     await d.call("POST", f"/runs/{second['run_id']}/cancel")
     assert [(await get_run(d, r))["kind"] for r in (second["run_id"], inner, ask)] == ["cancelled"] * 3
     assert await inbox(d) == []
+
+
+async def test_a_runaway_expression_is_stopped_and_the_daemon_carries_on(d, monkeypatch):
+    monkeypatch.setattr(itd, "JQ_TIMEOUT_S", 0.5)
+    await define_wf(d, "spin", workflow("spin", "do:\n  - loop: {set: {n: '${ last(range(1e15)) }'}}\n"))
+    await define_wf(d, "calm", workflow("calm", "do:\n  - add: {set: {n: '${ .n + 1 }'}}\n"))
+    run = await start(d, "spin", {})
+    got = await get_run(d, run["run_id"])
+    assert got["status"] == "invalid_input" and "was stopped" in got["problem"]["detail"], got
+    assert "task 'loop'" in got["problem"]["detail"]
+    run = await start(d, "calm", {"n": 1})
+    assert (await get_run(d, run["run_id"]))["output"] == {"n": 2}
