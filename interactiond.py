@@ -4654,6 +4654,12 @@ class JqRunner:
             except (OSError, ValueError, asyncio.LimitOverrunError) as exc:
                 await self.close()
                 raise ExprError(f"{expr.quoted()} could not be run: {exc}") from None
+            except asyncio.CancelledError:
+                # A reply may still come; the next request must not read it as its own.
+                proc, self._proc = self._proc, None
+                if proc is not None and proc.returncode is None:
+                    proc.kill()
+                raise
             if not line:
                 await self.close()
                 raise ExprError(f"{expr.quoted()} needed more memory than an expression may use and was stopped")
@@ -5374,7 +5380,7 @@ class _Walk:
         first: int | None = top.get("until")
         if "child" in top and self.child is not None:
             if RunStatus(self.child["status"]).ended:
-                first = 0                         # it ended first: its ending is taken, not a deadline
+                first = self.child["ended_at"]    # it ended before a deadline: its ending is taken
             elif self.child_expires_at is not None:
                 first = self.child_expires_at     # its expiry ends it (the engine's own timer)
         for idx, fr in enumerate(self.stack):
@@ -5895,12 +5901,29 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
     if not raw:
         return {}
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_no_constant)
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad_request(f"the body is not JSON: {exc}") from None
+    except RecursionError:
+        raise bad_request("the body is not JSON the daemon reads: it nests too deep") from None
     if not isinstance(body, dict):
         raise bad_request("the body is a JSON object")
+    if (b"\\u" in raw or b"\xed" in raw) and not _encodable(body):
+        raise bad_request("the body is not JSON the daemon reads: it holds a lone surrogate (\\ud800-\\udfff)")
     return body
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _encodable(value: Any) -> bool:
+    """Whether every text in a parsed body is valid Unicode (json.loads lets lone surrogates through)."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode()
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -6164,6 +6187,21 @@ def openapi_spec() -> dict[str, Any]:
                 "detail": {"type": "string"}, "kind": {"type": ["string", "null"]}, "errors": {"type": "array"}}}},
         },
     }
+
+
+def create_token(conn: sqlite3.Connection, role: str, playbook: str | None, name: str | None,
+                 purpose: str = "api", now: int | None = None) -> tuple[str, str]:
+    """Store a new token's hash; returns (id, secret). The secret is shown once."""
+    if role not in {r.value for r in Role}:
+        raise ValueError(f"role is one of reader, writer, operator, not {role!r}")
+    if playbook is not None and not PLAYBOOK_RE.fullmatch(playbook):
+        raise ValueError(f"playbook is ORG/NAME, not {playbook!r}")
+    secret = new_token_secret()
+    token_id = "tok_" + new_ulid().lower()
+    conn.execute("INSERT INTO tokens (id, hash, playbook, role, name, purpose, created_at) VALUES (?,?,?,?,?,?,?)",
+                 (token_id, sha256_hex(secret), playbook, role, name, purpose,
+                  now if now is not None else int(time.time() * 1000)))
+    return token_id, secret
 
 
 async def _authenticate(request: web.Request) -> Caller:
@@ -8176,21 +8214,6 @@ def build_app(engine: Engine, *, manage_engine: bool = True, hosts: Iterable[str
             await engine.store.close()
         app.cleanup_ctx.append(lifecycle)
     return app
-
-
-def create_token(conn: sqlite3.Connection, role: str, playbook: str | None, name: str | None,
-                 purpose: str = "api", now: int | None = None) -> tuple[str, str]:
-    """Store a new token's hash; returns (id, secret). The secret is shown once."""
-    if role not in {r.value for r in Role}:
-        raise ValueError(f"role is one of reader, writer, operator, not {role!r}")
-    if playbook is not None and not PLAYBOOK_RE.fullmatch(playbook):
-        raise ValueError(f"playbook is ORG/NAME, not {playbook!r}")
-    secret = new_token_secret()
-    token_id = "tok_" + new_ulid().lower()
-    conn.execute("INSERT INTO tokens (id, hash, playbook, role, name, purpose, created_at) VALUES (?,?,?,?,?,?,?)",
-                 (token_id, sha256_hex(secret), playbook, role, name, purpose,
-                  now if now is not None else int(time.time() * 1000)))
-    return token_id, secret
 
 
 def _beside(db: str, suffix: str) -> Path:
