@@ -5379,10 +5379,9 @@ class _Walk:
         top = self.stack[-1]
         first: int | None = top.get("until")
         if "child" in top and self.child is not None:
-            if RunStatus(self.child["status"]).ended:
-                first = self.child["ended_at"]    # it ended before a deadline: its ending is taken
-            elif self.child_expires_at is not None:
-                first = self.child_expires_at     # its expiry ends it (the engine's own timer)
+            # It ended (or its request expired, which ends it) before a deadline: its ending is taken.
+            ended = self.child["ended_at"] if RunStatus(self.child["status"]).ended else None
+            first = min((t for t in (ended, self.child_expires_at) if t is not None), default=None)
         for idx, fr in enumerate(self.stack):
             if "task" not in fr:
                 continue
