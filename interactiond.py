@@ -1990,9 +1990,15 @@ def _person_overview(doc: FunctionDoc) -> list[str]:
     return out
 
 
-def check_documents(paths: list[str], out: Any = None) -> int:
-    """`interactiond check`: print each problem as FILE:LINE: field: message; 1 on any problem."""
+def check_documents(paths: list[str], out: Any = None,
+                    parsers: Mapping[str, Callable[[str], Any]] | None = None) -> int:
+    """`interactiond check`: print each problem as FILE:LINE: field: message; 1 on any problem.
+
+    `parsers` maps a file suffix to its parser (`.yaml` to the workflow parser, say); any other file
+    is a function document.
+    """
     out = out or sys.stdout
+    parsers = parsers or {}
     status = 0
     for path in paths:
         try:
@@ -2003,7 +2009,7 @@ def check_documents(paths: list[str], out: Any = None) -> int:
             status = 1
             continue
         try:
-            parse_function(source)
+            parsers.get(Path(path).suffix.lower(), parse_function)(source)
         except DocumentError as exc:
             status = 1
             for p in exc.problems:
@@ -8556,7 +8562,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s")
     if args.cmd == "check":
-        return check_documents(args.files)
+        return check_documents(args.files, parsers={".yaml": parse_workflow, ".yml": parse_workflow})
     if args.cmd == "token":
         return _cli_token(args)
     if args.cmd in ("define", "run", "inbox", "answer"):

@@ -86,8 +86,13 @@ async def test_stdio_is_a_thin_front_when_serve_runs(served):
 
 
 def test_check(tmp_path):
-    ok = cli("check", *[str(p) for p in sorted((ROOT / "examples").glob("*.md"))], cwd=tmp_path)
-    assert ok.returncode == 0
+    docs = sorted((ROOT / "examples").glob("*.md")) + sorted((ROOT / "examples").glob("*.yaml"))
+    ok = cli("check", *[str(p) for p in docs if p.name != "interactiond.yaml"], cwd=tmp_path)
+    assert ok.returncode == 0 and ok.stdout.count(": ok") >= 6
+    flow = tmp_path / "flow.yaml"
+    flow.write_text("document: {dsl: '1.0.3', namespace: t, name: flow, version: '1.0.0'}\ndo:\n  - a: {bogus: 1}\n")
+    out = cli("check", str(flow), cwd=tmp_path, check=False)
+    assert out.returncode == 1 and f"{flow}:3:" in out.stdout
     broken = tmp_path / "broken.md"
     broken.write_text("---\nto: '{{ input.owner }}'\nexpires: P90D\nmodel: gpt\n---\nHi\n")
     out = cli("check", str(broken), cwd=tmp_path, check=False)
