@@ -3198,140 +3198,8 @@ def _ask_overrides(kind: str, input_: dict[str, Any], now: int) -> dict[str, Any
     return {"expires_at": now + int(td.total_seconds() * 1000), "answer_schema": schema}
 
 
-class Engine:
-    """Every operation of the product, over one store, one clock and one timer task."""
-
-    def __init__(self, store: Store, clock: SystemClock | ManualClock, config: Config) -> None:
-        self.store = store
-        self.clock = clock
-        self.config = config
-        self.open_limit = config.open_requests
-        store.on_commit = self._apply
-        self.wheel = TimerWheel(clock, self._fire)
-        self._waiters: dict[tuple[str, str], set[asyncio.Future[None]]] = {}
-        self._docs: OrderedDict[tuple[str, str, str, int], Any] = OrderedDict()
-        self._current: dict[tuple[str, str, str], tuple[int, Any] | None] = {}
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._subscribers: set[asyncio.Queue[dict[str, Any]]] = set()
-        self._timer_task: asyncio.Task[None] | None = None
-        self._inflight: set[tuple[str, str]] = set()
-        self.playbooks: set[str] = set(config.playbooks)
-        self.tools = ToolServers(config)
-        self.workflows = Workflows(self)      # the workflow executor (section Workflows)
-
-    # -- life ---------------------------------------------------------------------------------
-
-    async def start(self) -> None:
-        now = self.clock.now_ms()
-        builtins = {name: _ask_source(kind) for name, kind in ASK_FUNCTIONS.items()}
-        docs = {name: parse_function(src) for name, src in builtins.items()}
-
-        def init(conn: sqlite3.Connection, fx: Effects) -> list[tuple[str, int]]:
-            for pb in self.playbooks:
-                conn.execute("INSERT OR IGNORE INTO playbooks (id, created_at) VALUES (?, ?)", (pb, now))
-                for name, source in builtins.items():
-                    conn.execute(
-                        "INSERT OR IGNORE INTO definitions (playbook, type, name, version, source, source_sha, overview,"
-                        " description, active, created_at, created_by) VALUES (?, 'interaction', ?, 1, ?, ?, ?, ?, 1, ?,"
-                        " 'interactiond')", (pb, name, source, sha256_hex(source), docs[name].overview,
-                                             docs[name].description, now))
-            # A call to a system cut off by a stop: the tool may have acted; nobody knows.
-            for run in conn.execute("SELECT playbook, run_id FROM runs WHERE status = 'started' AND tools_called = 1"
-                                    " AND type = 'interaction'").fetchall():
-                _end_run(conn, fx, run["playbook"], run["run_id"], RunStatus.CONFLICT, now=now, by="interactiond",
-                         kind="effect_unknown", problem=ending_problem(
-                             RunStatus.CONFLICT, "effect_unknown", "the daemon stopped while the tool call was in "
-                             "flight; whether the tool acted is unknown", extra={"because": "lost"}))
-            # Recount open requests: the counter is a cache of requests.open.
-            conn.execute("UPDATE playbooks SET open_requests ="
-                         " (SELECT COUNT(*) FROM requests r WHERE r.playbook = playbooks.id AND r.open = 1)")
-            return [(r[0], r[1]) for r in conn.execute("SELECT key, due_at FROM timers")]
-
-        for key, due in await self.store.write(init):
-            self.wheel.set(key, due)
-        self._timer_task = asyncio.create_task(self.wheel.run(), name="interactiond-timers")
-
-    async def stop(self) -> None:
-        if self._timer_task is not None:
-            self._timer_task.cancel()
-            await asyncio.gather(self._timer_task, return_exceptions=True)
-            self._timer_task = None
-        if self._tasks:
-            done, pending = await asyncio.wait(set(self._tasks), timeout=SHUTDOWN_GRACE_S)
-            for t in pending:
-                t.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-        for futs in self._waiters.values():
-            for f in futs:
-                if not f.done():
-                    f.set_result(None)
-        await self.tools.close()
-        await self.workflows.close()          # Workflows: its jq process
-
-    def spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
-        """A named side task, kept until it ends; its failure is logged, never lost."""
-        task = asyncio.create_task(coro, name=name)
-        self._tasks.add(task)
-
-        def done(t: asyncio.Task[Any]) -> None:
-            self._tasks.discard(t)
-            if not t.cancelled() and t.exception() is not None:
-                log.error("task %s failed", name, exc_info=t.exception())
-        task.add_done_callback(done)
-        return task
-
-    async def settle(self) -> None:
-        """Run every due timer and wait for the work it started (the manual clock's `advance`)."""
-        for _ in range(10_000):
-            fired = await self.wheel.run_due()
-            if self._tasks:
-                await asyncio.gather(*list(self._tasks), return_exceptions=True)
-            nxt = self.wheel.next_due()
-            if not fired and not self._tasks and (nxt is None or nxt > self.clock.now_ms()):
-                return
-
-    async def advance(self, delta: timedelta) -> None:
-        """Move the manual clock forward as time would pass: every timer fires at its own moment."""
-        target = self.clock.now_ms() + int(delta.total_seconds() * 1000)
-        await self.settle()
-        while (nxt := self.wheel.next_due()) is not None and nxt <= target:
-            self.clock.advance((nxt - self.clock.now_ms()) / 1000)
-            await self.settle()
-        self.clock.advance((target - self.clock.now_ms()) / 1000)
-        await self.settle()
-
-    def _apply(self, fx: Effects) -> None:
-        for key, due in fx.timers:
-            if due is None:
-                self.wheel.cancel(key)
-            else:
-                self.wheel.set(key, due)
-        for key in fx.wakes:
-            for fut in self._waiters.pop(key, ()):
-                if not fut.done():
-                    fut.set_result(None)
-        for event in fx.published:
-            for q in list(self._subscribers):
-                if q.qsize() < 1000:
-                    q.put_nowait(event)
-        for fn in fx.later:
-            fn()
-
-    def subscribe(self) -> asyncio.Queue[dict[str, Any]]:
-        q: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        self._subscribers.add(q)
-        return q
-
-    def unsubscribe(self, q: asyncio.Queue[dict[str, Any]]) -> None:
-        self._subscribers.discard(q)
-
-    # -- access ---------------------------------------------------------------------------------
-
-    def playbook(self, caller: Caller, playbook: str) -> str:
-        """The playbook id when the caller may see it; 404 otherwise (never 403)."""
-        if playbook not in self.playbooks or not caller.sees(playbook):
-            raise not_found(f"no playbook {playbook} is visible to this caller")
-        return playbook
+class _EngineDefinitions:
+    """Saving, reading, listing and deactivating definitions (a part of Engine)."""
 
     # -- definitions ----------------------------------------------------------------------------
 
@@ -3467,6 +3335,10 @@ class Engine:
             hit = (row["version"], self._doc(playbook, type_, name, row["version"], row["source"]))
             self._current[key] = hit
         return hit
+
+
+class _EngineRuns:
+    """Starting runs, reading, waiting for and cancelling them (a part of Engine)."""
 
     # -- runs -----------------------------------------------------------------------------------
 
@@ -3732,6 +3604,10 @@ class Engine:
         rows = await self.store.read(query)
         return _page([run_object(r) for r in rows[:n]], rows, n, lambda: [rows[n - 1]["seq"]])
 
+
+class _EngineSystemCalls:
+    """The tool servers as a playbook sees them, and functions that ask a system (a part of Engine)."""
+
     # -- tool servers ---------------------------------------------------------------------------
 
     def _check_offered(self, playbook: str, server: str, tools: list[str]) -> Problem | None:
@@ -3946,6 +3822,10 @@ class Engine:
             detail += "; running again calls the tool again"
         return ending_problem(RunStatus.CONFLICT, "unworkable", detail, **kw)
 
+
+class _EngineInbox:
+    """Open requests, their answers, and the events of runs and playbooks (a part of Engine)."""
+
     # -- the inbox ------------------------------------------------------------------------------
 
     async def list_interactions(self, caller: Caller, playbook: str, to: str | None = None, type_: str | None = None,
@@ -4034,6 +3914,40 @@ class Engine:
             raise Problem("not_open", "the run is being cancelled", kind="cancelling")
         return False
 
+
+
+    # -- events ---------------------------------------------------------------------------------
+
+    async def list_run_events(self, caller: Caller, playbook: str, run_id: str, limit: Any = None,
+                              cursor: str | None = None) -> dict[str, Any]:
+        n = check_limit(limit)
+        after = decode_cursor(cursor)[0] if cursor else 0
+        await self.get_run(caller, playbook, run_id)
+        rows = await self.store.read(lambda c: c.execute(
+            "SELECT * FROM events WHERE playbook = ? AND run_id = ? AND id > ? ORDER BY id LIMIT ?",
+            (playbook, run_id, after, n + 1)).fetchall())
+        return _page([event_object(r) for r in rows[:n]], rows, n, lambda: [rows[n - 1]["id"]])
+
+    async def list_playbook_events(self, caller: Caller, playbook: str, type_: str | None = None, limit: Any = None,
+                                   cursor: str | None = None) -> dict[str, Any]:
+        n = check_limit(limit)
+        after = decode_cursor(cursor)[0] if cursor else 0
+        rows = await self.store.read(lambda c: c.execute(
+            "SELECT * FROM events WHERE playbook = ? AND run_id IS NULL AND (? IS NULL OR type = ?) AND id > ?"
+            " ORDER BY id LIMIT ?", (playbook, type_, type_, after, n + 1)).fetchall())
+        return _page([event_object(r) for r in rows[:n]], rows, n, lambda: [rows[n - 1]["id"]])
+
+    async def get_event(self, caller: Caller, playbook: str, event_id: str) -> dict[str, Any]:
+        eid = parse_event_id(event_id)
+        row = await self.store.read(lambda c: c.execute("SELECT * FROM events WHERE id = ? AND playbook = ?",
+                                                        (eid, playbook)).fetchone())
+        if row is None:
+            raise not_found(f"no event {event_id} in this playbook")
+        return event_object(row, whole=True)
+
+
+class _EngineDeliveries:
+    """Sending requests through a tool: attempts, retries, lost attempts (a part of Engine)."""
 
     # -- delivery -------------------------------------------------------------------------------
     #
@@ -4206,6 +4120,10 @@ class Engine:
             elif row["status"] == "open":
                 self._after_failed_attempt(conn, fx, row, now, None)
         await self.store.write(change)
+
+
+class _EngineReadings:
+    """Reading replies in conversations and taking answers from them (a part of Engine)."""
 
     # -- reading replies --------------------------------------------------------------------------
     #
@@ -4415,34 +4333,147 @@ class Engine:
         await self.store.write(lambda c, fx: append_event(c, fx, playbook, None, kind, done, "interactiond",
                                                           {**base, **outcome}))
 
-    # -- events ---------------------------------------------------------------------------------
 
-    async def list_run_events(self, caller: Caller, playbook: str, run_id: str, limit: Any = None,
-                              cursor: str | None = None) -> dict[str, Any]:
-        n = check_limit(limit)
-        after = decode_cursor(cursor)[0] if cursor else 0
-        await self.get_run(caller, playbook, run_id)
-        rows = await self.store.read(lambda c: c.execute(
-            "SELECT * FROM events WHERE playbook = ? AND run_id = ? AND id > ? ORDER BY id LIMIT ?",
-            (playbook, run_id, after, n + 1)).fetchall())
-        return _page([event_object(r) for r in rows[:n]], rows, n, lambda: [rows[n - 1]["id"]])
+class Engine(_EngineDefinitions, _EngineRuns, _EngineSystemCalls, _EngineInbox, _EngineDeliveries,
+             _EngineReadings):
+    """Every operation of the product, over one store, one clock and one timer task.
 
-    async def list_playbook_events(self, caller: Caller, playbook: str, type_: str | None = None, limit: Any = None,
-                                   cursor: str | None = None) -> dict[str, Any]:
-        n = check_limit(limit)
-        after = decode_cursor(cursor)[0] if cursor else 0
-        rows = await self.store.read(lambda c: c.execute(
-            "SELECT * FROM events WHERE playbook = ? AND run_id IS NULL AND (? IS NULL OR type = ?) AND id > ?"
-            " ORDER BY id LIMIT ?", (playbook, type_, type_, after, n + 1)).fetchall())
-        return _page([event_object(r) for r in rows[:n]], rows, n, lambda: [rows[n - 1]["id"]])
+    The operations live in the parts above, one class per area; this class holds what they share
+    (the store, the clock, the timer wheel, waiters, caches and tool sessions) and the life cycle.
+    """
 
-    async def get_event(self, caller: Caller, playbook: str, event_id: str) -> dict[str, Any]:
-        eid = parse_event_id(event_id)
-        row = await self.store.read(lambda c: c.execute("SELECT * FROM events WHERE id = ? AND playbook = ?",
-                                                        (eid, playbook)).fetchone())
-        if row is None:
-            raise not_found(f"no event {event_id} in this playbook")
-        return event_object(row, whole=True)
+    def __init__(self, store: Store, clock: SystemClock | ManualClock, config: Config) -> None:
+        self.store = store
+        self.clock = clock
+        self.config = config
+        self.open_limit = config.open_requests
+        store.on_commit = self._apply
+        self.wheel = TimerWheel(clock, self._fire)
+        self._waiters: dict[tuple[str, str], set[asyncio.Future[None]]] = {}
+        self._docs: OrderedDict[tuple[str, str, str, int], Any] = OrderedDict()
+        self._current: dict[tuple[str, str, str], tuple[int, Any] | None] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._subscribers: set[asyncio.Queue[dict[str, Any]]] = set()
+        self._timer_task: asyncio.Task[None] | None = None
+        self._inflight: set[tuple[str, str]] = set()
+        self.playbooks: set[str] = set(config.playbooks)
+        self.tools = ToolServers(config)
+        self.workflows = Workflows(self)      # the workflow executor (section Workflows)
+
+    # -- life ---------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        now = self.clock.now_ms()
+        builtins = {name: _ask_source(kind) for name, kind in ASK_FUNCTIONS.items()}
+        docs = {name: parse_function(src) for name, src in builtins.items()}
+
+        def init(conn: sqlite3.Connection, fx: Effects) -> list[tuple[str, int]]:
+            for pb in self.playbooks:
+                conn.execute("INSERT OR IGNORE INTO playbooks (id, created_at) VALUES (?, ?)", (pb, now))
+                for name, source in builtins.items():
+                    conn.execute(
+                        "INSERT OR IGNORE INTO definitions (playbook, type, name, version, source, source_sha, overview,"
+                        " description, active, created_at, created_by) VALUES (?, 'interaction', ?, 1, ?, ?, ?, ?, 1, ?,"
+                        " 'interactiond')", (pb, name, source, sha256_hex(source), docs[name].overview,
+                                             docs[name].description, now))
+            # A call to a system cut off by a stop: the tool may have acted; nobody knows.
+            for run in conn.execute("SELECT playbook, run_id FROM runs WHERE status = 'started' AND tools_called = 1"
+                                    " AND type = 'interaction'").fetchall():
+                _end_run(conn, fx, run["playbook"], run["run_id"], RunStatus.CONFLICT, now=now, by="interactiond",
+                         kind="effect_unknown", problem=ending_problem(
+                             RunStatus.CONFLICT, "effect_unknown", "the daemon stopped while the tool call was in "
+                             "flight; whether the tool acted is unknown", extra={"because": "lost"}))
+            # Recount open requests: the counter is a cache of requests.open.
+            conn.execute("UPDATE playbooks SET open_requests ="
+                         " (SELECT COUNT(*) FROM requests r WHERE r.playbook = playbooks.id AND r.open = 1)")
+            return [(r[0], r[1]) for r in conn.execute("SELECT key, due_at FROM timers")]
+
+        for key, due in await self.store.write(init):
+            self.wheel.set(key, due)
+        self._timer_task = asyncio.create_task(self.wheel.run(), name="interactiond-timers")
+
+    async def stop(self) -> None:
+        if self._timer_task is not None:
+            self._timer_task.cancel()
+            await asyncio.gather(self._timer_task, return_exceptions=True)
+            self._timer_task = None
+        if self._tasks:
+            done, pending = await asyncio.wait(set(self._tasks), timeout=SHUTDOWN_GRACE_S)
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        for futs in self._waiters.values():
+            for f in futs:
+                if not f.done():
+                    f.set_result(None)
+        await self.tools.close()
+        await self.workflows.close()          # Workflows: its jq process
+
+    def spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
+        """A named side task, kept until it ends; its failure is logged, never lost."""
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+
+        def done(t: asyncio.Task[Any]) -> None:
+            self._tasks.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                log.error("task %s failed", name, exc_info=t.exception())
+        task.add_done_callback(done)
+        return task
+
+    async def settle(self) -> None:
+        """Run every due timer and wait for the work it started (the manual clock's `advance`)."""
+        for _ in range(10_000):
+            fired = await self.wheel.run_due()
+            if self._tasks:
+                await asyncio.gather(*list(self._tasks), return_exceptions=True)
+            nxt = self.wheel.next_due()
+            if not fired and not self._tasks and (nxt is None or nxt > self.clock.now_ms()):
+                return
+
+    async def advance(self, delta: timedelta) -> None:
+        """Move the manual clock forward as time would pass: every timer fires at its own moment."""
+        target = self.clock.now_ms() + int(delta.total_seconds() * 1000)
+        await self.settle()
+        while (nxt := self.wheel.next_due()) is not None and nxt <= target:
+            self.clock.advance((nxt - self.clock.now_ms()) / 1000)
+            await self.settle()
+        self.clock.advance((target - self.clock.now_ms()) / 1000)
+        await self.settle()
+
+    def _apply(self, fx: Effects) -> None:
+        for key, due in fx.timers:
+            if due is None:
+                self.wheel.cancel(key)
+            else:
+                self.wheel.set(key, due)
+        for key in fx.wakes:
+            for fut in self._waiters.pop(key, ()):
+                if not fut.done():
+                    fut.set_result(None)
+        for event in fx.published:
+            for q in list(self._subscribers):
+                if q.qsize() < 1000:
+                    q.put_nowait(event)
+        for fn in fx.later:
+            fn()
+
+    def subscribe(self) -> asyncio.Queue[dict[str, Any]]:
+        q: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._subscribers.add(q)
+        return q
+
+    def unsubscribe(self, q: asyncio.Queue[dict[str, Any]]) -> None:
+        self._subscribers.discard(q)
+
+    # -- access ---------------------------------------------------------------------------------
+
+    def playbook(self, caller: Caller, playbook: str) -> str:
+        """The playbook id when the caller may see it; 404 otherwise (never 403)."""
+        if playbook not in self.playbooks or not caller.sees(playbook):
+            raise not_found(f"no playbook {playbook} is visible to this caller")
+        return playbook
+
 
     # -- timers ---------------------------------------------------------------------------------
 
