@@ -8333,6 +8333,9 @@ async def _serve(args: Any, config: Config) -> int:
     try:
         secret = ensure_operator_token(db)
         conn = open_sync(db)
+        # One login link at a time: the link an earlier start printed stops working.
+        conn.execute("UPDATE tokens SET revoked_at = ? WHERE purpose = 'login' AND revoked_at IS NULL",
+                     (int(time.time() * 1000),))
         _, login = create_token(conn, "operator", None, "inbox login", purpose="login")
         conn.close()
         engine = Engine(Store(db), _make_clock(args.clock, host), config)

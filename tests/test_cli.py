@@ -122,3 +122,19 @@ def test_configuration_errors_stop_the_start(tmp_path):
     assert out.returncode == 2
     for path in ("listen.port", "servers.Chat", "playbooks.local/default.servers[0]"):
         assert path in out.stderr, out.stderr
+
+
+async def test_stdio_with_http_serves_the_same_engine(tmp_path):
+    import urllib.request
+    params = StdioServerParameters(command=sys.executable, args=["-m", "interactiond", "stdio", "--http", "0"],
+                                   cwd=str(tmp_path), env={**os.environ, "PYTHONPATH": str(ROOT)})
+    async with Client(params, read_timeout_seconds=60) as c:
+        r = await c.call_tool("ask", {"type": "confirmation", "prompt": "Ship?", "to": "cy"})
+        run_id = r.structured_content["run_id"]
+        url = (tmp_path / "interactiond.db.url").read_text().strip()
+        token = (tmp_path / "interactiond.db.token").read_text().strip()
+        req = urllib.request.Request(f"{url}/v1/orgs/local/playbooks/default/interactions?to=cy",
+                                     headers={"Authorization": f"Bearer {token}"})
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            assert [x["run_id"] for x in json.loads(resp.read())["data"]] == [run_id]
+    assert not (tmp_path / "interactiond.db.url").exists()       # removed when the agent went away
