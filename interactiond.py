@@ -6195,12 +6195,23 @@ ROUTE_BY_HANDLER: Final = {r.handler: r for r in ROUTES}
 def openapi_spec() -> dict[str, Any]:
     """OpenAPI 3.1, generated from ROUTES."""
     problem = {"$ref": "#/components/schemas/Problem"}
+    run = {"$ref": "#/components/schemas/Run"}
     paths: dict[str, Any] = {}
     for r in ROUTES:
         op: dict[str, Any] = {"summary": r.summary, "operationId": re.sub(r"\W+", "_", f"{r.method}_{r.path}").strip("_"),
                               "responses": {"default": {"description": "A problem",
                                                         "content": {"application/problem+json": {"schema": problem}}},
                                             "200": {"description": "OK", "content": {"application/json": {"schema": {}}}}}}
+        if r.handler is h_create_definition:
+            op["responses"]["201"] = {"description": "A new version", "content": {"application/json": {"schema": {}}}}
+        if r.handler in (h_run_definition, h_wait_run):
+            # The run object whatever its ending, its status telling the ending; a problem alone
+            # is about the call itself (SPEC section 6).
+            for code in sorted({str(c) for c in RUN_HTTP_STATUS.values()} | {"201"}):
+                content: dict[str, Any] = {"application/json": {"schema": run}}
+                if code >= "400":
+                    content["application/problem+json"] = {"schema": problem}
+                op["responses"][code] = {"description": "The run; its status tells the ending", "content": content}
         params = [{"name": n, "in": "path", "required": True, "schema": {"type": "string"}}
                   for n in re.findall(r"{(\w+)}", r.path)]
         params += [{"name": n, "in": "query", "required": False, "schema": {"type": "string"}} for n in r.query]
@@ -6220,7 +6231,14 @@ def openapi_spec() -> dict[str, Any]:
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
             "schemas": {"Problem": {"type": "object", "required": ["type", "title", "status"], "properties": {
                 "type": {"type": "string"}, "title": {"type": "string"}, "status": {"type": "integer"},
-                "detail": {"type": "string"}, "kind": {"type": ["string", "null"]}, "errors": {"type": "array"}}}},
+                "detail": {"type": "string"}, "kind": {"type": ["string", "null"]}, "errors": {"type": "array"}}},
+                "Run": {"type": "object", "required": ["run_id", "playbook", "type", "name", "version", "status"],
+                        "properties": {"run_id": {"type": "string"}, "playbook": {"type": "string"},
+                                       "type": {"type": "string"}, "name": {"type": "string"},
+                                       "version": {"type": "integer"},
+                                       "status": {"type": "string", "enum": [s.value for s in RunStatus]},
+                                       "kind": {"type": ["string", "null"]},
+                                       "problem": {"anyOf": [{"type": "null"}, problem]}}}},
         },
     }
 

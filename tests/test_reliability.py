@@ -434,3 +434,74 @@ def test_fuzz_create_definition_never_500(served):
 @pytest.mark.slow
 def test_fuzz_create_definition_long(served):
     fuzz_definitions(served, 5000)
+
+
+# -- schemathesis over /openapi.json ----------------------------------------------------------------
+
+def no_failure_500(ctx: Any, response: Any, case: Any) -> None:
+    """No 500 of the daemon breaking down. (A run that ended `failed` answers 500 with its run object,
+    and 503 is a tool server or a limit: both are the contract, not a crash.)"""
+    if response.status_code >= 500:
+        body = response.json()
+        assert body.get("type") != "/problems/failed", f"{response.status_code}: {response.text[:500]}"
+
+
+def schemathesis_run(served: Daemon, positive: int, negative: int) -> None:
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import Phase
+    from hypothesis.errors import Unsatisfiable
+    from schemathesis import checks as C
+
+    checks = [no_failure_500, C.status_code_conformance, C.content_type_conformance, C.response_schema_conformance,
+              C.response_headers_conformance, C.ignored_auth]
+    headers = {"Authorization": f"Bearer {served.token}"}
+    status, _ = post(served, PB + "/definitions", json.dumps({"type": "interaction", "name": "approve",
+                                                              "source": APPROVAL}).encode())
+    assert status in (200, 201)
+    runs = [post(served, PB + "/runs", json.dumps({"name": "approve", "input": {"owner": "ana", "review": "r"}})
+                 .encode())[1]["run_id"] for _ in range(4)]
+    schema = schemathesis.openapi.from_url(served.url + "/openapi.json")
+    failures: list[str] = []
+    operations = [r.ok() for r in schema.get_all_operations()]
+    assert len(operations) >= 20
+    for op in operations:
+        if op.path.endswith("/stream") or op.path == "/v2/events":
+            continue                                     # Server-Sent Events: a stream, not an answer
+        for mode, examples in ((schemathesis.GenerationMode.POSITIVE, positive),
+                               (schemathesis.GenerationMode.NEGATIVE, negative)):
+            @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
+                      phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+            @given(case=op.as_strategy(generation_mode=mode), data=st.data())
+            def call(case: Any, data: Any) -> None:
+                # Aim half the cases at what exists, so they get past 404 into the handlers.
+                path = case.path_parameters or {}
+                if "org" in path and data.draw(st.booleans()):
+                    path["org"], path["playbook"] = "local", "default"
+                if "run_id" in path and data.draw(st.booleans()):
+                    path["run_id"] = data.draw(st.sampled_from(runs))
+                if "type" in path and "name" in path and data.draw(st.booleans()):
+                    path["type"], path["name"] = "interaction", "approve"
+                if op.path.endswith("/wait"):                  # a live run would hold the call for up to 60 s
+                    case.query = {"timeout": data.draw(st.sampled_from(["0", "0.1", "x", "-1", "61"]))}
+                if case.method == "POST" and op.path.endswith("/runs") and data.draw(st.booleans()):
+                    case.body = {"name": "approve",
+                                 "input": data.draw(st.sampled_from([{"owner": "ana", "review": "r"}, {}, {"owner": 5}]))}
+                response = case.call(base_url=served.url, headers=headers, timeout=30)
+                try:
+                    case.validate_response(response, checks=checks)
+                except BaseException as exc:                  # collected: every operation is tried
+                    failures.append(f"{op.label} [{mode.value}] {response.status_code}: {str(exc)[:600]}")
+            try:
+                call()
+            except Unsatisfiable:
+                pass                                           # nothing negative to make of this operation
+    assert not failures, "\n\n".join(failures[:10])
+
+
+def test_schemathesis_openapi(served):
+    schemathesis_run(served, positive=12, negative=8)
+
+
+@pytest.mark.slow
+def test_schemathesis_openapi_long(served):
+    schemathesis_run(served, positive=200, negative=100)
