@@ -2446,33 +2446,47 @@ class _DbThread(threading.Thread):
         try:
             conn.execute("BEGIN IMMEDIATE")
         except BaseException as exc:
-            return [(fut, None, exc, None) for _, fut, _ in batch]
-        for fn, fut, fx in batch:
+            failure = _db_problem(exc)
+            return [(fut, None, failure, None) for _, fut, _ in batch]
+        for i, (fn, fut, fx) in enumerate(batch):
             try:
                 conn.execute("SAVEPOINT change")
-            except BaseException as exc:
-                out.append((fut, None, exc, None))
-                continue
-            try:
                 result = fn(conn, fx)
+                conn.execute("RELEASE change")
             except BaseException as exc:
-                try:
+                if not conn.in_transaction:
+                    # A full disk or an I/O error rolled the whole transaction back: the changes
+                    # before this one are gone too, and the ones after it must not run outside one.
+                    failure = _db_problem(exc)
+                    return [(f, None, failure, None) for f, *_ in out] + [(f, None, failure, None) for _, f, _ in batch[i:]]
+                with contextlib.suppress(sqlite3.Error):
                     conn.execute("ROLLBACK TO change")
                     conn.execute("RELEASE change")
-                except sqlite3.Error:
-                    pass
-                out.append((fut, None, exc, None))
+                out.append((fut, None, _db_problem(exc), None))
             else:
-                conn.execute("RELEASE change")
                 out.append((fut, result, None, fx))
         try:
             conn.execute("COMMIT")
         except BaseException as exc:
             with contextlib.suppress(sqlite3.Error):
                 conn.execute("ROLLBACK")
-            failure = Problem("failed", f"the database refused the write: {exc}")
+            failure = _db_problem(exc, f"the database refused the write: {exc}")
             return [(fut, None, failure, None) for fut, *_ in out]
         return out
+
+
+def _db_problem(exc: BaseException, otherwise: str | None = None) -> BaseException:
+    """A locked, full or failing database as a problem that says so (nothing of the change was written);
+    any other error as it is (or as a plain failure when `otherwise` describes it)."""
+    name = getattr(exc, "sqlite_errorname", "") if isinstance(exc, sqlite3.Error) else ""
+    if name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")):
+        return Problem("unavailable", "the database is locked by another process and stayed locked past the busy"
+                       " timeout; nothing was written, try again", kind="database_busy")
+    if name.startswith("SQLITE_FULL"):
+        return Problem("unavailable", "the database's disk is full; nothing was written", kind="disk_full")
+    if name.startswith(("SQLITE_IOERR", "SQLITE_READONLY", "SQLITE_CANTOPEN", "SQLITE_CORRUPT", "SQLITE_NOTADB")):
+        return Problem("failed", f"the database could not be written ({name}); nothing was written", kind="database")
+    return Problem("failed", otherwise) if otherwise is not None else exc
 
 
 def _settle_all(settled: list[tuple[Any, ...]], sink: Callable[[Effects], None] | None) -> None:

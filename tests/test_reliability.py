@@ -505,3 +505,148 @@ def test_schemathesis_openapi(served):
 @pytest.mark.slow
 def test_schemathesis_openapi_long(served):
     schemathesis_run(served, positive=200, negative=100)
+
+
+# -- misbehaving tool servers block no one ----------------------------------------------------------
+
+FLAKY = str(Path(__file__).parent / "servers" / "flaky_server.py")
+GARBAGE_SERVER = """\
+import sys
+for line in sys.stdin:                 # answers every JSON-RPC message with bytes that are not JSON-RPC
+    sys.stdout.write("garbage \\x01 {not json-rpc}\\n")
+    sys.stdout.flush()
+"""
+
+
+def call_doc(server: str, tool: str) -> str:
+    return (f"---\ndescription: Calls {server}/{tool}\ncall:\n  server: {server}\n  tool: {tool}\n  with: {{}}\n"
+            "input:\n  schema: {type: object}\noutput:\n  schema: {}\n---\n")
+
+
+async def test_hung_crashing_and_garbage_servers_block_no_one(tmp_path, aiohttp_client, monkeypatch):
+    """Deliveries to a hung chat server, a system call to a hung, a crashing and a garbage-speaking
+    server, all at once: inbox runs, answers and waits go on at their usual pace meanwhile.
+    (tests/test_system_calls.py has each failure's ending on its own.)"""
+    monkeypatch.setattr(itd, "CALL_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(itd, "OPEN_TIMEOUT_S", 3.0)
+    garbage = tmp_path / "garbage_server.py"
+    garbage.write_text(GARBAGE_SERVER)
+    chat_db = str(tmp_path / "chat.db")
+    servers = {
+        "chat": itd.ServerConfig("chat", command=(sys.executable, str(ROOT / "examples" / "chat_server.py"),
+                                                  "serve", "--db", chat_db)),
+        "flaky": itd.ServerConfig("flaky", command=(sys.executable, FLAKY)),
+        "garbage": itd.ServerConfig("garbage", command=(sys.executable, str(garbage))),
+    }
+    d = await start_daemon(aiohttp_client, str(tmp_path / "t.db"),
+                           config=itd.Config(servers=servers, playbooks={"local/default": tuple(servers)}))
+    for name, source in (("approve", APPROVAL), ("chat-ask", SEED_CHAT), ("hang", call_doc("flaky", "hang_ro")),
+                         ("crash", call_doc("flaky", "crash_rw")), ("garbage", call_doc("garbage", "anything"))):
+        await d.define(name, source)
+    chat_server.inject_fault(chat_db, "post_message", 3, mode="hang")
+    status, asked = await d.run("chat-ask", {"owner": "ana", "draft": "x"})
+    assert status == 202
+    delivering = asyncio.create_task(d.advance("PT0S"))             # the first attempt hangs in the tool
+    stuck = [asyncio.create_task(d.run(name, {})) for name in ("hang", "crash", "garbage")]
+    await asyncio.sleep(0.3)
+
+    slowest = 0.0
+    for i in range(10):
+        t0 = time.perf_counter()
+        status, run = await d.run("approve", {"owner": "bo", "review": f"r{i}"})
+        assert status == 202
+        waiting = asyncio.create_task(d.call("POST", f"/runs/{run['run_id']}/wait?timeout=5"))
+        status, fact = await d.call("POST", f"/runs/{run['run_id']}/answer", {"answer": {"verdict": "approve"}})
+        assert status == 200
+        status, ended = await waiting
+        assert status == 200 and ended["status"] == "succeeded"
+        slowest = max(slowest, time.perf_counter() - t0)
+    assert slowest < 1.5, f"an inbox run took {slowest:.2f} s while the tool servers misbehaved"
+    assert not delivering.done() and not all(t.done() for t in stuck)
+
+    endings = {name: (await t)[1] for name, t in zip(("hang", "crash", "garbage"), stuck)}
+    assert endings["hang"]["kind"] == "tools_unfinished", endings["hang"]
+    assert endings["crash"]["kind"] == "effect_unknown", endings["crash"]
+    assert endings["garbage"]["kind"] == "tool_server_failed", endings["garbage"]
+    await delivering
+    req = next(r for r in (await d.call("GET", "/interactions"))[1]["data"] if r["run_id"] == asked["run_id"])
+    assert req["delivery_state"] == "retrying" and req["attempts"] == 1
+    events = (await d.call("GET", f"/runs/{asked['run_id']}/events"))[1]["data"]
+    assert events[-1]["type"] == "delivery_failed" and events[-1]["payload"]["because"] == "timed_out", events[-1]
+
+
+# -- a locked or full database ----------------------------------------------------------------------
+
+@pytest.fixture
+async def d_short_busy(tmp_path, aiohttp_client, monkeypatch):
+    """An in-process daemon whose connections wait 300 ms, not 5 s, for a lock another process holds."""
+    connect = itd._connect
+
+    def short_busy(path: str) -> sqlite3.Connection:
+        conn = connect(path)
+        conn.execute("PRAGMA busy_timeout=300")
+        return conn
+    monkeypatch.setattr(itd, "_connect", short_busy)
+    d = await start_daemon(aiohttp_client, str(tmp_path / "t.db"))
+    await d.define("approve", APPROVAL)
+    return d
+
+
+def run_rows(db: str, run_id: str) -> tuple[int, int, int]:
+    conn = sqlite3.connect(db)
+    try:
+        return tuple(conn.execute(f"SELECT COUNT(*) FROM {t} WHERE run_id = ?", (run_id,)).fetchone()[0]
+                     for t in ("runs", "requests", "events"))
+    finally:
+        conn.close()
+
+
+async def test_locked_database_is_a_clear_error_and_nothing_half_written(d_short_busy):
+    d = d_short_busy
+    status, first = await d.run("approve", {"owner": "ana", "review": "r"}, run_id="before")
+    assert status == 202
+    holder = sqlite3.connect(d.db, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")                              # another process holds the write lock
+    try:
+        status, problem = await d.run("approve", {"owner": "ana", "review": "r"}, run_id="during")
+        assert status == 503 and problem["type"] == "/problems/unavailable", problem
+        assert "locked" in problem["detail"] and problem["kind"] == "database_busy", problem
+        status, problem = await d.call("POST", "/runs/before/answer", {"answer": {"verdict": "approve"}})
+        assert status == 503 and "locked" in problem["detail"], problem
+        status, got = await d.call("GET", "/runs/before")          # reading goes on meanwhile
+        assert status == 200 and got["status"] == "waiting"
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert run_rows(d.db, "during") == (0, 0, 0)
+    status, run = await d.run("approve", {"owner": "ana", "review": "r"}, run_id="during")
+    assert status == 202
+    assert run_rows(d.db, "during") == (1, 1, 1)
+    status, fact = await d.call("POST", "/runs/before/answer", {"answer": {"verdict": "approve"}})
+    assert status == 200
+    assert run_rows(d.db, "before") == (1, 1, 3)                  # requested, answered, succeeded: once each
+
+
+async def test_full_disk_is_a_clear_error_and_nothing_half_written(d_short_busy):
+    d = d_short_busy
+    pages = await d.engine.store.write(lambda c, fx: c.execute("PRAGMA page_count").fetchone()[0])
+    await d.engine.store.write(lambda c, fx: c.execute(f"PRAGMA max_page_count = {pages}").fetchone())
+    big = {"owner": "ana", "review": "r", "attachment": "x" * 300_000}   # ~75 more pages than the file has
+    status, problem = await d.run("approve", big, run_id="too-big")
+    assert status == 503 and problem["kind"] == "disk_full" and "full" in problem["detail"], problem
+    assert run_rows(d.db, "too-big") == (0, 0, 0)
+    status, small = await d.run("approve", {"owner": "ana", "review": "r"}, run_id="small")
+    assert status in (202, 503)                                     # fits in free pages, or is refused whole
+    assert run_rows(d.db, "small") in ((1, 1, 1), (0, 0, 0))
+    # Changes committed in one batch with the one that fills the disk: each caller's answer is what
+    # the file holds (a full disk rolls the whole transaction back, its earlier changes with it).
+    names = [f"batch-{i}" for i in range(12)]
+    results = await asyncio.gather(*(d.run("approve", big if i == 6 else {"owner": "ana", "review": "r"}, run_id=n)
+                                     for i, n in enumerate(names)))
+    for n, (status, body) in zip(names, results):
+        assert (status, run_rows(d.db, n)) in ((202, (1, 1, 1)), (503, (0, 0, 0))), (n, status, body)
+        assert status == 202 or body["kind"] == "disk_full", body
+    assert results[6][0] == 503
+    await d.engine.store.write(lambda c, fx: c.execute("PRAGMA max_page_count = 1073741823").fetchone())
+    status, run = await d.run("approve", big, run_id="too-big")
+    assert status == 202 and run_rows(d.db, "too-big") == (1, 1, 1), run
