@@ -2181,6 +2181,11 @@ def load_config(path: str | None, environ: dict[str, str] | None = None) -> Conf
 # What a change means for the in-memory side (timers to arm, waiters to wake, stream events to
 # publish) is collected in its `Effects` and applied on the event loop right after the commit,
 # whether or not the caller is still there to see its result.
+#
+# A third connection, on its own thread, only checkpoints: it copies the WAL into the database file
+# beside the writer's commits, so no commit pays for a checkpoint. A database that is locked past
+# the busy timeout, full or failing answers the caller with a problem that says so, and a batch is
+# committed whole or not at all (see _run_batch).
 
 SCHEMA_VERSION: Final = 1
 
