@@ -62,20 +62,13 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any, Callable, Final, Iterable
 
-import anyio
-import httpx2
 import referencing
 import referencing.exceptions
 import yaml
 from aiohttp import web
-from mcp import Client as _McpClient
-from mcp import MCPError, StdioServerParameters
-from mcp import types as mt
-from mcp.client.sse import sse_client as _sse_client
-from mcp.client.streamable_http import streamable_http_client as _streamable_client
-from mcp.server import Server as _McpServer
-from mcp.server.sse import SseServerTransport
-from mcp.server.transport_security import TransportSecuritySettings
+# The MCP SDK (and its pydantic models, half of the start-up time and a third of the memory) is
+# imported where it is first needed: a tool server's session, or the first MCP request. A daemon
+# that only serves the HTTP API and the inbox never loads it.
 # jsonschema checks the `iri` formats with rfc3987_syntax, whose grammar takes seconds to build when
 # it is imported; keep that out of start-up and build it on the first `iri` value instead.
 _IRI_BLOCKED = sys.modules.setdefault("rfc3987_syntax", None) is None  # type: ignore[arg-type]
@@ -2657,8 +2650,12 @@ def append_event(conn: sqlite3.Connection, fx: Effects | None, playbook: str, ru
 # Nothing here touches the database: the engine records before it sends and after it hears back.
 
 
-_CONNECTION_ERRORS: Final = (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream,
-                             httpx2.TransportError, ConnectionError, OSError, EOFError)
+@functools.lru_cache(maxsize=None)
+def _connection_errors() -> tuple[type[BaseException], ...]:
+    import anyio
+    import httpx2
+    return (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream, httpx2.TransportError,
+            ConnectionError, OSError, EOFError)
 
 
 class ToolFailure(Exception):
@@ -2694,6 +2691,7 @@ def _retry_after_ms(exc: BaseException) -> int | None:
 
 def classify_failure(exc: BaseException, *, sent: bool) -> ToolFailure:
     """One name for every way a tool server can fail."""
+    from mcp import MCPError
     if isinstance(exc, ToolFailure):
         return exc
     leaves = leaf_errors(exc)
@@ -2710,11 +2708,12 @@ def classify_failure(exc: BaseException, *, sent: bool) -> ToolFailure:
 
 
 def _is_connection_error(exc: BaseException) -> bool:
+    from mcp import MCPError
     for leaf in leaf_errors(exc):
         if isinstance(leaf, MCPError):
             if leaf.code == -32000 or (leaf.code == -32600 and "Session not found" in leaf.message):
                 return True
-        elif isinstance(leaf, _CONNECTION_ERRORS):
+        elif isinstance(leaf, _connection_errors()):
             return True
     return False
 
@@ -2766,6 +2765,8 @@ class ToolSession:
         self._retry_after_ms: int | None = None
 
     def _transport(self, stack: contextlib.AsyncExitStack) -> Any:
+        from mcp import StdioServerParameters
+        from mcp.client.sse import sse_client as _sse_client
         c = self.config
         if c.transport == "stdio":
             env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "PYTHONPATH", "VIRTUAL_ENV")}
@@ -2776,6 +2777,9 @@ class ToolSession:
         return None
 
     async def _hold(self, ready: asyncio.Future[Any]) -> None:
+        import httpx2
+        from mcp import Client as _McpClient
+        from mcp.client.streamable_http import streamable_http_client as _streamable_client
         try:
             async with contextlib.AsyncExitStack() as stack:
                 transport = self._transport(stack)
@@ -6621,8 +6625,10 @@ def _mcp_schema(tool: McpTool, scoped: bool) -> dict[str, Any]:
     return {"type": "object", "properties": props, "required": list(tool.required), "additionalProperties": False}
 
 
-def make_mcp_server(engine: Engine, *, caller: Caller | None = None, scoped_playbook: str | None = None) -> _McpServer:
+def make_mcp_server(engine: Engine, *, caller: Caller | None = None, scoped_playbook: str | None = None) -> Any:
     """An MCP server over the engine. `caller` fixes who calls (stdio); otherwise each HTTP request's."""
+    from mcp import types as mt
+    from mcp.server import Server as _McpServer
     tools = {t.name: t for t in MCP_TOOLS}
     schemas = {t.name: _mcp_schema(t, scoped_playbook is not None) for t in MCP_TOOLS}
     validators = {name: compile_schema(s) for name, s in schemas.items()}
@@ -6753,42 +6759,85 @@ def asgi_handler(app: Callable[..., Any], *, grace_s: float = 2.0) -> Callable[[
 STREAMS_KEY: Final = web.AppKey("streams", set)
 
 
+class _McpTransports:
+    """The SDK's streamable-HTTP and SSE apps over one MCP server, built on the first MCP request.
+
+    The streamable transport's session manager needs a task that enters and exits its task group;
+    it is started with the transports and stopped when the app shuts down.
+    """
+
+    def __init__(self, engine: Engine, allowed_hosts: list[str]) -> None:
+        self.engine = engine
+        self.allowed_hosts = allowed_hosts
+        self.handlers: dict[str, Callable[[web.Request], Any]] | None = None
+        self._lock = asyncio.Lock()
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def handler(self, name: str) -> Callable[[web.Request], Any]:
+        if self.handlers is None:
+            await asyncio.shield(self._build())
+        assert self.handlers is not None
+        return self.handlers[name]
+
+    async def _build(self) -> None:
+        async with self._lock:
+            if self.handlers is not None:
+                return
+            from mcp.server.sse import SseServerTransport
+            from mcp.server.transport_security import TransportSecuritySettings
+
+            server = make_mcp_server(self.engine)
+            hosts = self.allowed_hosts
+            security = TransportSecuritySettings(enable_dns_rebinding_protection=True, allowed_hosts=hosts,
+                                                 allowed_origins=[f"http://{h}" for h in hosts])
+            streamable = server.streamable_http_app(streamable_http_path="/mcp", transport_security=security)
+            sse = SseServerTransport("/messages/", security_settings=security)
+
+            async def sse_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+                async with sse.connect_sse(scope, receive, send) as (read, write):
+                    await server.run(read, write, server.create_initialization_options())
+
+            started = asyncio.Event()
+
+            async def hold() -> None:
+                async with server.session_manager.run():
+                    started.set()
+                    await self._stop.wait()
+            self._task = asyncio.create_task(hold(), name="interactiond-mcp-sessions")
+            await started.wait()
+            self.handlers = {"mcp": asgi_handler(streamable), "sse": asgi_handler(sse_app),
+                             "messages": asgi_handler(sse.handle_post_message)}
+
+    async def close(self) -> None:
+        self._stop.set()
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
+
+
 def mount_mcp(app: web.Application, engine: Engine, allowed_hosts: list[str]) -> None:
     """Streamable HTTP at /mcp and legacy SSE at /sse (+ /messages/) on the API's port."""
-    server = make_mcp_server(engine)
-    security = TransportSecuritySettings(enable_dns_rebinding_protection=True, allowed_hosts=allowed_hosts,
-                                         allowed_origins=[f"http://{h}" for h in allowed_hosts])
-    streamable = server.streamable_http_app(streamable_http_path="/mcp", transport_security=security)
-    sse = SseServerTransport("/messages/", security_settings=security)
+    transports = _McpTransports(engine, allowed_hosts)
 
-    async def sse_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        async with sse.connect_sse(scope, receive, send) as (read, write):
-            await server.run(read, write, server.create_initialization_options())
+    def route(name: str) -> Callable[[web.Request], Any]:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            return await (await transports.handler(name))(request)
+        return handle
 
     app[STREAMS_KEY] = set()
-    app.router.add_route("*", "/mcp", asgi_handler(streamable))
-    app.router.add_get("/sse", asgi_handler(sse_app))
-    app.router.add_post("/messages/", asgi_handler(sse.handle_post_message))
-
-    async def session_manager(app: web.Application) -> Any:
-        started, stop = asyncio.Event(), asyncio.Event()
-
-        async def hold() -> None:
-            async with server.session_manager.run():
-                started.set()
-                await stop.wait()
-        task = asyncio.create_task(hold(), name="interactiond-mcp-sessions")
-        await started.wait()
-        yield
-        stop.set()
-        await task
+    app.router.add_route("*", "/mcp", route("mcp"))
+    app.router.add_get("/sse", route("sse"))
+    app.router.add_post("/messages/", route("messages"))
 
     async def cancel_streams(app: web.Application) -> None:
         for t in list(app[STREAMS_KEY]):
             t.cancel()
 
-    app.cleanup_ctx.append(session_manager)
+    async def close(app: web.Application) -> None:
+        await transports.close()
+
     app.on_shutdown.append(cancel_streams)
+    app.on_cleanup.append(close)
 
 
 # Typed API and client ###########################################################################
@@ -8512,7 +8561,9 @@ async def _stdio_front(db: str, playbook: str | None) -> int:
     """Another process runs the engine of this file: relay MCP to its /mcp endpoint."""
     import httpx2
     from mcp import Client
+    from mcp import types as mt
     from mcp.client.streamable_http import streamable_http_client
+    from mcp.server import Server as _McpServer
     from mcp.server.stdio import stdio_server
 
     try:
