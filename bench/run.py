@@ -209,6 +209,14 @@ class Proc:
             self.p.wait()
 
 
+def _daemon_env() -> dict[str, str]:
+    """The environment a user's daemon runs in: bytecode is cached (an installed package ships its
+    .pyc files), whatever this shell says."""
+    env = dict(os.environ)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
+
+
 def start_daemon(db: Path, *, manual: bool = False, config: Path | None = None, env: dict[str, str] | None = None,
                  log: Path | None = None) -> Proc:
     argv = [sys.executable, "-m", "interactiond", "serve", "--db", str(db), "--host", "127.0.0.1", "--port", "0"]
@@ -216,7 +224,7 @@ def start_daemon(db: Path, *, manual: bool = False, config: Path | None = None, 
         argv += ["--clock", "manual"]
     if config:
         argv += ["--config", str(config)]
-    proc = Proc(argv, env={**os.environ, **(env or {})}, log=log)
+    proc = Proc(argv, env={**_daemon_env(), **(env or {})}, log=log)
     proc.wait_url()
     return proc
 
@@ -295,7 +303,7 @@ async def import_ms() -> float:
     best = float("inf")
     for _ in range(3):
         t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-c", "import interactiond"], check=True, cwd=ROOT)
+        subprocess.run([sys.executable, "-c", "import interactiond"], check=True, cwd=ROOT, env=_daemon_env())
         best = min(best, (time.perf_counter() - t0) * 1000)
     return best
 
