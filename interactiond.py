@@ -69,12 +69,13 @@ from aiohttp import web
 # The MCP SDK (and its pydantic models, half of the start-up time and a third of the memory) is
 # imported where it is first needed: a tool server's session, or the first MCP request. A daemon
 # that only serves the HTTP API and the inbox never loads it.
-# jsonschema checks the `iri` formats with rfc3987_syntax, whose grammar takes seconds to build when
-# it is imported; keep that out of start-up and build it on the first `iri` value instead.
-_IRI_BLOCKED = sys.modules.setdefault("rfc3987_syntax", None) is None  # type: ignore[arg-type]
+# jsonschema imports the checkers of some formats as it loads when their packages are installed;
+# two cost start-up time (rfc3987_syntax builds a grammar for `iri`: seconds; isoduration for
+# `duration`: a tenth of one). Keep them out of start-up; each loads on the first value of its format.
+_DEFERRED = [m for m in ("rfc3987_syntax", "isoduration") if sys.modules.setdefault(m, None) is None]  # type: ignore[arg-type]
 from jsonschema import Draft202012Validator, FormatChecker, validators  # noqa: E402
-if _IRI_BLOCKED:
-    del sys.modules["rfc3987_syntax"]
+for _name in _DEFERRED:
+    del sys.modules[_name]
 from jsonschema.exceptions import SchemaError
 from liquid import Environment, RenderContext, StrictDefaultUndefined
 from liquid.builtin.output import Output, OutputNode
@@ -988,13 +989,28 @@ def _iri_ok(rule: str, instance: object) -> bool:
     return bool(is_valid_syntax(rule, instance))
 
 
+def _duration_ok(instance: object) -> bool:
+    if not isinstance(instance, str):
+        return True
+    try:
+        import isoduration
+    except ImportError:                       # not installed: the format passes unchecked
+        return True
+    try:
+        isoduration.parse_duration(instance)
+    except isoduration.DurationParsingException:
+        return False
+    return instance.endswith(tuple("DMYWHMS"))   # isoduration also takes "P" and "PT" alone
+
+
 @functools.lru_cache(maxsize=None)
 def _format_checker(cls: Any) -> FormatChecker:
-    """The validator class's format checks, with the `iri` ones loaded on first use."""
+    """The validator class's format checks, with the deferred ones loaded on first use."""
     checker = FormatChecker()
     checker.checkers = dict(cls.FORMAT_CHECKER.checkers)
     for name, rule in (("iri", "iri"), ("iri-reference", "iri_reference")):
         checker.checks(name, raises=ValueError)(functools.partial(_iri_ok, rule))
+    checker.checks("duration")(_duration_ok)
     return checker
 
 
