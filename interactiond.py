@@ -3836,6 +3836,7 @@ class _EngineSystemCalls:
                 ending = ending_problem(RunStatus.UNAVAILABLE, "tool_server_failed",
                                         f"the tool server {call.server!r} did not open in time; call search to see its state")
         started = {"server": call.server, "tool": call.tool,
+                   "read_only": session.read_only(call.tool) if session is not None else None,
                    "arguments": self.tools.record(call.server, arguments) if ending is None else None,
                    "arguments_size": json_size(arguments) if arguments is not None else None,
                    "arguments_sha256": sha256_hex(dumps(arguments)) if arguments is not None else None}
@@ -4479,13 +4480,17 @@ class Engine(_EngineDefinitions, _EngineRuns, _EngineSystemCalls, _EngineInbox, 
                         " description, active, created_at, created_by) VALUES (?, 'interaction', ?, 1, ?, ?, ?, ?, 1, ?,"
                         " 'interactiond')", (pb, name, source, sha256_hex(source), docs[name].overview,
                                              docs[name].description, now))
-            # A call to a system cut off by a stop: the tool may have acted; nobody knows.
+            # A call to a system cut off by a stop failed as a call that got no answer does: a
+            # read-only tool's run is unfinished, any other tool may have acted (effect_unknown).
             for run in conn.execute("SELECT playbook, run_id FROM runs WHERE status = 'started' AND tools_called = 1"
                                     " AND type = 'interaction'").fetchall():
-                _end_run(conn, fx, run["playbook"], run["run_id"], RunStatus.CONFLICT, now=now, by="interactiond",
-                         kind="effect_unknown", problem=ending_problem(
-                             RunStatus.CONFLICT, "effect_unknown", "the daemon stopped while the tool call was in "
-                             "flight; whether the tool acted is unknown", extra={"because": "lost"}))
+                started = conn.execute("SELECT payload FROM events WHERE playbook = ? AND run_id = ?"
+                                       " AND type = 'tool_call_started' ORDER BY id DESC LIMIT 1",
+                                       (run["playbook"], run["run_id"])).fetchone()
+                read_only = bool(started and json.loads(started["payload"]).get("read_only"))
+                problem = self._unfinished(read_only, "lost", "the daemon stopped while the call was in flight")
+                _end_run(conn, fx, run["playbook"], run["run_id"], _status_of(problem), now=now, by="interactiond",
+                         kind=problem.kind, problem=problem)
             # Recount open requests: the counter is a cache of requests.open.
             conn.execute("UPDATE playbooks SET open_requests ="
                          " (SELECT COUNT(*) FROM requests r WHERE r.playbook = playbooks.id AND r.open = 1)")
