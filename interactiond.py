@@ -2065,6 +2065,77 @@ class ConfigError(Exception):
         super().__init__("; ".join(problems))
 
 
+def _config_mapping(raw: dict[str, Any], key: str, what: str, problems: list[str]) -> dict[Any, Any]:
+    value = raw.get(key) or {}
+    if not isinstance(value, dict):
+        problems.append(f"{key}: {what}")
+        return {}
+    return value
+
+
+def _read_server(name: Any, s: Any, problems: list[str]) -> ServerConfig | None:
+    """One entry of `servers`; its problems are appended with their key paths."""
+    where = f"servers.{name}"
+    if not isinstance(name, str) or not SERVER_RE.fullmatch(name):
+        problems.append(f"{where}: a server name is 1 to 32 lowercase letters, digits and hyphens, starting with a letter")
+        return None
+    if not isinstance(s, dict):
+        problems.append(f"{where}: a mapping with command or url")
+        return None
+    allowed = {"command", "url", "transport", "env", "headers", "tools", "record_content"}
+    problems += [f"{where}.{k}: unknown key" for k in s if k not in allowed]
+    command, url = s.get("command"), s.get("url")
+    if (command is None) == (url is None):
+        problems.append(f"{where}: give exactly one of command (stdio) or url (HTTP)")
+    if command is not None and (not isinstance(command, list) or not command
+                                or not all(isinstance(c, str) and c for c in command)):
+        problems.append(f"{where}.command: a list of texts, the program and its arguments")
+    if url is not None and (not isinstance(url, str) or not re.match(r"https?://", url)):
+        problems.append(f"{where}.url: an http:// or https:// URL")
+    transport = s.get("transport") or ("stdio" if command is not None else
+                                       "sse" if isinstance(url, str) and url.rstrip("/").endswith("/sse") else "http")
+    if transport not in {"stdio", "http", "sse"} or (transport == "stdio") != (command is not None):
+        problems.append(f"{where}.transport: stdio with command; http or sse with url")
+    maps = {}
+    for key in ("env", "headers"):
+        value = s.get(key) or {}
+        if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, (str, int)) for k, v in value.items()):
+            problems.append(f"{where}.{key}: a mapping of names to texts")
+            value = {}
+        maps[key] = {k: str(v) for k, v in value.items()}
+    tools = s.get("tools")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, str) and TOOL_RE.fullmatch(t) for t in tools)):
+        problems.append(f"{where}.tools: a list of tool names")
+        tools = None
+    record = s.get("record_content", True)
+    if not isinstance(record, bool):
+        problems.append(f"{where}.record_content: true or false")
+    return ServerConfig(name, tuple(command) if isinstance(command, list) else None,
+                        url if isinstance(url, str) else None, transport, maps["env"], maps["headers"],
+                        tuple(tools) if tools is not None else None, bool(record))
+
+
+def _read_playbook(pb: Any, p: Any, raw_servers: dict[Any, Any], problems: list[str]) -> tuple[str, ...] | None:
+    """One entry of `playbooks`: the servers it may use."""
+    where = f"playbooks.{pb}"
+    if not isinstance(pb, str) or not PLAYBOOK_RE.fullmatch(pb):
+        problems.append(f"{where}: a playbook is ORG/NAME in lowercase letters, digits and hyphens")
+        return None
+    p = p or {}
+    if not isinstance(p, dict):
+        problems.append(f"{where}: a mapping with servers")
+        return None
+    problems += [f"{where}.{k}: unknown key" for k in p if k != "servers"]
+    names = p.get("servers") or []
+    if not isinstance(names, list):
+        problems.append(f"{where}.servers: a list of server names")
+        names = []
+    for i, n in enumerate(names):
+        if n not in raw_servers:
+            problems.append(f"{where}.servers[{i}]: {n!r} is not a server of this configuration")
+    return tuple(n for n in names if isinstance(n, str))
+
+
 def load_config(path: str | None, environ: dict[str, str] | None = None) -> Config:
     """Read the operator's YAML configuration; every problem is reported with its key path."""
     environ = os.environ if environ is None else environ
@@ -2105,73 +2176,14 @@ def load_config(path: str | None, environ: dict[str, str] | None = None) -> Conf
             problems.append("INTERACTION_OPEN_REQUESTS: a whole number")
     if not isinstance(open_requests, int) or isinstance(open_requests, bool) or open_requests < 0:
         problems.append("open_requests: a whole number, 0 or more")
-    servers: dict[str, ServerConfig] = {}
-    raw_servers = raw.get("servers") or {}
-    if not isinstance(raw_servers, dict):
-        problems.append("servers: a mapping of server names to their settings")
-        raw_servers = {}
-    for name, s in raw_servers.items():
-        where = f"servers.{name}"
-        if not isinstance(name, str) or not SERVER_RE.fullmatch(name):
-            problems.append(f"{where}: a server name is 1 to 32 lowercase letters, digits and hyphens, starting with a letter")
-            continue
-        if not isinstance(s, dict):
-            problems.append(f"{where}: a mapping with command or url")
-            continue
-        allowed = {"command", "url", "transport", "env", "headers", "tools", "record_content"}
-        problems += [f"{where}.{k}: unknown key" for k in s if k not in allowed]
-        command, url = s.get("command"), s.get("url")
-        if (command is None) == (url is None):
-            problems.append(f"{where}: give exactly one of command (stdio) or url (HTTP)")
-        if command is not None and (not isinstance(command, list) or not command
-                                    or not all(isinstance(c, str) and c for c in command)):
-            problems.append(f"{where}.command: a list of texts, the program and its arguments")
-        if url is not None and (not isinstance(url, str) or not re.match(r"https?://", url)):
-            problems.append(f"{where}.url: an http:// or https:// URL")
-        transport = s.get("transport") or ("stdio" if command is not None else
-                                           "sse" if isinstance(url, str) and url.rstrip("/").endswith("/sse") else "http")
-        if transport not in {"stdio", "http", "sse"} or (transport == "stdio") != (command is not None):
-            problems.append(f"{where}.transport: stdio with command; http or sse with url")
-        maps = {}
-        for key in ("env", "headers"):
-            value = s.get(key) or {}
-            if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, (str, int)) for k, v in value.items()):
-                problems.append(f"{where}.{key}: a mapping of names to texts")
-                value = {}
-            maps[key] = {k: str(v) for k, v in value.items()}
-        tools = s.get("tools")
-        if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, str) and TOOL_RE.fullmatch(t) for t in tools)):
-            problems.append(f"{where}.tools: a list of tool names")
-            tools = None
-        record = s.get("record_content", True)
-        if not isinstance(record, bool):
-            problems.append(f"{where}.record_content: true or false")
-        servers[name] = ServerConfig(name, tuple(command) if isinstance(command, list) else None,
-                                     url if isinstance(url, str) else None, transport, maps["env"], maps["headers"],
-                                     tuple(tools) if tools is not None else None, bool(record))
+    raw_servers = _config_mapping(raw, "servers", "a mapping of server names to their settings", problems)
+    servers = {name: sc for name, value in raw_servers.items()
+               if (sc := _read_server(name, value, problems)) is not None}
     playbooks: dict[str, tuple[str, ...]] = {DEFAULT_PLAYBOOK: ()}
-    raw_pbs = raw.get("playbooks") or {}
-    if not isinstance(raw_pbs, dict):
-        problems.append("playbooks: a mapping of ORG/NAME to their settings")
-        raw_pbs = {}
-    for pb, p in raw_pbs.items():
-        where = f"playbooks.{pb}"
-        if not isinstance(pb, str) or not PLAYBOOK_RE.fullmatch(pb):
-            problems.append(f"{where}: a playbook is ORG/NAME in lowercase letters, digits and hyphens")
-            continue
-        p = p or {}
-        if not isinstance(p, dict):
-            problems.append(f"{where}: a mapping with servers")
-            continue
-        problems += [f"{where}.{k}: unknown key" for k in p if k != "servers"]
-        names = p.get("servers") or []
-        if not isinstance(names, list):
-            problems.append(f"{where}.servers: a list of server names")
-            names = []
-        for i, n in enumerate(names):
-            if n not in raw_servers:
-                problems.append(f"{where}.servers[{i}]: {n!r} is not a server of this configuration")
-        playbooks[pb] = tuple(n for n in names if isinstance(n, str))
+    for pb, value in _config_mapping(raw, "playbooks", "a mapping of ORG/NAME to their settings", problems).items():
+        names = _read_playbook(pb, value, raw_servers, problems)
+        if names is not None:
+            playbooks[pb] = names
     if problems:
         raise ConfigError(problems)
     return Config(host, port, database, open_requests, servers, playbooks, path)

@@ -138,3 +138,23 @@ async def test_stdio_with_http_serves_the_same_engine(tmp_path):
         with urllib.request.urlopen(req, timeout=30) as resp:
             assert [x["run_id"] for x in json.loads(resp.read())["data"]] == [run_id]
     assert not (tmp_path / "interactiond.db.url").exists()       # removed when the agent went away
+
+
+def test_load_config_reads_the_example_and_names_every_problem(tmp_path):
+    import interactiond as itd
+    config = itd.load_config(str(ROOT / "examples" / "interactiond.yaml"), environ={})
+    assert config.servers["chat"].command[:2] == ("python", "examples/chat_server.py")
+    assert config.servers["chat"].tools == ("post_message", "thread_replies", "channel_history")
+    assert config.playbooks == {"local/default": ("chat",)}
+    assert itd.load_config(None, environ={"INTERACTION_OPEN_REQUESTS": "7"}).open_requests == 7
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("servers:\n  web: {url: 'ftp://x', env: [1], record_content: 3, extra: 1}\n"
+                   "  ok: {url: 'http://127.0.0.1:1/sse'}\n"
+                   "playbooks:\n  acme/ops: {servers: [web, ghost], other: 1}\n  Bad: {}\nnope: 1\n")
+    with pytest.raises(itd.ConfigError) as err:
+        itd.load_config(str(bad), environ={})
+    problems = err.value.problems
+    for path in ("servers.web.url", "servers.web.env", "servers.web.record_content", "servers.web.extra",
+                 "playbooks.acme/ops.servers[1]", "playbooks.acme/ops.other", "playbooks.Bad", "nope"):
+        assert any(p.startswith(path + ":") for p in problems), (path, problems)
+    assert not any(p.startswith("servers.ok") for p in problems)
