@@ -2408,7 +2408,21 @@ class Effects:
         self.later: list[Callable[[], Any]] = []
 
 
+def _private_file(path: str) -> None:
+    """Create `path` (and the WAL and shared-memory files SQLite will put beside it) readable by the
+    owner only: SQLite gives the -wal and -shm files the mode of the database file."""
+    if path == ":memory:" or path.startswith("file:"):
+        return
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return
+    os.close(fd)
+    os.chmod(path, 0o600)
+
+
 def _connect(path: str) -> sqlite3.Connection:
+    _private_file(path)
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=5.0)
     conn.row_factory = sqlite3.Row
     conn.execute("PRAGMA journal_mode=WAL")
@@ -4285,7 +4299,14 @@ class _EngineReadings:
             await self.store.write(lambda c, fx: _take_timer(c, fx, key, now))
             return
         oldest = reqs[0]
-        doc = await self._request_doc(oldest)
+        # Requests of different functions (or versions) may share a conversation: each reply is
+        # read by its own request's reply rule, so every document they need is loaded now.
+        docs = {}
+        for r in reqs:
+            key_ = (r["playbook"], r["type"], r["name"], r["version"])
+            if key_ not in docs:
+                docs[key_] = await self._request_doc(r)
+        doc = docs[(oldest["playbook"], oldest["type"], oldest["name"], oldest["version"])]
         replies = doc.replies
         ctx = {"to": oldest["party"], "sent": {"conversation": oldest["sent_conversation"], "id": oldest["sent_id"]},
                "conversation": reading["conversation"], "since": reading["since"]}
@@ -4320,7 +4341,7 @@ class _EngineReadings:
                 append_event(conn, fx, playbook, None, "reading_failed", done, "interactiond", {**event, **failure})
                 self._next_read(conn, fx, reading_id, key, done, failure.get("retry_after_ms"))
                 return
-            self._take_replies(conn, fx, reading, messages, own, replies, event, done, tellings)
+            self._take_replies(conn, fx, reading, messages, own, replies, event, done, tellings, docs)
             self._next_read(conn, fx, reading_id, key, done, None)
         await self.store.write(change)
         for req, text in tellings:
@@ -4341,8 +4362,18 @@ class _EngineReadings:
 
     def _take_replies(self, conn: sqlite3.Connection, fx: Effects, reading: sqlite3.Row, messages: list[dict[str, Any]],
                       own: list[str], replies: Any, event: dict[str, Any], now: int,
-                      tellings: list[tuple[sqlite3.Row, str]]) -> None:
-        """Deal with one read's messages, oldest first, in the read's one transaction."""
+                      tellings: list[tuple[sqlite3.Row, str]], docs: dict[tuple[str, str, str, int], Any]) -> None:
+        """Deal with one read's messages, oldest first, in the read's one transaction. `docs` holds
+        the document of every request open in the reading when it was loaded; one that joined since
+        is parsed here from its definition row."""
+        def doc_of(req: sqlite3.Row) -> Any:
+            key = (req["playbook"], req["type"], req["name"], req["version"])
+            if key not in docs:
+                row = conn.execute("SELECT source FROM definitions WHERE playbook = ? AND type = ? AND name = ?"
+                                   " AND version = ?", key).fetchone()
+                docs[key] = self._parse(req["type"], row["source"]) if row is not None else None
+            return docs[key]
+
         playbook = reading["playbook"]
         since = reading["since"]
         counted = taken = refused = 0
@@ -4372,7 +4403,8 @@ class _EngineReadings:
                 mine = [r for r in open_reqs if r["answerer"] == m["sender"]]
                 if mine:
                     refused += 1
-                    self._refuse(conn, fx, mine[0], m["id"], "several requests are open here", now, tellings,
+                    self._refuse(conn, fx, mine[0], doc_of(mine[0]), m["id"], "several requests are open here", now,
+                                 tellings,
                                  "Several questions are open in this conversation: reply in the thread of the one you answer.")
                 continue
             if m["sender"] != target["answerer"]:
@@ -4380,10 +4412,10 @@ class _EngineReadings:
             text = m["text"] if isinstance(m["text"], str) else ""
             if len(text.encode()) > MAX_REPLY_BYTES:
                 refused += 1
-                self._refuse(conn, fx, target, m["id"], "the reply is too long", now, tellings,
+                self._refuse(conn, fx, target, doc_of(target), m["id"], "the reply is too long", now, tellings,
                              f"Your reply is longer than {MAX_REPLY_BYTES // KIB} KiB, the most a reply may hold.")
                 continue
-            doc_rule = self._docs.get((target["playbook"], target["type"], target["name"], target["version"]))
+            doc_rule = doc_of(target)
             rule = doc_rule.reply_rule if doc_rule is not None else None
             answer, reasons = rule.apply(text) if rule is not None else (None, ["no reply rule"])
             if answer is not None:
@@ -4394,7 +4426,7 @@ class _EngineReadings:
             if answer is None:
                 refused += 1
                 how = rule.how_to_answer() if rule is not None else ""
-                self._refuse(conn, fx, target, m["id"], "; ".join(reasons), now, tellings,
+                self._refuse(conn, fx, target, doc_rule, m["id"], "; ".join(reasons), now, tellings,
                              ("Your reply could not be taken: " + "; ".join(reasons) + ". " + how).strip())
                 continue
             taken += 1
@@ -4404,14 +4436,13 @@ class _EngineReadings:
             append_event(conn, fx, playbook, None, "replies_read", now, "interactiond",
                          {**event, "replies": counted, "taken": taken, "refused": refused, "since": since})
 
-    def _refuse(self, conn: sqlite3.Connection, fx: Effects, req: sqlite3.Row, reply_id: str, reason: str, now: int,
-                tellings: list[tuple[sqlite3.Row, str]], telling: str) -> None:
+    def _refuse(self, conn: sqlite3.Connection, fx: Effects, req: sqlite3.Row, doc: Any, reply_id: str, reason: str,
+                now: int, tellings: list[tuple[sqlite3.Row, str]], telling: str) -> None:
         row = conn.execute("UPDATE requests SET refused_replies = refused_replies + 1 WHERE seq = ?"
                            " RETURNING refused_replies, told", (req["seq"],)).fetchone()
         if row["refused_replies"] <= MAX_REFUSED_RECORDED:
             append_event(conn, fx, req["playbook"], req["run_id"], "reply_refused", now, "interactiond",
                          {"reply": {"id": reply_id}, "reason": reason[:500]})
-        doc = self._docs.get((req["playbook"], req["type"], req["name"], req["version"]))
         if doc is not None and doc.replies.tell is not None and row["told"] < MAX_REFUSED_TOLD:
             conn.execute("UPDATE requests SET told = told + 1 WHERE seq = ?", (req["seq"],))
             tellings.append((req, telling))
@@ -6370,6 +6401,9 @@ def create_token(conn: sqlite3.Connection, role: str, playbook: str | None, name
         raise ValueError(f"role is one of reader, writer, operator, not {role!r}")
     if playbook is not None and not PLAYBOOK_RE.fullmatch(playbook):
         raise ValueError(f"playbook is ORG/NAME, not {playbook!r}")
+    if role == Role.OPERATOR.value and playbook is not None:
+        raise ValueError("an operator is global (every playbook, tokens, the clock): leave out --playbook,"
+                         " or make a reader or writer token for one playbook")
     secret = new_token_secret()
     token_id = "tok_" + new_ulid().lower()
     conn.execute("INSERT INTO tokens (id, hash, playbook, role, name, purpose, created_at) VALUES (?,?,?,?,?,?,?)",
@@ -8471,7 +8505,7 @@ class EngineLock:
         self.fh: Any = None
 
     def acquire(self) -> bool:
-        self.fh = open(self.path, "a+")
+        self.fh = os.fdopen(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600), "a+")
         try:
             fcntl.flock(self.fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -8630,8 +8664,7 @@ async def _stdio_front(db: str, playbook: str | None) -> int:
     return 0
 
 
-def _client_token(args: Any) -> tuple[str, str]:
-    db = args.db or os.environ.get("INTERACTIOND_DB") or "interactiond.db"
+def _client_token(args: Any, db: str) -> tuple[str, str]:
     url = args.url
     if not url:
         try:
@@ -8662,8 +8695,8 @@ def _http(method: str, url: str, token: str, body: Any = None) -> tuple[int, Any
             return exc.code, {"detail": raw.decode(errors="replace")}
 
 
-def _cli_client(args: Any) -> int:
-    url, token = _client_token(args)
+def _cli_client(args: Any, db: str) -> int:
+    url, token = _client_token(args, db)
     org, _, name = args.playbook.partition("/")
     base = f"{url}/v1/orgs/{org}/playbooks/{name}"
     if args.cmd == "define":
@@ -8694,8 +8727,7 @@ def _cli_client(args: Any) -> int:
     return 0 if status < 400 else 1
 
 
-def _cli_token(args: Any) -> int:
-    db = args.db or os.environ.get("INTERACTIOND_DB") or "interactiond.db"
+def _cli_token(args: Any, db: str) -> int:
     conn = open_sync(db)
     try:
         if args.token_cmd == "create":
@@ -8730,7 +8762,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     def common(p: Any) -> None:
-        p.add_argument("--db", help="the SQLite file (env: INTERACTIOND_DB; default ./interactiond.db)")
+        p.add_argument("--db", help="the SQLite file (env: INTERACTIOND_DB; default: the configuration's database:,"
+                                     " else ./interactiond.db)")
         p.add_argument("--config", help="the operator configuration, YAML (env: INTERACTIOND_CONFIG)")
 
     p = sub.add_parser("serve", help="run the daemon: HTTP API, MCP over HTTP, the inbox page")
@@ -8782,16 +8815,18 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s")
     if args.cmd == "check":
         return check_documents(args.files, parsers={".yaml": parse_workflow, ".yml": parse_workflow})
-    if args.cmd == "token":
-        return _cli_token(args)
-    if args.cmd in ("define", "run", "inbox", "answer"):
-        return _cli_client(args)
     try:
         config = load_config(args.config or os.environ.get("INTERACTIOND_CONFIG"))
     except ConfigError as exc:
         for problem in exc.problems:
             print(f"interactiond: configuration: {problem}", file=sys.stderr)
         return 2
+    # The database: --db, else INTERACTIOND_DB, else the configuration's `database:` (default ./interactiond.db).
+    db = args.db or os.environ.get("INTERACTIOND_DB") or config.database
+    if args.cmd == "token":
+        return _cli_token(args, db)
+    if args.cmd in ("define", "run", "inbox", "answer"):
+        return _cli_client(args, db)
     if args.cmd == "stdio":
         return asyncio.run(_stdio(args, config))
     return asyncio.run(_serve(args, config))
