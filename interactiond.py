@@ -314,6 +314,28 @@ def not_found(detail: str = "The resource does not exist or is not visible to th
     return Problem("not_found", detail)
 
 
+# States #########################################################################################
+#
+# Every status the product stores or shows, as enums, and every way a run ends, as one table.
+#
+# Rule 1: a run, a request and a delivery move only along the transitions written here. The store
+# guards each move again in SQL (`UPDATE ... WHERE status IN (<allowed from>)`), so a move the
+# table refuses is also one the database refuses; `next_state` raises InvalidTransition for it.
+# Rule 2: `ENDINGS` is the one home of what an ending means: the run's status and kind, how its
+# open request closes, the problem that describes it, the HTTP status of the run object, the
+# typed API's status and stream event, and the status a workflow step sees. Every status map of
+# the module is derived from it. A new ending is a row here plus the code that reaches it.
+
+
+class InvalidTransition(Exception):
+    """A move the transition tables do not allow."""
+
+    def __init__(self, table: str, state: Any, event: Any) -> None:
+        self.table, self.state, self.event = table, state, event
+        super().__init__(f"{table}: cannot handle {getattr(event, 'value', event)!r} in state "
+                         f"{getattr(state, 'value', state)!r}")
+
+
 class RunStatus(str, enum.Enum):
     """Where a run stands. The first two are live; the rest are endings, each final."""
 
@@ -331,12 +353,19 @@ class RunStatus(str, enum.Enum):
         return self not in (RunStatus.STARTED, RunStatus.WAITING)
 
 
-#: HTTP status of a run object by its status (201 replaces 200 when the run just ran).
-RUN_HTTP_STATUS: Final = {
-    RunStatus.STARTED: 202, RunStatus.WAITING: 202, RunStatus.SUCCEEDED: 200,
-    RunStatus.INVALID_INPUT: 422, RunStatus.CONFLICT: 409, RunStatus.UNAVAILABLE: 503,
-    RunStatus.REJECTED: 410, RunStatus.FAILED: 500,
-}
+#: The live statuses, from which a run may end (the store's guard).
+LIVE_RUN_STATUSES: Final = (RunStatus.STARTED, RunStatus.WAITING)
+
+
+class RequestStatus(str, enum.Enum):
+    """A request: open until it is answered, notified, expired, undelivered or cancelled."""
+
+    OPEN = "open"                  # waiting for an answer (or for its notification's delivery)
+    ANSWERED = "answered"          # open -> answered
+    NOTIFIED = "notified"          # open -> notified: a notification was delivered
+    EXPIRED = "expired"            # open -> expired
+    UNDELIVERED = "undelivered"    # open -> undelivered: a notification's attempts are spent
+    CANCELLED = "cancelled"        # open -> cancelled
 
 
 class DeliveryState(str, enum.Enum):
@@ -351,15 +380,166 @@ class DeliveryState(str, enum.Enum):
     CANCELLING = "cancelling"      # cancel asked; an attempt in flight finishes first
 
 
+class DeliveryEvent(str, enum.Enum):
+    """What moves a delivery."""
+
+    BEGIN = "begin"                # an attempt starts (recorded before it is sent)
+    SUCCEED = "succeed"
+    FAIL = "fail"                  # a failed or lost attempt with attempts left
+    SPEND = "spend"                # a failed attempt that was the last one
+    CANCEL = "cancel"
+
+
+class EventType(str, enum.Enum):
+    """The facts the events table holds (a run's history and the playbook's own events)."""
+
+    DEFINITION_CREATED = "definition_created"
+    DEFINITION_DELETED = "definition_deleted"
+    INTERACTION_REQUESTED = "interaction_requested"        # a request opens: -> open
+    REQUEST_ANSWERED = "request_answered"                  # open -> answered
+    CANCEL_REQUESTED = "cancel_requested"                  # delivery -> cancelling
+    DELIVERY_STARTED = "delivery_started"                  # to_deliver/retrying -> delivering
+    DELIVERY_SUCCEEDED = "delivery_succeeded"              # delivering -> delivered
+    DELIVERY_FAILED = "delivery_failed"                    # delivering -> retrying/undelivered
+    DELIVERY_REFUSED = "delivery_refused"                  # the arguments break a bound: no attempt
+    READING_FAILED = "reading_failed"
+    REPLIES_READ = "replies_read"
+    REPLY_REFUSED = "reply_refused"
+    TELLING_STARTED = "telling_started"
+    TELLING_SUCCEEDED = "telling_succeeded"
+    TELLING_FAILED = "telling_failed"
+    TOOL_CALL_STARTED = "tool_call_started"
+    TOOL_CALL_ANSWERED = "tool_call_answered"
+    TOOL_CALL_FAILED = "tool_call_failed"
+    TASK_STARTED = "task_started"
+    TASK_COMPLETED = "task_completed"
+    TASK_FAULTED = "task_faulted"
+    TASK_RETRIED = "task_retried"
+    RUN_SUCCEEDED = "run_succeeded"                        # a run's ending: run_<status>
+    RUN_INVALID_INPUT = "run_invalid_input"
+    RUN_CONFLICT = "run_conflict"
+    RUN_UNAVAILABLE = "run_unavailable"
+    RUN_REJECTED = "run_rejected"
+    RUN_FAILED = "run_failed"
+
+    @classmethod
+    def ending(cls, status: RunStatus) -> "EventType":
+        return cls("run_" + status.value)
+
+
+#: Requests: (state, the status it closes with) -> the next state. Only an open request closes.
+REQUEST_TRANSITIONS: Final[dict[RequestStatus, dict[RequestStatus, RequestStatus]]] = {
+    RequestStatus.OPEN: {s: s for s in RequestStatus if s is not RequestStatus.OPEN},
+    **{s: {} for s in RequestStatus if s is not RequestStatus.OPEN},
+}
+
+#: Deliveries: state -> {event: next state}. A request starts `in_inbox` (nothing to send) or
+#: `to_deliver`. Cancel moves only an attempt in flight (it finishes, then the run ends cancelled);
+#: any other request simply closes. A cancelling, delivered or undelivered delivery moves no more.
+DELIVERY_TRANSITIONS: Final[dict[DeliveryState, dict[DeliveryEvent, DeliveryState]]] = {
+    DeliveryState.IN_INBOX: {},
+    DeliveryState.TO_DELIVER: {DeliveryEvent.BEGIN: DeliveryState.DELIVERING},
+    DeliveryState.RETRYING: {DeliveryEvent.BEGIN: DeliveryState.DELIVERING},
+    DeliveryState.DELIVERING: {DeliveryEvent.SUCCEED: DeliveryState.DELIVERED,
+                               DeliveryEvent.FAIL: DeliveryState.RETRYING,
+                               DeliveryEvent.SPEND: DeliveryState.UNDELIVERED,
+                               DeliveryEvent.CANCEL: DeliveryState.CANCELLING},
+    DeliveryState.DELIVERED: {},
+    DeliveryState.UNDELIVERED: {},
+    DeliveryState.CANCELLING: {},
+}
+
+
+def next_state(table: Mapping[Any, Mapping[Any, Any]], state: Any, event: Any) -> Any:
+    """The state `event` moves `state` to, by the table; InvalidTransition if it may not."""
+    try:
+        return table[state][event]
+    except KeyError:
+        name = "requests" if table is REQUEST_TRANSITIONS else "deliveries"
+        raise InvalidTransition(name, state, event) from None
+
+
+def allowed_from(table: Mapping[Any, Mapping[Any, Any]], event: Any) -> tuple[Any, ...]:
+    """The states `event` may leave: what a guarded statement's `WHERE status IN (...)` lists."""
+    return tuple(state for state, moves in table.items() if event in moves)
+
+
+@dataclass(frozen=True)
+class Ending:
+    """One way a run ends, and everything that follows from it."""
+
+    name: str                          # the ending's own name (its kind where it has one)
+    run: RunStatus
+    kind: str | None
+    request: RequestStatus | None      # how the run's open request closes; None: it has none
+    problem: str | None                # the problem type that describes it; None for a success
+    http: int                          # the run object's HTTP status
+    v2: str | None                     # the typed API's status of its request
+    stream: str | None                 # the typed stream's event for its request
+    workflow: int | None               # the status of the error a workflow step sees
+
+
+_S = RunStatus
+_R = RequestStatus
+#: Every ending. (The generic row of a status - kind None - covers kinds a workflow raises.)
+ENDINGS: Final[dict[str, Ending]] = {e.name: e for e in (
+    #       name                run            kind                request        problem             http v2           stream                    workflow
+    Ending("succeeded",        _S.SUCCEEDED,  None,               None,          None,               200, None,        None,                     None),
+    Ending("answered",         _S.SUCCEEDED,  None,               _R.ANSWERED,   None,               200, "answered",  "interaction.answered",   None),
+    Ending("notified",         _S.SUCCEEDED,  None,               _R.NOTIFIED,   None,               200, None,        None,                     None),
+    Ending("invalid_input",    _S.INVALID_INPUT, None,            None,          "invalid_input",    422, None,        None,                     400),
+    Ending("conflict",         _S.CONFLICT,   None,               None,          "conflict",         409, None,        None,                     409),
+    Ending("unworkable",       _S.CONFLICT,   "unworkable",       None,          "unworkable",       409, None,        None,                     409),
+    Ending("effect_unknown",   _S.CONFLICT,   "effect_unknown",   None,          "effect_unknown",   409, None,        None,                     409),
+    Ending("tools_called",     _S.CONFLICT,   "tools_called",     None,          "tools_called",     409, None,        None,                     409),
+    Ending("run_id_taken",     _S.CONFLICT,   "run_id_taken",     None,          "run_id_taken",     409, None,        None,                     409),
+    Ending("unavailable",      _S.UNAVAILABLE, None,              None,          "unavailable",      503, None,        None,                     503),
+    Ending("tool_not_offered", _S.UNAVAILABLE, "tool_not_offered", None,         "unavailable",      503, None,        None,                     503),
+    Ending("tool_server_failed", _S.UNAVAILABLE, "tool_server_failed", None,     "unavailable",      503, None,        None,                     503),
+    Ending("tools_unfinished", _S.UNAVAILABLE, "tools_unfinished", None,         "unavailable",      503, None,        None,                     503),
+    Ending("requests_full",    _S.UNAVAILABLE, "requests_full",   None,          "unavailable",      503, None,        None,                     503),
+    Ending("rejected",         _S.REJECTED,   None,               None,          "unanswered",       410, None,        None,                     410),
+    Ending("expired",          _S.REJECTED,   "expired",          _R.EXPIRED,    "unanswered",       410, "expired",   "interaction.expired",    410),
+    Ending("undelivered",      _S.REJECTED,   "undelivered",      _R.UNDELIVERED, "unanswered",      410, "expired",   None,                     410),
+    Ending("cancelled",        _S.REJECTED,   "cancelled",        _R.CANCELLED,  "cancelled",        410, "cancelled", "interaction.cancelled",  410),
+    Ending("failed",           _S.FAILED,     None,               None,          "failed",           500, None,        None,                     500),
+)}
+del _S, _R
+
+
+_ENDING_BY: Final[dict[tuple[RunStatus, str | None], Ending]] = {}
+for _e in ENDINGS.values():
+    if _e.request is None or (_e.run, _e.kind) not in _ENDING_BY:
+        _ENDING_BY[(_e.run, _e.kind)] = _e           # (succeeded, None) is the generic row, not `answered`
+
+
+def ending_of(status: RunStatus, kind: str | None) -> Ending:
+    """The row of ENDINGS for a run's status and kind (the status's own row for a kind it lacks)."""
+    return _ENDING_BY.get((status, kind)) or _ENDING_BY[(status, None)]
+
+
+#: HTTP status of a run object by its status (201 replaces 200 when the run just ran).
+RUN_HTTP_STATUS: Final = {
+    RunStatus.STARTED: 202, RunStatus.WAITING: 202,
+    **{e.run: e.http for e in ENDINGS.values() if e.kind is None and e.request is None},
+}
+#: The typed API's status of a request, by its status (a notification never shows).
+V2_STATUS: Final = {RequestStatus.OPEN.value: "pending",
+                    **{e.request.value: e.v2 for e in ENDINGS.values() if e.request is not None and e.v2}}
+#: The status of the error a child run's ending raises in its workflow (SPEC section 15).
+CHILD_ERROR_STATUS: Final = {e.run.value: e.workflow for e in ENDINGS.values()
+                             if e.kind is None and e.request is None and e.workflow is not None}
+#: The typed stream's event when a run ends with a given kind, for a typed request.
+STREAM_ENDINGS: Final = {e.kind: e.stream for e in ENDINGS.values()
+                         if e.run is RunStatus.REJECTED and e.stream is not None}
+
+
 def ending_problem(status: RunStatus, kind: str | None, detail: str, **kw: Any) -> Problem:
-    """The problem that describes a run's ending (SPEC section 6 names)."""
-    if status is RunStatus.CONFLICT:
-        name = kind or "conflict"
-    elif status is RunStatus.REJECTED:
-        name = "cancelled" if kind == "cancelled" else "unanswered"
-    else:
-        name = status.value
-    return Problem(name, detail, status=RUN_HTTP_STATUS[status], kind=kind, **kw)
+    """The problem that describes a run's ending (SPEC section 6 names, from ENDINGS): a conflict is
+    named by its kind (a workflow's own kinds too), every other ending by its row."""
+    e = ending_of(status, kind)
+    name = kind if status is RunStatus.CONFLICT and kind else e.problem
+    return Problem(name or status.value, detail, status=e.http, kind=kind, **kw)
 
 
 # Small parsers ##################################################################################
@@ -4725,8 +4905,6 @@ _DSL_ONLY_TASKS: Final = ("emit", "for", "fork", "listen", "run")
 _FLOW: Final = ("continue", "exit", "end")
 _WORKFLOW_ENDINGS: Final = {400: RunStatus.INVALID_INPUT, 409: RunStatus.CONFLICT, 410: RunStatus.REJECTED,
                             503: RunStatus.UNAVAILABLE}
-#: The status a child run's ending raises in its workflow (SPEC section 15).
-_CHILD_ERROR_STATUS: Final = {"invalid_input": 400, "conflict": 409, "rejected": 410, "unavailable": 503}
 _ERROR_PREFIXES: Final = ("https://on.auto/problems/", DSL_ERRORS, PROBLEM_BASE)
 
 
@@ -5700,7 +5878,7 @@ class _Walk:
             await self._complete(task, output, fr["input"], run_id=child["run_id"])
             return
         body = json.loads(child["problem"]) if child["problem"] else Problem("failed", "the run failed").body()
-        await self._fault(task, dict(body, status=_CHILD_ERROR_STATUS.get(child["status"], 500), instance=task.ref,
+        await self._fault(task, dict(body, status=CHILD_ERROR_STATUS.get(child["status"], 500), instance=task.ref,
                                run_id=child["run_id"]))
 
     async def _complete(self, task: WfTask, raw: Any, task_input: Any, *, then: str | None = None,
@@ -6931,9 +7109,6 @@ def mount_mcp(app: web.Application, engine: Engine, allowed_hosts: list[str]) ->
 # that falls behind costs the engine nothing (its queue is bounded and may drop rings). A consumer
 # that stops reading is dropped after SSE_WRITE_TIMEOUT_S and resumes with Last-Event-ID.
 
-#: The typed API's statuses, from the requests table's (a notification never shows).
-V2_STATUS: Final = {"open": "pending", "answered": "answered", "expired": "expired", "undelivered": "expired",
-                    "cancelled": "cancelled"}
 V2_STATUS_FILTER: Final = {s: tuple(k for k, v in V2_STATUS.items() if v == s) for s in dict.fromkeys(V2_STATUS.values())}
 INTERACTION_ID_RE: Final = re.compile(r"int_[0-9A-Za-z]{1,64}")
 #: An Idempotency-Key: long enough for a UUID or a hash, short enough to index.
@@ -7223,8 +7398,8 @@ def _stream_messages(ev: sqlite3.Row, req: sqlite3.Row | None) -> list[tuple[str
         return [("interaction.answered", {**base, **about,
                                           "response": typed_response(kind, payload.get("answer"), ev["at"])})] if typed else []
     out = []
-    if typed and payload.get("kind") in ("expired", "cancelled") and ev["type"] == "run_rejected":
-        out.append((f"interaction.{payload['kind']}", {**base, **about}))
+    if typed and ev["type"] == EventType.RUN_REJECTED.value and payload.get("kind") in STREAM_ENDINGS:
+        out.append((STREAM_ENDINGS[payload["kind"]], {**base, **about}))
     out.append(("run.ended", {**base, "status": payload.get("status"), "kind": payload.get("kind")}))
     return out
 
