@@ -2977,8 +2977,10 @@ def result_wire(result: Any) -> dict[str, Any]:
 class ToolSession:
     """One configured tool server: a lazily opened, shared, self-healing MCP client session."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, scrub: Scrubber | None = None) -> None:
         self.config = config
+        #: Every result, listing and failure of this server passes through here as it is received.
+        self.scrub = scrub or Scrubber((*config.env.values(), *config.headers.values()))
         self.tools: dict[str, Any] = {}
         self._client: Any = None
         self._owner: asyncio.Task[None] | None = None
@@ -2989,14 +2991,30 @@ class ToolSession:
     def _transport(self, stack: contextlib.AsyncExitStack) -> Any:
         from mcp import StdioServerParameters
         from mcp.client.sse import sse_client as _sse_client
+        from mcp.client.stdio import stdio_client as _stdio_client
         c = self.config
         if c.transport == "stdio":
             env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "PYTHONPATH", "VIRTUAL_ENV")}
             env.update(c.env)
-            return StdioServerParameters(command=c.command[0], args=list(c.command[1:]), env=env)
+            return _stdio_client(StdioServerParameters(command=c.command[0], args=list(c.command[1:]), env=env),
+                                 errlog=self._errlog(stack))
         if c.transport == "sse":
             return _sse_client(c.url, headers=c.headers, timeout=OPEN_TIMEOUT_S)
         return None
+
+    def _errlog(self, stack: contextlib.AsyncExitStack) -> Any:
+        """The server's stderr: a pipe whose lines the daemon logs scrubbed, never passed on as they are."""
+        read_fd, write_fd = os.pipe()
+        writer = os.fdopen(write_fd, "w")
+        stack.callback(writer.close)            # the last to close: the child holds its own copy
+
+        def pump() -> None:
+            with os.fdopen(read_fd, "r", encoding="utf-8", errors="replace") as reader:
+                while line := reader.readline(MAX_STDERR_LINE_CHARS):
+                    if line := line.rstrip():
+                        log.info("tool server %s: %s", self.config.name, self.scrub.text(line))
+        threading.Thread(target=pump, name=f"interactiond-stderr-{self.config.name}", daemon=True).start()
+        return writer
 
     async def _hold(self, ready: asyncio.Future[Any]) -> None:
         import httpx2
@@ -3023,7 +3041,7 @@ class ToolSession:
             if not ready.done():
                 ready.set_exception(exc)
             else:
-                log.warning("tool server %s: session ended: %r", self.config.name, exc)
+                log.warning("tool server %s: session ended: %s", self.config.name, self.scrub.text(repr(exc)))
         finally:
             self._client = None
 
@@ -3036,7 +3054,7 @@ class ToolSession:
             tools, cursor = {}, None
             while True:
                 page = await asyncio.wait_for(client.list_tools(cursor=cursor), LIST_TIMEOUT_S)
-                tools.update({t.name: t for t in page.tools})
+                tools.update({t.name: t for t in map(self._listed, page.tools)})
                 cursor = page.next_cursor
                 if not cursor:
                     break
@@ -3064,8 +3082,22 @@ class ToolSession:
             value = response.headers.get("retry-after", "").strip()
             self._retry_after_ms = int(float(value) * 1000) if re.fullmatch(r"\d+(\.\d+)?", value) else None
 
+    def _listed(self, tool: Any) -> Any:
+        """A listed tool, its description and schemas scrubbed by value (a schema's keys are its own)."""
+        wire = tool.model_dump(mode="json", by_alias=True, exclude_none=True)
+        clean = self.scrub.values(wire)
+        return tool if clean == wire else type(tool).model_validate(clean)
+
+    def _received(self, result: Any) -> Any:
+        """A tool's result, scrubbed in every part before anything reads it (see Scrubber.result)."""
+        wire = result_wire(result)
+        clean = self.scrub.result(wire)
+        return result if clean == wire else type(result).model_validate(clean)
+
     def _failure(self, exc: BaseException, *, sent: bool) -> ToolFailure:
         failure = classify_failure(exc, sent=sent)
+        failure.message = self.scrub.text(failure.message)
+        failure.args = (failure.message,)
         if failure.retry_after_ms is None and self._retry_after_ms is not None:
             failure.retry_after_ms = self._retry_after_ms
         self._retry_after_ms = None
@@ -3079,14 +3111,15 @@ class ToolSession:
         """Call once; a broken session is dropped so the next use reopens it. Never re-sends."""
         client = await self.ensure()
         try:
-            return await asyncio.wait_for(client.call_tool(tool, arguments, read_timeout_seconds=timeout),
-                                          timeout + 1)
+            result = await asyncio.wait_for(client.call_tool(tool, arguments, read_timeout_seconds=timeout),
+                                            timeout + 1)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
             if _is_connection_error(exc):
                 await self.close()
             raise self._failure(exc, sent=True) from None
+        return self._received(result)
 
     async def close(self) -> None:
         self._client = None
@@ -3100,17 +3133,61 @@ class ToolSession:
                 await asyncio.gather(owner, return_exceptions=True)
 
 
-_SECRET_KEY_RE: Final = re.compile(r"pass(word)?|secret|token|api[_-]?key|authorization|credential", re.I)
+#: Keys whose values are secrets: matched anywhere in the key ...
+_SECRET_KEY_RE: Final = re.compile(r"passw(or)?d|passphrase|secret|api[_-]?key|authori[sz]ation|credential"
+                                   r"|private[_-]?key|access[_-]?key|cookie", re.I)
+#: ... or as one of its words (split at `_`, `-`, `.` and camelCase): `pass`, `pwd`, `auth`, `bearer`, and
+#: any word ending in `token` (`access_token`, `refreshToken`, `accesstoken`); `max_tokens` counts words.
+_SECRET_WORDS: Final = frozenset({"pass", "pwd", "auth", "bearer"})
+_KEY_WORD_RE: Final = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+")
 _TOKEN_RE: Final = re.compile(r"itd_[A-Za-z0-9_-]{20,}")
 SCRUBBED: Final = "[scrubbed]"
+MIN_SECRET_CHARS: Final = 4               # shorter values are too common in text to be scrubbed by value
+MAX_STDERR_LINE_CHARS: Final = 4096        # a tool server's stderr is logged in lines of at most this
+
+
+@functools.lru_cache(maxsize=4096)
+def secret_key(key: str) -> bool:
+    """Does this key name a secret (password, api_key, X-Api-Key, access_token, Authorization...)?"""
+    if _SECRET_KEY_RE.search(key):
+        return True
+    return any(w in _SECRET_WORDS or w.endswith("token") for w in (w.lower() for w in _KEY_WORD_RE.findall(key)))
+
+
+def _keyed_values(value: Any, found: set[str], under: bool = False) -> None:
+    """Collect the values that stand under secret-named keys, also inside strings that hold JSON."""
+    if isinstance(value, str):
+        if under:
+            if len(value) >= MIN_SECRET_CHARS:
+                found.add(value)
+        elif (text := value.strip())[:1] in ("{", "[") and text[-1:] in ("}", "]"):
+            try:
+                inner = json.loads(text)
+            except ValueError:
+                return
+            _keyed_values(inner, found)
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        if under and len(text := dumps(value)) >= MIN_SECRET_CHARS:
+            found.add(text)
+    elif isinstance(value, list):
+        for v in value:
+            _keyed_values(v, found, under)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _keyed_values(v, found, under or (isinstance(k, str) and secret_key(k)))
 
 
 class Scrubber:
-    """Removes secrets from anything recorded: configured env/header values, API tokens, and the
-    values of keys named like password, secret, token, api_key or authorization."""
+    """Removes secrets from anything that leaves the daemon or is recorded: configured env/header
+    values and API tokens (`itd_...`) by value, wherever they stand, inside longer strings too (and
+    in their JSON-escaped form); and, with `__call__`, every value under a key named like password,
+    secret, token, api_key or authorization."""
 
     def __init__(self, secrets_: Iterable[str]) -> None:
-        values = sorted({v for v in secrets_ if isinstance(v, str) and len(v) >= 4}, key=len, reverse=True)
+        self.secrets = frozenset(v for v in secrets_ if isinstance(v, str) and len(v) >= MIN_SECRET_CHARS)
+        forms = {f for v in self.secrets for f in (v, json.dumps(v, ensure_ascii=False)[1:-1],
+                                                     json.dumps(v)[1:-1])}
+        values = sorted(forms, key=len, reverse=True)
         self._re = re.compile("|".join(re.escape(v) for v in values)) if values else None
 
     def text(self, value: str) -> str:
@@ -3118,15 +3195,37 @@ class Scrubber:
             value = self._re.sub(SCRUBBED, value)
         return _TOKEN_RE.sub(SCRUBBED, value)
 
-    def __call__(self, value: Any) -> Any:
+    def values(self, value: Any) -> Any:
+        """Scrubbed by value only, keys included: for answers and tool listings, whose keys are the schema's."""
         if isinstance(value, str):
             return self.text(value)
         if isinstance(value, list):
-            return [self(v) for v in value]
+            return [self.values(v) for v in value]
         if isinstance(value, dict):
-            return {k: (SCRUBBED if isinstance(k, str) and _SECRET_KEY_RE.search(k) and isinstance(v, (str, int, float))
-                        else self(v)) for k, v in value.items()}
+            return {(self.text(k) if isinstance(k, str) else k): self.values(v) for k, v in value.items()}
         return value
+
+    def __call__(self, value: Any, under: bool = False) -> Any:
+        """Scrubbed by value, and every string or number under a secret-named key replaced whole."""
+        if isinstance(value, str):
+            return SCRUBBED if under else self.text(value)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return SCRUBBED if under else value
+        if isinstance(value, list):
+            return [self(v, under) for v in value]
+        if isinstance(value, dict):
+            return {(self.text(k) if isinstance(k, str) else k):
+                    self(v, under or (isinstance(k, str) and secret_key(k))) for k, v in value.items()}
+        return value
+
+    def result(self, wire: dict[str, Any]) -> dict[str, Any]:
+        """A tool's result as it came (its wire form), scrubbed in every part: content blocks, structured
+        content and _meta. The values found under secret-named keys are secrets for this result too, so
+        a text block that repeats them (or JSON text holding them) loses them as well."""
+        found: set[str] = set()
+        _keyed_values(wire, found)
+        scrub = Scrubber((*self.secrets, *found)) if found - self.secrets else self
+        return scrub(wire)
 
 
 class ToolServers:
@@ -3134,8 +3233,8 @@ class ToolServers:
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.sessions = {name: ToolSession(sc) for name, sc in config.servers.items()}
         self.scrub = Scrubber(v for sc in config.servers.values() for v in (*sc.env.values(), *sc.headers.values()))
+        self.sessions = {name: ToolSession(sc, self.scrub) for name, sc in config.servers.items()}
 
     def offered(self, playbook: str, server: str, tool: str | None = None) -> bool:
         """May this playbook use this server (and the operator allow this tool)?"""
@@ -4172,6 +4271,11 @@ class _EngineInbox:
         if json_depth(answer) > MAX_JSON_DEPTH or json_size(answer) > MAX_ANSWER_BYTES:
             raise ending_problem(RunStatus.INVALID_INPUT, None, f"the answer takes at most {MAX_ANSWER_BYTES // KIB} KiB as JSON",
                                  errors=[{"pointer": "/answer", "message": f"at most {MAX_ANSWER_BYTES // KIB} KiB as JSON, {MAX_JSON_DEPTH} levels"}])
+        # An API token or a configured secret pasted into an answer is never recorded: the answer is
+        # checked and kept as scrubbed (by value, so the answer schema's own keys stand).
+        answer = self.tools.scrub.values(answer)
+        if claimed_for is not None:
+            claimed_for = self.tools.scrub.text(claimed_for)
         now = self.clock.now_ms()
 
         # One hop to the writer: the request is read, checked and answered in one change (a read
