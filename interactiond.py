@@ -564,7 +564,11 @@ def parse_duration(text: str) -> timedelta:
     m = _DURATION_RE.fullmatch(text.strip().upper())
     if not m:
         raise ValueError(f"{text!r} is not an ISO 8601 duration such as PT30S, PT4H or P2D (months and years are not allowed)")
-    return timedelta(**{k: float(v) for k, v in m.groupdict().items() if v is not None})
+    try:
+        return timedelta(**{k: float(v) for k, v in m.groupdict().items() if v is not None})
+    except OverflowError:
+        raise ValueError(f"{text.strip()[:40]!r} is longer than any duration the daemon keeps "
+                         f"(at most {timedelta.max.days} days)") from None
 
 
 def duration_words(td: timedelta) -> str:
@@ -657,6 +661,84 @@ def sha256_hex(data: bytes | str) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+class JsonRefused(ValueError):
+    """JSON the daemon will not keep: why, and where (a JSON Pointer, "" for the whole text)."""
+
+    def __init__(self, message: str, pointer: str = "") -> None:
+        super().__init__(message)
+        self.pointer = pointer
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise JsonRefused(f"the number {text[:40]} is past the range of a JSON number the daemon keeps (about 1.8e308)")
+    return value
+
+
+def _refuse_constant(name: str) -> Any:
+    raise JsonRefused(f"{name} is not a JSON number")
+
+
+def json_flaw(value: Any, limit: int = MAX_JSON_DEPTH) -> JsonRefused | None:
+    """What makes a parsed value one the daemon cannot keep as JSON, or None.
+
+    NaN or an infinity (a JSON number has neither), a lone surrogate in a text or a name (not
+    Unicode, so not storable as UTF-8), or nesting deeper than `limit`. Walks without recursion.
+    """
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(value, ())]
+    while stack:
+        v, path = stack.pop()
+        if isinstance(v, float) and not math.isfinite(v):
+            return JsonRefused(f"{v} is not a JSON number", pointer_join(path))
+        if isinstance(v, str) and not _is_unicode(v):
+            return JsonRefused("a text holds a lone surrogate (\\ud800-\\udfff), which is not Unicode", pointer_join(path))
+        if isinstance(v, (dict, list)):
+            if len(path) >= limit:
+                return JsonRefused(f"the value nests deeper than {limit} levels", pointer_join(path))
+            if isinstance(v, dict):
+                for k, c in v.items():
+                    if isinstance(k, str) and not _is_unicode(k):
+                        return JsonRefused("a name holds a lone surrogate (\\ud800-\\udfff), which is not Unicode",
+                                           pointer_join(path))
+                    stack.append((c, path + (k,)))
+            else:
+                stack.extend((c, path + (i,)) for i, c in enumerate(v))
+    return None
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode()
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def read_json(raw: bytes | str) -> Any:
+    """JSON as a request or an argument carries it; JsonRefused (a ValueError) where it is not
+    JSON the daemon can keep: malformed, NaN or Infinity, a number past a float's range, nesting
+    too deep for the parser, a lone surrogate.
+    """
+    try:
+        value = json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except JsonRefused:
+        raise
+    except json.JSONDecodeError as exc:
+        raise JsonRefused(f"malformed JSON: {exc}") from None
+    except UnicodeDecodeError:
+        raise JsonRefused("malformed JSON: not UTF-8 text") from None
+    except RecursionError:
+        raise JsonRefused("JSON nested too deep to read") from None
+    except ValueError:                   # an integer of more digits than Python converts
+        raise JsonRefused(f"an integer of more than {sys.get_int_max_str_digits()} digits") from None
+    if not isinstance(raw, bytes) or b"\\u" in raw or b"\xed" in raw:
+        flaw = json_flaw(value, limit=sys.getrecursionlimit())
+        if flaw is not None:
+            raise flaw
+    return value
+
+
 def dumps(value: Any) -> str:
     """Compact JSON, as stored and as measured against the byte bounds."""
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
@@ -721,6 +803,10 @@ class ManualClock:
         self._listeners.append(callback)
 
 
+#: 9999-12-31T23:59:59.999Z: the last moment RFC 3339 writes; no clock moves past it.
+MAX_TIME_MS: Final = 253_402_300_799_999
+
+
 def fmt_time(ms: int | None) -> str | None:
     """RFC 3339 UTC with milliseconds: 2026-11-30T03:33:18.123Z."""
     if ms is None:
@@ -737,15 +823,23 @@ def encode_cursor(values: list[Any]) -> str:
     return base64.urlsafe_b64encode(dumps(values).encode()).decode().rstrip("=")
 
 
+#: The largest integer SQLite stores (signed 64 bits): a position, a version or an id past it is no row's.
+MAX_SQL_INT: Final = 2 ** 63 - 1
+
+
 def decode_cursor(cursor: str) -> list[Any]:
+    """The positions a next_cursor holds: a non-empty list of whole numbers that SQLite can compare."""
     try:
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
         values = json.loads(raw)
-        if not isinstance(values, list):
+        if not isinstance(values, list) or not values:
+            raise ValueError
+        if not all(type(v) is int and 0 <= v <= MAX_SQL_INT for v in values):
             raise ValueError
         return values
     except Exception:
-        raise bad_request("The cursor does not decode; pass next_cursor from the previous page as it came.") from None
+        raise bad_request("The cursor does not decode; pass next_cursor from the previous page as it came.",
+                          errors=[{"pointer": "/cursor", "message": "next_cursor of the previous page, as it came"}]) from None
 
 
 def check_limit(limit: Any) -> int:
@@ -5400,7 +5494,11 @@ class _WorkflowReader:
                     r.add(path + (key,), "is a number of zero or more")
                     return None
                 ms += int(n * units[key])
-            span = timedelta(milliseconds=ms)
+            try:
+                span = timedelta(milliseconds=ms)
+            except OverflowError:
+                r.add(path, f"is longer than any duration the daemon keeps (at most {timedelta.max.days} days)")
+                return None
         else:
             try:
                 span = parse_duration(value)
@@ -6369,30 +6467,19 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
         raise Problem("too_large", f"the body is larger than {MAX_BODY_BYTES // MIB} MiB") from None
     if not raw:
         return {}
-    try:
-        body = json.loads(raw, parse_constant=_no_constant)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise bad_request(f"the body is not JSON: {exc}") from None
-    except RecursionError:
-        raise bad_request("the body is not JSON the daemon reads: it nests too deep") from None
+    body = body_json(raw)
     if not isinstance(body, dict):
         raise bad_request("the body is a JSON object")
-    if (b"\\u" in raw or b"\xed" in raw) and not _encodable(body):
-        raise bad_request("the body is not JSON the daemon reads: it holds a lone surrogate (\\ud800-\\udfff)")
     return body
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _encodable(value: Any) -> bool:
-    """Whether every text in a parsed body is valid Unicode (json.loads lets lone surrogates through)."""
+def body_json(raw: bytes) -> Any:
+    """A request body's JSON, or a 400 problem saying why it is not JSON the daemon reads (every route)."""
     try:
-        json.dumps(value, ensure_ascii=False).encode()
-        return True
-    except UnicodeEncodeError:
-        return False
+        return read_json(raw)
+    except JsonRefused as exc:
+        raise bad_request(f"the body is refused: {exc}",
+                          errors=[{"pointer": exc.pointer, "message": str(exc)}] if exc.pointer else None) from None
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -6450,8 +6537,9 @@ def _version_param(request: web.Request) -> int | None:
     v = request.query.get("version")
     if v is None:
         return None
-    if not v.isdigit():
-        raise Problem("invalid_request", "version is a whole number", errors=[{"pointer": "/version", "message": "a whole number"}])
+    if not (v.isascii() and v.isdigit()) or len(v) > 19 or not 1 <= int(v) <= MAX_SQL_INT:
+        raise Problem("invalid_request", "version is a whole number from 1 on",
+                      errors=[{"pointer": "/version", "message": "a whole number from 1 on"}])
     return int(v)
 
 
@@ -6567,6 +6655,8 @@ async def h_clock(request: web.Request) -> web.Response:
     body = await _json_body(request)
     try:
         delta = parse_duration(body.get("advance", "PT0S"))
+        if engine.clock.now_ms() + delta.total_seconds() * 1000 > MAX_TIME_MS:
+            raise ValueError(f"the clock would pass {fmt_time(MAX_TIME_MS)}, the last time the daemon writes")
     except ValueError as exc:
         raise Problem("invalid_request", str(exc), errors=[{"pointer": "/advance", "message": str(exc)}]) from None
     await engine.advance(delta)
@@ -6884,7 +6974,7 @@ MCP_TOOLS: Final[list[McpTool]] = [
             "Read a saved definition: its source, version, media type and an overview in plain words. Use it to "
             "show a person what a function does before running it.",
             {"type": _TYPE_ARG, "name": _p("string", "The definition's name."),
-             "version": _p("integer", "A past version; the current one when left out.", minimum=1)},
+             "version": _p("integer", "A past version; the current one when left out.", minimum=1, maximum=MAX_SQL_INT)},
             ("name",), _t_get_def, True),
     McpTool("list_definitions",
             "List the playbook's active definitions (name, type, version, description), including the built-in "
@@ -6997,6 +7087,10 @@ def make_mcp_server(engine: Engine, *, caller: Caller | None = None, scoped_play
             if tool is None:
                 raise not_found(f"no tool {params.name}; list the tools to see them")
             args = dict(params.arguments or {})
+            flaw = json_flaw(args)
+            if flaw is not None:
+                raise Problem("invalid_request", f"the arguments of {tool.name} are not JSON the daemon keeps: {flaw}",
+                              errors=[{"pointer": flaw.pointer, "message": str(flaw)}])
             errors = schema_errors(validators[tool.name], args, "")
             if errors:
                 raise Problem("invalid_request", f"the arguments of {tool.name} do not match its input schema",
@@ -7421,10 +7515,7 @@ async def respond_interaction(engine: Engine, caller: Caller, row: sqlite3.Row, 
     if len(key) > MAX_IDEMPOTENCY_KEY_CHARS or not key.isprintable():
         raise _v2_problem("idempotency_key_required",
                           f"the Idempotency-Key is 1 to {MAX_IDEMPOTENCY_KEY_CHARS} printable characters")
-    try:
-        body = json.loads(raw) if raw else None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise _v2_problem("bad_request", f"the body is not JSON: {exc}") from None
+    body = body_json(raw) if raw else None
     if not isinstance(body, dict):
         raise _v2_problem("bad_request", "the body is a JSON object: the response variant")
     body_sha = sha256_hex(json.dumps({"interaction": row["id"], "body": body}, sort_keys=True, ensure_ascii=False))
@@ -7526,13 +7617,19 @@ def _stream_page(conn: sqlite3.Connection, playbooks: list[str], after: int) -> 
     return "".join(chunks).encode(), (rows[-1]["id"] if rows else after), len(rows) == SSE_PAGE
 
 
+def _last_event_id_source(request: web.Request) -> dict[str, str]:
+    """Where the resume point came from, for a problem's `errors`: the header or the query parameter."""
+    return {"header": "Last-Event-ID"} if request.headers.get("Last-Event-ID") else {"pointer": "/last_event_id"}
+
+
 def _last_event_id(request: web.Request) -> int | None:
     text = request.headers.get("Last-Event-ID") or request.query.get("last_event_id")
     if not text:
         return None
     m = re.fullmatch(r"(?:evt_)?([0-9]{1,18})", text.strip())
     if not m:
-        raise _v2_problem("bad_request", "Last-Event-ID is an event id as the stream sent it (evt_123)")
+        raise _v2_problem("bad_request", "Last-Event-ID is an event id as the stream sent it (evt_123)",
+                          errors=[{**_last_event_id_source(request), "message": "an event id the stream sent"}])
     return int(m.group(1))
 
 
@@ -7547,8 +7644,13 @@ async def serve_stream(request: web.Request, playbooks: list[str]) -> web.Stream
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no"})
     try:
+        newest = await engine.store.read(lambda c: c.execute("SELECT COALESCE(MAX(id), 0) FROM events").fetchone()[0])
         if after is None:
-            after = await engine.store.read(lambda c: c.execute("SELECT COALESCE(MAX(id), 0) FROM events").fetchone()[0])
+            after = newest
+        elif after > newest:                # never sent: resuming there would skip what comes before it
+            raise _v2_problem("bad_request", f"Last-Event-ID evt_{after} names no event the stream sent; the newest "
+                              f"is evt_{newest}. Resume from an id the stream sent, or leave the header out.",
+                              errors=[{**_last_event_id_source(request), "message": "an event id the stream sent"}])
         await resp.prepare(request)
         await resp.write(f"retry: {SSE_RETRY_MS}\n: stream open after evt_{after}\n\n".encode())
         while True:
@@ -8988,7 +9090,7 @@ def _cli_client(args: Any, db: str) -> int:
                             {"type": type_, "name": args.name or Path(args.file).stem, "source": source})
     elif args.cmd == "run":
         try:
-            input_ = json.loads(args.input)
+            input_ = read_json(args.input)
         except ValueError as exc:
             raise SystemExit(f"--input is JSON: {exc}")
         status, out = _http("POST", f"{base}/runs", token, {"type": args.type, "name": args.name, "input": input_,
@@ -8998,7 +9100,7 @@ def _cli_client(args: Any, db: str) -> int:
         status, out = _http("GET", f"{base}/interactions{query}", token)
     else:
         try:
-            answer = json.loads(args.answer)
+            answer = read_json(args.answer)
         except ValueError as exc:
             raise SystemExit(f"the answer is JSON: {exc}")
         status, out = _http("POST", f"{base}/runs/{args.run_id}/answer", token, {"answer": answer})
