@@ -200,6 +200,21 @@ MAX_HTTP_WAIT_S: Final = 60.0
 DEFAULT_MCP_WAIT_S: Final = 25.0
 MAX_MCP_WAIT_S: Final = 55.0
 
+#: MCP sessions over HTTP (the SDK alone keeps up to 10,000, 30 minutes each): a token holds at
+#: most this many (one more closes its oldest idle one), and one without a request this long on
+#: the daemon's clock is closed.
+MCP_SESSIONS_PER_TOKEN: Final = 32
+MCP_SESSION_IDLE: Final = timedelta(minutes=10)
+#: Inbox sessions (the cookie a login link trades for): ended after this long unused, and this
+#: long after sign-in whatever the use. A session's last use is written at most once a minute.
+INBOX_SESSION_IDLE: Final = timedelta(hours=12)
+INBOX_SESSION_MAX: Final = timedelta(days=7)
+INBOX_SESSION_TOUCH: Final = timedelta(minutes=1)
+#: The pruning pass on the timer task: typed-API idempotency keys older than this go, and so do
+#: ended inbox sessions and spent login links; it runs this often (the first a minute after start).
+IDEMPOTENCY_KEEP: Final = timedelta(hours=24)
+PRUNE_EVERY: Final = timedelta(hours=1)
+
 #: Template rendering: never hangs, never eats memory.
 TEMPLATE_LOOP_LIMIT: Final = 10_000
 TEMPLATE_OUTPUT_LIMIT: Final = 64 * KIB
@@ -2482,7 +2497,8 @@ def load_config(path: str | None, environ: dict[str, str] | None = None) -> Conf
 # the busy timeout, full or failing answers the caller with a problem that says so, and a batch is
 # committed whole or not at all (see _run_batch).
 
-SCHEMA_VERSION: Final = 1
+#: PRAGMA user_version of a file this version made; an earlier one is migrated at open (MIGRATIONS).
+SCHEMA_VERSION: Final = 2
 
 
 #: The schema, embedded so an installed wheel needs no data file; tests keep it equal to schema.sql.
@@ -2637,7 +2653,8 @@ CREATE TABLE IF NOT EXISTS timers (
     due_at INTEGER NOT NULL
 );
 
--- API tokens, stored as sha256 hashes of their secrets.
+-- API tokens, stored as sha256 hashes of their secrets; also one-time login links and the inbox
+-- sessions they trade for (12 h idle, 7 days at most).
 CREATE TABLE IF NOT EXISTS tokens (
     id         TEXT PRIMARY KEY,                     -- tok_...
     hash       TEXT NOT NULL UNIQUE,
@@ -2646,7 +2663,9 @@ CREATE TABLE IF NOT EXISTS tokens (
     name       TEXT,
     purpose    TEXT NOT NULL DEFAULT 'api' CHECK (purpose IN ('api', 'login', 'session')),
     created_at INTEGER NOT NULL,
-    revoked_at INTEGER
+    revoked_at INTEGER,
+    used_at    INTEGER,                              -- a session's last use (to the minute)
+    expires_at INTEGER                               -- a session's end at the latest
 );
 
 -- Typed-API idempotency keys: a replay returns the first response.
@@ -2659,6 +2678,7 @@ CREATE TABLE IF NOT EXISTS idempotency (
     created_at INTEGER NOT NULL,
     PRIMARY KEY (caller, key)
 );
+CREATE INDEX IF NOT EXISTS idempotency_by_age ON idempotency (created_at);
 """
 
 
@@ -2668,6 +2688,40 @@ def _schema_sql() -> str:
         return here.read_text()
     except OSError:
         return SCHEMA_SQL
+
+
+def _migrate_to_2(conn: sqlite3.Connection) -> None:
+    """Inbox sessions expire: tokens gain `used_at` and `expires_at`; a session open at the upgrade
+    counts as used at its sign-in and ends 7 days after it (an older one has ended)."""
+    conn.execute("ALTER TABLE tokens ADD COLUMN used_at INTEGER")
+    conn.execute("ALTER TABLE tokens ADD COLUMN expires_at INTEGER")
+    conn.execute("UPDATE tokens SET used_at = created_at, expires_at = created_at + ? WHERE purpose = 'session'",
+                 (int(INBOX_SESSION_MAX.total_seconds() * 1000),))
+
+
+#: Each step takes a file made by an earlier version to the next PRAGMA user_version, in order.
+MIGRATIONS: Final[tuple[tuple[int, Callable[[sqlite3.Connection], None]], ...]] = (
+    (2, _migrate_to_2),
+)
+
+
+def apply_schema(conn: sqlite3.Connection) -> None:
+    """Bring a file to SCHEMA_VERSION: the migrations it has not had (each in its own transaction,
+    with the version it reaches), then the schema itself, which is idempotent."""
+    if conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'tokens'").fetchone() is not None:
+        for target, step in MIGRATIONS:
+            conn.execute("BEGIN IMMEDIATE")         # read the version under the lock: one process migrates
+            try:
+                if conn.execute("PRAGMA user_version").fetchone()[0] < target:
+                    step(conn)
+                    conn.execute(f"PRAGMA user_version = {target}")
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+    conn.executescript(_schema_sql())
+    if conn.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
 
 class Effects:
@@ -2878,9 +2932,7 @@ class Store:
         loop = asyncio.get_running_loop()
         init = _connect(self.path)
         try:
-            init.executescript(_schema_sql())
-            if init.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
-                init.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            apply_schema(init)
         finally:
             init.close()
         self._writer = _DbThread(self.path, loop, writer=True, sink=lambda fx: self.on_commit and self.on_commit(fx))
@@ -2929,9 +2981,7 @@ class Store:
 def open_sync(path: str) -> sqlite3.Connection:
     """A connection with the schema applied, for the command line (token, check) and tests."""
     conn = _connect(path)
-    conn.executescript(_schema_sql())
-    if conn.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
-        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+    apply_schema(conn)
     return conn
 
 
@@ -3562,6 +3612,28 @@ def _end_run(conn: sqlite3.Connection, fx: Effects, playbook: str, run_id: str, 
         _set_timer(conn, fx, _timer_key("workflow", playbook, ended["parent"]), now)
 
 
+#: The pruning pass's key on the wheel; it lives in memory only (each start arms it again).
+PRUNE_TIMER: Final = "prune:-:store"
+
+
+def session_ended(row: Mapping[str, Any] | sqlite3.Row, now: int) -> bool:
+    """Whether an inbox session has expired: unused for INBOX_SESSION_IDLE, or past its end."""
+    idle_ms = int(INBOX_SESSION_IDLE.total_seconds() * 1000)
+    return ((row["expires_at"] is not None and now >= row["expires_at"])
+            or (row["used_at"] is not None and now >= row["used_at"] + idle_ms))
+
+
+def prune_store(conn: sqlite3.Connection, fx: Effects, *, now: int) -> tuple[int, int]:
+    """Delete idempotency keys past IDEMPOTENCY_KEEP and ended sessions and login links; the counts."""
+    keys = conn.execute("DELETE FROM idempotency WHERE created_at <= ?",
+                        (now - int(IDEMPOTENCY_KEEP.total_seconds() * 1000),)).rowcount
+    idle_ms = int(INBOX_SESSION_IDLE.total_seconds() * 1000)
+    sessions = conn.execute(
+        "DELETE FROM tokens WHERE (purpose = 'login' AND revoked_at IS NOT NULL) OR (purpose = 'session' AND"
+        " (revoked_at IS NOT NULL OR expires_at <= ? OR used_at <= ?))", (now, now - idle_ms)).rowcount
+    return keys, sessions
+
+
 class TimerWheel:
     """The daemon's one timer task: a heap of (due, key) mirrored from the `timers` table."""
 
@@ -4031,7 +4103,7 @@ class _EngineRuns:
             try:
                 run = await self.get_run(caller, playbook, run_id)
                 left = deadline - loop.time()
-                if RunStatus(run["status"]).ended or left <= 0:
+                if RunStatus(run["status"]).ended or left <= 0 or self._stopping:
                     return run
                 step = min(left, 5.0) if tick is not None else left
                 try:
@@ -4881,6 +4953,9 @@ class Engine(_EngineDefinitions, _EngineRuns, _EngineSystemCalls, _EngineInbox, 
         self._subscribers: set[asyncio.Queue[dict[str, Any]]] = set()
         self._timer_task: asyncio.Task[None] | None = None
         self._inflight: set[tuple[str, str]] = set()
+        self._stopping = False                # shutdown: long polls answer at once
+        #: Timer kinds of the sections below the engine, kept in memory only (the MCP sessions' idle check).
+        self.timer_kinds: dict[str, Callable[[str], Any]] = {}
         self.playbooks: set[str] = set(config.playbooks)
         self.tools = ToolServers(config)
         self.workflows = Workflows(self)      # the workflow executor (section Workflows)
@@ -4919,9 +4994,19 @@ class Engine(_EngineDefinitions, _EngineRuns, _EngineSystemCalls, _EngineInbox, 
 
         for key, due in await self.store.write(init):
             self.wheel.set(key, due)
+        self.wheel.set(PRUNE_TIMER, now + 60_000)
         self._timer_task = asyncio.create_task(self.wheel.run(), name="interactiond-timers")
 
+    def end_waits(self) -> None:
+        """At shutdown: every long poll answers now with its run as it stands, and none waits again."""
+        self._stopping = True
+        for futs in self._waiters.values():
+            for f in futs:
+                if not f.done():
+                    f.set_result(None)
+
     async def stop(self) -> None:
+        self._stopping = True
         if self._timer_task is not None:
             self._timer_task.cancel()
             await asyncio.gather(self._timer_task, return_exceptions=True)
@@ -5020,6 +5105,10 @@ class Engine(_EngineDefinitions, _EngineRuns, _EngineSystemCalls, _EngineInbox, 
                 self.spawn(self._read(playbook, int(ref), key), f"read {ref}")
             elif kind == "workflow":        # Workflows: a run to move on (started, woken, or due)
                 self.spawn(self.workflows.drive(playbook, ref), f"workflow {ref}")
+            elif kind == "prune":
+                jobs.append(self._prune(key))
+            elif kind in self.timer_kinds:
+                jobs.append(self.timer_kinds[kind](key))
             else:
                 log.warning("timer of unknown kind %s dropped", kind)
         if jobs:
@@ -5042,6 +5131,16 @@ class Engine(_EngineDefinitions, _EngineRuns, _EngineSystemCalls, _EngineInbox, 
                      problem=ending_problem(RunStatus.REJECTED, "expired",
                                             f"nobody answered before {fmt_time(req['expires_at'])}"))
         await self.store.write(change)
+
+    async def _prune(self, key: str) -> None:
+        """The pruning pass, every PRUNE_EVERY on the daemon's clock: typed-API idempotency keys older
+        than IDEMPOTENCY_KEEP, ended inbox sessions (signed out, revoked or expired) and spent login
+        links. Nothing else is ever deleted."""
+        now = self.clock.now_ms()
+        try:
+            await self.store.write(functools.partial(prune_store, now=now))
+        finally:
+            self.wheel.set(key, now + int(PRUNE_EVERY.total_seconds() * 1000))
 
 
 # Workflows ######################################################################################
@@ -6768,7 +6867,8 @@ def openapi_spec() -> dict[str, Any]:
 
 def create_token(conn: sqlite3.Connection, role: str, playbook: str | None, name: str | None,
                  purpose: str = "api", now: int | None = None) -> tuple[str, str]:
-    """Store a new token's hash; returns (id, secret). The secret is shown once."""
+    """Store a new token's hash; returns (id, secret). The secret is shown once. A session starts
+    used now and ends INBOX_SESSION_MAX later at the latest."""
     if role not in {r.value for r in Role}:
         raise ValueError(f"role is one of reader, writer, operator, not {role!r}")
     if playbook is not None and not PLAYBOOK_RE.fullmatch(playbook):
@@ -6778,9 +6878,12 @@ def create_token(conn: sqlite3.Connection, role: str, playbook: str | None, name
                          " or make a reader or writer token for one playbook")
     secret = new_token_secret()
     token_id = "tok_" + new_ulid().lower()
-    conn.execute("INSERT INTO tokens (id, hash, playbook, role, name, purpose, created_at) VALUES (?,?,?,?,?,?,?)",
-                 (token_id, sha256_hex(secret), playbook, role, name, purpose,
-                  now if now is not None else int(time.time() * 1000)))
+    at = now if now is not None else int(time.time() * 1000)
+    session = purpose == "session"
+    conn.execute("INSERT INTO tokens (id, hash, playbook, role, name, purpose, created_at, used_at, expires_at)"
+                 " VALUES (?,?,?,?,?,?,?,?,?)",
+                 (token_id, sha256_hex(secret), playbook, role, name, purpose, at, at if session else None,
+                  at + int(INBOX_SESSION_MAX.total_seconds() * 1000) if session else None))
     return token_id, secret
 
 
@@ -6806,18 +6909,33 @@ async def _authenticate(request: web.Request) -> Caller:
 
 
 async def lookup_token(app: web.Application, secret: str) -> Caller | None:
-    cache: dict[str, tuple[float, Caller | None]] = app[TOKENS_KEY]
+    """The caller a token (or an inbox session's cookie) stands for; None when unknown, revoked or,
+    for a session, expired on the daemon's clock. A session's use is written at most once a minute."""
+    cache: dict[str, tuple[float, Caller | None, dict[str, Any] | None]] = app[TOKENS_KEY]
+    engine = app[ENGINE_KEY]
     digest = sha256_hex(secret)
     hit = cache.get(digest)
-    if hit is not None and hit[0] > time.monotonic():
-        return hit[1]
-    row = await app[ENGINE_KEY].store.read(lambda c: c.execute(
-        "SELECT id, role, playbook FROM tokens WHERE hash = ? AND revoked_at IS NULL AND purpose != 'login'",
-        (digest,)).fetchone())
-    caller = Caller(row["id"], Role(row["role"]), row["playbook"]) if row is not None else None
-    if len(cache) > 10_000:
-        cache.clear()
-    cache[digest] = (time.monotonic() + TOKEN_CACHE_S, caller)
+    if hit is None or hit[0] <= time.monotonic():
+        row = await engine.store.read(lambda c: c.execute(
+            "SELECT id, role, playbook, purpose, used_at, expires_at FROM tokens"
+            " WHERE hash = ? AND revoked_at IS NULL AND purpose != 'login'", (digest,)).fetchone())
+        caller = Caller(row["id"], Role(row["role"]), row["playbook"]) if row is not None else None
+        times = ({"used_at": row["used_at"], "expires_at": row["expires_at"]}
+                 if row is not None and row["purpose"] == "session" else None)
+        if len(cache) > 10_000:
+            cache.clear()
+        hit = cache[digest] = (time.monotonic() + TOKEN_CACHE_S, caller, times)
+    caller, times = hit[1], hit[2]
+    if caller is None or times is None:
+        return caller
+    now = engine.clock.now_ms()
+    if session_ended(times, now):
+        return None
+    if times["used_at"] is None or now - times["used_at"] >= int(INBOX_SESSION_TOUCH.total_seconds() * 1000):
+        times["used_at"] = now
+        await engine.store.write(lambda c, fx: c.execute(
+            "UPDATE tokens SET used_at = ? WHERE id = ? AND (used_at IS NULL OR used_at < ?)",
+            (now, caller.id, now)).rowcount)
     return caller
 
 
@@ -7127,17 +7245,24 @@ def make_mcp_server(engine: Engine, *, caller: Caller | None = None, scoped_play
                                    "Start with list_definitions, or use ask for a quick typed question.")
 
 
-def asgi_handler(app: Callable[..., Any], *, grace_s: float = 2.0) -> Callable[[web.Request], Any]:
+def asgi_handler(app: Callable[..., Any], *, grace_s: float = 2.0,
+                 user: Callable[[Caller], Any] | None = None) -> Callable[..., Any]:
     """Serve an ASGI app (the MCP SDK's transports) from an aiohttp handler.
 
-    Two things matter: after the body, `receive()` blocks until the peer leaves; and the app runs
-    in its own task, shielded from the handler's cancellation, because the SDK drops a session
-    whose opening request was cancelled half-way.
+    Three things matter: the body is read whole first, under the API's 1 MiB bound (413 beyond);
+    after it, `receive()` blocks until the peer leaves; and the app runs in its own task, shielded
+    from the handler's cancellation, because the SDK drops a session whose opening request was
+    cancelled half-way. `user` makes the ASGI `user` of the caller, so the SDK binds each session
+    to the token that opened it. Per request, `on_send` sees each message the app sends, and
+    `on_start` is handed a function that ends the request as if the peer had left.
     """
-    async def handler(request: web.Request) -> web.StreamResponse:
+    async def handler(request: web.Request, on_send: Callable[[dict[str, Any]], None] | None = None,
+                      on_start: Callable[[Callable[[], None]], None] | None = None) -> web.StreamResponse:
+        body = await request.read()         # HTTPRequestEntityTooLarge past client_max_size: a 413 problem
         tr = request.transport
         peer = tr.get_extra_info("peername") if tr else None
         sock = tr.get_extra_info("sockname") if tr else None
+        caller = request.get(CALLER_KEY)
         scope: dict[str, Any] = {
             "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
             "http_version": f"{request.version.major}.{request.version.minor}", "method": request.method,
@@ -7145,18 +7270,21 @@ def asgi_handler(app: Callable[..., Any], *, grace_s: float = 2.0) -> Callable[[
             "root_path": "", "query_string": request.rel_url.raw_query_string.encode(),
             "headers": [(k.lower(), v) for k, v in request.raw_headers],
             "client": tuple(peer[:2]) if peer else None, "server": tuple(sock[:2]) if sock else None,
-            "state": {"interactiond_caller": request.get(CALLER_KEY)}, "extensions": {},
+            "state": {"interactiond_caller": caller}, "extensions": {},
         }
+        if user is not None and caller is not None:
+            scope["user"] = user(caller)
         resp: web.StreamResponse | None = None
         body_done = False
         gone = asyncio.Event()
+        if on_start is not None:
+            on_start(gone.set)
 
         async def receive() -> dict[str, Any]:
             nonlocal body_done
             if not body_done and not gone.is_set():
-                chunk = await request.content.readany()
-                body_done = request.content.at_eof()
-                return {"type": "http.request", "body": chunk, "more_body": not body_done}
+                body_done = True
+                return {"type": "http.request", "body": body, "more_body": False}
             while not gone.is_set():
                 t = request.transport
                 if t is None or t.is_closing():
@@ -7167,6 +7295,8 @@ def asgi_handler(app: Callable[..., Any], *, grace_s: float = 2.0) -> Callable[[
 
         async def send(msg: dict[str, Any]) -> None:
             nonlocal resp
+            if on_send is not None:
+                on_send(msg)
             if msg["type"] == "http.response.start":
                 resp = web.StreamResponse(status=msg["status"])
                 for k, v in msg.get("headers", ()):
@@ -7202,22 +7332,145 @@ def asgi_handler(app: Callable[..., Any], *, grace_s: float = 2.0) -> Callable[[
 STREAMS_KEY: Final = web.AppKey("streams", set)
 
 
+@dataclass(eq=False)
+class McpSession:
+    id: str
+    owner: str                          # the id of the token that opened it
+    used: int                           # the daemon's clock, at its last request or message
+    close: Callable[[], Any]            # ends it (async)
+    busy: int = 0                       # its requests in flight (an open GET stream too)
+    order: int = 0                      # of its last use among all sessions: ties of `used` go by it
+
+
+class McpSessions:
+    """The MCP sessions open over HTTP, each owned by the token that opened it.
+
+    The SDK keeps the sessions; this adds what it lacks. A request that names another token's
+    session is 404, as if it did not exist (the SDK checks the same through the ASGI `user`). A
+    token holds at most MCP_SESSIONS_PER_TOKEN: opening one more closes its oldest idle one, or is
+    refused (503) when every one is busy. A session with no request in flight and none for
+    MCP_SESSION_IDLE on the daemon's clock is closed by one timer on the engine's wheel, armed at
+    the earliest moment one can go idle: no task per session. A streamable-HTTP session is busy
+    while a request of its own is in flight; an SSE session's stream is always open, so it counts
+    as used when a message goes either way.
+    """
+
+    TIMER: Final = "mcp:-:idle"
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.by_id: dict[str, McpSession] = {}
+        self.opening: dict[str, int] = {}       # owner -> opening requests in flight
+        self.armed: int | None = None
+        self.uses = 0
+        self.idle_ms = int(MCP_SESSION_IDLE.total_seconds() * 1000)
+        engine.timer_kinds["mcp"] = self.sweep
+
+    def owned(self, sid: str, caller: Caller) -> McpSession | None:
+        """The session `sid` of this caller; 404 when another token owns it."""
+        s = self.by_id.get(sid)
+        if s is not None and s.owner != caller.id:
+            raise not_found("no MCP session of that id for this token")
+        return s
+
+    def count(self, owner: str) -> int:
+        return sum(1 for s in self.by_id.values() if s.owner == owner)
+
+    async def admit(self, caller: Caller) -> None:
+        """Make room for one more session of `caller` (closing its oldest idle one at the cap)."""
+        victim = None
+        if self.count(caller.id) + self.opening.get(caller.id, 0) >= MCP_SESSIONS_PER_TOKEN:
+            idle = [s for s in self.by_id.values() if s.owner == caller.id and s.busy == 0]
+            if not idle:
+                raise Problem("unavailable", f"this token has {MCP_SESSIONS_PER_TOKEN} MCP sessions open and each is"
+                              " busy; end one (DELETE /mcp) before opening another", kind="too_many_sessions")
+            victim = min(idle, key=lambda s: (s.used, s.order))
+            self.by_id.pop(victim.id, None)
+        self.opening[caller.id] = self.opening.get(caller.id, 0) + 1
+        if victim is not None:
+            await self._end(victim)
+
+    def release(self, caller: Caller) -> None:
+        """An opening request ended, whether or not it opened a session."""
+        left = self.opening.get(caller.id, 0) - 1
+        if left > 0:
+            self.opening[caller.id] = left
+        else:
+            self.opening.pop(caller.id, None)
+
+    def opened(self, caller: Caller, sid: str, close: Callable[[], Any], busy: int) -> McpSession:
+        self.uses += 1
+        s = self.by_id[sid] = McpSession(sid, caller.id, self.engine.clock.now_ms(), close, busy, self.uses)
+        self.arm()
+        return s
+
+    def touch(self, s: McpSession) -> None:
+        self.uses += 1
+        s.used, s.order = self.engine.clock.now_ms(), self.uses
+        if s.busy == 0:
+            self.arm()
+
+    def forget(self, sid: str) -> None:
+        self.by_id.pop(sid, None)
+
+    async def _end(self, s: McpSession) -> None:
+        self.by_id.pop(s.id, None)
+        try:
+            await s.close()
+        except Exception:
+            log.warning("closing an MCP session failed", exc_info=True)
+
+    def arm(self) -> None:
+        """Arm the idle check at the earliest moment a session can be idle long enough. Once armed
+        it stays: a use only moves a session's moment later, and the check arms the next one."""
+        if self.armed is not None or not self.by_id:
+            return
+        now = self.engine.clock.now_ms()
+        idle = [s.used for s in self.by_id.values() if s.busy == 0]
+        self.armed = (min(idle) if idle else now) + self.idle_ms
+        self.engine.wheel.set(self.TIMER, self.armed)
+
+    async def sweep(self, key: str) -> None:
+        """The idle check (a timer of the wheel): close each session idle for MCP_SESSION_IDLE."""
+        now = self.engine.clock.now_ms()
+        self.armed = None
+        for s in [s for s in self.by_id.values() if s.busy == 0 and now - s.used >= self.idle_ms]:
+            await self._end(s)
+        self.arm()
+
+
+def _opens_session(request: web.Request) -> bool:
+    """A streamable-HTTP request that may open a session: a POST with no session id, of the
+    protocol eras that have sessions (2026-07-28 has none)."""
+    from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
+    version = request.headers.get("mcp-protocol-version")
+    return (request.method == "POST" and "mcp-session-id" not in request.headers
+            and (version is None or version in HANDSHAKE_PROTOCOL_VERSIONS))
+
+
+_SSE_SESSION_RE: Final = re.compile(rb"session_id=([0-9a-f]{32})")
+
+
 class _McpTransports:
     """The SDK's streamable-HTTP and SSE apps over one MCP server, built on the first MCP request.
 
     The streamable transport's session manager needs a task that enters and exits its task group;
-    it is started with the transports and stopped when the app shuts down.
+    it is started with the transports and stopped when the app shuts down. The sessions it keeps
+    are tracked in `sessions` (owner, cap, idle limit); the SDK's own idle timer is off, the
+    daemon's clock decides.
     """
 
     def __init__(self, engine: Engine, allowed_hosts: list[str]) -> None:
         self.engine = engine
         self.allowed_hosts = allowed_hosts
-        self.handlers: dict[str, Callable[[web.Request], Any]] | None = None
+        self.handlers: dict[str, Callable[..., Any]] | None = None
+        self.sessions = McpSessions(engine)
+        self.server: Any = None
         self._lock = asyncio.Lock()
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
-    async def handler(self, name: str) -> Callable[[web.Request], Any]:
+    async def handler(self, name: str) -> Callable[..., Any]:
         if self.handlers is None:
             await asyncio.shield(self._build())
         assert self.handlers is not None
@@ -7227,19 +7480,25 @@ class _McpTransports:
         async with self._lock:
             if self.handlers is not None:
                 return
+            from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
+            from mcp.server.auth.provider import AccessToken
             from mcp.server.sse import SseServerTransport
             from mcp.server.transport_security import TransportSecuritySettings
 
-            server = make_mcp_server(self.engine)
+            server = self.server = make_mcp_server(self.engine)
             hosts = self.allowed_hosts
             security = TransportSecuritySettings(enable_dns_rebinding_protection=True, allowed_hosts=hosts,
                                                  allowed_origins=[f"http://{h}" for h in hosts])
-            streamable = server.streamable_http_app(streamable_http_path="/mcp", transport_security=security)
-            sse = SseServerTransport("/messages/", security_settings=security)
+            streamable = server.streamable_http_app(streamable_http_path="/mcp", transport_security=security,
+                                                    max_request_body_size=MAX_BODY_BYTES, session_idle_timeout=None)
+            sse = SseServerTransport("/messages/", security_settings=security, max_request_body_size=MAX_BODY_BYTES)
 
             async def sse_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
                 async with sse.connect_sse(scope, receive, send) as (read, write):
                     await server.run(read, write, server.create_initialization_options())
+
+            def user(caller: Caller) -> Any:
+                return AuthenticatedUser(AccessToken(token="", client_id=caller.id, scopes=[]))
 
             started = asyncio.Event()
 
@@ -7249,8 +7508,92 @@ class _McpTransports:
                     await self._stop.wait()
             self._task = asyncio.create_task(hold(), name="interactiond-mcp-sessions")
             await started.wait()
-            self.handlers = {"mcp": asgi_handler(streamable), "sse": asgi_handler(sse_app),
-                             "messages": asgi_handler(sse.handle_post_message)}
+            self.handlers = {"mcp": asgi_handler(streamable, user=user), "sse": asgi_handler(sse_app, user=user),
+                             "messages": asgi_handler(sse.handle_post_message, user=user)}
+
+    async def _end_streamable(self, sid: str) -> None:
+        """Terminate a streamable-HTTP session: its id answers 404 from now on, its server task ends."""
+        transport = getattr(self.server.session_manager, "_server_instances", {}).get(sid)
+        if transport is not None:
+            await transport.terminate()
+
+    async def serve_mcp(self, request: web.Request) -> web.StreamResponse:
+        handler = await self.handler("mcp")
+        caller: Caller = request[CALLER_KEY]
+        reg = self.sessions
+        sid = request.headers.get("mcp-session-id")
+        if sid is not None:
+            s = reg.owned(sid, caller)
+            if s is None:
+                return await handler(request)           # unknown or ended: the SDK answers 404
+            s.busy += 1
+            reg.touch(s)
+            try:
+                resp = await handler(request)
+            finally:
+                s.busy -= 1
+                reg.touch(s)
+            if resp.status == 404 or (request.method == "DELETE" and resp.status < 400):
+                reg.forget(sid)
+            return resp
+        if not _opens_session(request):
+            return await handler(request)
+        await reg.admit(caller)
+        opened: list[McpSession] = []
+
+        def watch(msg: dict[str, Any]) -> None:
+            if msg["type"] == "http.response.start" and msg["status"] < 400 and not opened:
+                for k, v in msg.get("headers", ()):
+                    if k.lower() == b"mcp-session-id":
+                        new = v.decode("latin-1")
+                        opened.append(reg.opened(caller, new, functools.partial(self._end_streamable, new), busy=1))
+                        reg.release(caller)
+        try:
+            return await handler(request, watch)
+        finally:
+            if opened:
+                opened[0].busy -= 1
+                reg.touch(opened[0])
+            else:
+                reg.release(caller)
+
+    async def serve_sse(self, request: web.Request) -> web.StreamResponse:
+        handler = await self.handler("sse")
+        caller: Caller = request[CALLER_KEY]
+        reg = self.sessions
+        await reg.admit(caller)
+        opened: list[McpSession] = []
+        ends: list[Callable[[], None]] = []
+
+        async def close() -> None:
+            for end in ends:
+                end()                       # as if the client had left: the SDK ends the stream and the session
+
+        def watch(msg: dict[str, Any]) -> None:
+            if msg["type"] != "http.response.body":
+                return
+            chunk = msg.get("body") or b""
+            if not opened:
+                m = _SSE_SESSION_RE.search(chunk)
+                if m:
+                    opened.append(reg.opened(caller, m.group(1).decode(), close, busy=0))
+                    reg.release(caller)
+            elif chunk.startswith(b"event: message"):
+                reg.touch(opened[0])
+        try:
+            return await handler(request, watch, ends.append)
+        finally:
+            if opened:
+                reg.forget(opened[0].id)
+            else:
+                reg.release(caller)
+
+    async def serve_messages(self, request: web.Request) -> web.StreamResponse:
+        handler = await self.handler("messages")
+        s = self.sessions.owned(request.query.get("session_id", ""), request[CALLER_KEY])
+        if s is not None:
+            self.sessions.touch(s)
+        return await handler(request)
 
     async def close(self) -> None:
         self._stop.set()
@@ -7261,16 +7604,10 @@ class _McpTransports:
 def mount_mcp(app: web.Application, engine: Engine, allowed_hosts: list[str]) -> None:
     """Streamable HTTP at /mcp and legacy SSE at /sse (+ /messages/) on the API's port."""
     transports = _McpTransports(engine, allowed_hosts)
-
-    def route(name: str) -> Callable[[web.Request], Any]:
-        async def handle(request: web.Request) -> web.StreamResponse:
-            return await (await transports.handler(name))(request)
-        return handle
-
     app[STREAMS_KEY] = set()
-    app.router.add_route("*", "/mcp", route("mcp"))
-    app.router.add_get("/sse", route("sse"))
-    app.router.add_post("/messages/", route("messages"))
+    app.router.add_route("*", "/mcp", transports.serve_mcp)
+    app.router.add_get("/sse", transports.serve_sse)
+    app.router.add_post("/messages/", transports.serve_messages)
 
     async def cancel_streams(app: web.Application) -> None:
         for t in list(app[STREAMS_KEY]):
@@ -8055,9 +8392,10 @@ def render_markdown(text: str) -> str:
     return _markdown().render(text)
 
 
-async def trade_login_token(store: Store, secret: str) -> str | None:
-    """Revoke a one-time login token and make a session token of its role; None when it is spent."""
-    now = int(time.time() * 1000)
+async def trade_login_token(store: Store, secret: str, now: int | None = None) -> str | None:
+    """Revoke a one-time login token and make a session token of its role; None when it is spent.
+    `now` is the daemon's clock: the session expires on it."""
+    now = now if now is not None else int(time.time() * 1000)
 
     def change(conn: sqlite3.Connection, fx: Effects) -> str | None:
         row = conn.execute("UPDATE tokens SET revoked_at = ? WHERE hash = ? AND purpose = 'login' AND revoked_at IS NULL"
@@ -8079,7 +8417,8 @@ async def h_inbox_page(request: web.Request) -> web.Response:
 
 async def h_login(request: web.Request) -> web.Response:
     secret = request.query.get("token", "")
-    session = await trade_login_token(request.app[ENGINE_KEY].store, secret) if secret else None
+    engine = request.app[ENGINE_KEY]
+    session = await trade_login_token(engine.store, secret, engine.clock.now_ms()) if secret else None
     if session is None:
         current = request.cookies.get(SESSION_COOKIE)
         if current and await lookup_token(request.app, current) is not None:
@@ -8839,6 +9178,10 @@ def build_app(engine: Engine, *, manage_engine: bool = True, hosts: Iterable[str
     mount_mcp(app, engine, sorted({"127.0.0.1:*", "localhost:*", "[::1]:*", *(f"{h}:*" for h in hosts)}))
     mount_typed_api(app)
     mount_web(app)
+
+    async def end_waits(app: web.Application) -> None:
+        engine.end_waits()              # with the streams ended above: a stop takes no long poll's time
+    app.on_shutdown.append(end_waits)
     if manage_engine:
         async def lifecycle(app: web.Application) -> Any:
             await engine.store.open()
@@ -9119,10 +9462,19 @@ def _cli_token(args: Any, db: str) -> int:
                 return 2
             print(f"{token_id} {secret}")
         elif args.token_cmd == "list":
-            for r in conn.execute("SELECT id, role, playbook, name, created_at, revoked_at FROM tokens"
-                                  " WHERE purpose = 'api' ORDER BY created_at"):
-                state = "revoked" if r["revoked_at"] else "active"
-                print(f"{r['id']}\t{r['role']}\t{r['playbook'] or '*'}\t{state}\t{r['name'] or ''}")
+            # API tokens and inbox sessions (a session's state on this machine's clock; the daemon's
+            # own clock decides); login links are one-time and not listed.
+            now = int(time.time() * 1000)
+            idle_ms = int(INBOX_SESSION_IDLE.total_seconds() * 1000)
+            for r in conn.execute("SELECT id, role, playbook, name, purpose, created_at, revoked_at, used_at,"
+                                  " expires_at FROM tokens WHERE purpose IN ('api', 'session') ORDER BY created_at"):
+                state = "revoked" if r["revoked_at"] else "expired" if session_ended(r, now) else "active"
+                line = f"{r['id']}\t{r['role']}\t{r['playbook'] or '*'}\t{state}\t{r['name'] or ''}"
+                if r["purpose"] == "session":
+                    ends = min(r["expires_at"], r["used_at"] + idle_ms)
+                    line += f"\tsession, signed in {fmt_time(r['created_at'])}, last used {fmt_time(r['used_at'])}," \
+                            f" ends {fmt_time(ends)} at the latest"
+                print(line)
         else:
             cur = conn.execute("UPDATE tokens SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL",
                                (int(time.time() * 1000), args.id))
@@ -9133,6 +9485,67 @@ def _cli_token(args: Any, db: str) -> int:
         return 0
     finally:
         conn.close()
+
+
+# -- logs: no token, link, cookie or session id in a line ------------------------------------------
+#
+# aiohttp's bad-request log quotes the request line and headers it could not parse (a login
+# link's `?token=`, a bearer token, the session cookie); the MCP SDK logs session ids. A filter on
+# the root handler (and on those loggers) rewrites each record before it is written, and the SDK's
+# chatty loggers only speak from WARNING up.
+
+#: A name and its value: `name=v`, `name: v`, `'name': 'v'`, `(b'name', b'v'`.
+_SEP: Final = r"""([ \t]*[:=][ \t]*['"]?|['"][ \t]*[:,][ \t]*b?['"])"""
+_REDACT: Final = (
+    (re.compile(r"(?i)\b(bearer|basic)(\s+)[A-Za-z0-9._~+/=-]+"), r"\1\2[redacted]"),
+    (re.compile(r"(?i)\b(authorization|proxy-authorization|cookie|set-cookie)" + _SEP + r"[^\r\n'\"]+"),
+     r"\1\2[redacted]"),
+    (re.compile(r"(?i)\b(token|session_id|mcp-session-id|interactiond_session)" + _SEP + r"[A-Za-z0-9_.~%-]+"),
+     r"\1\2[redacted]"),
+    (re.compile(r"\bitd_[A-Za-z0-9_-]+"), "itd_[redacted]"),
+    (re.compile(r"(?i)\b[0-9a-f]{8}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{12}\b"), "[session id]"),
+)
+#: Loggers that speak of each request or session at INFO; quiet below WARNING.
+QUIET_LOGGERS: Final = ("mcp", "httpx2", "sse_starlette")
+
+
+def redact(text: str) -> str:
+    """`text` with tokens, `token=` values, Authorization and Cookie values and session ids taken out."""
+    for pattern, replacement in _REDACT:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+class RedactingFilter(logging.Filter):
+    """Rewrites a record's message, traceback and stack with `redact` (it never drops a record)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:
+            message = str(record.msg)
+        record.msg, record.args = redact(message), None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = redact(record.exc_text)
+        if record.stack_info:
+            record.stack_info = redact(record.stack_info)
+        return True
+
+
+def install_log_redaction() -> None:
+    """Put the redacting filter on every root handler and the loggers that quote requests; quiet the SDK."""
+    redacting = RedactingFilter()
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, RedactingFilter) for f in handler.filters):
+            handler.addFilter(redacting)
+    for name in ("aiohttp.server", "aiohttp.access", "aiohttp.web", "aiohttp.client", *QUIET_LOGGERS):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, RedactingFilter) for f in logger.filters):
+            logger.addFilter(redacting)
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -9160,15 +9573,15 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("check", help="validate function documents; exit 1 on any problem")
     common(p)
     p.add_argument("files", nargs="+")
-    p = sub.add_parser("token", help="create, list or revoke API tokens")
+    p = sub.add_parser("token", help="create, list or revoke API tokens; list or end inbox sessions")
     tsub = p.add_subparsers(dest="token_cmd", required=True)
     t = tsub.add_parser("create", help="print a new token once")
     common(t)
     t.add_argument("--playbook", help="bind the token to one playbook, ORG/NAME")
     t.add_argument("--role", required=True, choices=[r.value for r in Role])
     t.add_argument("--name")
-    common(tsub.add_parser("list", help="list tokens (never their secrets)"))
-    t = tsub.add_parser("revoke", help="revoke a token by its id")
+    common(tsub.add_parser("list", help="list tokens and inbox sessions (never their secrets)"))
+    t = tsub.add_parser("revoke", help="revoke a token, or end an inbox session, by its id")
     common(t)
     t.add_argument("id")
     for name, helptext in (("define", "save a definition from a file"), ("run", "start a run"),
@@ -9194,6 +9607,7 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("answer")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s")
+    install_log_redaction()
     if args.cmd == "check":
         return check_documents(args.files, parsers={".yaml": parse_workflow, ".yml": parse_workflow})
     try:
