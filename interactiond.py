@@ -2780,6 +2780,7 @@ class _DbThread(threading.Thread):
     def run(self) -> None:
         try:
             self.conn = _connect(self.path)
+            self.tx = SQLiteTx(self.conn)
             if self.writer:                  # the checkpointer copies the WAL; this is only a safety net
                 self.conn.execute(f"PRAGMA wal_autocheckpoint = {WRITER_AUTOCHECKPOINT_PAGES}")
         except BaseException as exc:  # reported by Store.open
@@ -2809,7 +2810,7 @@ class _DbThread(threading.Thread):
 
     def _run_read(self, fn: Callable[..., Any], fut: asyncio.Future[Any], fx: None) -> tuple[Any, ...]:
         try:
-            return (fut, fn(self.conn), None, None)
+            return (fut, fn(self.tx), None, None)
         except BaseException as exc:
             return (fut, None, exc, None)
 
@@ -2824,7 +2825,7 @@ class _DbThread(threading.Thread):
         for i, (fn, fut, fx) in enumerate(batch):
             try:
                 conn.execute("SAVEPOINT change")
-                result = fn(conn, fx)
+                result = fn(self.tx, fx)
                 conn.execute("RELEASE change")
             except BaseException as exc:
                 if not conn.in_transaction:
@@ -2973,36 +2974,139 @@ class Store:
         """For the command line and start-up, outside the loop."""
         conn = _connect(self.path)
         try:
-            return query(conn)
+            return query(SQLiteTx(conn))
         finally:
             conn.close()
 
 
-def open_sync(path: str) -> sqlite3.Connection:
-    """A connection with the schema applied, for the command line (token, check) and tests."""
+def open_sync(path: str) -> "SQLiteTx":
+    """The file with the schema applied, outside the loop: for the command line (token, check) and
+    tests. Each operation commits on its own."""
     conn = _connect(path)
     apply_schema(conn)
-    return conn
+    return SQLiteTx(conn)
 
 
-def append_event(conn: sqlite3.Connection, fx: Effects | None, playbook: str, run_id: str | None, type_: str,
-                 at: int, by: str | None, payload: dict[str, Any], *, run_seq: int | None = None) -> int:
-    """Append one event; run events also take the next run_seq (or the one given, already counted
-    in runs.events by the caller's own UPDATE). Returns the event id."""
-    text = dumps(payload)
-    if run_id is not None and run_seq is None:
-        # UPDATE then SELECT: RETURNING builds an ephemeral table and costs a third more here.
-        conn.execute("UPDATE runs SET events = events + 1 WHERE playbook = ? AND run_id = ?", (playbook, run_id))
-        run_seq = conn.execute("SELECT events FROM runs WHERE playbook = ? AND run_id = ?",
-                               (playbook, run_id)).fetchone()[0]
-    cur = conn.execute(
-        "INSERT INTO events (playbook, run_id, run_seq, type, at, by, payload, size) VALUES (?,?,?,?,?,?,?,?)",
-        (playbook, run_id, run_seq, type_, at, by, text, len(text.encode())))
-    event_id = cur.lastrowid
-    if fx is not None:
-        fx.published.append({"id": event_id, "playbook": playbook, "run_id": run_id, "type": type_, "at": at,
-                             "payload": payload})
-    return event_id
+#: A row as the store gives it: read by column name (`row["status"]`), whatever the backend.
+Row = Mapping[str, Any]
+
+
+class SQLiteTx:
+    """The store's named operations, on one connection: a change's transaction or a reading.
+
+    A change is a plain function `change(tx, fx)` handed to `Store.write`; a reading is
+    `query(tx)` handed to `Store.read`. Everything above the store talks to the database through
+    these methods only, so no SQL and no driver type stands outside this section. Each state change
+    is guarded in its own statement: `UPDATE ... WHERE status IN (<the states it may leave>)
+    RETURNING ...`; no row back means the move was not allowed, and the operation says so (None,
+    False or a `conflict` problem) rather than reading, checking in Python and writing by key.
+    """
+
+    __slots__ = ("conn",)
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+
+    def execute(self, sql: str, params: Iterable[Any] = ()) -> Any:
+        return self.conn.execute(sql, params)
+
+    def close(self) -> None:
+        self.conn.close()
+
+    # Events and timers.
+
+    def append_event(self, fx: Effects | None, playbook: str, run_id: str | None, type_: str, at: int,
+                     by: str | None, payload: dict[str, Any], *, run_seq: int | None = None) -> int:
+        """Append one event; run events also take the next run_seq (or the one given, already
+        counted in runs.events by the caller's own UPDATE). Returns the event id."""
+        conn = self.conn
+        text = dumps(payload)
+        if run_id is not None and run_seq is None:
+            # UPDATE then SELECT: RETURNING builds an ephemeral table and costs a third more here.
+            conn.execute("UPDATE runs SET events = events + 1 WHERE playbook = ? AND run_id = ?", (playbook, run_id))
+            run_seq = conn.execute("SELECT events FROM runs WHERE playbook = ? AND run_id = ?",
+                                   (playbook, run_id)).fetchone()[0]
+        cur = conn.execute(
+            "INSERT INTO events (playbook, run_id, run_seq, type, at, by, payload, size) VALUES (?,?,?,?,?,?,?,?)",
+            (playbook, run_id, run_seq, type_, at, by, text, len(text.encode())))
+        event_id = cur.lastrowid
+        if fx is not None:
+            fx.published.append({"id": event_id, "playbook": playbook, "run_id": run_id, "type": type_, "at": at,
+                                 "payload": payload})
+        return event_id
+
+    def set_timer(self, fx: Effects, key: str, due: int) -> None:
+        self.conn.execute("INSERT INTO timers (key, due_at) VALUES (?, ?)"
+                          " ON CONFLICT(key) DO UPDATE SET due_at = excluded.due_at", (key, due))
+        fx.timers.append((key, due))
+
+    def drop_timer(self, fx: Effects, key: str) -> None:
+        self.conn.execute("DELETE FROM timers WHERE key = ?", (key,))
+        fx.timers.append((key, None))
+
+    def take_timer(self, fx: Effects, key: str, now: int) -> bool:
+        """Claim a due timer: True once, for the change that fires it; False if it moved or went."""
+        taken = self.conn.execute("DELETE FROM timers WHERE key = ? AND due_at <= ? RETURNING key",
+                                  (key, now)).fetchone()
+        if taken is None:
+            return False
+        fx.timers.append((key, None))
+        return True
+
+    # Runs.
+
+    def end_run(self, fx: Effects, playbook: str, run_id: str, status: RunStatus, *, now: int, by: str | None,
+                kind: str | None = None, output: Any = None, problem: Problem | None = None) -> None:
+        """Write a run's ending and its event; only a live run ends (guarded), else `conflict`."""
+        pbody = problem.body() if problem is not None else None
+        ended = self.conn.execute(               # the ending event's run_seq is counted here too
+            "UPDATE runs SET status = ?, kind = ?, output = ?, problem = ?, ended_at = ?, settled_by = ?,"
+            f" events = events + 1 WHERE playbook = ? AND run_id = ? AND status IN ({_LIVE_SQL})"
+            " RETURNING parent, events",
+            (status.value, kind, dumps(output) if output is not None else None, dumps(pbody) if pbody else None,
+             now, by, playbook, run_id)).fetchone()
+        if ended is None:
+            raise Problem("conflict", "the run has already ended")
+        payload: dict[str, Any] = {"status": status.value, "kind": kind}
+        if status is RunStatus.SUCCEEDED:
+            payload["output"] = output
+        else:
+            payload["problem"] = pbody
+        self.append_event(fx, playbook, run_id, "run_" + status.value, now, by, payload, run_seq=ended["events"])
+        fx.wakes.append((playbook, run_id))
+        if ended["parent"] is not None:
+            # Workflows: the workflow run waiting on this one moves on, woken in this same transaction.
+            self.set_timer(fx, timer_key("workflow", playbook, ended["parent"]), now)
+
+    # Housekeeping.
+
+    def prune(self, *, now: int) -> tuple[int, int]:
+        """Delete idempotency keys past IDEMPOTENCY_KEEP and ended sessions and login links; the counts."""
+        keys = self.conn.execute("DELETE FROM idempotency WHERE created_at <= ?",
+                                 (now - int(IDEMPOTENCY_KEEP.total_seconds() * 1000),)).rowcount
+        idle_ms = int(INBOX_SESSION_IDLE.total_seconds() * 1000)
+        sessions = self.conn.execute(
+            "DELETE FROM tokens WHERE (purpose = 'login' AND revoked_at IS NOT NULL) OR (purpose = 'session' AND"
+            " (revoked_at IS NOT NULL OR expires_at <= ? OR used_at <= ?))", (now, now - idle_ms)).rowcount
+        return keys, sessions
+
+    # Definitions and runs: documents saved and deleted, runs inserted, read and listed, system calls.
+
+    # Requests, answers, deliveries and readings: the inbox and the chat tools.
+
+    # Workflows, tokens, sessions, idempotency and the typed API's listings.
+
+
+#: The live run states, as SQL's IN list (the statuses a run ends from).
+_LIVE_SQL: Final = ", ".join(f"'{s.value}'" for s in LIVE_RUN_STATUSES)
+
+
+#: What a change or a reading is handed: the store's operations (SQLiteTx on the embedded file).
+Tx = SQLiteTx
+
+
+def timer_key(kind: str, playbook: str, ref: str) -> str:
+    return f"{kind}:{playbook}:{ref}"
 
 
 # Tool servers ###################################################################################
@@ -3441,7 +3545,7 @@ class Caller:
 OPERATOR_LOCAL: Final = Caller("local", Role.OPERATOR)
 
 
-def run_object(row: sqlite3.Row | dict[str, Any]) -> dict[str, Any]:
+def run_object(row: Row) -> dict[str, Any]:
     """The run as every API shows it."""
     return {
         "run_id": row["run_id"], "playbook": row["playbook"], "type": row["type"], "name": row["name"],
@@ -3461,7 +3565,7 @@ def _listed_schema(text: str) -> Any:
     return json.loads(text)
 
 
-def request_object(row: sqlite3.Row) -> dict[str, Any]:
+def request_object(row: Row) -> dict[str, Any]:
     """An open request as list_interactions shows it."""
     return {
         "run_id": row["run_id"], "type": row["type"], "name": row["name"], "version": row["version"],
@@ -3476,7 +3580,7 @@ def request_object(row: sqlite3.Row) -> dict[str, Any]:
     }
 
 
-def event_object(row: sqlite3.Row, *, whole: bool = False) -> dict[str, Any]:
+def event_object(row: Row, *, whole: bool = False) -> dict[str, Any]:
     """An event; listings cut the payload to a preview of 2 KiB and say its full size."""
     out = {"id": f"evt_{row['id']}", "type": row["type"], "run_id": row["run_id"], "playbook": row["playbook"],
            "at": fmt_time(row["at"]), "by": row["by"], "size": row["size"]}
@@ -3496,7 +3600,7 @@ def parse_event_id(text: str) -> int:
     return int(m.group(1))
 
 
-def answer_fact(row: sqlite3.Row) -> dict[str, Any]:
+def answer_fact(row: Row) -> dict[str, Any]:
     fact = {"run_id": row["run_id"], "answer_id": f"evt_{row['answer_id']}", "answer": json.loads(row["answer"]),
             "claimed_for": row["claimed_for"], "answered_by": row["answered_by"],
             "answered_at": fmt_time(row["answered_at"])}
@@ -3514,15 +3618,6 @@ def _renders_empty(tree: Any, value: Any) -> bool:
     if isinstance(tree, list):
         return any(_renders_empty(t, v) for t, v in zip(tree, value))
     return False
-
-
-def _take_timer(conn: sqlite3.Connection, fx: Effects, key: str, now: int) -> bool:
-    """Claim a due timer: True once, for the change that fires it; False if it moved or went."""
-    row = conn.execute("SELECT due_at FROM timers WHERE key = ?", (key,)).fetchone()
-    if row is None or row["due_at"] > now:
-        return False
-    _drop_timer(conn, fx, key)
-    return True
 
 
 def _valid_key(value: Any) -> bool:
@@ -3572,66 +3667,15 @@ def _page(data: list[Any], rows: list[Any], n: int, last: Callable[[], list[Any]
     return {"data": data, "next_cursor": encode_cursor(last()) if len(rows) > n else None}
 
 
-def _timer_key(kind: str, playbook: str, ref: str) -> str:
-    return f"{kind}:{playbook}:{ref}"
-
-
-def _set_timer(conn: sqlite3.Connection, fx: Effects, key: str, due: int) -> None:
-    conn.execute("INSERT INTO timers (key, due_at) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET due_at = excluded.due_at",
-                 (key, due))
-    fx.timers.append((key, due))
-
-
-def _drop_timer(conn: sqlite3.Connection, fx: Effects, key: str) -> None:
-    conn.execute("DELETE FROM timers WHERE key = ?", (key,))
-    fx.timers.append((key, None))
-
-
-def _end_run(conn: sqlite3.Connection, fx: Effects, playbook: str, run_id: str, status: RunStatus, *,
-             now: int, by: str | None, kind: str | None = None, output: Any = None,
-             problem: Problem | None = None) -> None:
-    """Write a run's ending and its event; the run must be live (guarded)."""
-    pbody = problem.body() if problem is not None else None
-    ended = conn.execute(                       # the ending event's run_seq is counted here too
-        "UPDATE runs SET status = ?, kind = ?, output = ?, problem = ?, ended_at = ?, settled_by = ?,"
-        " events = events + 1 WHERE playbook = ? AND run_id = ? AND status IN ('started', 'waiting')"
-        " RETURNING parent, events",
-        (status.value, kind, dumps(output) if output is not None else None, dumps(pbody) if pbody else None,
-         now, by, playbook, run_id)).fetchone()
-    if ended is None:
-        raise Problem("conflict", "the run has already ended")
-    payload: dict[str, Any] = {"status": status.value, "kind": kind}
-    if status is RunStatus.SUCCEEDED:
-        payload["output"] = output
-    else:
-        payload["problem"] = pbody
-    append_event(conn, fx, playbook, run_id, "run_" + status.value, now, by, payload, run_seq=ended["events"])
-    fx.wakes.append((playbook, run_id))
-    if ended["parent"] is not None:
-        # Workflows: the workflow run waiting on this one moves on, woken in this same transaction.
-        _set_timer(conn, fx, _timer_key("workflow", playbook, ended["parent"]), now)
-
-
 #: The pruning pass's key on the wheel; it lives in memory only (each start arms it again).
 PRUNE_TIMER: Final = "prune:-:store"
 
 
-def session_ended(row: Mapping[str, Any] | sqlite3.Row, now: int) -> bool:
+def session_ended(row: Row, now: int) -> bool:
     """Whether an inbox session has expired: unused for INBOX_SESSION_IDLE, or past its end."""
     idle_ms = int(INBOX_SESSION_IDLE.total_seconds() * 1000)
     return ((row["expires_at"] is not None and now >= row["expires_at"])
             or (row["used_at"] is not None and now >= row["used_at"] + idle_ms))
-
-
-def prune_store(conn: sqlite3.Connection, fx: Effects, *, now: int) -> tuple[int, int]:
-    """Delete idempotency keys past IDEMPOTENCY_KEEP and ended sessions and login links; the counts."""
-    keys = conn.execute("DELETE FROM idempotency WHERE created_at <= ?",
-                        (now - int(IDEMPOTENCY_KEEP.total_seconds() * 1000),)).rowcount
-    idle_ms = int(INBOX_SESSION_IDLE.total_seconds() * 1000)
-    sessions = conn.execute(
-        "DELETE FROM tokens WHERE (purpose = 'login' AND revoked_at IS NOT NULL) OR (purpose = 'session' AND"
-        " (revoked_at IS NOT NULL OR expires_at <= ? OR used_at <= ?))", (now, now - idle_ms)).rowcount
-    return keys, sessions
 
 
 class TimerWheel:
@@ -3819,7 +3863,7 @@ class _EngineDefinitions:
         sha = sha256_hex(source)
         now = self.clock.now_ms()
 
-        def change(conn: sqlite3.Connection, fx: Effects) -> tuple[int, bool]:
+        def change(conn: Tx, fx: Effects) -> tuple[int, bool]:
             row = conn.execute("SELECT version, source_sha, active FROM definitions WHERE playbook = ? AND type = ?"
                                " AND name = ? ORDER BY version DESC LIMIT 1", (playbook, type_, name)).fetchone()
             if row is not None and row["active"] and row["source_sha"] == sha:
@@ -3832,7 +3876,7 @@ class _EngineDefinitions:
                          " description, uses, active, created_at, created_by) VALUES (?,?,?,?,?,?,?,?,?,1,?,?)",
                          (playbook, type_, name, version, source, sha, doc.overview, doc.description,
                           dumps(getattr(doc, "uses", [])), now, caller.id))   # uses: what a workflow calls
-            append_event(conn, fx, playbook, None, "definition_created", now, caller.id,
+            conn.append_event(fx, playbook, None, "definition_created", now, caller.id,
                          {"type": type_, "name": name, "version": version, "sha256": sha})
             return version, True
 
@@ -3844,8 +3888,8 @@ class _EngineDefinitions:
             out["warnings"] = await self.workflows.warnings(playbook, doc)
         return out, created
 
-    async def _definition_row(self, playbook: str, type_: str, name: str, version: int | None) -> sqlite3.Row:
-        def query(conn: sqlite3.Connection) -> sqlite3.Row | None:
+    async def _definition_row(self, playbook: str, type_: str, name: str, version: int | None) -> Row:
+        def query(conn: Tx) -> Row | None:
             if version is None:
                 return conn.execute("SELECT * FROM definitions WHERE playbook = ? AND type = ? AND name = ?"
                                     " AND active = 1 ORDER BY version DESC LIMIT 1", (playbook, type_, name)).fetchone()
@@ -3870,7 +3914,7 @@ class _EngineDefinitions:
                 "overview": overview, "used_by": used_by, "created_at": fmt_time(row["created_at"])}
 
     async def list_definitions(self, caller: Caller, playbook: str, type_: str | None = None) -> list[dict[str, Any]]:
-        def query(conn: sqlite3.Connection) -> list[sqlite3.Row]:
+        def query(conn: Tx) -> list[Row]:
             return conn.execute(
                 "SELECT type, name, MAX(version) AS version, description FROM definitions"
                 " WHERE playbook = ? AND active = 1 AND (? IS NULL OR type = ?) GROUP BY type, name ORDER BY type, name",
@@ -3889,11 +3933,11 @@ class _EngineDefinitions:
         self._not_builtin(type_, name)
         now = self.clock.now_ms()
 
-        def change(conn: sqlite3.Connection, fx: Effects) -> int:
+        def change(conn: Tx, fx: Effects) -> int:
             cur = conn.execute("UPDATE definitions SET active = 0 WHERE playbook = ? AND type = ? AND name = ? AND active = 1",
                                (playbook, type_, name))
             if cur.rowcount:
-                append_event(conn, fx, playbook, None, "definition_deleted", now, caller.id, {"type": type_, "name": name})
+                conn.append_event(fx, playbook, None, "definition_deleted", now, caller.id, {"type": type_, "name": name})
             return cur.rowcount
         if not await self.store.write(change):
             raise not_found(f"no active {type_} named {name!r} in this playbook")
@@ -4017,7 +4061,7 @@ class _EngineRuns:
                                              + ([doc.replies.tell.tool] if doc.replies and doc.replies.tell else []))
         limit = self.open_limit
 
-        def change(conn: sqlite3.Connection, fx: Effects) -> tuple[dict[str, Any], bool]:
+        def change(conn: Tx, fx: Effects) -> tuple[dict[str, Any], bool]:
             row = conn.execute("SELECT * FROM runs WHERE playbook = ? AND run_id = ?", (playbook, run_id)).fetchone()
             if row is not None:
                 return self._rerun(row, type_, name, input_sha), False
@@ -4032,7 +4076,7 @@ class _EngineRuns:
                     end = ending_problem(RunStatus.UNAVAILABLE, "requests_full",
                                          f"the playbook already has {limit} open requests; answer or cancel some first")
             if end is not None:
-                _end_run(conn, fx, playbook, run_id, _status_of(end), now=now, by=caller.id,
+                conn.end_run(fx, playbook, run_id, _status_of(end), now=now, by=caller.id,
                          kind=end.kind, problem=end)
             else:
                 self._open_request(conn, fx, playbook, run_id, type_, name, version, doc, prepared, now, caller.id)
@@ -4044,7 +4088,7 @@ class _EngineRuns:
             run = dict(run, status=RunStatus.STARTED.value)
         return run, fresh
 
-    def _rerun(self, row: sqlite3.Row, type_: str, name: str, input_sha: str) -> dict[str, Any]:
+    def _rerun(self, row: Row, type_: str, name: str, input_sha: str) -> dict[str, Any]:
         """A run id used before: the same run as it stands, or why it cannot be reused."""
         if row["type"] != type_ or row["name"] != name or row["input_sha"] != input_sha:
             raise Problem("run_id_taken", f"run id {row['run_id']} belongs to a run of another function or input;"
@@ -4055,7 +4099,7 @@ class _EngineRuns:
                           extra={"run_id": row["run_id"]})
         return run_object(row)
 
-    def _open_request(self, conn: sqlite3.Connection, fx: Effects, playbook: str, run_id: str, type_: str,
+    def _open_request(self, conn: Tx, fx: Effects, playbook: str, run_id: str, type_: str,
                       name: str, version: int, doc: Any, prepared: dict[str, Any], now: int, by: str) -> None:
         answer_schema = prepared.get("answer_schema", doc.output_schema)
         notification = answer_schema is None
@@ -4071,18 +4115,18 @@ class _EngineRuns:
              deliver.server if deliver else None, deliver.tool if deliver else None,
              "notified" if inbox_note else "open", 0 if inbox_note else 1, state.value, now, prepared["expires_at"],
              dumps(prepared["deliver_args"]) if deliver else None))
-        append_event(conn, fx, playbook, run_id, "interaction_requested", now, by, {
+        conn.append_event(fx, playbook, run_id, "interaction_requested", now, by, {
             "delivery": {"server": deliver.server, "tool": deliver.tool} if deliver else None,
             "to": prepared["party"], "from": prepared["answerer"],
             "message_size": len(prepared["message"].encode()), "takes_answer": not notification,
             "expires_at": fmt_time(prepared["expires_at"])})
         if inbox_note:
-            _end_run(conn, fx, playbook, run_id, RunStatus.SUCCEEDED, now=now, by=by, output={})
+            conn.end_run(fx, playbook, run_id, RunStatus.SUCCEEDED, now=now, by=by, output={})
             return
         conn.execute("UPDATE runs SET status = 'waiting' WHERE playbook = ? AND run_id = ?", (playbook, run_id))
-        _set_timer(conn, fx, _timer_key("expire", playbook, run_id), prepared["expires_at"])
+        conn.set_timer(fx, timer_key("expire", playbook, run_id), prepared["expires_at"])
         if deliver is not None:
-            _set_timer(conn, fx, _timer_key("attempt", playbook, run_id), now)
+            conn.set_timer(fx, timer_key("attempt", playbook, run_id), now)
 
     async def get_run(self, caller: Caller, playbook: str, run_id: str) -> dict[str, Any]:
         row = await self.store.read(lambda c: c.execute("SELECT * FROM runs WHERE playbook = ? AND run_id = ?",
@@ -4122,7 +4166,7 @@ class _EngineRuns:
         caller.require(Role.WRITER)
         now = self.clock.now_ms()
 
-        def change(conn: sqlite3.Connection, fx: Effects) -> dict[str, Any]:
+        def change(conn: Tx, fx: Effects) -> dict[str, Any]:
             run = conn.execute("SELECT * FROM runs WHERE playbook = ? AND run_id = ?", (playbook, run_id)).fetchone()
             if run is None:
                 raise not_found(f"no run {run_id} in this playbook")
@@ -4135,7 +4179,7 @@ class _EngineRuns:
                                            (playbook, run_id)).fetchone())
         return await self.store.write(change)
 
-    def _cancel_in(self, conn: sqlite3.Connection, fx: Effects, run: sqlite3.Row, now: int, by: str) -> None:
+    def _cancel_in(self, conn: Tx, fx: Effects, run: Row, now: int, by: str) -> None:
         """Cancel a live run inside a change: cancel_run, and a workflow cancelling its child."""
         playbook, run_id = run["playbook"], run["run_id"]
         if run["type"] == "workflow":          # Workflows: its open child is cancelled with it
@@ -4144,21 +4188,21 @@ class _EngineRuns:
         req = conn.execute("SELECT * FROM requests WHERE playbook = ? AND run_id = ?", (playbook, run_id)).fetchone()
         if req is not None and req["delivery_state"] == DeliveryState.DELIVERING.value:
             conn.execute("UPDATE requests SET delivery_state = 'cancelling' WHERE seq = ?", (req["seq"],))
-            append_event(conn, fx, playbook, run_id, "cancel_requested", now, by, {})
+            conn.append_event(fx, playbook, run_id, "cancel_requested", now, by, {})
         else:
             self._close_request(conn, fx, playbook, run_id, "cancelled", now)
-            _end_run(conn, fx, playbook, run_id, RunStatus.REJECTED, now=now, by=by, kind="cancelled",
+            conn.end_run(fx, playbook, run_id, RunStatus.REJECTED, now=now, by=by, kind="cancelled",
                      problem=ending_problem(RunStatus.REJECTED, "cancelled", "the run was cancelled"))
 
-    def _close_request(self, conn: sqlite3.Connection, fx: Effects, playbook: str, run_id: str, status: str,
-                       now: int) -> sqlite3.Row | None:
+    def _close_request(self, conn: Tx, fx: Effects, playbook: str, run_id: str, status: str,
+                       now: int) -> Row | None:
         """Close the run's open request (if any): the inbox drops it, the counter follows, timers go."""
         row = None                  # UPDATE then SELECT: 39 us, where UPDATE ... RETURNING * took 58
         if conn.execute("UPDATE requests SET status = ?, open = 0 WHERE playbook = ? AND run_id = ? AND open = 1",
                         (status, playbook, run_id)).rowcount:
             row = conn.execute("SELECT * FROM requests WHERE playbook = ? AND run_id = ?", (playbook, run_id)).fetchone()
             conn.execute("UPDATE playbooks SET open_requests = open_requests - 1 WHERE id = ?", (playbook,))
-            keys = [_timer_key(kind, playbook, run_id) for kind in ("expire", "attempt", "lost")]
+            keys = [timer_key(kind, playbook, run_id) for kind in ("expire", "attempt", "lost")]
             conn.execute("DELETE FROM timers WHERE key IN (?, ?, ?)", keys)        # one statement, not three
             fx.timers.extend((key, None) for key in keys)
         return row
@@ -4170,7 +4214,7 @@ class _EngineRuns:
             raise Problem("invalid_request", "unknown status", errors=[{"pointer": "/status", "message": "not a run status"}])
         before = decode_cursor(cursor)[0] if cursor else None
 
-        def query(conn: sqlite3.Connection) -> list[sqlite3.Row]:
+        def query(conn: Tx) -> list[Row]:
             return conn.execute(
                 "SELECT * FROM runs WHERE playbook = ? AND (? IS NULL OR status = ?) AND (? IS NULL OR name = ?)"
                 " AND (? IS NULL OR seq < ?) ORDER BY seq DESC LIMIT ?",
@@ -4255,7 +4299,7 @@ class _EngineSystemCalls:
             result = await session.call(tool, arguments)
         except ToolFailure as exc:
             record.update(because=exc.because, message=self.tools.scrub(exc.message))
-            await self.store.write(lambda c, fx: append_event(c, fx, playbook, None, "tool_call_failed", now, caller.id, record))
+            await self.store.write(lambda c, fx: c.append_event(fx, playbook, None, "tool_call_failed", now, caller.id, record))
             kind = "tools_unfinished" if session.read_only(tool) else "effect_unknown"
             status = RunStatus.UNAVAILABLE if kind == "tools_unfinished" else RunStatus.CONFLICT
             if exc.because == "arguments_refused":
@@ -4263,7 +4307,7 @@ class _EngineSystemCalls:
             raise ending_problem(status, kind, exc.message, extra={"because": exc.because}) from None
         has, answer = result_answer(result)
         record.update(is_error=bool(result.is_error), result=self.tools.record(server, result_wire(result)))
-        await self.store.write(lambda c, fx: append_event(c, fx, playbook, None, "tool_call_answered", now, caller.id, record))
+        await self.store.write(lambda c, fx: c.append_event(fx, playbook, None, "tool_call_answered", now, caller.id, record))
         return {"server": server, "tool": tool, "is_error": bool(result.is_error), "answer": answer if has else None,
                 "structured_content": result.structured_content,
                 "content": [b.model_dump(mode="json", by_alias=True, exclude_none=True) for b in result.content or ()]}
@@ -4312,7 +4356,7 @@ class _EngineSystemCalls:
                    "arguments_size": json_size(arguments) if arguments is not None else None,
                    "arguments_sha256": sha256_hex(dumps(arguments)) if arguments is not None else None}
 
-        def begin(conn: sqlite3.Connection, fx: Effects) -> tuple[dict[str, Any], bool]:
+        def begin(conn: Tx, fx: Effects) -> tuple[dict[str, Any], bool]:
             row = conn.execute("SELECT * FROM runs WHERE playbook = ? AND run_id = ?", (playbook, run_id)).fetchone()
             if row is not None:
                 return self._rerun(row, type_, name, input_sha), False
@@ -4321,10 +4365,10 @@ class _EngineSystemCalls:
                          (playbook, run_id, type_, name, version, input_text, input_sha,
                           0 if ending is not None else 1, parent, now, caller.id))
             if ending is not None:
-                _end_run(conn, fx, playbook, run_id, _status_of(ending), now=now, by=caller.id, kind=ending.kind,
+                conn.end_run(fx, playbook, run_id, _status_of(ending), now=now, by=caller.id, kind=ending.kind,
                          problem=ending)
             else:
-                append_event(conn, fx, playbook, run_id, "tool_call_started", now, caller.id, started)
+                conn.append_event(fx, playbook, run_id, "tool_call_started", now, caller.id, started)
             return run_object(conn.execute("SELECT * FROM runs WHERE playbook = ? AND run_id = ?",
                                            (playbook, run_id)).fetchone()), True
 
@@ -4367,15 +4411,15 @@ class _EngineSystemCalls:
                             ending = self._unusable(read_only, "the tool's answer does not match output.schema", errors=errors)
         end_now = self.clock.now_ms()
 
-        def finish(conn: sqlite3.Connection, fx: Effects) -> dict[str, Any]:
+        def finish(conn: Tx, fx: Effects) -> dict[str, Any]:
             if answered is not None:
-                append_event(conn, fx, playbook, run_id, "tool_call_answered", end_now, caller.id, answered)
+                conn.append_event(fx, playbook, run_id, "tool_call_answered", end_now, caller.id, answered)
             else:
-                append_event(conn, fx, playbook, run_id, "tool_call_failed", end_now, caller.id, failed)
+                conn.append_event(fx, playbook, run_id, "tool_call_failed", end_now, caller.id, failed)
             if ending is None:
-                _end_run(conn, fx, playbook, run_id, RunStatus.SUCCEEDED, now=end_now, by=caller.id, output=output)
+                conn.end_run(fx, playbook, run_id, RunStatus.SUCCEEDED, now=end_now, by=caller.id, output=output)
             else:
-                _end_run(conn, fx, playbook, run_id, _status_of(ending), now=end_now, by=caller.id, kind=ending.kind,
+                conn.end_run(fx, playbook, run_id, _status_of(ending), now=end_now, by=caller.id, kind=ending.kind,
                          problem=ending)
             return run_object(conn.execute("SELECT * FROM runs WHERE playbook = ? AND run_id = ?",
                                            (playbook, run_id)).fetchone())
@@ -4409,7 +4453,7 @@ class _EngineInbox:
         n = check_limit(limit)
         before = decode_cursor(cursor)[0] if cursor else None
 
-        def query(conn: sqlite3.Connection) -> list[sqlite3.Row]:
+        def query(conn: Tx) -> list[Row]:
             sql = "SELECT * FROM requests WHERE playbook = ? AND open = 1"
             args: list[Any] = [playbook]
             for col, val in (("party", to), ("type", type_), ("name", function)):
@@ -4425,7 +4469,7 @@ class _EngineInbox:
 
     async def answer_interaction(self, caller: Caller, playbook: str, run_id: str, answer: Any,
                                  claimed_for: str | None = None,
-                                 also: Callable[[sqlite3.Connection], None] | None = None) -> tuple[dict[str, Any], bool]:
+                                 also: Callable[[Tx], None] | None = None) -> tuple[dict[str, Any], bool]:
         """Record the answer of an open request and end its run. Returns the fact and whether it is new.
 
         `also` writes more in the transaction of a new answer (the typed API's idempotency key)."""
@@ -4446,7 +4490,7 @@ class _EngineInbox:
 
         # One hop to the writer: the request is read, checked and answered in one change (a read
         # first and then the write cost a second thread hop, the larger part of an answer's latency).
-        def change(conn: sqlite3.Connection, fx: Effects) -> tuple[dict[str, Any], bool]:
+        def change(conn: Tx, fx: Effects) -> tuple[dict[str, Any], bool]:
             row = conn.execute("SELECT * FROM requests WHERE playbook = ? AND run_id = ?", (playbook, run_id)).fetchone()
             if row is None:
                 raise not_found(f"no request of run {run_id} in this playbook")
@@ -4462,24 +4506,24 @@ class _EngineInbox:
             return answer_fact(closed), True
         return await self.store.write(change)
 
-    def _record_answer(self, conn: sqlite3.Connection, fx: Effects, row: sqlite3.Row, answer: Any,
-                       claimed_for: str | None, by: str, now: int, *, reply_id: str | None = None) -> sqlite3.Row:
+    def _record_answer(self, conn: Tx, fx: Effects, row: Row, answer: Any,
+                       claimed_for: str | None, by: str, now: int, *, reply_id: str | None = None) -> Row:
         """The one fact of an answer: request_answered, the request closed, the run succeeded.
 
         Returns the closed request's row (its answer columns filled)."""
         playbook, run_id = row["playbook"], row["run_id"]
-        answer_id = append_event(conn, fx, playbook, run_id, "request_answered", now, by,
+        answer_id = conn.append_event(fx, playbook, run_id, "request_answered", now, by,
                                  {"answer": answer, "claimed_for": claimed_for,
                                   **({"reply": {"id": reply_id}} if reply_id is not None else {})})
         conn.execute("UPDATE requests SET answer = ?, answer_id = ?, answered_by = ?, answered_at = ?,"
                      " claimed_for = ?, reply_id = ? WHERE seq = ?",
                      (dumps(answer), answer_id, by, now, claimed_for, reply_id, row["seq"]))
         closed = self._close_request(conn, fx, playbook, run_id, "answered", now)
-        _end_run(conn, fx, playbook, run_id, RunStatus.SUCCEEDED, now=now, by=by, output=answer)
+        conn.end_run(fx, playbook, run_id, RunStatus.SUCCEEDED, now=now, by=by, output=answer)
         return closed
 
     @staticmethod
-    def _answer_state_check(req: sqlite3.Row, answer: Any) -> bool:
+    def _answer_state_check(req: Row, answer: Any) -> bool:
         """True when the request already took this very answer; raises when it takes none."""
         if req["answer_schema"] is None:
             raise Problem("notification", "a notification takes no answer", kind="notification")
@@ -4536,7 +4580,7 @@ class _EngineDeliveries:
     # how it ended and schedules what follows. A restart between the two leaves the `lost` timer,
     # which counts the attempt as failed and schedules the next. No transaction spans the call.
 
-    async def _request_doc(self, req: sqlite3.Row) -> Any:
+    async def _request_doc(self, req: Row) -> Any:
         key = (req["playbook"], req["type"], req["name"], req["version"])
         doc = self._docs.get(key)
         if doc is None:
@@ -4547,8 +4591,8 @@ class _EngineDeliveries:
     async def _attempt(self, playbook: str, run_id: str, key: str) -> None:
         now = self.clock.now_ms()
 
-        def begin(conn: sqlite3.Connection, fx: Effects) -> sqlite3.Row | None:
-            if not _take_timer(conn, fx, key, now):
+        def begin(conn: Tx, fx: Effects) -> Row | None:
+            if not conn.take_timer(fx, key, now):
                 return None
             req = conn.execute("SELECT * FROM requests WHERE playbook = ? AND run_id = ? AND open = 1"
                                " AND delivery_state IN ('to_deliver', 'retrying')", (playbook, run_id)).fetchone()
@@ -4558,10 +4602,10 @@ class _EngineDeliveries:
             conn.execute("UPDATE requests SET delivery_state = 'delivering', attempts = ?, attempt_started_at = ?"
                          " WHERE seq = ?", (attempt, now, req["seq"]))
             args = req["deliver_args"]
-            append_event(conn, fx, playbook, run_id, "delivery_started", now, "interactiond", {
+            conn.append_event(fx, playbook, run_id, "delivery_started", now, "interactiond", {
                 "attempt": attempt, "server": req["server"], "tool": req["tool"],
                 "arguments_size": len(args.encode()), "arguments_sha256": sha256_hex(args)})
-            _set_timer(conn, fx, _timer_key("lost", playbook, run_id), now + LOST_ATTEMPT_S * 1000)
+            conn.set_timer(fx, timer_key("lost", playbook, run_id), now + LOST_ATTEMPT_S * 1000)
             return conn.execute("SELECT * FROM requests WHERE seq = ?", (req["seq"],)).fetchone()
 
         req = await self.store.write(begin)
@@ -4574,7 +4618,7 @@ class _EngineDeliveries:
             self._inflight.discard((playbook, run_id))
         await self._end_attempt(req, outcome)
 
-    async def _send(self, req: sqlite3.Row) -> dict[str, Any]:
+    async def _send(self, req: Row) -> dict[str, Any]:
         """One call of the sending tool; what happened, as the attempt's end records it."""
         playbook, server, tool = req["playbook"], req["server"], req["tool"]
         args = json.loads(req["deliver_args"])
@@ -4600,7 +4644,7 @@ class _EngineDeliveries:
         return {"ok": True, "answer": answer if has else None, "result_size": json_size(wire),
                 "result_sha256": sha256_hex(dumps(wire))}
 
-    async def _end_attempt(self, req: sqlite3.Row, outcome: dict[str, Any]) -> None:
+    async def _end_attempt(self, req: Row, outcome: dict[str, Any]) -> None:
         playbook, run_id = req["playbook"], req["run_id"]
         doc = await self._request_doc(req)
         now = self.clock.now_ms()
@@ -4616,11 +4660,11 @@ class _EngineDeliveries:
                     key = ""
                 conversation = key if _valid_key(key) else None
 
-        def end(conn: sqlite3.Connection, fx: Effects) -> None:
+        def end(conn: Tx, fx: Effects) -> None:
             row = conn.execute("SELECT * FROM requests WHERE seq = ?", (req["seq"],)).fetchone()
             if row["attempts"] != req["attempts"] or row["delivery_state"] not in ("delivering", "cancelling"):
                 return                                  # counted lost meanwhile; this end is stale
-            _drop_timer(conn, fx, _timer_key("lost", playbook, run_id))
+            conn.drop_timer(fx, timer_key("lost", playbook, run_id))
             attempt = row["attempts"]
             if outcome.get("ok"):
                 payload: dict[str, Any] = {"attempt": attempt, "result_size": outcome["result_size"],
@@ -4630,28 +4674,28 @@ class _EngineDeliveries:
                                                if sent_conv is not None and sent_id is not None else None)
                     if doc.replies is not None:
                         payload["replies_read_at"] = conversation
-                append_event(conn, fx, playbook, run_id, "delivery_succeeded", now, "interactiond", payload)
+                conn.append_event(fx, playbook, run_id, "delivery_succeeded", now, "interactiond", payload)
                 conn.execute("UPDATE requests SET delivery_state = 'delivered', sent_conversation = ?, sent_id = ?,"
                              " conversation = ? WHERE seq = ?", (sent_conv, sent_id, conversation, row["seq"]))
             elif "refused" in outcome:
-                append_event(conn, fx, playbook, run_id, "delivery_refused", now, "interactiond",
+                conn.append_event(fx, playbook, run_id, "delivery_refused", now, "interactiond",
                              {"attempt": attempt, "because": outcome["refused"], "message": outcome["message"]})
                 conn.execute("UPDATE requests SET delivery_state = 'undelivered', attempts = ? WHERE seq = ?",
                              (MAX_ATTEMPTS, row["seq"]))
             else:
-                append_event(conn, fx, playbook, run_id, "delivery_failed", now, "interactiond",
+                conn.append_event(fx, playbook, run_id, "delivery_failed", now, "interactiond",
                              {"attempt": attempt, "because": outcome["because"], "message": outcome.get("message"),
                               "retry_after_ms": outcome.get("retry_after_ms")})
             if row["delivery_state"] == "cancelling" or row["status"] != "open":
                 if row["delivery_state"] == "cancelling" and row["status"] == "open":
                     self._close_request(conn, fx, playbook, run_id, "cancelled", now)
-                    _end_run(conn, fx, playbook, run_id, RunStatus.REJECTED, now=now, by="interactiond",
+                    conn.end_run(fx, playbook, run_id, RunStatus.REJECTED, now=now, by="interactiond",
                              kind="cancelled", problem=ending_problem(RunStatus.REJECTED, "cancelled", "the run was cancelled"))
                 return
             if outcome.get("ok"):
                 if row["answer_schema"] is None:
                     self._close_request(conn, fx, playbook, run_id, "notified", now)
-                    _end_run(conn, fx, playbook, run_id, RunStatus.SUCCEEDED, now=now, by="interactiond", output={})
+                    conn.end_run(fx, playbook, run_id, RunStatus.SUCCEEDED, now=now, by="interactiond", output={})
                 elif conversation is not None:
                     self._join_reading(conn, fx, row, doc, conversation, now)
                 return
@@ -4659,7 +4703,7 @@ class _EngineDeliveries:
                                        spent="refused" in outcome)
         await self.store.write(end)
 
-    def _after_failed_attempt(self, conn: sqlite3.Connection, fx: Effects, row: sqlite3.Row, now: int,
+    def _after_failed_attempt(self, conn: Tx, fx: Effects, row: Row, now: int,
                               retry_after_ms: int | None, spent: bool = False) -> None:
         """Schedule the next attempt, or give up: a notification ends undelivered, a question stays open."""
         playbook, run_id = row["playbook"], row["run_id"]
@@ -4669,12 +4713,12 @@ class _EngineDeliveries:
                 gap = min(max(0, int(retry_after_ms)), MAX_RETRY_AFTER_DELIVERY_S * 1000)
             started = row["attempt_started_at"] or now
             conn.execute("UPDATE requests SET delivery_state = 'retrying' WHERE seq = ?", (row["seq"],))
-            _set_timer(conn, fx, _timer_key("attempt", playbook, run_id), max(now, started + gap))
+            conn.set_timer(fx, timer_key("attempt", playbook, run_id), max(now, started + gap))
             return
         conn.execute("UPDATE requests SET delivery_state = 'undelivered' WHERE seq = ?", (row["seq"],))
         if row["answer_schema"] is None:
             self._close_request(conn, fx, playbook, run_id, "undelivered", now)
-            _end_run(conn, fx, playbook, run_id, RunStatus.REJECTED, now=now, by="interactiond", kind="undelivered",
+            conn.end_run(fx, playbook, run_id, RunStatus.REJECTED, now=now, by="interactiond", kind="undelivered",
                      problem=ending_problem(RunStatus.REJECTED, "undelivered", "every attempt to deliver the notification failed"))
 
     async def _lost(self, playbook: str, run_id: str, key: str) -> None:
@@ -4683,19 +4727,19 @@ class _EngineDeliveries:
             return                                   # still running here; its end will be recorded
         now = self.clock.now_ms()
 
-        def change(conn: sqlite3.Connection, fx: Effects) -> None:
-            if not _take_timer(conn, fx, key, now):
+        def change(conn: Tx, fx: Effects) -> None:
+            if not conn.take_timer(fx, key, now):
                 return
             row = conn.execute("SELECT * FROM requests WHERE playbook = ? AND run_id = ?", (playbook, run_id)).fetchone()
             if row is None or row["delivery_state"] not in ("delivering", "cancelling"):
                 return
-            append_event(conn, fx, playbook, run_id, "delivery_failed", now, "interactiond",
+            conn.append_event(fx, playbook, run_id, "delivery_failed", now, "interactiond",
                          {"attempt": row["attempts"], "because": "lost",
                           "message": "the attempt had no recorded end a minute after it started (the daemon restarted)",
                           "retry_after_ms": None})
             if row["delivery_state"] == "cancelling":
                 self._close_request(conn, fx, playbook, run_id, "cancelled", now)
-                _end_run(conn, fx, playbook, run_id, RunStatus.REJECTED, now=now, by="interactiond", kind="cancelled",
+                conn.end_run(fx, playbook, run_id, RunStatus.REJECTED, now=now, by="interactiond", kind="cancelled",
                          problem=ending_problem(RunStatus.REJECTED, "cancelled", "the run was cancelled"))
             elif row["status"] == "open":
                 self._after_failed_attempt(conn, fx, row, now, None)
@@ -4712,7 +4756,7 @@ class _EngineReadings:
     # the new `since` and every message id dealt with - is written in ONE transaction, so a reply is
     # taken once and only once, across restarts. Tellings follow the commit, each its own call.
 
-    def _join_reading(self, conn: sqlite3.Connection, fx: Effects, req: sqlite3.Row, doc: Any, conversation: str,
+    def _join_reading(self, conn: Tx, fx: Effects, req: Row, doc: Any, conversation: str,
                       now: int) -> None:
         replies = doc.replies
         wait_ms = int(replies.wait.total_seconds() * 1000)
@@ -4722,16 +4766,16 @@ class _EngineReadings:
             " wait_ms = MAX(wait_ms, excluded.wait_ms) RETURNING id, wait_ms",
             (req["playbook"], req["server"], replies.tool, conversation, wait_ms)).fetchone()
         conn.execute("UPDATE requests SET reading = ? WHERE seq = ?", (reading["id"], req["seq"]))
-        key = _timer_key("read", req["playbook"], str(reading["id"]))
+        key = timer_key("read", req["playbook"], str(reading["id"]))
         due = now + max(READ_GAPS_S[0] * 1000, reading["wait_ms"])
         current = conn.execute("SELECT due_at FROM timers WHERE key = ?", (key,)).fetchone()
         if current is None or current["due_at"] > due:
-            _set_timer(conn, fx, key, due)
+            conn.set_timer(fx, key, due)
 
     async def _read(self, playbook: str, reading_id: int, key: str) -> None:
         now = self.clock.now_ms()
 
-        def load(conn: sqlite3.Connection) -> tuple[sqlite3.Row, list[sqlite3.Row], list[str]] | None:
+        def load(conn: Tx) -> tuple[Row, list[Row], list[str]] | None:
             timer = conn.execute("SELECT due_at FROM timers WHERE key = ?", (key,)).fetchone()
             if timer is None or timer["due_at"] > now:
                 return None
@@ -4746,7 +4790,7 @@ class _EngineReadings:
             return
         reading, reqs, own = loaded
         if not reqs:
-            await self.store.write(lambda c, fx: _take_timer(c, fx, key, now))
+            await self.store.write(lambda c, fx: c.take_timer(fx, key, now))
             return
         oldest = reqs[0]
         # Requests of different functions (or versions) may share a conversation: each reply is
@@ -4782,13 +4826,13 @@ class _EngineReadings:
                 else:
                     failure, messages = _read_messages(result, replies.read)
         done = self.clock.now_ms()
-        tellings: list[tuple[sqlite3.Row, str]] = []
+        tellings: list[tuple[Row, str]] = []
 
-        def change(conn: sqlite3.Connection, fx: Effects) -> None:
-            if not _take_timer(conn, fx, key, now):
+        def change(conn: Tx, fx: Effects) -> None:
+            if not conn.take_timer(fx, key, now):
                 return
             if failure is not None:
-                append_event(conn, fx, playbook, None, "reading_failed", done, "interactiond", {**event, **failure})
+                conn.append_event(fx, playbook, None, "reading_failed", done, "interactiond", {**event, **failure})
                 self._next_read(conn, fx, reading_id, key, done, failure.get("retry_after_ms"))
                 return
             self._take_replies(conn, fx, reading, messages, own, replies, event, done, tellings, docs)
@@ -4797,7 +4841,7 @@ class _EngineReadings:
         for req, text in tellings:
             await self._tell(req, text)
 
-    def _next_read(self, conn: sqlite3.Connection, fx: Effects, reading_id: int, key: str, now: int,
+    def _next_read(self, conn: Tx, fx: Effects, reading_id: int, key: str, now: int,
                    retry_after_ms: int | None) -> None:
         reading = conn.execute("UPDATE readings SET reads = reads + 1 WHERE id = ? RETURNING reads, wait_ms",
                                (reading_id,)).fetchone()
@@ -4808,15 +4852,15 @@ class _EngineReadings:
         gap = max(gap, reading["wait_ms"])
         if retry_after_ms is not None:
             gap = max(gap, min(int(retry_after_ms), MAX_RETRY_AFTER_READ_S * 1000))
-        _set_timer(conn, fx, key, now + gap)
+        conn.set_timer(fx, key, now + gap)
 
-    def _take_replies(self, conn: sqlite3.Connection, fx: Effects, reading: sqlite3.Row, messages: list[dict[str, Any]],
+    def _take_replies(self, conn: Tx, fx: Effects, reading: Row, messages: list[dict[str, Any]],
                       own: list[str], replies: Any, event: dict[str, Any], now: int,
-                      tellings: list[tuple[sqlite3.Row, str]], docs: dict[tuple[str, str, str, int], Any]) -> None:
+                      tellings: list[tuple[Row, str]], docs: dict[tuple[str, str, str, int], Any]) -> None:
         """Deal with one read's messages, oldest first, in the read's one transaction. `docs` holds
         the document of every request open in the reading when it was loaded; one that joined since
         is parsed here from its definition row."""
-        def doc_of(req: sqlite3.Row) -> Any:
+        def doc_of(req: Row) -> Any:
             key = (req["playbook"], req["type"], req["name"], req["version"])
             if key not in docs:
                 row = conn.execute("SELECT source FROM definitions WHERE playbook = ? AND type = ? AND name = ?"
@@ -4883,21 +4927,21 @@ class _EngineReadings:
             self._record_answer(conn, fx, target, answer, None, f"playbook:{playbook}", now, reply_id=m["id"])
         conn.execute("UPDATE readings SET since = ? WHERE id = ?", (since, reading["id"]))
         if counted:
-            append_event(conn, fx, playbook, None, "replies_read", now, "interactiond",
+            conn.append_event(fx, playbook, None, "replies_read", now, "interactiond",
                          {**event, "replies": counted, "taken": taken, "refused": refused, "since": since})
 
-    def _refuse(self, conn: sqlite3.Connection, fx: Effects, req: sqlite3.Row, doc: Any, reply_id: str, reason: str,
-                now: int, tellings: list[tuple[sqlite3.Row, str]], telling: str) -> None:
+    def _refuse(self, conn: Tx, fx: Effects, req: Row, doc: Any, reply_id: str, reason: str,
+                now: int, tellings: list[tuple[Row, str]], telling: str) -> None:
         row = conn.execute("UPDATE requests SET refused_replies = refused_replies + 1 WHERE seq = ?"
                            " RETURNING refused_replies, told", (req["seq"],)).fetchone()
         if row["refused_replies"] <= MAX_REFUSED_RECORDED:
-            append_event(conn, fx, req["playbook"], req["run_id"], "reply_refused", now, "interactiond",
+            conn.append_event(fx, req["playbook"], req["run_id"], "reply_refused", now, "interactiond",
                          {"reply": {"id": reply_id}, "reason": reason[:500]})
         if doc is not None and doc.replies.tell is not None and row["told"] < MAX_REFUSED_TOLD:
             conn.execute("UPDATE requests SET told = told + 1 WHERE seq = ?", (req["seq"],))
             tellings.append((req, telling))
 
-    async def _tell(self, req: sqlite3.Row, telling: str) -> None:
+    async def _tell(self, req: Row, telling: str) -> None:
         doc = await self._request_doc(req)
         tell = doc.replies.tell
         playbook = req["playbook"]
@@ -4910,11 +4954,11 @@ class _EngineReadings:
                 raise RenderError("limit", "the telling's arguments pass 16 KiB")
         except RenderError as exc:
             now = self.clock.now_ms()
-            await self.store.write(lambda c, fx: append_event(c, fx, playbook, None, "telling_failed", now, "interactiond",
+            await self.store.write(lambda c, fx: c.append_event(fx, playbook, None, "telling_failed", now, "interactiond",
                                                               {**base, "because": "unworkable", "message": str(exc)}))
             return
         now = self.clock.now_ms()
-        await self.store.write(lambda c, fx: append_event(c, fx, playbook, None, "telling_started", now, "interactiond",
+        await self.store.write(lambda c, fx: c.append_event(fx, playbook, None, "telling_started", now, "interactiond",
                                                           {**base, "arguments_size": json_size(args)}))
         outcome: dict[str, Any]
         if not self.tools.offered(playbook, req["server"], tell.tool):
@@ -4927,7 +4971,7 @@ class _EngineReadings:
                 outcome = {"because": exc.because, "message": self.tools.scrub(exc.message)}
         done = self.clock.now_ms()
         kind = "telling_failed" if outcome else "telling_succeeded"
-        await self.store.write(lambda c, fx: append_event(c, fx, playbook, None, kind, done, "interactiond",
+        await self.store.write(lambda c, fx: c.append_event(fx, playbook, None, kind, done, "interactiond",
                                                           {**base, **outcome}))
 
 
@@ -4967,7 +5011,7 @@ class Engine(_EngineDefinitions, _EngineRuns, _EngineSystemCalls, _EngineInbox, 
         builtins = {name: _ask_source(kind) for name, kind in ASK_FUNCTIONS.items()}
         docs = {name: parse_function(src) for name, src in builtins.items()}
 
-        def init(conn: sqlite3.Connection, fx: Effects) -> list[tuple[str, int]]:
+        def init(conn: Tx, fx: Effects) -> list[tuple[str, int]]:
             for pb in self.playbooks:
                 conn.execute("INSERT OR IGNORE INTO playbooks (id, created_at) VALUES (?, ?)", (pb, now))
                 for name, source in builtins.items():
@@ -4985,7 +5029,7 @@ class Engine(_EngineDefinitions, _EngineRuns, _EngineSystemCalls, _EngineInbox, 
                                        (run["playbook"], run["run_id"])).fetchone()
                 read_only = bool(started and json.loads(started["payload"]).get("read_only"))
                 problem = self._unfinished(read_only, "lost", "the daemon stopped while the call was in flight")
-                _end_run(conn, fx, run["playbook"], run["run_id"], _status_of(problem), now=now, by="interactiond",
+                conn.end_run(fx, run["playbook"], run["run_id"], _status_of(problem), now=now, by="interactiond",
                          kind=problem.kind, problem=problem)
             # Recount open requests: the counter is a cache of requests.open.
             conn.execute("UPDATE playbooks SET open_requests ="
@@ -5117,17 +5161,17 @@ class Engine(_EngineDefinitions, _EngineRuns, _EngineSystemCalls, _EngineInbox, 
     async def _expire(self, playbook: str, run_id: str, key: str) -> None:
         now = self.clock.now_ms()
 
-        def change(conn: sqlite3.Connection, fx: Effects) -> None:
+        def change(conn: Tx, fx: Effects) -> None:
             row = conn.execute("SELECT due_at FROM timers WHERE key = ?", (key,)).fetchone()
             if row is None or row["due_at"] > now:
                 return                                          # answered, cancelled, or moved
-            _drop_timer(conn, fx, key)
+            conn.drop_timer(fx, key)
             req = conn.execute("SELECT * FROM requests WHERE playbook = ? AND run_id = ? AND open = 1",
                                (playbook, run_id)).fetchone()
             if req is None:
                 return
             self._close_request(conn, fx, playbook, run_id, "expired", now)
-            _end_run(conn, fx, playbook, run_id, RunStatus.REJECTED, now=now, by="interactiond", kind="expired",
+            conn.end_run(fx, playbook, run_id, RunStatus.REJECTED, now=now, by="interactiond", kind="expired",
                      problem=ending_problem(RunStatus.REJECTED, "expired",
                                             f"nobody answered before {fmt_time(req['expires_at'])}"))
         await self.store.write(change)
@@ -5138,7 +5182,7 @@ class Engine(_EngineDefinitions, _EngineRuns, _EngineSystemCalls, _EngineInbox, 
         links. Nothing else is ever deleted."""
         now = self.clock.now_ms()
         try:
-            await self.store.write(functools.partial(prune_store, now=now))
+            await self.store.write(lambda tx, fx: tx.prune(now=now))
         finally:
             self.wheel.set(key, now + int(PRUNE_EVERY.total_seconds() * 1000))
 
@@ -5161,7 +5205,7 @@ class Engine(_EngineDefinitions, _EngineRuns, _EngineSystemCalls, _EngineInbox, 
 # Nothing sleeps. A run that waits (on a child run, a `wait`, a retry's delay) owns one timer,
 # `workflow:<playbook>:<run_id>`, due when it must look again: the end of the wait, or the earliest
 # deadline. A child run's ending sets its parent's timer due at once, inside the transaction that
-# ends it (`_end_run`), so an answer moves the workflow on even if the daemon stops right after it.
+# ends it (`end_run`), so an answer moves the workflow on even if the daemon stops right after it.
 # While a run is busy its timer stands a minute ahead, which picks it up after a restart.
 
 PROBLEM_TYPES.setdefault(
@@ -5947,8 +5991,8 @@ def _task_words(doc: WorkflowDoc, t: WfTask, depth: int) -> list[str]:
 class _Walk:
     """One transition of one workflow run, computed in memory; `Workflows` writes it."""
 
-    def __init__(self, jq: JqRunner, doc: WorkflowDoc, run: sqlite3.Row, state: dict[str, Any], now: int,
-                 child: sqlite3.Row | None, child_expires_at: int | None, start_error: dict[str, Any] | None) -> None:
+    def __init__(self, jq: JqRunner, doc: WorkflowDoc, run: Row, state: dict[str, Any], now: int,
+                 child: Row | None, child_expires_at: int | None, start_error: dict[str, Any] | None) -> None:
         self.jq = jq
         self.doc = doc
         self.run = run
@@ -6321,7 +6365,7 @@ class Workflows:
 
     async def warnings(self, playbook: str, doc: WorkflowDoc) -> list[dict[str, Any]]:
         """Calls of definitions that do not exist (yet): saved anyway, a run fails at that task."""
-        def query(conn: sqlite3.Connection) -> set[tuple[str, str]]:
+        def query(conn: Tx) -> set[tuple[str, str]]:
             return {(r["type"], r["name"]) for r in conn.execute(
                 "SELECT DISTINCT type, name FROM definitions WHERE playbook = ? AND active = 1", (playbook,))}
         known = await self.engine.store.read(query)
@@ -6343,7 +6387,7 @@ class Workflows:
                                         " input schema", errors=errors)
         state = dumps({"stack": [], "context": {}, "tasks": 0})
 
-        def change(conn: sqlite3.Connection, fx: Effects) -> tuple[dict[str, Any], bool]:
+        def change(conn: Tx, fx: Effects) -> tuple[dict[str, Any], bool]:
             row = conn.execute("SELECT * FROM runs WHERE playbook = ? AND run_id = ?", (playbook, run_id)).fetchone()
             if row is not None:
                 return self.engine._rerun(row, "workflow", name, input_sha), False
@@ -6353,15 +6397,15 @@ class Workflows:
                          " state, created_at, created_by) VALUES (?,?,'workflow',?,?,?,?,'started',?,?,?,?)",
                          (playbook, run_id, name, version, input_text, input_sha, parent, state, now, caller.id))
             if ending is not None:
-                _end_run(conn, fx, playbook, run_id, RunStatus.INVALID_INPUT, now=now, by=caller.id, problem=ending)
+                conn.end_run(fx, playbook, run_id, RunStatus.INVALID_INPUT, now=now, by=caller.id, problem=ending)
             else:
-                _set_timer(conn, fx, _timer_key("workflow", playbook, run_id), now)
+                conn.set_timer(fx, timer_key("workflow", playbook, run_id), now)
             return run_object(conn.execute("SELECT * FROM runs WHERE playbook = ? AND run_id = ?",
                                            (playbook, run_id)).fetchone()), True
         return await self.engine.store.write(change)
 
     @staticmethod
-    def _depth(conn: sqlite3.Connection, playbook: str, run_id: str) -> int:
+    def _depth(conn: Tx, playbook: str, run_id: str) -> int:
         row = conn.execute(
             "WITH RECURSIVE up(id, n) AS (SELECT ?, 1 UNION ALL SELECT r.parent, up.n + 1 FROM runs r JOIN up"
             " ON r.playbook = ? AND r.run_id = up.id WHERE r.parent IS NOT NULL AND up.n < 64) SELECT MAX(n) FROM up",
@@ -6386,7 +6430,7 @@ class Workflows:
             self._busy.pop(key, None)
             self._start_errors.pop(key, None)
 
-    async def _doc(self, run: sqlite3.Row) -> WorkflowDoc:
+    async def _doc(self, run: Row) -> WorkflowDoc:
         engine = self.engine
         key = (run["playbook"], "workflow", run["name"], run["version"])
         doc = engine._docs.get(key)
@@ -6398,9 +6442,9 @@ class Workflows:
     async def _step(self, playbook: str, run_id: str) -> bool:
         """One transition, written; True when there is more to do at once."""
         engine = self.engine
-        key = _timer_key("workflow", playbook, run_id)
+        key = timer_key("workflow", playbook, run_id)
 
-        def look(conn: sqlite3.Connection) -> tuple[Any, ...]:
+        def look(conn: Tx) -> tuple[Any, ...]:
             run = conn.execute("SELECT * FROM runs WHERE playbook = ? AND run_id = ?", (playbook, run_id)).fetchone()
             timer = conn.execute("SELECT due_at FROM timers WHERE key = ?", (key,)).fetchone()
             child = expires = None
@@ -6447,7 +6491,7 @@ class Workflows:
             if walk.start_child is None:
                 return False
         else:
-            def change(conn: sqlite3.Connection, fx: Effects) -> bool:
+            def change(conn: Tx, fx: Effects) -> bool:
                 row = conn.execute("SELECT status, state FROM runs WHERE playbook = ? AND run_id = ?",
                                    (playbook, run_id)).fetchone()
                 if row is None or RunStatus(row["status"]).ended or row["state"] != run["state"]:
@@ -6458,19 +6502,19 @@ class Workflows:
                     if RunStatus(now_child["status"]).ended:
                         return False                               # its child ended meanwhile: look again
                 for type_, payload in walk.events:
-                    append_event(conn, fx, playbook, run_id, type_, now, "interactiond", payload)
+                    conn.append_event(fx, playbook, run_id, type_, now, "interactiond", payload)
                 for child_id in walk.cancel:
                     self._cancel_child(conn, fx, playbook, child_id, now, "interactiond")
                 conn.execute("UPDATE runs SET state = ?, status = ? WHERE playbook = ? AND run_id = ?",
                              (new_state, status.value, playbook, run_id))
                 if walk.ending is not None:
                     end_status, kind, output, problem = walk.ending
-                    _end_run(conn, fx, playbook, run_id, end_status, now=now, by="interactiond", kind=kind,
+                    conn.end_run(fx, playbook, run_id, end_status, now=now, by="interactiond", kind=kind,
                              output=output, problem=problem)
                 if due is None:
-                    _drop_timer(conn, fx, key)
+                    conn.drop_timer(fx, key)
                 else:
-                    _set_timer(conn, fx, key, due)
+                    conn.set_timer(fx, key, due)
                 return True
             if not await engine.store.write(change):
                 return True
@@ -6480,7 +6524,7 @@ class Workflows:
         moved = bool(walk.events) or new_state != run["state"]
         return walk.ending is None and not walk.suspended() and moved
 
-    async def _start_child(self, run: sqlite3.Row, fr: dict[str, Any]) -> None:
+    async def _start_child(self, run: Row, fr: dict[str, Any]) -> None:
         playbook, run_id = run["playbook"], run["run_id"]
         caller = Caller(run["created_by"], Role.WRITER, playbook)
         type_, name = fr["fn"]
@@ -6503,7 +6547,7 @@ class Workflows:
 
     # -- cancelling -----------------------------------------------------------------------------
 
-    def _cancel_child(self, conn: sqlite3.Connection, fx: Effects, playbook: str, child_id: str, now: int,
+    def _cancel_child(self, conn: Tx, fx: Effects, playbook: str, child_id: str, now: int,
                       by: str) -> None:
         """Cancel a workflow's open child run inside the workflow's change (a system call in flight ends alone)."""
         child = conn.execute("SELECT * FROM runs WHERE playbook = ? AND run_id = ?", (playbook, child_id)).fetchone()
@@ -6514,21 +6558,21 @@ class Workflows:
             return
         self.engine._cancel_in(conn, fx, child, now, by)
 
-    def cancel_in(self, conn: sqlite3.Connection, fx: Effects, run: sqlite3.Row, now: int, by: str) -> None:
+    def cancel_in(self, conn: Tx, fx: Effects, run: Row, now: int, by: str) -> None:
         """cancel_run of a live workflow: its open child is cancelled and it ends cancelled, together."""
         stack = json.loads(run["state"])["stack"] if run["state"] else []
         for fr in stack:
             if "child" in fr:
                 self._cancel_child(conn, fx, run["playbook"], fr["child"], now, by)
-        _end_run(conn, fx, run["playbook"], run["run_id"], RunStatus.REJECTED, now=now, by=by, kind="cancelled",
+        conn.end_run(fx, run["playbook"], run["run_id"], RunStatus.REJECTED, now=now, by=by, kind="cancelled",
                  problem=ending_problem(RunStatus.REJECTED, "cancelled", "the run was cancelled"))
-        _drop_timer(conn, fx, _timer_key("workflow", run["playbook"], run["run_id"]))
+        conn.drop_timer(fx, timer_key("workflow", run["playbook"], run["run_id"]))
 
-    def _tidy(self, conn: sqlite3.Connection, fx: Effects, run: sqlite3.Row, key: str) -> None:
+    def _tidy(self, conn: Tx, fx: Effects, run: Row, key: str) -> None:
         stack = json.loads(run["state"])["stack"] if run["state"] else []
         if stack and "child" in stack[-1]:
             self._cancel_child(conn, fx, run["playbook"], stack[-1]["child"], self.engine.clock.now_ms(), "interactiond")
-        _drop_timer(conn, fx, key)
+        conn.drop_timer(fx, key)
 
 
 # HTTP API #######################################################################################
@@ -6865,7 +6909,7 @@ def openapi_spec() -> dict[str, Any]:
     }
 
 
-def create_token(conn: sqlite3.Connection, role: str, playbook: str | None, name: str | None,
+def create_token(conn: Tx, role: str, playbook: str | None, name: str | None,
                  purpose: str = "api", now: int | None = None) -> tuple[str, str]:
     """Store a new token's hash; returns (id, secret). The secret is shown once. A session starts
     used now and ends INBOX_SESSION_MAX later at the latest."""
@@ -7800,7 +7844,7 @@ def _visible(engine: Engine, caller: Caller) -> list[str]:
     return sorted(pb for pb in engine.playbooks if caller.sees(pb))
 
 
-async def find_interaction(engine: Engine, caller: Caller, ident: str) -> sqlite3.Row:
+async def find_interaction(engine: Engine, caller: Caller, ident: str) -> Row:
     """The request behind an interaction id, or 404 when it is unknown, malformed or not the caller's."""
     row = None
     if INTERACTION_ID_RE.fullmatch(ident):
@@ -7824,7 +7868,7 @@ async def list_typed_interactions(engine: Engine, caller: Caller, status: str | 
     playbooks = _visible(engine, caller)
     statuses = V2_STATUS_FILTER[status] if status else tuple(V2_STATUS)
 
-    def query(conn: sqlite3.Connection) -> list[sqlite3.Row]:
+    def query(conn: Tx) -> list[Row]:
         sql = (_V2_SELECT + f" AND q.playbook IN ({','.join('?' * len(playbooks))})"
                f" AND q.status IN ({','.join('?' * len(statuses))})")
         args: list[Any] = [*playbooks, *statuses]
@@ -7841,7 +7885,7 @@ async def list_typed_interactions(engine: Engine, caller: Caller, status: str | 
             "page": {"has_more": more, "next_cursor": encode_cursor([rows[n - 1]["seq"]]) if more else None}}
 
 
-async def respond_interaction(engine: Engine, caller: Caller, row: sqlite3.Row, key: str | None,
+async def respond_interaction(engine: Engine, caller: Caller, row: Row, key: str | None,
                               raw: bytes) -> tuple[int, dict[str, Any], bool]:
     """Answer the interaction `row` (found by find_interaction) with a typed response.
 
@@ -7868,7 +7912,7 @@ async def respond_interaction(engine: Engine, caller: Caller, row: sqlite3.Row, 
                               "this Idempotency-Key was used with another request; use a new key for a new response")
         return seen["status"], json.loads(seen["response"]), True
 
-    def not_pending(req: sqlite3.Row) -> Problem:
+    def not_pending(req: Row) -> Problem:
         status = V2_STATUS[req["status"]]
         words = "being cancelled" if status == "pending" else status
         return _v2_problem("interaction_not_pending", f"the interaction is {words}; it takes no response",
@@ -7882,7 +7926,7 @@ async def respond_interaction(engine: Engine, caller: Caller, row: sqlite3.Row, 
     answer = typed_answer(kind, json.loads(row["answer_schema"]), body)
     made: dict[str, Any] = {}
 
-    def remember(conn: sqlite3.Connection) -> None:
+    def remember(conn: Tx) -> None:
         # Runs inside the answer's own transaction: the key and the answer commit together.
         made["object"] = interaction_object(conn.execute(_V2_SELECT + " AND q.id = ?", (row["id"],)).fetchone())
         conn.execute("INSERT INTO idempotency (caller, key, body_sha, status, response, created_at)"
@@ -7916,7 +7960,7 @@ _RUN_ENDINGS: Final = tuple(f"run_{s.value}" for s in RunStatus if s.ended)
 _STREAMED: Final = ("interaction_requested", "request_answered", *_RUN_ENDINGS)
 
 
-def _stream_messages(ev: sqlite3.Row, req: sqlite3.Row | None) -> list[tuple[str, dict[str, Any]]]:
+def _stream_messages(ev: Row, req: Row | None) -> list[tuple[str, dict[str, Any]]]:
     """The stream messages one committed event stands for: none, one, or an interaction's end and run.ended."""
     payload = json.loads(ev["payload"])
     base = {"event_id": f"evt_{ev['id']}", "at": fmt_time(ev["at"]), "playbook": ev["playbook"],
@@ -7936,13 +7980,13 @@ def _stream_messages(ev: sqlite3.Row, req: sqlite3.Row | None) -> list[tuple[str
     return out
 
 
-def _stream_page(conn: sqlite3.Connection, playbooks: list[str], after: int) -> tuple[bytes, int, bool]:
+def _stream_page(conn: Tx, playbooks: list[str], after: int) -> tuple[bytes, int, bool]:
     """The SSE bytes of the streamed events after `after`; the last id read; whether more follow."""
     rows = conn.execute(
         f"SELECT id, playbook, run_id, type, at, payload FROM events WHERE id > ?"
         f" AND type IN ({','.join('?' * len(_STREAMED))}) AND playbook IN ({','.join('?' * len(playbooks))})"
         " ORDER BY id LIMIT ?", (after, *_STREAMED, *playbooks, SSE_PAGE)).fetchall()
-    reqs: dict[tuple[str, str], sqlite3.Row | None] = {}
+    reqs: dict[tuple[str, str], Row | None] = {}
     chunks = []
     for ev in rows:
         where = (ev["playbook"], ev["run_id"])
@@ -8397,7 +8441,7 @@ async def trade_login_token(store: Store, secret: str, now: int | None = None) -
     `now` is the daemon's clock: the session expires on it."""
     now = now if now is not None else int(time.time() * 1000)
 
-    def change(conn: sqlite3.Connection, fx: Effects) -> str | None:
+    def change(conn: Tx, fx: Effects) -> str | None:
         row = conn.execute("UPDATE tokens SET revoked_at = ? WHERE hash = ? AND purpose = 'login' AND revoked_at IS NULL"
                            " RETURNING role, playbook", (now, sha256_hex(secret))).fetchone()
         if row is None:
