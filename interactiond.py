@@ -3144,13 +3144,14 @@ class SQLiteTx:
 
     def insert_run(self, *, playbook: str, run_id: str, type_: str, name: str, version: int, input_text: str,
                    input_sha: str, parent: str | None, now: int, by: str, tools_called: bool = False,
-                   state: str | None = None) -> None:
-        """Insert a run, started (the caller has checked that its run id is free, in the same change)."""
-        self.conn.execute(
+                   state: str | None = None) -> bool:
+        """Insert a run, started; False (nothing written) when its run id is taken."""
+        return self.conn.execute(
             "INSERT INTO runs (playbook, run_id, type, name, version, input, input_sha, status, tools_called,"
-            " parent, state, created_at, created_by) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            " parent, state, created_at, created_by) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)"
+            " ON CONFLICT (playbook, run_id) DO NOTHING RETURNING seq",
             (playbook, run_id, type_, name, version, input_text, input_sha, RunStatus.STARTED.value,
-             1 if tools_called else 0, parent, state, now, by))
+             1 if tools_called else 0, parent, state, now, by)).fetchone() is not None
 
     def run(self, playbook: str, run_id: str) -> Row | None:
         """A run's row."""
@@ -3230,6 +3231,107 @@ class SQLiteTx:
 
     # Workflows, tokens, sessions, idempotency and the typed API's listings.
 
+    def workflows_calling(self, playbook: str, type_: str, name: str) -> list[Row]:
+        """The active workflows of the playbook whose `uses` name this definition: name, version."""
+        return self.conn.execute(
+            "SELECT name, version FROM definitions d WHERE playbook = ? AND type = 'workflow' AND active = 1"
+            " AND EXISTS (SELECT 1 FROM json_each(d.uses) u WHERE json_extract(u.value, '$[0]') = ?"
+            " AND json_extract(u.value, '$[1]') = ?) ORDER BY name", (playbook, type_, name)).fetchall()
+
+    def defined_names(self, playbook: str) -> set[tuple[str, str]]:
+        """The (type, name) of every active definition of the playbook."""
+        return {(r["type"], r["name"]) for r in self.conn.execute(
+            "SELECT DISTINCT type, name FROM definitions WHERE playbook = ? AND active = 1", (playbook,))}
+
+    def run_depth(self, playbook: str, run_id: str) -> int:
+        """How many runs stand in the chain of parents from this one up, itself included (64 at most)."""
+        row = self.conn.execute(
+            "WITH RECURSIVE up(id, n) AS (SELECT ?, 1 UNION ALL SELECT r.parent, up.n + 1 FROM runs r JOIN up"
+            " ON r.playbook = ? AND r.run_id = up.id WHERE r.parent IS NOT NULL AND up.n < 64) SELECT MAX(n) FROM up",
+            (run_id, playbook)).fetchone()
+        return row[0] or 1
+
+    def timer_due(self, key: str) -> int | None:
+        """When a timer is due, or None when there is none."""
+        row = self.conn.execute("SELECT due_at FROM timers WHERE key = ?", (key,)).fetchone()
+        return row["due_at"] if row is not None else None
+
+    def request_expiry(self, playbook: str, run_id: str) -> int | None:
+        """When the run's request expires; None when the run has no request."""
+        row = self.conn.execute("SELECT expires_at FROM requests WHERE playbook = ? AND run_id = ?",
+                                (playbook, run_id)).fetchone()
+        return row["expires_at"] if row is not None else None
+
+    def step_workflow(self, playbook: str, run_id: str, *, read: str, state: str, status: RunStatus,
+                      live_child: str | None = None) -> bool:
+        """Write a workflow's transition, guarded by the state it was computed from: the run is live and
+        still holds `read`, and `live_child` (the child seen live) still is. False: it moved meanwhile."""
+        sql = _STEP_WORKFLOW_SQL if live_child is None else _STEP_WORKFLOW_CHILD_SQL
+        params: tuple[Any, ...] = (state, status.value, playbook, run_id, read)
+        return self.conn.execute(sql, params if live_child is None else (*params, live_child)).fetchone() is not None
+
+    def child_to_cancel(self, playbook: str, run_id: str) -> Row | None:
+        """A workflow's child run that a cancel reaches: live, and a workflow or a run with a request
+        (a system call in flight ends alone). None otherwise."""
+        return self.conn.execute(
+            f"SELECT * FROM runs r WHERE playbook = ? AND run_id = ? AND status IN ({_LIVE_SQL}) AND (type = 'workflow'"
+            " OR EXISTS (SELECT 1 FROM requests q WHERE q.playbook = r.playbook AND q.run_id = r.run_id))",
+            (playbook, run_id)).fetchone()
+
+    def open_counts_by_party(self, playbook: str) -> list[Row]:
+        """The playbook's open requests counted by party (`party`, `n`), in the order of the party."""
+        return self.conn.execute(
+            "SELECT party, COUNT(*) AS n FROM requests WHERE playbook = ? AND open = 1 GROUP BY party ORDER BY party",
+            (playbook,)).fetchall()
+
+    def insert_token(self, *, token_id: str, digest: str, playbook: str | None, role: str, name: str | None,
+                     purpose: str, now: int, used_at: int | None, expires_at: int | None) -> None:
+        """A new token (api, login or session), by the hash of its secret."""
+        self.conn.execute("INSERT INTO tokens (id, hash, playbook, role, name, purpose, created_at, used_at, expires_at)"
+                          " VALUES (?,?,?,?,?,?,?,?,?)",
+                          (token_id, digest, playbook, role, name, purpose, now, used_at, expires_at))
+
+    def token_known(self, digest: str) -> bool:
+        """Whether a token of any purpose with this hash stands unrevoked."""
+        return self.conn.execute("SELECT 1 FROM tokens WHERE hash = ? AND revoked_at IS NULL",
+                                 (digest,)).fetchone() is not None
+
+    def caller_token(self, digest: str) -> Row | None:
+        """The unrevoked api or session token with this hash: id, role, playbook, purpose, used_at, expires_at."""
+        return self.conn.execute("SELECT id, role, playbook, purpose, used_at, expires_at FROM tokens"
+                                 " WHERE hash = ? AND revoked_at IS NULL AND purpose != 'login'", (digest,)).fetchone()
+
+    def touch_session(self, token_id: str, now: int) -> bool:
+        """Record a session's use at `now`, unless a later use is recorded already."""
+        return self.conn.execute("UPDATE tokens SET used_at = ? WHERE id = ? AND (used_at IS NULL OR used_at < ?)",
+                                 (now, token_id, now)).rowcount > 0
+
+    def spend_login(self, digest: str, now: int) -> Row | None:
+        """Revoke an unspent login link: its role and playbook, or None when it is spent or unknown."""
+        return self.conn.execute("UPDATE tokens SET revoked_at = ? WHERE hash = ? AND purpose = 'login'"
+                                 " AND revoked_at IS NULL RETURNING role, playbook", (now, digest)).fetchone()
+
+    def revoke_logins(self, now: int) -> int:
+        """Revoke every unspent login link; how many."""
+        return self.conn.execute("UPDATE tokens SET revoked_at = ? WHERE purpose = 'login' AND revoked_at IS NULL",
+                                 (now,)).rowcount
+
+    def end_session(self, digest: str, now: int) -> bool:
+        """Revoke the live session with this hash; False when there is none."""
+        return self.conn.execute("UPDATE tokens SET revoked_at = ? WHERE hash = ? AND purpose = 'session'"
+                                 " AND revoked_at IS NULL", (now, digest)).rowcount > 0
+
+    def revoke_token(self, token_id: str, now: int) -> bool:
+        """Revoke a token by id; False when there is no unrevoked token of that id."""
+        return self.conn.execute("UPDATE tokens SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL",
+                                 (now, token_id)).rowcount > 0
+
+    def listed_tokens(self) -> list[Row]:
+        """API tokens and inbox sessions, oldest first (login links are not listed)."""
+        return self.conn.execute("SELECT id, role, playbook, name, purpose, created_at, revoked_at, used_at,"
+                                 " expires_at FROM tokens WHERE purpose IN ('api', 'session') ORDER BY created_at"
+                                 ).fetchall()
+
 
 #: The live run states, as SQL's IN list (the statuses a run ends from).
 _LIVE_SQL: Final = ", ".join(f"'{s.value}'" for s in LIVE_RUN_STATUSES)
@@ -3245,6 +3347,15 @@ _CANCEL_DELIVERY_SQL: Final = (
     f"UPDATE requests SET delivery_state = '{DeliveryState.CANCELLING.value}' WHERE playbook = ? AND run_id = ?"
     " AND delivery_state IN (" + ", ".join(f"'{s.value}'" for s in allowed_from(DELIVERY_TRANSITIONS, DeliveryEvent.CANCEL))
     + ")")
+
+#: A workflow's transition, guarded by the state it read (SQLiteTx.step_workflow); the second form
+#: also wants the child it saw live still live.
+_STEP_WORKFLOW_SQL: Final = (
+    "UPDATE runs SET state = ?, status = ? WHERE playbook = ? AND run_id = ?"
+    f" AND status IN ({_LIVE_SQL}) AND state = ? RETURNING run_id")
+_STEP_WORKFLOW_CHILD_SQL: Final = _STEP_WORKFLOW_SQL.replace(
+    " RETURNING", f" AND EXISTS (SELECT 1 FROM runs c WHERE c.playbook = runs.playbook AND c.run_id = ?"
+    f" AND c.status IN ({_LIVE_SQL})) RETURNING")
 
 
 #: What a change or a reading is handed: the store's operations (SQLiteTx on the embedded file).
@@ -5288,8 +5399,9 @@ class Engine(_EngineDefinitions, _EngineRuns, _EngineSystemCalls, _EngineInbox, 
 # walked (where it stands, and the data flowing through it) and one for every task that has started
 # and not ended (its input, its deadline, the child run it waits on, the attempt of a `try`).
 # `Workflows.drive` moves a run on by one *transition* at a time - a task started, completed, faulted
-# or retried - and writes the transition's events with the new state in ONE change guarded by the
-# state it read. A crash therefore leaves the run at the old position or the new one, never between.
+# or retried - and writes the transition's events with the new state in ONE change, whose first
+# statement writes the state guarded by the state it read (`SQLiteTx.step_workflow`). A crash
+# therefore leaves the run at the old position or the new one, never between.
 #
 # Nothing sleeps. A run that waits (on a child run, a `wait`, a retry's delay) owns one timer,
 # `workflow:<playbook>:<run_id>`, due when it must look again: the end of the wait, or the earliest
@@ -6446,18 +6558,12 @@ class Workflows:
 
     async def used_by(self, playbook: str, type_: str, name: str) -> list[dict[str, Any]]:
         """The active workflows of the playbook that call this definition."""
-        rows = await self.engine.store.read(lambda c: c.execute(
-            "SELECT name, version FROM definitions d WHERE playbook = ? AND type = 'workflow' AND active = 1"
-            " AND EXISTS (SELECT 1 FROM json_each(d.uses) u WHERE json_extract(u.value, '$[0]') = ?"
-            " AND json_extract(u.value, '$[1]') = ?) ORDER BY name", (playbook, type_, name)).fetchall())
+        rows = await self.engine.store.read(lambda tx: tx.workflows_calling(playbook, type_, name))
         return [{"type": "workflow", "name": r["name"], "version": r["version"]} for r in rows]
 
     async def warnings(self, playbook: str, doc: WorkflowDoc) -> list[dict[str, Any]]:
         """Calls of definitions that do not exist (yet): saved anyway, a run fails at that task."""
-        def query(conn: Tx) -> set[tuple[str, str]]:
-            return {(r["type"], r["name"]) for r in conn.execute(
-                "SELECT DISTINCT type, name FROM definitions WHERE playbook = ? AND active = 1", (playbook,))}
-        known = await self.engine.store.read(query)
+        known = await self.engine.store.read(lambda tx: tx.defined_names(playbook))
         return [{"line": line, "field": field,
                  "message": f"no {type_} named {name!r} in this playbook yet; a run fails at this task until it exists"}
                 for type_, name, line, field in doc.calls if (type_, name) not in known]
@@ -6476,30 +6582,20 @@ class Workflows:
                                         " input schema", errors=errors)
         state = dumps({"stack": [], "context": {}, "tasks": 0})
 
-        def change(conn: Tx, fx: Effects) -> tuple[dict[str, Any], bool]:
-            row = conn.execute("SELECT * FROM runs WHERE playbook = ? AND run_id = ?", (playbook, run_id)).fetchone()
-            if row is not None:
-                return self.engine._rerun(row, "workflow", name, input_sha), False
-            if parent is not None and self._depth(conn, playbook, parent) >= WORKFLOW_MAX_DEPTH:
+        def change(tx: Tx, fx: Effects) -> tuple[dict[str, Any], bool]:
+            if not tx.insert_run(playbook=playbook, run_id=run_id, type_="workflow", name=name, version=version,
+                          input_text=input_text, input_sha=input_sha, parent=parent, state=state,
+                          now=now, by=caller.id):
+                return self.engine._rerun(tx.run(playbook, run_id), "workflow", name, input_sha), False
+            # Raising rolls the new row back with the rest of the change.
+            if parent is not None and tx.run_depth(playbook, parent) >= WORKFLOW_MAX_DEPTH:
                 raise ending_problem(RunStatus.CONFLICT, "unworkable", f"workflows nest at most {WORKFLOW_MAX_DEPTH} deep")
-            conn.execute("INSERT INTO runs (playbook, run_id, type, name, version, input, input_sha, status, parent,"
-                         " state, created_at, created_by) VALUES (?,?,'workflow',?,?,?,?,'started',?,?,?,?)",
-                         (playbook, run_id, name, version, input_text, input_sha, parent, state, now, caller.id))
             if ending is not None:
-                conn.end_run(fx, playbook, run_id, RunStatus.INVALID_INPUT, now=now, by=caller.id, problem=ending)
+                tx.end_run(fx, playbook, run_id, RunStatus.INVALID_INPUT, now=now, by=caller.id, problem=ending)
             else:
-                conn.set_timer(fx, timer_key("workflow", playbook, run_id), now)
-            return run_object(conn.execute("SELECT * FROM runs WHERE playbook = ? AND run_id = ?",
-                                           (playbook, run_id)).fetchone()), True
+                tx.set_timer(fx, timer_key("workflow", playbook, run_id), now)
+            return run_object(tx.run(playbook, run_id)), True
         return await self.engine.store.write(change)
-
-    @staticmethod
-    def _depth(conn: Tx, playbook: str, run_id: str) -> int:
-        row = conn.execute(
-            "WITH RECURSIVE up(id, n) AS (SELECT ?, 1 UNION ALL SELECT r.parent, up.n + 1 FROM runs r JOIN up"
-            " ON r.playbook = ? AND r.run_id = up.id WHERE r.parent IS NOT NULL AND up.n < 64) SELECT MAX(n) FROM up",
-            (run_id, playbook)).fetchone()
-        return row[0] or 1
 
     async def drive(self, playbook: str, run_id: str) -> None:
         """Move a run on as far as it goes now; one drive per run at a time, asked again if busy."""
@@ -6533,18 +6629,15 @@ class Workflows:
         engine = self.engine
         key = timer_key("workflow", playbook, run_id)
 
-        def look(conn: Tx) -> tuple[Any, ...]:
-            run = conn.execute("SELECT * FROM runs WHERE playbook = ? AND run_id = ?", (playbook, run_id)).fetchone()
-            timer = conn.execute("SELECT due_at FROM timers WHERE key = ?", (key,)).fetchone()
+        def look(tx: Tx) -> tuple[Any, ...]:
+            run = tx.run(playbook, run_id)
+            timer_due = tx.timer_due(key)
             child = expires = None
             stack = json.loads(run["state"])["stack"] if run is not None and run["state"] else []
             if stack and "child" in stack[-1]:
-                child = conn.execute("SELECT * FROM runs WHERE playbook = ? AND run_id = ?",
-                                     (playbook, stack[-1]["child"])).fetchone()
-                req = conn.execute("SELECT expires_at FROM requests WHERE playbook = ? AND run_id = ?",
-                                   (playbook, stack[-1]["child"])).fetchone()
-                expires = req["expires_at"] if req is not None else None
-            return run, (timer["due_at"] if timer is not None else None), child, expires
+                child = tx.run(playbook, stack[-1]["child"])
+                expires = tx.request_expiry(playbook, stack[-1]["child"])
+            return run, timer_due, child, expires
 
         run, timer_due, child, expires = await engine.store.read(look)
         if run is None or run["type"] != "workflow" or not run["state"]:
@@ -6552,7 +6645,7 @@ class Workflows:
         if RunStatus(run["status"]).ended:
             # Ended meanwhile (cancelled while a child was being started): leave nothing behind.
             if timer_due is not None or (child is not None and not RunStatus(child["status"]).ended):
-                await engine.store.write(lambda c, fx: self._tidy(c, fx, run, key))
+                await engine.store.write(lambda tx, fx: self._tidy(tx, fx, run, key))
             return False
         now = engine.clock.now_ms()
         doc = await self._doc(run)
@@ -6580,30 +6673,26 @@ class Workflows:
             if walk.start_child is None:
                 return False
         else:
-            def change(conn: Tx, fx: Effects) -> bool:
-                row = conn.execute("SELECT status, state FROM runs WHERE playbook = ? AND run_id = ?",
-                                   (playbook, run_id)).fetchone()
-                if row is None or RunStatus(row["status"]).ended or row["state"] != run["state"]:
-                    return False                                   # moved meanwhile: look again
-                if child is not None and not RunStatus(child["status"]).ended:
-                    now_child = conn.execute("SELECT status FROM runs WHERE playbook = ? AND run_id = ?",
-                                             (playbook, child["run_id"])).fetchone()
-                    if RunStatus(now_child["status"]).ended:
-                        return False                               # its child ended meanwhile: look again
+            live_child = child["run_id"] if child is not None and not RunStatus(child["status"]).ended else None
+
+            def change(tx: Tx, fx: Effects) -> bool:
+                # Guarded by what it read: the run still live at the state it was computed from, and
+                # the child it saw live still live; else it (or its child) moved meanwhile: look again.
+                if not tx.step_workflow(playbook, run_id, read=run["state"], state=new_state, status=status,
+                                        live_child=live_child):
+                    return False
                 for type_, payload in walk.events:
-                    conn.append_event(fx, playbook, run_id, type_, now, "interactiond", payload)
+                    tx.append_event(fx, playbook, run_id, type_, now, "interactiond", payload)
                 for child_id in walk.cancel:
-                    self._cancel_child(conn, fx, playbook, child_id, now, "interactiond")
-                conn.execute("UPDATE runs SET state = ?, status = ? WHERE playbook = ? AND run_id = ?",
-                             (new_state, status.value, playbook, run_id))
+                    self._cancel_child(tx, fx, playbook, child_id, now, "interactiond")
                 if walk.ending is not None:
                     end_status, kind, output, problem = walk.ending
-                    conn.end_run(fx, playbook, run_id, end_status, now=now, by="interactiond", kind=kind,
-                             output=output, problem=problem)
+                    tx.end_run(fx, playbook, run_id, end_status, now=now, by="interactiond", kind=kind,
+                               output=output, problem=problem)
                 if due is None:
-                    conn.drop_timer(fx, key)
+                    tx.drop_timer(fx, key)
                 else:
-                    conn.set_timer(fx, key, due)
+                    tx.set_timer(fx, key, due)
                 return True
             if not await engine.store.write(change):
                 return True
@@ -6636,32 +6725,28 @@ class Workflows:
 
     # -- cancelling -----------------------------------------------------------------------------
 
-    def _cancel_child(self, conn: Tx, fx: Effects, playbook: str, child_id: str, now: int,
+    def _cancel_child(self, tx: Tx, fx: Effects, playbook: str, child_id: str, now: int,
                       by: str) -> None:
         """Cancel a workflow's open child run inside the workflow's change (a system call in flight ends alone)."""
-        child = conn.execute("SELECT * FROM runs WHERE playbook = ? AND run_id = ?", (playbook, child_id)).fetchone()
-        if child is None or RunStatus(child["status"]).ended:
-            return
-        if child["type"] != "workflow" and conn.execute(
-                "SELECT 1 FROM requests WHERE playbook = ? AND run_id = ?", (playbook, child_id)).fetchone() is None:
-            return
-        self.engine._cancel_in(conn, fx, child, now, by)
+        child = tx.child_to_cancel(playbook, child_id)
+        if child is not None:
+            self.engine._cancel_in(tx, fx, child, now, by)
 
-    def cancel_in(self, conn: Tx, fx: Effects, run: Row, now: int, by: str) -> None:
+    def cancel_in(self, tx: Tx, fx: Effects, run: Row, now: int, by: str) -> None:
         """cancel_run of a live workflow: its open child is cancelled and it ends cancelled, together."""
         stack = json.loads(run["state"])["stack"] if run["state"] else []
         for fr in stack:
             if "child" in fr:
-                self._cancel_child(conn, fx, run["playbook"], fr["child"], now, by)
-        conn.end_run(fx, run["playbook"], run["run_id"], RunStatus.REJECTED, now=now, by=by, kind="cancelled",
-                 problem=ending_problem(RunStatus.REJECTED, "cancelled", "the run was cancelled"))
-        conn.drop_timer(fx, timer_key("workflow", run["playbook"], run["run_id"]))
+                self._cancel_child(tx, fx, run["playbook"], fr["child"], now, by)
+        tx.end_run(fx, run["playbook"], run["run_id"], RunStatus.REJECTED, now=now, by=by, kind="cancelled",
+                   problem=ending_problem(RunStatus.REJECTED, "cancelled", "the run was cancelled"))
+        tx.drop_timer(fx, timer_key("workflow", run["playbook"], run["run_id"]))
 
-    def _tidy(self, conn: Tx, fx: Effects, run: Row, key: str) -> None:
+    def _tidy(self, tx: Tx, fx: Effects, run: Row, key: str) -> None:
         stack = json.loads(run["state"])["stack"] if run["state"] else []
         if stack and "child" in stack[-1]:
-            self._cancel_child(conn, fx, run["playbook"], stack[-1]["child"], self.engine.clock.now_ms(), "interactiond")
-        conn.drop_timer(fx, key)
+            self._cancel_child(tx, fx, run["playbook"], stack[-1]["child"], self.engine.clock.now_ms(), "interactiond")
+        tx.drop_timer(fx, key)
 
 
 # HTTP API #######################################################################################
@@ -6998,7 +7083,7 @@ def openapi_spec() -> dict[str, Any]:
     }
 
 
-def create_token(conn: Tx, role: str, playbook: str | None, name: str | None,
+def create_token(tx: Tx, role: str, playbook: str | None, name: str | None,
                  purpose: str = "api", now: int | None = None) -> tuple[str, str]:
     """Store a new token's hash; returns (id, secret). The secret is shown once. A session starts
     used now and ends INBOX_SESSION_MAX later at the latest."""
@@ -7013,10 +7098,9 @@ def create_token(conn: Tx, role: str, playbook: str | None, name: str | None,
     token_id = "tok_" + new_ulid().lower()
     at = now if now is not None else int(time.time() * 1000)
     session = purpose == "session"
-    conn.execute("INSERT INTO tokens (id, hash, playbook, role, name, purpose, created_at, used_at, expires_at)"
-                 " VALUES (?,?,?,?,?,?,?,?,?)",
-                 (token_id, sha256_hex(secret), playbook, role, name, purpose, at, at if session else None,
-                  at + int(INBOX_SESSION_MAX.total_seconds() * 1000) if session else None))
+    tx.insert_token(token_id=token_id, digest=sha256_hex(secret), playbook=playbook, role=role, name=name,
+                    purpose=purpose, now=at, used_at=at if session else None,
+                    expires_at=at + int(INBOX_SESSION_MAX.total_seconds() * 1000) if session else None)
     return token_id, secret
 
 
@@ -7049,9 +7133,7 @@ async def lookup_token(app: web.Application, secret: str) -> Caller | None:
     digest = sha256_hex(secret)
     hit = cache.get(digest)
     if hit is None or hit[0] <= time.monotonic():
-        row = await engine.store.read(lambda c: c.execute(
-            "SELECT id, role, playbook, purpose, used_at, expires_at FROM tokens"
-            " WHERE hash = ? AND revoked_at IS NULL AND purpose != 'login'", (digest,)).fetchone())
+        row = await engine.store.read(lambda tx: tx.caller_token(digest))
         caller = Caller(row["id"], Role(row["role"]), row["playbook"]) if row is not None else None
         times = ({"used_at": row["used_at"], "expires_at": row["expires_at"]}
                  if row is not None and row["purpose"] == "session" else None)
@@ -7066,9 +7148,7 @@ async def lookup_token(app: web.Application, secret: str) -> Caller | None:
         return None
     if times["used_at"] is None or now - times["used_at"] >= int(INBOX_SESSION_TOUCH.total_seconds() * 1000):
         times["used_at"] = now
-        await engine.store.write(lambda c, fx: c.execute(
-            "UPDATE tokens SET used_at = ? WHERE id = ? AND (used_at IS NULL OR used_at < ?)",
-            (now, caller.id, now)).rowcount)
+        await engine.store.write(lambda tx, fx: tx.touch_session(caller.id, now))
     return caller
 
 
@@ -8530,12 +8610,11 @@ async def trade_login_token(store: Store, secret: str, now: int | None = None) -
     `now` is the daemon's clock: the session expires on it."""
     now = now if now is not None else int(time.time() * 1000)
 
-    def change(conn: Tx, fx: Effects) -> str | None:
-        row = conn.execute("UPDATE tokens SET revoked_at = ? WHERE hash = ? AND purpose = 'login' AND revoked_at IS NULL"
-                           " RETURNING role, playbook", (now, sha256_hex(secret))).fetchone()
+    def change(tx: Tx, fx: Effects) -> str | None:
+        row = tx.spend_login(sha256_hex(secret), now)
         if row is None:
             return None
-        return create_token(conn, row["role"], row["playbook"], "inbox session", purpose="session", now=now)[1]
+        return create_token(tx, row["role"], row["playbook"], "inbox session", purpose="session", now=now)[1]
     return await store.write(change)
 
 
@@ -8566,9 +8645,7 @@ async def h_logout(request: web.Request) -> web.Response:
     secret = request.cookies.get(SESSION_COOKIE)
     if secret:
         digest, now = sha256_hex(secret), int(time.time() * 1000)
-        await request.app[ENGINE_KEY].store.write(lambda c, fx: c.execute(
-            "UPDATE tokens SET revoked_at = ? WHERE hash = ? AND purpose = 'session' AND revoked_at IS NULL",
-            (now, digest)).rowcount)
+        await request.app[ENGINE_KEY].store.write(lambda tx, fx: tx.end_session(digest, now))
         request.app[TOKENS_KEY].pop(digest, None)
     resp = web.Response(status=204, headers={"Cache-Control": "no-store"})
     resp.del_cookie(SESSION_COOKIE, path="/")
@@ -8603,9 +8680,7 @@ async def h_web_render(request: web.Request) -> web.Response:
 
 async def h_web_counts(request: web.Request) -> web.Response:
     playbook, engine = _pb(request), request.app[ENGINE_KEY]
-    rows = await engine.store.read(lambda c: c.execute(
-        "SELECT party, COUNT(*) AS n FROM requests WHERE playbook = ? AND open = 1 GROUP BY party ORDER BY party",
-        (playbook,)).fetchall())
+    rows = await engine.store.read(lambda tx: tx.open_counts_by_party(playbook))
     return _json({"total": sum(r["n"] for r in rows), "to": [{"to": r["party"], "count": r["n"]} for r in rows],
                   "now": fmt_time(engine.clock.now_ms())})
 
@@ -9340,18 +9415,17 @@ def _write_private(path: Path, text: str) -> None:
 def ensure_operator_token(db: str) -> str:
     """The operator token the first start made (written beside the database), made now if missing."""
     path = _beside(db, ".token")
-    conn = open_sync(db)
+    tx = open_sync(db)
     try:
         if path.exists():
             secret = path.read_text().strip()
-            if conn.execute("SELECT 1 FROM tokens WHERE hash = ? AND revoked_at IS NULL",
-                            (sha256_hex(secret),)).fetchone():
+            if tx.token_known(sha256_hex(secret)):
                 return secret
-        _, secret = create_token(conn, "operator", None, "first start")
+        _, secret = create_token(tx, "operator", None, "first start")
         _write_private(path, secret + "\n")
         return secret
     finally:
-        conn.close()
+        tx.close()
 
 
 class EngineLock:
@@ -9406,12 +9480,11 @@ async def _serve(args: Any, config: Config) -> int:
         return 1
     try:
         secret = ensure_operator_token(db)
-        conn = open_sync(db)
+        tx = open_sync(db)
         # One login link at a time: the link an earlier start printed stops working.
-        conn.execute("UPDATE tokens SET revoked_at = ? WHERE purpose = 'login' AND revoked_at IS NULL",
-                     (int(time.time() * 1000),))
-        _, login = create_token(conn, "operator", None, "inbox login", purpose="login")
-        conn.close()
+        tx.revoke_logins(int(time.time() * 1000))
+        _, login = create_token(tx, "operator", None, "inbox login", purpose="login")
+        tx.close()
         engine = Engine(Store(db), _make_clock(args.clock, host), config)
         app = build_app(engine)
         runner = web.AppRunner(app, handle_signals=False, access_log=None)   # a log line per request cost 1/6 of the loop
@@ -9585,11 +9658,11 @@ def _cli_client(args: Any, db: str) -> int:
 
 
 def _cli_token(args: Any, db: str) -> int:
-    conn = open_sync(db)
+    tx = open_sync(db)
     try:
         if args.token_cmd == "create":
             try:
-                token_id, secret = create_token(conn, args.role, args.playbook, args.name)
+                token_id, secret = create_token(tx, args.role, args.playbook, args.name)
             except ValueError as exc:
                 print(f"interactiond: {exc}", file=sys.stderr)
                 return 2
@@ -9599,8 +9672,7 @@ def _cli_token(args: Any, db: str) -> int:
             # own clock decides); login links are one-time and not listed.
             now = int(time.time() * 1000)
             idle_ms = int(INBOX_SESSION_IDLE.total_seconds() * 1000)
-            for r in conn.execute("SELECT id, role, playbook, name, purpose, created_at, revoked_at, used_at,"
-                                  " expires_at FROM tokens WHERE purpose IN ('api', 'session') ORDER BY created_at"):
+            for r in tx.listed_tokens():
                 state = "revoked" if r["revoked_at"] else "expired" if session_ended(r, now) else "active"
                 line = f"{r['id']}\t{r['role']}\t{r['playbook'] or '*'}\t{state}\t{r['name'] or ''}"
                 if r["purpose"] == "session":
@@ -9609,15 +9681,13 @@ def _cli_token(args: Any, db: str) -> int:
                             f" ends {fmt_time(ends)} at the latest"
                 print(line)
         else:
-            cur = conn.execute("UPDATE tokens SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL",
-                               (int(time.time() * 1000), args.id))
-            if not cur.rowcount:
+            if not tx.revoke_token(args.id, int(time.time() * 1000)):
                 print(f"interactiond: no active token {args.id}", file=sys.stderr)
                 return 1
             print(f"revoked {args.id}")
         return 0
     finally:
-        conn.close()
+        tx.close()
 
 
 # -- logs: no token, link, cookie or session id in a line ------------------------------------------
