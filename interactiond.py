@@ -202,6 +202,21 @@ MAX_HTTP_WAIT_S: Final = 60.0
 DEFAULT_MCP_WAIT_S: Final = 25.0
 MAX_MCP_WAIT_S: Final = 55.0
 
+#: MCP sessions over HTTP (the SDK alone keeps up to 10,000, 30 minutes each): a token holds at
+#: most this many (one more closes its oldest idle one), and one without a request this long on
+#: the daemon's clock is closed.
+MCP_SESSIONS_PER_TOKEN: Final = 32
+MCP_SESSION_IDLE: Final = timedelta(minutes=10)
+#: Inbox sessions (the cookie a login link trades for): ended after this long unused, and this
+#: long after sign-in whatever the use. A session's last use is written at most once a minute.
+INBOX_SESSION_IDLE: Final = timedelta(hours=12)
+INBOX_SESSION_MAX: Final = timedelta(days=7)
+INBOX_SESSION_TOUCH: Final = timedelta(minutes=1)
+#: The pruning pass on the timer task: typed-API idempotency keys older than this go, and so do
+#: ended inbox sessions and spent login links; it runs this often (the first a minute after start).
+IDEMPOTENCY_KEEP: Final = timedelta(hours=24)
+PRUNE_EVERY: Final = timedelta(hours=1)
+
 #: Template rendering: never hangs, never eats memory.
 TEMPLATE_LOOP_LIMIT: Final = 10_000
 TEMPLATE_OUTPUT_LIMIT: Final = 64 * KIB
@@ -325,6 +340,28 @@ def not_found(detail: str = "The resource does not exist or is not visible to th
     return Problem("not_found", detail)
 
 
+# States #########################################################################################
+#
+# Every status the product stores or shows, as enums, and every way a run ends, as one table.
+#
+# Rule 1: a run, a request and a delivery move only along the transitions written here. The store
+# guards each move again in SQL (`UPDATE ... WHERE status IN (<allowed from>)`), so a move the
+# table refuses is also one the database refuses; `next_state` raises InvalidTransition for it.
+# Rule 2: `ENDINGS` is the one home of what an ending means: the run's status and kind, how its
+# open request closes, the problem that describes it, the HTTP status of the run object, the
+# typed API's status and stream event, and the status a workflow step sees. Every status map of
+# the module is derived from it. A new ending is a row here plus the code that reaches it.
+
+
+class InvalidTransition(Exception):
+    """A move the transition tables do not allow."""
+
+    def __init__(self, table: str, state: Any, event: Any) -> None:
+        self.table, self.state, self.event = table, state, event
+        super().__init__(f"{table}: cannot handle {getattr(event, 'value', event)!r} in state "
+                         f"{getattr(state, 'value', state)!r}")
+
+
 class RunStatus(str, enum.Enum):
     """Where a run stands. The first two are live; the rest are endings, each final."""
 
@@ -342,12 +379,19 @@ class RunStatus(str, enum.Enum):
         return self not in (RunStatus.STARTED, RunStatus.WAITING)
 
 
-#: HTTP status of a run object by its status (201 replaces 200 when the run just ran).
-RUN_HTTP_STATUS: Final = {
-    RunStatus.STARTED: 202, RunStatus.WAITING: 202, RunStatus.SUCCEEDED: 200,
-    RunStatus.INVALID_INPUT: 422, RunStatus.CONFLICT: 409, RunStatus.UNAVAILABLE: 503,
-    RunStatus.REJECTED: 410, RunStatus.FAILED: 500,
-}
+#: The live statuses, from which a run may end (the store's guard).
+LIVE_RUN_STATUSES: Final = (RunStatus.STARTED, RunStatus.WAITING)
+
+
+class RequestStatus(str, enum.Enum):
+    """A request: open until it is answered, notified, expired, undelivered or cancelled."""
+
+    OPEN = "open"                  # waiting for an answer (or for its notification's delivery)
+    ANSWERED = "answered"          # open -> answered
+    NOTIFIED = "notified"          # open -> notified: a notification was delivered
+    EXPIRED = "expired"            # open -> expired
+    UNDELIVERED = "undelivered"    # open -> undelivered: a notification's attempts are spent
+    CANCELLED = "cancelled"        # open -> cancelled
 
 
 class DeliveryState(str, enum.Enum):
@@ -362,15 +406,166 @@ class DeliveryState(str, enum.Enum):
     CANCELLING = "cancelling"      # cancel asked; an attempt in flight finishes first
 
 
+class DeliveryEvent(str, enum.Enum):
+    """What moves a delivery."""
+
+    BEGIN = "begin"                # an attempt starts (recorded before it is sent)
+    SUCCEED = "succeed"
+    FAIL = "fail"                  # a failed or lost attempt with attempts left
+    SPEND = "spend"                # a failed attempt that was the last one
+    CANCEL = "cancel"
+
+
+class EventType(str, enum.Enum):
+    """The facts the events table holds (a run's history and the playbook's own events)."""
+
+    DEFINITION_CREATED = "definition_created"
+    DEFINITION_DELETED = "definition_deleted"
+    INTERACTION_REQUESTED = "interaction_requested"        # a request opens: -> open
+    REQUEST_ANSWERED = "request_answered"                  # open -> answered
+    CANCEL_REQUESTED = "cancel_requested"                  # delivery -> cancelling
+    DELIVERY_STARTED = "delivery_started"                  # to_deliver/retrying -> delivering
+    DELIVERY_SUCCEEDED = "delivery_succeeded"              # delivering -> delivered
+    DELIVERY_FAILED = "delivery_failed"                    # delivering -> retrying/undelivered
+    DELIVERY_REFUSED = "delivery_refused"                  # the arguments break a bound: no attempt
+    READING_FAILED = "reading_failed"
+    REPLIES_READ = "replies_read"
+    REPLY_REFUSED = "reply_refused"
+    TELLING_STARTED = "telling_started"
+    TELLING_SUCCEEDED = "telling_succeeded"
+    TELLING_FAILED = "telling_failed"
+    TOOL_CALL_STARTED = "tool_call_started"
+    TOOL_CALL_ANSWERED = "tool_call_answered"
+    TOOL_CALL_FAILED = "tool_call_failed"
+    TASK_STARTED = "task_started"
+    TASK_COMPLETED = "task_completed"
+    TASK_FAULTED = "task_faulted"
+    TASK_RETRIED = "task_retried"
+    RUN_SUCCEEDED = "run_succeeded"                        # a run's ending: run_<status>
+    RUN_INVALID_INPUT = "run_invalid_input"
+    RUN_CONFLICT = "run_conflict"
+    RUN_UNAVAILABLE = "run_unavailable"
+    RUN_REJECTED = "run_rejected"
+    RUN_FAILED = "run_failed"
+
+    @classmethod
+    def ending(cls, status: RunStatus) -> "EventType":
+        return cls("run_" + status.value)
+
+
+#: Requests: (state, the status it closes with) -> the next state. Only an open request closes.
+REQUEST_TRANSITIONS: Final[dict[RequestStatus, dict[RequestStatus, RequestStatus]]] = {
+    RequestStatus.OPEN: {s: s for s in RequestStatus if s is not RequestStatus.OPEN},
+    **{s: {} for s in RequestStatus if s is not RequestStatus.OPEN},
+}
+
+#: Deliveries: state -> {event: next state}. A request starts `in_inbox` (nothing to send) or
+#: `to_deliver`. Cancel moves only an attempt in flight (it finishes, then the run ends cancelled);
+#: any other request simply closes. A cancelling, delivered or undelivered delivery moves no more.
+DELIVERY_TRANSITIONS: Final[dict[DeliveryState, dict[DeliveryEvent, DeliveryState]]] = {
+    DeliveryState.IN_INBOX: {},
+    DeliveryState.TO_DELIVER: {DeliveryEvent.BEGIN: DeliveryState.DELIVERING},
+    DeliveryState.RETRYING: {DeliveryEvent.BEGIN: DeliveryState.DELIVERING},
+    DeliveryState.DELIVERING: {DeliveryEvent.SUCCEED: DeliveryState.DELIVERED,
+                               DeliveryEvent.FAIL: DeliveryState.RETRYING,
+                               DeliveryEvent.SPEND: DeliveryState.UNDELIVERED,
+                               DeliveryEvent.CANCEL: DeliveryState.CANCELLING},
+    DeliveryState.DELIVERED: {},
+    DeliveryState.UNDELIVERED: {},
+    DeliveryState.CANCELLING: {},
+}
+
+
+def next_state(table: Mapping[Any, Mapping[Any, Any]], state: Any, event: Any) -> Any:
+    """The state `event` moves `state` to, by the table; InvalidTransition if it may not."""
+    try:
+        return table[state][event]
+    except KeyError:
+        name = "requests" if table is REQUEST_TRANSITIONS else "deliveries"
+        raise InvalidTransition(name, state, event) from None
+
+
+def allowed_from(table: Mapping[Any, Mapping[Any, Any]], event: Any) -> tuple[Any, ...]:
+    """The states `event` may leave: what a guarded statement's `WHERE status IN (...)` lists."""
+    return tuple(state for state, moves in table.items() if event in moves)
+
+
+@dataclass(frozen=True)
+class Ending:
+    """One way a run ends, and everything that follows from it."""
+
+    name: str                          # the ending's own name (its kind where it has one)
+    run: RunStatus
+    kind: str | None
+    request: RequestStatus | None      # how the run's open request closes; None: it has none
+    problem: str | None                # the problem type that describes it; None for a success
+    http: int                          # the run object's HTTP status
+    v2: str | None                     # the typed API's status of its request
+    stream: str | None                 # the typed stream's event for its request
+    workflow: int | None               # the status of the error a workflow step sees
+
+
+_S = RunStatus
+_R = RequestStatus
+#: Every ending. (The generic row of a status - kind None - covers kinds a workflow raises.)
+ENDINGS: Final[dict[str, Ending]] = {e.name: e for e in (
+    #       name                run            kind                request        problem             http v2           stream                    workflow
+    Ending("succeeded",        _S.SUCCEEDED,  None,               None,          None,               200, None,        None,                     None),
+    Ending("answered",         _S.SUCCEEDED,  None,               _R.ANSWERED,   None,               200, "answered",  "interaction.answered",   None),
+    Ending("notified",         _S.SUCCEEDED,  None,               _R.NOTIFIED,   None,               200, None,        None,                     None),
+    Ending("invalid_input",    _S.INVALID_INPUT, None,            None,          "invalid_input",    422, None,        None,                     400),
+    Ending("conflict",         _S.CONFLICT,   None,               None,          "conflict",         409, None,        None,                     409),
+    Ending("unworkable",       _S.CONFLICT,   "unworkable",       None,          "unworkable",       409, None,        None,                     409),
+    Ending("effect_unknown",   _S.CONFLICT,   "effect_unknown",   None,          "effect_unknown",   409, None,        None,                     409),
+    Ending("tools_called",     _S.CONFLICT,   "tools_called",     None,          "tools_called",     409, None,        None,                     409),
+    Ending("run_id_taken",     _S.CONFLICT,   "run_id_taken",     None,          "run_id_taken",     409, None,        None,                     409),
+    Ending("unavailable",      _S.UNAVAILABLE, None,              None,          "unavailable",      503, None,        None,                     503),
+    Ending("tool_not_offered", _S.UNAVAILABLE, "tool_not_offered", None,         "unavailable",      503, None,        None,                     503),
+    Ending("tool_server_failed", _S.UNAVAILABLE, "tool_server_failed", None,     "unavailable",      503, None,        None,                     503),
+    Ending("tools_unfinished", _S.UNAVAILABLE, "tools_unfinished", None,         "unavailable",      503, None,        None,                     503),
+    Ending("requests_full",    _S.UNAVAILABLE, "requests_full",   None,          "unavailable",      503, None,        None,                     503),
+    Ending("rejected",         _S.REJECTED,   None,               None,          "unanswered",       410, None,        None,                     410),
+    Ending("expired",          _S.REJECTED,   "expired",          _R.EXPIRED,    "unanswered",       410, "expired",   "interaction.expired",    410),
+    Ending("undelivered",      _S.REJECTED,   "undelivered",      _R.UNDELIVERED, "unanswered",      410, "expired",   None,                     410),
+    Ending("cancelled",        _S.REJECTED,   "cancelled",        _R.CANCELLED,  "cancelled",        410, "cancelled", "interaction.cancelled",  410),
+    Ending("failed",           _S.FAILED,     None,               None,          "failed",           500, None,        None,                     500),
+)}
+del _S, _R
+
+
+_ENDING_BY: Final[dict[tuple[RunStatus, str | None], Ending]] = {}
+for _e in ENDINGS.values():
+    if _e.request is None or (_e.run, _e.kind) not in _ENDING_BY:
+        _ENDING_BY[(_e.run, _e.kind)] = _e           # (succeeded, None) is the generic row, not `answered`
+
+
+def ending_of(status: RunStatus, kind: str | None) -> Ending:
+    """The row of ENDINGS for a run's status and kind (the status's own row for a kind it lacks)."""
+    return _ENDING_BY.get((status, kind)) or _ENDING_BY[(status, None)]
+
+
+#: HTTP status of a run object by its status (201 replaces 200 when the run just ran).
+RUN_HTTP_STATUS: Final = {
+    RunStatus.STARTED: 202, RunStatus.WAITING: 202,
+    **{e.run: e.http for e in ENDINGS.values() if e.kind is None and e.request is None},
+}
+#: The typed API's status of a request, by its status (a notification never shows).
+V2_STATUS: Final = {RequestStatus.OPEN.value: "pending",
+                    **{e.request.value: e.v2 for e in ENDINGS.values() if e.request is not None and e.v2}}
+#: The status of the error a child run's ending raises in its workflow (SPEC section 15).
+CHILD_ERROR_STATUS: Final = {e.run.value: e.workflow for e in ENDINGS.values()
+                             if e.kind is None and e.request is None and e.workflow is not None}
+#: The typed stream's event when a run ends with a given kind, for a typed request.
+STREAM_ENDINGS: Final = {e.kind: e.stream for e in ENDINGS.values()
+                         if e.run is RunStatus.REJECTED and e.stream is not None}
+
+
 def ending_problem(status: RunStatus, kind: str | None, detail: str, **kw: Any) -> Problem:
-    """The problem that describes a run's ending (SPEC section 6 names)."""
-    if status is RunStatus.CONFLICT:
-        name = kind or "conflict"
-    elif status is RunStatus.REJECTED:
-        name = "cancelled" if kind == "cancelled" else "unanswered"
-    else:
-        name = status.value
-    return Problem(name, detail, status=RUN_HTTP_STATUS[status], kind=kind, **kw)
+    """The problem that describes a run's ending (SPEC section 6 names, from ENDINGS): a conflict is
+    named by its kind (a workflow's own kinds too), every other ending by its row."""
+    e = ending_of(status, kind)
+    name = kind if status is RunStatus.CONFLICT and kind else e.problem
+    return Problem(name or status.value, detail, status=e.http, kind=kind, **kw)
 
 
 # Small parsers ##################################################################################
@@ -395,7 +590,11 @@ def parse_duration(text: str) -> timedelta:
     m = _DURATION_RE.fullmatch(text.strip().upper())
     if not m:
         raise ValueError(f"{text!r} is not an ISO 8601 duration such as PT30S, PT4H or P2D (months and years are not allowed)")
-    return timedelta(**{k: float(v) for k, v in m.groupdict().items() if v is not None})
+    try:
+        return timedelta(**{k: float(v) for k, v in m.groupdict().items() if v is not None})
+    except OverflowError:
+        raise ValueError(f"{text.strip()[:40]!r} is longer than any duration the daemon keeps "
+                         f"(at most {timedelta.max.days} days)") from None
 
 
 def duration_words(td: timedelta) -> str:
@@ -488,6 +687,84 @@ def sha256_hex(data: bytes | str) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+class JsonRefused(ValueError):
+    """JSON the daemon will not keep: why, and where (a JSON Pointer, "" for the whole text)."""
+
+    def __init__(self, message: str, pointer: str = "") -> None:
+        super().__init__(message)
+        self.pointer = pointer
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise JsonRefused(f"the number {text[:40]} is past the range of a JSON number the daemon keeps (about 1.8e308)")
+    return value
+
+
+def _refuse_constant(name: str) -> Any:
+    raise JsonRefused(f"{name} is not a JSON number")
+
+
+def json_flaw(value: Any, limit: int = MAX_JSON_DEPTH) -> JsonRefused | None:
+    """What makes a parsed value one the daemon cannot keep as JSON, or None.
+
+    NaN or an infinity (a JSON number has neither), a lone surrogate in a text or a name (not
+    Unicode, so not storable as UTF-8), or nesting deeper than `limit`. Walks without recursion.
+    """
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(value, ())]
+    while stack:
+        v, path = stack.pop()
+        if isinstance(v, float) and not math.isfinite(v):
+            return JsonRefused(f"{v} is not a JSON number", pointer_join(path))
+        if isinstance(v, str) and not _is_unicode(v):
+            return JsonRefused("a text holds a lone surrogate (\\ud800-\\udfff), which is not Unicode", pointer_join(path))
+        if isinstance(v, (dict, list)):
+            if len(path) >= limit:
+                return JsonRefused(f"the value nests deeper than {limit} levels", pointer_join(path))
+            if isinstance(v, dict):
+                for k, c in v.items():
+                    if isinstance(k, str) and not _is_unicode(k):
+                        return JsonRefused("a name holds a lone surrogate (\\ud800-\\udfff), which is not Unicode",
+                                           pointer_join(path))
+                    stack.append((c, path + (k,)))
+            else:
+                stack.extend((c, path + (i,)) for i, c in enumerate(v))
+    return None
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode()
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def read_json(raw: bytes | str) -> Any:
+    """JSON as a request or an argument carries it; JsonRefused (a ValueError) where it is not
+    JSON the daemon can keep: malformed, NaN or Infinity, a number past a float's range, nesting
+    too deep for the parser, a lone surrogate.
+    """
+    try:
+        value = json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except JsonRefused:
+        raise
+    except json.JSONDecodeError as exc:
+        raise JsonRefused(f"malformed JSON: {exc}") from None
+    except UnicodeDecodeError:
+        raise JsonRefused("malformed JSON: not UTF-8 text") from None
+    except RecursionError:
+        raise JsonRefused("JSON nested too deep to read") from None
+    except ValueError:                   # an integer of more digits than Python converts
+        raise JsonRefused(f"an integer of more than {sys.get_int_max_str_digits()} digits") from None
+    if not isinstance(raw, bytes) or b"\\u" in raw or b"\xed" in raw:
+        flaw = json_flaw(value, limit=sys.getrecursionlimit())
+        if flaw is not None:
+            raise flaw
+    return value
+
+
 def dumps(value: Any) -> str:
     """Compact JSON, as stored and as measured against the byte bounds."""
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
@@ -552,6 +829,10 @@ class ManualClock:
         self._listeners.append(callback)
 
 
+#: 9999-12-31T23:59:59.999Z: the last moment RFC 3339 writes; no clock moves past it.
+MAX_TIME_MS: Final = 253_402_300_799_999
+
+
 def fmt_time(ms: int | None) -> str | None:
     """RFC 3339 UTC with milliseconds: 2026-11-30T03:33:18.123Z."""
     if ms is None:
@@ -568,15 +849,23 @@ def encode_cursor(values: list[Any]) -> str:
     return base64.urlsafe_b64encode(dumps(values).encode()).decode().rstrip("=")
 
 
+#: The largest integer SQLite stores (signed 64 bits): a position, a version or an id past it is no row's.
+MAX_SQL_INT: Final = 2 ** 63 - 1
+
+
 def decode_cursor(cursor: str) -> list[Any]:
+    """The positions a next_cursor holds: a non-empty list of whole numbers that SQLite can compare."""
     try:
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
         values = json.loads(raw)
-        if not isinstance(values, list):
+        if not isinstance(values, list) or not values:
+            raise ValueError
+        if not all(type(v) is int and 0 <= v <= MAX_SQL_INT for v in values):
             raise ValueError
         return values
     except Exception:
-        raise bad_request("The cursor does not decode; pass next_cursor from the previous page as it came.") from None
+        raise bad_request("The cursor does not decode; pass next_cursor from the previous page as it came.",
+                          errors=[{"pointer": "/cursor", "message": "next_cursor of the previous page, as it came"}]) from None
 
 
 def check_limit(limit: Any) -> int:
@@ -2602,7 +2891,8 @@ def load_config(path: str | None, environ: dict[str, str] | None = None) -> Conf
 # the busy timeout, full or failing answers the caller with a problem that says so, and a batch is
 # committed whole or not at all (see _run_batch).
 
-SCHEMA_VERSION: Final = 1
+#: PRAGMA user_version of a file this version made; an earlier one is migrated at open (MIGRATIONS).
+SCHEMA_VERSION: Final = 2
 
 
 #: The schema, embedded so an installed wheel needs no data file; tests keep it equal to schema.sql.
@@ -2757,7 +3047,8 @@ CREATE TABLE IF NOT EXISTS timers (
     due_at INTEGER NOT NULL
 );
 
--- API tokens, stored as sha256 hashes of their secrets.
+-- API tokens, stored as sha256 hashes of their secrets; also one-time login links and the inbox
+-- sessions they trade for (12 h idle, 7 days at most).
 CREATE TABLE IF NOT EXISTS tokens (
     id         TEXT PRIMARY KEY,                     -- tok_...
     hash       TEXT NOT NULL UNIQUE,
@@ -2766,7 +3057,9 @@ CREATE TABLE IF NOT EXISTS tokens (
     name       TEXT,
     purpose    TEXT NOT NULL DEFAULT 'api' CHECK (purpose IN ('api', 'login', 'session')),
     created_at INTEGER NOT NULL,
-    revoked_at INTEGER
+    revoked_at INTEGER,
+    used_at    INTEGER,                              -- a session's last use (to the minute)
+    expires_at INTEGER                               -- a session's end at the latest
 );
 
 -- Typed-API idempotency keys: a replay returns the first response.
@@ -2779,6 +3072,7 @@ CREATE TABLE IF NOT EXISTS idempotency (
     created_at INTEGER NOT NULL,
     PRIMARY KEY (caller, key)
 );
+CREATE INDEX IF NOT EXISTS idempotency_by_age ON idempotency (created_at);
 """
 
 
@@ -2788,6 +3082,40 @@ def _schema_sql() -> str:
         return here.read_text()
     except OSError:
         return SCHEMA_SQL
+
+
+def _migrate_to_2(conn: sqlite3.Connection) -> None:
+    """Inbox sessions expire: tokens gain `used_at` and `expires_at`; a session open at the upgrade
+    counts as used at its sign-in and ends 7 days after it (an older one has ended)."""
+    conn.execute("ALTER TABLE tokens ADD COLUMN used_at INTEGER")
+    conn.execute("ALTER TABLE tokens ADD COLUMN expires_at INTEGER")
+    conn.execute("UPDATE tokens SET used_at = created_at, expires_at = created_at + ? WHERE purpose = 'session'",
+                 (int(INBOX_SESSION_MAX.total_seconds() * 1000),))
+
+
+#: Each step takes a file made by an earlier version to the next PRAGMA user_version, in order.
+MIGRATIONS: Final[tuple[tuple[int, Callable[[sqlite3.Connection], None]], ...]] = (
+    (2, _migrate_to_2),
+)
+
+
+def apply_schema(conn: sqlite3.Connection) -> None:
+    """Bring a file to SCHEMA_VERSION: the migrations it has not had (each in its own transaction,
+    with the version it reaches), then the schema itself, which is idempotent."""
+    if conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'tokens'").fetchone() is not None:
+        for target, step in MIGRATIONS:
+            conn.execute("BEGIN IMMEDIATE")         # read the version under the lock: one process migrates
+            try:
+                if conn.execute("PRAGMA user_version").fetchone()[0] < target:
+                    step(conn)
+                    conn.execute(f"PRAGMA user_version = {target}")
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+    conn.executescript(_schema_sql())
+    if conn.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
 
 class Effects:
@@ -2802,7 +3130,21 @@ class Effects:
         self.later: list[Callable[[], Any]] = []
 
 
+def _private_file(path: str) -> None:
+    """Create `path` (and the WAL and shared-memory files SQLite will put beside it) readable by the
+    owner only: SQLite gives the -wal and -shm files the mode of the database file."""
+    if path == ":memory:" or path.startswith("file:"):
+        return
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return
+    os.close(fd)
+    os.chmod(path, 0o600)
+
+
 def _connect(path: str) -> sqlite3.Connection:
+    _private_file(path)
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=5.0)
     conn.row_factory = sqlite3.Row
     conn.execute("PRAGMA journal_mode=WAL")
@@ -2984,9 +3326,7 @@ class Store:
         loop = asyncio.get_running_loop()
         init = _connect(self.path)
         try:
-            init.executescript(_schema_sql())
-            if init.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
-                init.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            apply_schema(init)
         finally:
             init.close()
         self._writer = _DbThread(self.path, loop, writer=True, sink=lambda fx: self.on_commit and self.on_commit(fx))
@@ -3035,9 +3375,7 @@ class Store:
 def open_sync(path: str) -> sqlite3.Connection:
     """A connection with the schema applied, for the command line (token, check) and tests."""
     conn = _connect(path)
-    conn.executescript(_schema_sql())
-    if conn.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
-        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+    apply_schema(conn)
     return conn
 
 
@@ -3177,8 +3515,10 @@ def result_wire(result: Any) -> dict[str, Any]:
 class ToolSession:
     """One configured tool server: a lazily opened, shared, self-healing MCP client session."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, scrub: Scrubber | None = None) -> None:
         self.config = config
+        #: Every result, listing and failure of this server passes through here as it is received.
+        self.scrub = scrub or Scrubber((*config.env.values(), *config.headers.values()))
         self.tools: dict[str, Any] = {}
         self._client: Any = None
         self._owner: asyncio.Task[None] | None = None
@@ -3189,14 +3529,30 @@ class ToolSession:
     def _transport(self, stack: contextlib.AsyncExitStack) -> Any:
         from mcp import StdioServerParameters
         from mcp.client.sse import sse_client as _sse_client
+        from mcp.client.stdio import stdio_client as _stdio_client
         c = self.config
         if c.transport == "stdio":
             env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "PYTHONPATH", "VIRTUAL_ENV")}
             env.update(c.env)
-            return StdioServerParameters(command=c.command[0], args=list(c.command[1:]), env=env)
+            return _stdio_client(StdioServerParameters(command=c.command[0], args=list(c.command[1:]), env=env),
+                                 errlog=self._errlog(stack))
         if c.transport == "sse":
             return _sse_client(c.url, headers=c.headers, timeout=OPEN_TIMEOUT_S)
         return None
+
+    def _errlog(self, stack: contextlib.AsyncExitStack) -> Any:
+        """The server's stderr: a pipe whose lines the daemon logs scrubbed, never passed on as they are."""
+        read_fd, write_fd = os.pipe()
+        writer = os.fdopen(write_fd, "w")
+        stack.callback(writer.close)            # the last to close: the child holds its own copy
+
+        def pump() -> None:
+            with os.fdopen(read_fd, "r", encoding="utf-8", errors="replace") as reader:
+                while line := reader.readline(MAX_STDERR_LINE_CHARS):
+                    if line := line.rstrip():
+                        log.info("tool server %s: %s", self.config.name, self.scrub.text(line))
+        threading.Thread(target=pump, name=f"interactiond-stderr-{self.config.name}", daemon=True).start()
+        return writer
 
     async def _hold(self, ready: asyncio.Future[Any]) -> None:
         import httpx2
@@ -3223,7 +3579,7 @@ class ToolSession:
             if not ready.done():
                 ready.set_exception(exc)
             else:
-                log.warning("tool server %s: session ended: %r", self.config.name, exc)
+                log.warning("tool server %s: session ended: %s", self.config.name, self.scrub.text(repr(exc)))
         finally:
             self._client = None
 
@@ -3236,7 +3592,7 @@ class ToolSession:
             tools, cursor = {}, None
             while True:
                 page = await asyncio.wait_for(client.list_tools(cursor=cursor), LIST_TIMEOUT_S)
-                tools.update({t.name: t for t in page.tools})
+                tools.update({t.name: t for t in map(self._listed, page.tools)})
                 cursor = page.next_cursor
                 if not cursor:
                     break
@@ -3264,8 +3620,22 @@ class ToolSession:
             value = response.headers.get("retry-after", "").strip()
             self._retry_after_ms = int(float(value) * 1000) if re.fullmatch(r"\d+(\.\d+)?", value) else None
 
+    def _listed(self, tool: Any) -> Any:
+        """A listed tool, its description and schemas scrubbed by value (a schema's keys are its own)."""
+        wire = tool.model_dump(mode="json", by_alias=True, exclude_none=True)
+        clean = self.scrub.values(wire)
+        return tool if clean == wire else type(tool).model_validate(clean)
+
+    def _received(self, result: Any) -> Any:
+        """A tool's result, scrubbed in every part before anything reads it (see Scrubber.result)."""
+        wire = result_wire(result)
+        clean = self.scrub.result(wire)
+        return result if clean == wire else type(result).model_validate(clean)
+
     def _failure(self, exc: BaseException, *, sent: bool) -> ToolFailure:
         failure = classify_failure(exc, sent=sent)
+        failure.message = self.scrub.text(failure.message)
+        failure.args = (failure.message,)
         if failure.retry_after_ms is None and self._retry_after_ms is not None:
             failure.retry_after_ms = self._retry_after_ms
         self._retry_after_ms = None
@@ -3279,14 +3649,15 @@ class ToolSession:
         """Call once; a broken session is dropped so the next use reopens it. Never re-sends."""
         client = await self.ensure()
         try:
-            return await asyncio.wait_for(client.call_tool(tool, arguments, read_timeout_seconds=timeout),
-                                          timeout + 1)
+            result = await asyncio.wait_for(client.call_tool(tool, arguments, read_timeout_seconds=timeout),
+                                            timeout + 1)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
             if _is_connection_error(exc):
                 await self.close()
             raise self._failure(exc, sent=True) from None
+        return self._received(result)
 
     async def close(self) -> None:
         self._client = None
@@ -3300,17 +3671,61 @@ class ToolSession:
                 await asyncio.gather(owner, return_exceptions=True)
 
 
-_SECRET_KEY_RE: Final = re.compile(r"pass(word)?|secret|token|api[_-]?key|authorization|credential", re.I)
+#: Keys whose values are secrets: matched anywhere in the key ...
+_SECRET_KEY_RE: Final = re.compile(r"passw(or)?d|passphrase|secret|api[_-]?key|authori[sz]ation|credential"
+                                   r"|private[_-]?key|access[_-]?key|cookie", re.I)
+#: ... or as one of its words (split at `_`, `-`, `.` and camelCase): `pass`, `pwd`, `auth`, `bearer`, and
+#: any word ending in `token` (`access_token`, `refreshToken`, `accesstoken`); `max_tokens` counts words.
+_SECRET_WORDS: Final = frozenset({"pass", "pwd", "auth", "bearer"})
+_KEY_WORD_RE: Final = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+")
 _TOKEN_RE: Final = re.compile(r"itd_[A-Za-z0-9_-]{20,}")
 SCRUBBED: Final = "[scrubbed]"
+MIN_SECRET_CHARS: Final = 4               # shorter values are too common in text to be scrubbed by value
+MAX_STDERR_LINE_CHARS: Final = 4096        # a tool server's stderr is logged in lines of at most this
+
+
+@functools.lru_cache(maxsize=4096)
+def secret_key(key: str) -> bool:
+    """Does this key name a secret (password, api_key, X-Api-Key, access_token, Authorization...)?"""
+    if _SECRET_KEY_RE.search(key):
+        return True
+    return any(w in _SECRET_WORDS or w.endswith("token") for w in (w.lower() for w in _KEY_WORD_RE.findall(key)))
+
+
+def _keyed_values(value: Any, found: set[str], under: bool = False) -> None:
+    """Collect the values that stand under secret-named keys, also inside strings that hold JSON."""
+    if isinstance(value, str):
+        if under:
+            if len(value) >= MIN_SECRET_CHARS:
+                found.add(value)
+        elif (text := value.strip())[:1] in ("{", "[") and text[-1:] in ("}", "]"):
+            try:
+                inner = json.loads(text)
+            except ValueError:
+                return
+            _keyed_values(inner, found)
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        if under and len(text := dumps(value)) >= MIN_SECRET_CHARS:
+            found.add(text)
+    elif isinstance(value, list):
+        for v in value:
+            _keyed_values(v, found, under)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _keyed_values(v, found, under or (isinstance(k, str) and secret_key(k)))
 
 
 class Scrubber:
-    """Removes secrets from anything recorded: configured env/header values, API tokens, and the
-    values of keys named like password, secret, token, api_key or authorization."""
+    """Removes secrets from anything that leaves the daemon or is recorded: configured env/header
+    values and API tokens (`itd_...`) by value, wherever they stand, inside longer strings too (and
+    in their JSON-escaped form); and, with `__call__`, every value under a key named like password,
+    secret, token, api_key or authorization."""
 
     def __init__(self, secrets_: Iterable[str]) -> None:
-        values = sorted({v for v in secrets_ if isinstance(v, str) and len(v) >= 4}, key=len, reverse=True)
+        self.secrets = frozenset(v for v in secrets_ if isinstance(v, str) and len(v) >= MIN_SECRET_CHARS)
+        forms = {f for v in self.secrets for f in (v, json.dumps(v, ensure_ascii=False)[1:-1],
+                                                     json.dumps(v)[1:-1])}
+        values = sorted(forms, key=len, reverse=True)
         self._re = re.compile("|".join(re.escape(v) for v in values)) if values else None
 
     def text(self, value: str) -> str:
@@ -3318,15 +3733,37 @@ class Scrubber:
             value = self._re.sub(SCRUBBED, value)
         return _TOKEN_RE.sub(SCRUBBED, value)
 
-    def __call__(self, value: Any) -> Any:
+    def values(self, value: Any) -> Any:
+        """Scrubbed by value only, keys included: for answers and tool listings, whose keys are the schema's."""
         if isinstance(value, str):
             return self.text(value)
         if isinstance(value, list):
-            return [self(v) for v in value]
+            return [self.values(v) for v in value]
         if isinstance(value, dict):
-            return {k: (SCRUBBED if isinstance(k, str) and _SECRET_KEY_RE.search(k) and isinstance(v, (str, int, float))
-                        else self(v)) for k, v in value.items()}
+            return {(self.text(k) if isinstance(k, str) else k): self.values(v) for k, v in value.items()}
         return value
+
+    def __call__(self, value: Any, under: bool = False) -> Any:
+        """Scrubbed by value, and every string or number under a secret-named key replaced whole."""
+        if isinstance(value, str):
+            return SCRUBBED if under else self.text(value)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return SCRUBBED if under else value
+        if isinstance(value, list):
+            return [self(v, under) for v in value]
+        if isinstance(value, dict):
+            return {(self.text(k) if isinstance(k, str) else k):
+                    self(v, under or (isinstance(k, str) and secret_key(k))) for k, v in value.items()}
+        return value
+
+    def result(self, wire: dict[str, Any]) -> dict[str, Any]:
+        """A tool's result as it came (its wire form), scrubbed in every part: content blocks, structured
+        content and _meta. The values found under secret-named keys are secrets for this result too, so
+        a text block that repeats them (or JSON text holding them) loses them as well."""
+        found: set[str] = set()
+        _keyed_values(wire, found)
+        scrub = Scrubber((*self.secrets, *found)) if found - self.secrets else self
+        return scrub(wire)
 
 
 class ToolServers:
@@ -3334,8 +3771,8 @@ class ToolServers:
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.sessions = {name: ToolSession(sc) for name, sc in config.servers.items()}
         self.scrub = Scrubber(v for sc in config.servers.values() for v in (*sc.env.values(), *sc.headers.values()))
+        self.sessions = {name: ToolSession(sc, self.scrub) for name, sc in config.servers.items()}
 
     def offered(self, playbook: str, server: str, tool: str | None = None) -> bool:
         """May this playbook use this server (and the operator allow this tool)?"""
@@ -3567,6 +4004,28 @@ def _end_run(conn: sqlite3.Connection, fx: Effects, playbook: str, run_id: str, 
     if ended["parent"] is not None:
         # Workflows: the workflow run waiting on this one moves on, woken in this same transaction.
         _set_timer(conn, fx, _timer_key("workflow", playbook, ended["parent"]), now)
+
+
+#: The pruning pass's key on the wheel; it lives in memory only (each start arms it again).
+PRUNE_TIMER: Final = "prune:-:store"
+
+
+def session_ended(row: Mapping[str, Any] | sqlite3.Row, now: int) -> bool:
+    """Whether an inbox session has expired: unused for INBOX_SESSION_IDLE, or past its end."""
+    idle_ms = int(INBOX_SESSION_IDLE.total_seconds() * 1000)
+    return ((row["expires_at"] is not None and now >= row["expires_at"])
+            or (row["used_at"] is not None and now >= row["used_at"] + idle_ms))
+
+
+def prune_store(conn: sqlite3.Connection, fx: Effects, *, now: int) -> tuple[int, int]:
+    """Delete idempotency keys past IDEMPOTENCY_KEEP and ended sessions and login links; the counts."""
+    keys = conn.execute("DELETE FROM idempotency WHERE created_at <= ?",
+                        (now - int(IDEMPOTENCY_KEEP.total_seconds() * 1000),)).rowcount
+    idle_ms = int(INBOX_SESSION_IDLE.total_seconds() * 1000)
+    sessions = conn.execute(
+        "DELETE FROM tokens WHERE (purpose = 'login' AND revoked_at IS NOT NULL) OR (purpose = 'session' AND"
+        " (revoked_at IS NOT NULL OR expires_at <= ? OR used_at <= ?))", (now, now - idle_ms)).rowcount
+    return keys, sessions
 
 
 class TimerWheel:
@@ -4038,7 +4497,7 @@ class _EngineRuns:
             try:
                 run = await self.get_run(caller, playbook, run_id)
                 left = deadline - loop.time()
-                if RunStatus(run["status"]).ended or left <= 0:
+                if RunStatus(run["status"]).ended or left <= 0 or self._stopping:
                     return run
                 step = min(left, 5.0) if tick is not None else left
                 try:
@@ -4372,6 +4831,11 @@ class _EngineInbox:
         if json_depth(answer) > MAX_JSON_DEPTH or json_size(answer) > MAX_ANSWER_BYTES:
             raise ending_problem(RunStatus.INVALID_INPUT, None, f"the answer takes at most {MAX_ANSWER_BYTES // KIB} KiB as JSON",
                                  errors=[{"pointer": "/answer", "message": f"at most {MAX_ANSWER_BYTES // KIB} KiB as JSON, {MAX_JSON_DEPTH} levels"}])
+        # An API token or a configured secret pasted into an answer is never recorded: the answer is
+        # checked and kept as scrubbed (by value, so the answer schema's own keys stand).
+        answer = self.tools.scrub.values(answer)
+        if claimed_for is not None:
+            claimed_for = self.tools.scrub.text(claimed_for)
         now = self.clock.now_ms()
 
         # One hop to the writer: the request is read, checked and answered in one change (a read
@@ -4679,7 +5143,14 @@ class _EngineReadings:
             await self.store.write(lambda c, fx: _take_timer(c, fx, key, now))
             return
         oldest = reqs[0]
-        doc = await self._request_doc(oldest)
+        # Requests of different functions (or versions) may share a conversation: each reply is
+        # read by its own request's reply rule, so every document they need is loaded now.
+        docs = {}
+        for r in reqs:
+            key_ = (r["playbook"], r["type"], r["name"], r["version"])
+            if key_ not in docs:
+                docs[key_] = await self._request_doc(r)
+        doc = docs[(oldest["playbook"], oldest["type"], oldest["name"], oldest["version"])]
         replies = doc.replies
         ctx = {"to": oldest["party"], "sent": {"conversation": oldest["sent_conversation"], "id": oldest["sent_id"]},
                "conversation": reading["conversation"], "since": reading["since"]}
@@ -4714,7 +5185,7 @@ class _EngineReadings:
                 append_event(conn, fx, playbook, None, "reading_failed", done, "interactiond", {**event, **failure})
                 self._next_read(conn, fx, reading_id, key, done, failure.get("retry_after_ms"))
                 return
-            self._take_replies(conn, fx, reading, messages, own, replies, event, done, tellings)
+            self._take_replies(conn, fx, reading, messages, own, replies, event, done, tellings, docs)
             self._next_read(conn, fx, reading_id, key, done, None)
         await self.store.write(change)
         for req, text in tellings:
@@ -4735,8 +5206,18 @@ class _EngineReadings:
 
     def _take_replies(self, conn: sqlite3.Connection, fx: Effects, reading: sqlite3.Row, messages: list[dict[str, Any]],
                       own: list[str], replies: Any, event: dict[str, Any], now: int,
-                      tellings: list[tuple[sqlite3.Row, str]]) -> None:
-        """Deal with one read's messages, oldest first, in the read's one transaction."""
+                      tellings: list[tuple[sqlite3.Row, str]], docs: dict[tuple[str, str, str, int], Any]) -> None:
+        """Deal with one read's messages, oldest first, in the read's one transaction. `docs` holds
+        the document of every request open in the reading when it was loaded; one that joined since
+        is parsed here from its definition row."""
+        def doc_of(req: sqlite3.Row) -> Any:
+            key = (req["playbook"], req["type"], req["name"], req["version"])
+            if key not in docs:
+                row = conn.execute("SELECT source FROM definitions WHERE playbook = ? AND type = ? AND name = ?"
+                                   " AND version = ?", key).fetchone()
+                docs[key] = self._parse(req["type"], row["source"]) if row is not None else None
+            return docs[key]
+
         playbook = reading["playbook"]
         since = reading["since"]
         counted = taken = refused = 0
@@ -4766,7 +5247,8 @@ class _EngineReadings:
                 mine = [r for r in open_reqs if r["answerer"] == m["sender"]]
                 if mine:
                     refused += 1
-                    self._refuse(conn, fx, mine[0], m["id"], "several requests are open here", now, tellings,
+                    self._refuse(conn, fx, mine[0], doc_of(mine[0]), m["id"], "several requests are open here", now,
+                                 tellings,
                                  "Several questions are open in this conversation: reply in the thread of the one you answer.")
                 continue
             if m["sender"] != target["answerer"]:
@@ -4774,10 +5256,10 @@ class _EngineReadings:
             text = m["text"] if isinstance(m["text"], str) else ""
             if len(text.encode()) > MAX_REPLY_BYTES:
                 refused += 1
-                self._refuse(conn, fx, target, m["id"], "the reply is too long", now, tellings,
+                self._refuse(conn, fx, target, doc_of(target), m["id"], "the reply is too long", now, tellings,
                              f"Your reply is longer than {MAX_REPLY_BYTES // KIB} KiB, the most a reply may hold.")
                 continue
-            doc_rule = self._docs.get((target["playbook"], target["type"], target["name"], target["version"]))
+            doc_rule = doc_of(target)
             rule = doc_rule.reply_rule if doc_rule is not None else None
             answer, reasons = rule.apply(text) if rule is not None else (None, ["no reply rule"])
             if answer is not None:
@@ -4788,7 +5270,7 @@ class _EngineReadings:
             if answer is None:
                 refused += 1
                 how = rule.how_to_answer() if rule is not None else ""
-                self._refuse(conn, fx, target, m["id"], "; ".join(reasons), now, tellings,
+                self._refuse(conn, fx, target, doc_rule, m["id"], "; ".join(reasons), now, tellings,
                              ("Your reply could not be taken: " + "; ".join(reasons) + ". " + how).strip())
                 continue
             taken += 1
@@ -4798,14 +5280,13 @@ class _EngineReadings:
             append_event(conn, fx, playbook, None, "replies_read", now, "interactiond",
                          {**event, "replies": counted, "taken": taken, "refused": refused, "since": since})
 
-    def _refuse(self, conn: sqlite3.Connection, fx: Effects, req: sqlite3.Row, reply_id: str, reason: str, now: int,
-                tellings: list[tuple[sqlite3.Row, str]], telling: str) -> None:
+    def _refuse(self, conn: sqlite3.Connection, fx: Effects, req: sqlite3.Row, doc: Any, reply_id: str, reason: str,
+                now: int, tellings: list[tuple[sqlite3.Row, str]], telling: str) -> None:
         row = conn.execute("UPDATE requests SET refused_replies = refused_replies + 1 WHERE seq = ?"
                            " RETURNING refused_replies, told", (req["seq"],)).fetchone()
         if row["refused_replies"] <= MAX_REFUSED_RECORDED:
             append_event(conn, fx, req["playbook"], req["run_id"], "reply_refused", now, "interactiond",
                          {"reply": {"id": reply_id}, "reason": reason[:500]})
-        doc = self._docs.get((req["playbook"], req["type"], req["name"], req["version"]))
         if doc is not None and doc.replies.tell is not None and row["told"] < MAX_REFUSED_TOLD:
             conn.execute("UPDATE requests SET told = told + 1 WHERE seq = ?", (req["seq"],))
             tellings.append((req, telling))
@@ -4866,6 +5347,9 @@ class Engine(_EngineDefinitions, _EngineRuns, _EngineSystemCalls, _EngineInbox, 
         self._subscribers: set[asyncio.Queue[dict[str, Any]]] = set()
         self._timer_task: asyncio.Task[None] | None = None
         self._inflight: set[tuple[str, str]] = set()
+        self._stopping = False                # shutdown: long polls answer at once
+        #: Timer kinds of the sections below the engine, kept in memory only (the MCP sessions' idle check).
+        self.timer_kinds: dict[str, Callable[[str], Any]] = {}
         self.playbooks: set[str] = set(config.playbooks)
         self.tools = ToolServers(config)
         self.workflows = Workflows(self)      # the workflow executor (section Workflows)
@@ -4904,9 +5388,19 @@ class Engine(_EngineDefinitions, _EngineRuns, _EngineSystemCalls, _EngineInbox, 
 
         for key, due in await self.store.write(init):
             self.wheel.set(key, due)
+        self.wheel.set(PRUNE_TIMER, now + 60_000)
         self._timer_task = asyncio.create_task(self.wheel.run(), name="interactiond-timers")
 
+    def end_waits(self) -> None:
+        """At shutdown: every long poll answers now with its run as it stands, and none waits again."""
+        self._stopping = True
+        for futs in self._waiters.values():
+            for f in futs:
+                if not f.done():
+                    f.set_result(None)
+
     async def stop(self) -> None:
+        self._stopping = True
         if self._timer_task is not None:
             self._timer_task.cancel()
             await asyncio.gather(self._timer_task, return_exceptions=True)
@@ -5005,6 +5499,10 @@ class Engine(_EngineDefinitions, _EngineRuns, _EngineSystemCalls, _EngineInbox, 
                 self.spawn(self._read(playbook, int(ref), key), f"read {ref}")
             elif kind == "workflow":        # Workflows: a run to move on (started, woken, or due)
                 self.spawn(self.workflows.drive(playbook, ref), f"workflow {ref}")
+            elif kind == "prune":
+                jobs.append(self._prune(key))
+            elif kind in self.timer_kinds:
+                jobs.append(self.timer_kinds[kind](key))
             else:
                 log.warning("timer of unknown kind %s dropped", kind)
         if jobs:
@@ -5027,6 +5525,16 @@ class Engine(_EngineDefinitions, _EngineRuns, _EngineSystemCalls, _EngineInbox, 
                      problem=ending_problem(RunStatus.REJECTED, "expired",
                                             f"nobody answered before {fmt_time(req['expires_at'])}"))
         await self.store.write(change)
+
+    async def _prune(self, key: str) -> None:
+        """The pruning pass, every PRUNE_EVERY on the daemon's clock: typed-API idempotency keys older
+        than IDEMPOTENCY_KEEP, ended inbox sessions (signed out, revoked or expired) and spent login
+        links. Nothing else is ever deleted."""
+        now = self.clock.now_ms()
+        try:
+            await self.store.write(functools.partial(prune_store, now=now))
+        finally:
+            self.wheel.set(key, now + int(PRUNE_EVERY.total_seconds() * 1000))
 
 
 # Workflows ######################################################################################
@@ -5088,8 +5596,6 @@ _DSL_ONLY_TASKS: Final = ("emit", "for", "fork", "listen", "run")
 _FLOW: Final = ("continue", "exit", "end")
 _WORKFLOW_ENDINGS: Final = {400: RunStatus.INVALID_INPUT, 409: RunStatus.CONFLICT, 410: RunStatus.REJECTED,
                             503: RunStatus.UNAVAILABLE}
-#: The status a child run's ending raises in its workflow (SPEC section 15).
-_CHILD_ERROR_STATUS: Final = {"invalid_input": 400, "conflict": 409, "rejected": 410, "unavailable": 503}
 _ERROR_PREFIXES: Final = ("https://on.auto/problems/", DSL_ERRORS, PROBLEM_BASE)
 
 
@@ -5481,7 +5987,11 @@ class _WorkflowReader:
                     r.add(path + (key,), "is a number of zero or more")
                     return None
                 ms += int(n * units[key])
-            span = timedelta(milliseconds=ms)
+            try:
+                span = timedelta(milliseconds=ms)
+            except OverflowError:
+                r.add(path, f"is longer than any duration the daemon keeps (at most {timedelta.max.days} days)")
+                return None
         else:
             try:
                 span = parse_duration(value)
@@ -6063,7 +6573,7 @@ class _Walk:
             await self._complete(task, output, fr["input"], run_id=child["run_id"])
             return
         body = json.loads(child["problem"]) if child["problem"] else Problem("failed", "the run failed").body()
-        await self._fault(task, dict(body, status=_CHILD_ERROR_STATUS.get(child["status"], 500), instance=task.ref,
+        await self._fault(task, dict(body, status=CHILD_ERROR_STATUS.get(child["status"], 500), instance=task.ref,
                                run_id=child["run_id"]))
 
     async def _complete(self, task: WfTask, raw: Any, task_input: Any, *, then: str | None = None,
@@ -6450,30 +6960,19 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
         raise Problem("too_large", f"the body is larger than {MAX_BODY_BYTES // MIB} MiB") from None
     if not raw:
         return {}
-    try:
-        body = json.loads(raw, parse_constant=_no_constant)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise bad_request(f"the body is not JSON: {exc}") from None
-    except RecursionError:
-        raise bad_request("the body is not JSON the daemon reads: it nests too deep") from None
+    body = body_json(raw)
     if not isinstance(body, dict):
         raise bad_request("the body is a JSON object")
-    if (b"\\u" in raw or b"\xed" in raw) and not _encodable(body):
-        raise bad_request("the body is not JSON the daemon reads: it holds a lone surrogate (\\ud800-\\udfff)")
     return body
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _encodable(value: Any) -> bool:
-    """Whether every text in a parsed body is valid Unicode (json.loads lets lone surrogates through)."""
+def body_json(raw: bytes) -> Any:
+    """A request body's JSON, or a 400 problem saying why it is not JSON the daemon reads (every route)."""
     try:
-        json.dumps(value, ensure_ascii=False).encode()
-        return True
-    except UnicodeEncodeError:
-        return False
+        return read_json(raw)
+    except JsonRefused as exc:
+        raise bad_request(f"the body is refused: {exc}",
+                          errors=[{"pointer": exc.pointer, "message": str(exc)}] if exc.pointer else None) from None
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -6531,8 +7030,9 @@ def _version_param(request: web.Request) -> int | None:
     v = request.query.get("version")
     if v is None:
         return None
-    if not v.isdigit():
-        raise Problem("invalid_request", "version is a whole number", errors=[{"pointer": "/version", "message": "a whole number"}])
+    if not (v.isascii() and v.isdigit()) or len(v) > 19 or not 1 <= int(v) <= MAX_SQL_INT:
+        raise Problem("invalid_request", "version is a whole number from 1 on",
+                      errors=[{"pointer": "/version", "message": "a whole number from 1 on"}])
     return int(v)
 
 
@@ -6648,6 +7148,8 @@ async def h_clock(request: web.Request) -> web.Response:
     body = await _json_body(request)
     try:
         delta = parse_duration(body.get("advance", "PT0S"))
+        if engine.clock.now_ms() + delta.total_seconds() * 1000 > MAX_TIME_MS:
+            raise ValueError(f"the clock would pass {fmt_time(MAX_TIME_MS)}, the last time the daemon writes")
     except ValueError as exc:
         raise Problem("invalid_request", str(exc), errors=[{"pointer": "/advance", "message": str(exc)}]) from None
     await engine.advance(delta)
@@ -6759,16 +7261,23 @@ def openapi_spec() -> dict[str, Any]:
 
 def create_token(conn: sqlite3.Connection, role: str, playbook: str | None, name: str | None,
                  purpose: str = "api", now: int | None = None) -> tuple[str, str]:
-    """Store a new token's hash; returns (id, secret). The secret is shown once."""
+    """Store a new token's hash; returns (id, secret). The secret is shown once. A session starts
+    used now and ends INBOX_SESSION_MAX later at the latest."""
     if role not in {r.value for r in Role}:
         raise ValueError(f"role is one of reader, writer, operator, not {role!r}")
     if playbook is not None and not PLAYBOOK_RE.fullmatch(playbook):
         raise ValueError(f"playbook is ORG/NAME, not {playbook!r}")
+    if role == Role.OPERATOR.value and playbook is not None:
+        raise ValueError("an operator is global (every playbook, tokens, the clock): leave out --playbook,"
+                         " or make a reader or writer token for one playbook")
     secret = new_token_secret()
     token_id = "tok_" + new_ulid().lower()
-    conn.execute("INSERT INTO tokens (id, hash, playbook, role, name, purpose, created_at) VALUES (?,?,?,?,?,?,?)",
-                 (token_id, sha256_hex(secret), playbook, role, name, purpose,
-                  now if now is not None else int(time.time() * 1000)))
+    at = now if now is not None else int(time.time() * 1000)
+    session = purpose == "session"
+    conn.execute("INSERT INTO tokens (id, hash, playbook, role, name, purpose, created_at, used_at, expires_at)"
+                 " VALUES (?,?,?,?,?,?,?,?,?)",
+                 (token_id, sha256_hex(secret), playbook, role, name, purpose, at, at if session else None,
+                  at + int(INBOX_SESSION_MAX.total_seconds() * 1000) if session else None))
     return token_id, secret
 
 
@@ -6794,18 +7303,33 @@ async def _authenticate(request: web.Request) -> Caller:
 
 
 async def lookup_token(app: web.Application, secret: str) -> Caller | None:
-    cache: dict[str, tuple[float, Caller | None]] = app[TOKENS_KEY]
+    """The caller a token (or an inbox session's cookie) stands for; None when unknown, revoked or,
+    for a session, expired on the daemon's clock. A session's use is written at most once a minute."""
+    cache: dict[str, tuple[float, Caller | None, dict[str, Any] | None]] = app[TOKENS_KEY]
+    engine = app[ENGINE_KEY]
     digest = sha256_hex(secret)
     hit = cache.get(digest)
-    if hit is not None and hit[0] > time.monotonic():
-        return hit[1]
-    row = await app[ENGINE_KEY].store.read(lambda c: c.execute(
-        "SELECT id, role, playbook FROM tokens WHERE hash = ? AND revoked_at IS NULL AND purpose != 'login'",
-        (digest,)).fetchone())
-    caller = Caller(row["id"], Role(row["role"]), row["playbook"]) if row is not None else None
-    if len(cache) > 10_000:
-        cache.clear()
-    cache[digest] = (time.monotonic() + TOKEN_CACHE_S, caller)
+    if hit is None or hit[0] <= time.monotonic():
+        row = await engine.store.read(lambda c: c.execute(
+            "SELECT id, role, playbook, purpose, used_at, expires_at FROM tokens"
+            " WHERE hash = ? AND revoked_at IS NULL AND purpose != 'login'", (digest,)).fetchone())
+        caller = Caller(row["id"], Role(row["role"]), row["playbook"]) if row is not None else None
+        times = ({"used_at": row["used_at"], "expires_at": row["expires_at"]}
+                 if row is not None and row["purpose"] == "session" else None)
+        if len(cache) > 10_000:
+            cache.clear()
+        hit = cache[digest] = (time.monotonic() + TOKEN_CACHE_S, caller, times)
+    caller, times = hit[1], hit[2]
+    if caller is None or times is None:
+        return caller
+    now = engine.clock.now_ms()
+    if session_ended(times, now):
+        return None
+    if times["used_at"] is None or now - times["used_at"] >= int(INBOX_SESSION_TOUCH.total_seconds() * 1000):
+        times["used_at"] = now
+        await engine.store.write(lambda c, fx: c.execute(
+            "UPDATE tokens SET used_at = ? WHERE id = ? AND (used_at IS NULL OR used_at < ?)",
+            (now, caller.id, now)).rowcount)
     return caller
 
 
@@ -6962,7 +7486,7 @@ MCP_TOOLS: Final[list[McpTool]] = [
             "Read a saved definition: its source, version, media type and an overview in plain words. Use it to "
             "show a person what a function does before running it.",
             {"type": _TYPE_ARG, "name": _p("string", "The definition's name."),
-             "version": _p("integer", "A past version; the current one when left out.", minimum=1)},
+             "version": _p("integer", "A past version; the current one when left out.", minimum=1, maximum=MAX_SQL_INT)},
             ("name",), _t_get_def, True),
     McpTool("list_definitions",
             "List the playbook's active definitions (name, type, version, description), including the built-in "
@@ -7075,6 +7599,10 @@ def make_mcp_server(engine: Engine, *, caller: Caller | None = None, scoped_play
             if tool is None:
                 raise not_found(f"no tool {params.name}; list the tools to see them")
             args = dict(params.arguments or {})
+            flaw = json_flaw(args)
+            if flaw is not None:
+                raise Problem("invalid_request", f"the arguments of {tool.name} are not JSON the daemon keeps: {flaw}",
+                              errors=[{"pointer": flaw.pointer, "message": str(flaw)}])
             errors = schema_errors(validators[tool.name], args, "")
             if errors:
                 raise Problem("invalid_request", f"the arguments of {tool.name} do not match its input schema",
@@ -7111,17 +7639,24 @@ def make_mcp_server(engine: Engine, *, caller: Caller | None = None, scoped_play
                                    "Start with list_definitions, or use ask for a quick typed question.")
 
 
-def asgi_handler(app: Callable[..., Any], *, grace_s: float = 2.0) -> Callable[[web.Request], Any]:
+def asgi_handler(app: Callable[..., Any], *, grace_s: float = 2.0,
+                 user: Callable[[Caller], Any] | None = None) -> Callable[..., Any]:
     """Serve an ASGI app (the MCP SDK's transports) from an aiohttp handler.
 
-    Two things matter: after the body, `receive()` blocks until the peer leaves; and the app runs
-    in its own task, shielded from the handler's cancellation, because the SDK drops a session
-    whose opening request was cancelled half-way.
+    Three things matter: the body is read whole first, under the API's 1 MiB bound (413 beyond);
+    after it, `receive()` blocks until the peer leaves; and the app runs in its own task, shielded
+    from the handler's cancellation, because the SDK drops a session whose opening request was
+    cancelled half-way. `user` makes the ASGI `user` of the caller, so the SDK binds each session
+    to the token that opened it. Per request, `on_send` sees each message the app sends, and
+    `on_start` is handed a function that ends the request as if the peer had left.
     """
-    async def handler(request: web.Request) -> web.StreamResponse:
+    async def handler(request: web.Request, on_send: Callable[[dict[str, Any]], None] | None = None,
+                      on_start: Callable[[Callable[[], None]], None] | None = None) -> web.StreamResponse:
+        body = await request.read()         # HTTPRequestEntityTooLarge past client_max_size: a 413 problem
         tr = request.transport
         peer = tr.get_extra_info("peername") if tr else None
         sock = tr.get_extra_info("sockname") if tr else None
+        caller = request.get(CALLER_KEY)
         scope: dict[str, Any] = {
             "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
             "http_version": f"{request.version.major}.{request.version.minor}", "method": request.method,
@@ -7129,18 +7664,21 @@ def asgi_handler(app: Callable[..., Any], *, grace_s: float = 2.0) -> Callable[[
             "root_path": "", "query_string": request.rel_url.raw_query_string.encode(),
             "headers": [(k.lower(), v) for k, v in request.raw_headers],
             "client": tuple(peer[:2]) if peer else None, "server": tuple(sock[:2]) if sock else None,
-            "state": {"interactiond_caller": request.get(CALLER_KEY)}, "extensions": {},
+            "state": {"interactiond_caller": caller}, "extensions": {},
         }
+        if user is not None and caller is not None:
+            scope["user"] = user(caller)
         resp: web.StreamResponse | None = None
         body_done = False
         gone = asyncio.Event()
+        if on_start is not None:
+            on_start(gone.set)
 
         async def receive() -> dict[str, Any]:
             nonlocal body_done
             if not body_done and not gone.is_set():
-                chunk = await request.content.readany()
-                body_done = request.content.at_eof()
-                return {"type": "http.request", "body": chunk, "more_body": not body_done}
+                body_done = True
+                return {"type": "http.request", "body": body, "more_body": False}
             while not gone.is_set():
                 t = request.transport
                 if t is None or t.is_closing():
@@ -7151,6 +7689,8 @@ def asgi_handler(app: Callable[..., Any], *, grace_s: float = 2.0) -> Callable[[
 
         async def send(msg: dict[str, Any]) -> None:
             nonlocal resp
+            if on_send is not None:
+                on_send(msg)
             if msg["type"] == "http.response.start":
                 resp = web.StreamResponse(status=msg["status"])
                 for k, v in msg.get("headers", ()):
@@ -7186,22 +7726,145 @@ def asgi_handler(app: Callable[..., Any], *, grace_s: float = 2.0) -> Callable[[
 STREAMS_KEY: Final = web.AppKey("streams", set)
 
 
+@dataclass(eq=False)
+class McpSession:
+    id: str
+    owner: str                          # the id of the token that opened it
+    used: int                           # the daemon's clock, at its last request or message
+    close: Callable[[], Any]            # ends it (async)
+    busy: int = 0                       # its requests in flight (an open GET stream too)
+    order: int = 0                      # of its last use among all sessions: ties of `used` go by it
+
+
+class McpSessions:
+    """The MCP sessions open over HTTP, each owned by the token that opened it.
+
+    The SDK keeps the sessions; this adds what it lacks. A request that names another token's
+    session is 404, as if it did not exist (the SDK checks the same through the ASGI `user`). A
+    token holds at most MCP_SESSIONS_PER_TOKEN: opening one more closes its oldest idle one, or is
+    refused (503) when every one is busy. A session with no request in flight and none for
+    MCP_SESSION_IDLE on the daemon's clock is closed by one timer on the engine's wheel, armed at
+    the earliest moment one can go idle: no task per session. A streamable-HTTP session is busy
+    while a request of its own is in flight; an SSE session's stream is always open, so it counts
+    as used when a message goes either way.
+    """
+
+    TIMER: Final = "mcp:-:idle"
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.by_id: dict[str, McpSession] = {}
+        self.opening: dict[str, int] = {}       # owner -> opening requests in flight
+        self.armed: int | None = None
+        self.uses = 0
+        self.idle_ms = int(MCP_SESSION_IDLE.total_seconds() * 1000)
+        engine.timer_kinds["mcp"] = self.sweep
+
+    def owned(self, sid: str, caller: Caller) -> McpSession | None:
+        """The session `sid` of this caller; 404 when another token owns it."""
+        s = self.by_id.get(sid)
+        if s is not None and s.owner != caller.id:
+            raise not_found("no MCP session of that id for this token")
+        return s
+
+    def count(self, owner: str) -> int:
+        return sum(1 for s in self.by_id.values() if s.owner == owner)
+
+    async def admit(self, caller: Caller) -> None:
+        """Make room for one more session of `caller` (closing its oldest idle one at the cap)."""
+        victim = None
+        if self.count(caller.id) + self.opening.get(caller.id, 0) >= MCP_SESSIONS_PER_TOKEN:
+            idle = [s for s in self.by_id.values() if s.owner == caller.id and s.busy == 0]
+            if not idle:
+                raise Problem("unavailable", f"this token has {MCP_SESSIONS_PER_TOKEN} MCP sessions open and each is"
+                              " busy; end one (DELETE /mcp) before opening another", kind="too_many_sessions")
+            victim = min(idle, key=lambda s: (s.used, s.order))
+            self.by_id.pop(victim.id, None)
+        self.opening[caller.id] = self.opening.get(caller.id, 0) + 1
+        if victim is not None:
+            await self._end(victim)
+
+    def release(self, caller: Caller) -> None:
+        """An opening request ended, whether or not it opened a session."""
+        left = self.opening.get(caller.id, 0) - 1
+        if left > 0:
+            self.opening[caller.id] = left
+        else:
+            self.opening.pop(caller.id, None)
+
+    def opened(self, caller: Caller, sid: str, close: Callable[[], Any], busy: int) -> McpSession:
+        self.uses += 1
+        s = self.by_id[sid] = McpSession(sid, caller.id, self.engine.clock.now_ms(), close, busy, self.uses)
+        self.arm()
+        return s
+
+    def touch(self, s: McpSession) -> None:
+        self.uses += 1
+        s.used, s.order = self.engine.clock.now_ms(), self.uses
+        if s.busy == 0:
+            self.arm()
+
+    def forget(self, sid: str) -> None:
+        self.by_id.pop(sid, None)
+
+    async def _end(self, s: McpSession) -> None:
+        self.by_id.pop(s.id, None)
+        try:
+            await s.close()
+        except Exception:
+            log.warning("closing an MCP session failed", exc_info=True)
+
+    def arm(self) -> None:
+        """Arm the idle check at the earliest moment a session can be idle long enough. Once armed
+        it stays: a use only moves a session's moment later, and the check arms the next one."""
+        if self.armed is not None or not self.by_id:
+            return
+        now = self.engine.clock.now_ms()
+        idle = [s.used for s in self.by_id.values() if s.busy == 0]
+        self.armed = (min(idle) if idle else now) + self.idle_ms
+        self.engine.wheel.set(self.TIMER, self.armed)
+
+    async def sweep(self, key: str) -> None:
+        """The idle check (a timer of the wheel): close each session idle for MCP_SESSION_IDLE."""
+        now = self.engine.clock.now_ms()
+        self.armed = None
+        for s in [s for s in self.by_id.values() if s.busy == 0 and now - s.used >= self.idle_ms]:
+            await self._end(s)
+        self.arm()
+
+
+def _opens_session(request: web.Request) -> bool:
+    """A streamable-HTTP request that may open a session: a POST with no session id, of the
+    protocol eras that have sessions (2026-07-28 has none)."""
+    from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
+    version = request.headers.get("mcp-protocol-version")
+    return (request.method == "POST" and "mcp-session-id" not in request.headers
+            and (version is None or version in HANDSHAKE_PROTOCOL_VERSIONS))
+
+
+_SSE_SESSION_RE: Final = re.compile(rb"session_id=([0-9a-f]{32})")
+
+
 class _McpTransports:
     """The SDK's streamable-HTTP and SSE apps over one MCP server, built on the first MCP request.
 
     The streamable transport's session manager needs a task that enters and exits its task group;
-    it is started with the transports and stopped when the app shuts down.
+    it is started with the transports and stopped when the app shuts down. The sessions it keeps
+    are tracked in `sessions` (owner, cap, idle limit); the SDK's own idle timer is off, the
+    daemon's clock decides.
     """
 
     def __init__(self, engine: Engine, allowed_hosts: list[str]) -> None:
         self.engine = engine
         self.allowed_hosts = allowed_hosts
-        self.handlers: dict[str, Callable[[web.Request], Any]] | None = None
+        self.handlers: dict[str, Callable[..., Any]] | None = None
+        self.sessions = McpSessions(engine)
+        self.server: Any = None
         self._lock = asyncio.Lock()
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
-    async def handler(self, name: str) -> Callable[[web.Request], Any]:
+    async def handler(self, name: str) -> Callable[..., Any]:
         if self.handlers is None:
             await asyncio.shield(self._build())
         assert self.handlers is not None
@@ -7211,19 +7874,25 @@ class _McpTransports:
         async with self._lock:
             if self.handlers is not None:
                 return
+            from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
+            from mcp.server.auth.provider import AccessToken
             from mcp.server.sse import SseServerTransport
             from mcp.server.transport_security import TransportSecuritySettings
 
-            server = make_mcp_server(self.engine)
+            server = self.server = make_mcp_server(self.engine)
             hosts = self.allowed_hosts
             security = TransportSecuritySettings(enable_dns_rebinding_protection=True, allowed_hosts=hosts,
                                                  allowed_origins=[f"http://{h}" for h in hosts])
-            streamable = server.streamable_http_app(streamable_http_path="/mcp", transport_security=security)
-            sse = SseServerTransport("/messages/", security_settings=security)
+            streamable = server.streamable_http_app(streamable_http_path="/mcp", transport_security=security,
+                                                    max_request_body_size=MAX_BODY_BYTES, session_idle_timeout=None)
+            sse = SseServerTransport("/messages/", security_settings=security, max_request_body_size=MAX_BODY_BYTES)
 
             async def sse_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
                 async with sse.connect_sse(scope, receive, send) as (read, write):
                     await server.run(read, write, server.create_initialization_options())
+
+            def user(caller: Caller) -> Any:
+                return AuthenticatedUser(AccessToken(token="", client_id=caller.id, scopes=[]))
 
             started = asyncio.Event()
 
@@ -7233,8 +7902,92 @@ class _McpTransports:
                     await self._stop.wait()
             self._task = asyncio.create_task(hold(), name="interactiond-mcp-sessions")
             await started.wait()
-            self.handlers = {"mcp": asgi_handler(streamable), "sse": asgi_handler(sse_app),
-                             "messages": asgi_handler(sse.handle_post_message)}
+            self.handlers = {"mcp": asgi_handler(streamable, user=user), "sse": asgi_handler(sse_app, user=user),
+                             "messages": asgi_handler(sse.handle_post_message, user=user)}
+
+    async def _end_streamable(self, sid: str) -> None:
+        """Terminate a streamable-HTTP session: its id answers 404 from now on, its server task ends."""
+        transport = getattr(self.server.session_manager, "_server_instances", {}).get(sid)
+        if transport is not None:
+            await transport.terminate()
+
+    async def serve_mcp(self, request: web.Request) -> web.StreamResponse:
+        handler = await self.handler("mcp")
+        caller: Caller = request[CALLER_KEY]
+        reg = self.sessions
+        sid = request.headers.get("mcp-session-id")
+        if sid is not None:
+            s = reg.owned(sid, caller)
+            if s is None:
+                return await handler(request)           # unknown or ended: the SDK answers 404
+            s.busy += 1
+            reg.touch(s)
+            try:
+                resp = await handler(request)
+            finally:
+                s.busy -= 1
+                reg.touch(s)
+            if resp.status == 404 or (request.method == "DELETE" and resp.status < 400):
+                reg.forget(sid)
+            return resp
+        if not _opens_session(request):
+            return await handler(request)
+        await reg.admit(caller)
+        opened: list[McpSession] = []
+
+        def watch(msg: dict[str, Any]) -> None:
+            if msg["type"] == "http.response.start" and msg["status"] < 400 and not opened:
+                for k, v in msg.get("headers", ()):
+                    if k.lower() == b"mcp-session-id":
+                        new = v.decode("latin-1")
+                        opened.append(reg.opened(caller, new, functools.partial(self._end_streamable, new), busy=1))
+                        reg.release(caller)
+        try:
+            return await handler(request, watch)
+        finally:
+            if opened:
+                opened[0].busy -= 1
+                reg.touch(opened[0])
+            else:
+                reg.release(caller)
+
+    async def serve_sse(self, request: web.Request) -> web.StreamResponse:
+        handler = await self.handler("sse")
+        caller: Caller = request[CALLER_KEY]
+        reg = self.sessions
+        await reg.admit(caller)
+        opened: list[McpSession] = []
+        ends: list[Callable[[], None]] = []
+
+        async def close() -> None:
+            for end in ends:
+                end()                       # as if the client had left: the SDK ends the stream and the session
+
+        def watch(msg: dict[str, Any]) -> None:
+            if msg["type"] != "http.response.body":
+                return
+            chunk = msg.get("body") or b""
+            if not opened:
+                m = _SSE_SESSION_RE.search(chunk)
+                if m:
+                    opened.append(reg.opened(caller, m.group(1).decode(), close, busy=0))
+                    reg.release(caller)
+            elif chunk.startswith(b"event: message"):
+                reg.touch(opened[0])
+        try:
+            return await handler(request, watch, ends.append)
+        finally:
+            if opened:
+                reg.forget(opened[0].id)
+            else:
+                reg.release(caller)
+
+    async def serve_messages(self, request: web.Request) -> web.StreamResponse:
+        handler = await self.handler("messages")
+        s = self.sessions.owned(request.query.get("session_id", ""), request[CALLER_KEY])
+        if s is not None:
+            self.sessions.touch(s)
+        return await handler(request)
 
     async def close(self) -> None:
         self._stop.set()
@@ -7245,16 +7998,10 @@ class _McpTransports:
 def mount_mcp(app: web.Application, engine: Engine, allowed_hosts: list[str]) -> None:
     """Streamable HTTP at /mcp and legacy SSE at /sse (+ /messages/) on the API's port."""
     transports = _McpTransports(engine, allowed_hosts)
-
-    def route(name: str) -> Callable[[web.Request], Any]:
-        async def handle(request: web.Request) -> web.StreamResponse:
-            return await (await transports.handler(name))(request)
-        return handle
-
     app[STREAMS_KEY] = set()
-    app.router.add_route("*", "/mcp", route("mcp"))
-    app.router.add_get("/sse", route("sse"))
-    app.router.add_post("/messages/", route("messages"))
+    app.router.add_route("*", "/mcp", transports.serve_mcp)
+    app.router.add_get("/sse", transports.serve_sse)
+    app.router.add_post("/messages/", transports.serve_messages)
 
     async def cancel_streams(app: web.Application) -> None:
         for t in list(app[STREAMS_KEY]):
@@ -7291,9 +8038,6 @@ def mount_mcp(app: web.Application, engine: Engine, allowed_hosts: list[str]) ->
 # that falls behind costs the engine nothing (its queue is bounded and may drop rings). A consumer
 # that stops reading is dropped after SSE_WRITE_TIMEOUT_S and resumes with Last-Event-ID.
 
-#: The typed API's statuses, from the requests table's (a notification never shows).
-V2_STATUS: Final = {"open": "pending", "answered": "answered", "expired": "expired", "undelivered": "expired",
-                    "cancelled": "cancelled"}
 V2_STATUS_FILTER: Final = {s: tuple(k for k, v in V2_STATUS.items() if v == s) for s in dict.fromkeys(V2_STATUS.values())}
 INTERACTION_ID_RE: Final = re.compile(r"int_[0-9A-Za-z]{1,64}")
 #: An Idempotency-Key: long enough for a UUID or a hash, short enough to index.
@@ -7502,10 +8246,7 @@ async def respond_interaction(engine: Engine, caller: Caller, row: sqlite3.Row, 
     if len(key) > MAX_IDEMPOTENCY_KEY_CHARS or not key.isprintable():
         raise _v2_problem("idempotency_key_required",
                           f"the Idempotency-Key is 1 to {MAX_IDEMPOTENCY_KEY_CHARS} printable characters")
-    try:
-        body = json.loads(raw) if raw else None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise _v2_problem("bad_request", f"the body is not JSON: {exc}") from None
+    body = body_json(raw) if raw else None
     if not isinstance(body, dict):
         raise _v2_problem("bad_request", "the body is a JSON object: the response variant")
     body_sha = sha256_hex(json.dumps({"interaction": row["id"], "body": body}, sort_keys=True, ensure_ascii=False))
@@ -7583,8 +8324,8 @@ def _stream_messages(ev: sqlite3.Row, req: sqlite3.Row | None) -> list[tuple[str
         return [("interaction.answered", {**base, **about,
                                           "response": typed_response(kind, payload.get("answer"), ev["at"])})] if typed else []
     out = []
-    if typed and payload.get("kind") in ("expired", "cancelled") and ev["type"] == "run_rejected":
-        out.append((f"interaction.{payload['kind']}", {**base, **about}))
+    if typed and ev["type"] == EventType.RUN_REJECTED.value and payload.get("kind") in STREAM_ENDINGS:
+        out.append((STREAM_ENDINGS[payload["kind"]], {**base, **about}))
     out.append(("run.ended", {**base, "status": payload.get("status"), "kind": payload.get("kind")}))
     return out
 
@@ -7607,13 +8348,19 @@ def _stream_page(conn: sqlite3.Connection, playbooks: list[str], after: int) -> 
     return "".join(chunks).encode(), (rows[-1]["id"] if rows else after), len(rows) == SSE_PAGE
 
 
+def _last_event_id_source(request: web.Request) -> dict[str, str]:
+    """Where the resume point came from, for a problem's `errors`: the header or the query parameter."""
+    return {"header": "Last-Event-ID"} if request.headers.get("Last-Event-ID") else {"pointer": "/last_event_id"}
+
+
 def _last_event_id(request: web.Request) -> int | None:
     text = request.headers.get("Last-Event-ID") or request.query.get("last_event_id")
     if not text:
         return None
     m = re.fullmatch(r"(?:evt_)?([0-9]{1,18})", text.strip())
     if not m:
-        raise _v2_problem("bad_request", "Last-Event-ID is an event id as the stream sent it (evt_123)")
+        raise _v2_problem("bad_request", "Last-Event-ID is an event id as the stream sent it (evt_123)",
+                          errors=[{**_last_event_id_source(request), "message": "an event id the stream sent"}])
     return int(m.group(1))
 
 
@@ -7628,8 +8375,13 @@ async def serve_stream(request: web.Request, playbooks: list[str]) -> web.Stream
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no"})
     try:
+        newest = await engine.store.read(lambda c: c.execute("SELECT COALESCE(MAX(id), 0) FROM events").fetchone()[0])
         if after is None:
-            after = await engine.store.read(lambda c: c.execute("SELECT COALESCE(MAX(id), 0) FROM events").fetchone()[0])
+            after = newest
+        elif after > newest:                # never sent: resuming there would skip what comes before it
+            raise _v2_problem("bad_request", f"Last-Event-ID evt_{after} names no event the stream sent; the newest "
+                              f"is evt_{newest}. Resume from an id the stream sent, or leave the header out.",
+                              errors=[{**_last_event_id_source(request), "message": "an event id the stream sent"}])
         await resp.prepare(request)
         await resp.write(f"retry: {SSE_RETRY_MS}\n: stream open after evt_{after}\n\n".encode())
         while True:
@@ -8034,9 +8786,10 @@ def render_markdown(text: str) -> str:
     return _markdown().render(text)
 
 
-async def trade_login_token(store: Store, secret: str) -> str | None:
-    """Revoke a one-time login token and make a session token of its role; None when it is spent."""
-    now = int(time.time() * 1000)
+async def trade_login_token(store: Store, secret: str, now: int | None = None) -> str | None:
+    """Revoke a one-time login token and make a session token of its role; None when it is spent.
+    `now` is the daemon's clock: the session expires on it."""
+    now = now if now is not None else int(time.time() * 1000)
 
     def change(conn: sqlite3.Connection, fx: Effects) -> str | None:
         row = conn.execute("UPDATE tokens SET revoked_at = ? WHERE hash = ? AND purpose = 'login' AND revoked_at IS NULL"
@@ -8058,7 +8811,8 @@ async def h_inbox_page(request: web.Request) -> web.Response:
 
 async def h_login(request: web.Request) -> web.Response:
     secret = request.query.get("token", "")
-    session = await trade_login_token(request.app[ENGINE_KEY].store, secret) if secret else None
+    engine = request.app[ENGINE_KEY]
+    session = await trade_login_token(engine.store, secret, engine.clock.now_ms()) if secret else None
     if session is None:
         current = request.cookies.get(SESSION_COOKIE)
         if current and await lookup_token(request.app, current) is not None:
@@ -8818,6 +9572,10 @@ def build_app(engine: Engine, *, manage_engine: bool = True, hosts: Iterable[str
     mount_mcp(app, engine, sorted({"127.0.0.1:*", "localhost:*", "[::1]:*", *(f"{h}:*" for h in hosts)}))
     mount_typed_api(app)
     mount_web(app)
+
+    async def end_waits(app: web.Application) -> None:
+        engine.end_waits()              # with the streams ended above: a stop takes no long poll's time
+    app.on_shutdown.append(end_waits)
     if manage_engine:
         async def lifecycle(app: web.Application) -> Any:
             await engine.store.open()
@@ -8865,7 +9623,7 @@ class EngineLock:
         self.fh: Any = None
 
     def acquire(self) -> bool:
-        self.fh = open(self.path, "a+")
+        self.fh = os.fdopen(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600), "a+")
         try:
             fcntl.flock(self.fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -9024,8 +9782,7 @@ async def _stdio_front(db: str, playbook: str | None) -> int:
     return 0
 
 
-def _client_token(args: Any) -> tuple[str, str]:
-    db = args.db or os.environ.get("INTERACTIOND_DB") or "interactiond.db"
+def _client_token(args: Any, db: str) -> tuple[str, str]:
     url = args.url
     if not url:
         try:
@@ -9056,8 +9813,8 @@ def _http(method: str, url: str, token: str, body: Any = None) -> tuple[int, Any
             return exc.code, {"detail": raw.decode(errors="replace")}
 
 
-def _cli_client(args: Any) -> int:
-    url, token = _client_token(args)
+def _cli_client(args: Any, db: str) -> int:
+    url, token = _client_token(args, db)
     org, _, name = args.playbook.partition("/")
     base = f"{url}/v1/orgs/{org}/playbooks/{name}"
     if args.cmd == "define":
@@ -9070,7 +9827,7 @@ def _cli_client(args: Any) -> int:
                             {"type": type_, "name": args.name or Path(args.file).stem, "source": source})
     elif args.cmd == "run":
         try:
-            input_ = json.loads(args.input)
+            input_ = read_json(args.input)
         except ValueError as exc:
             raise SystemExit(f"--input is JSON: {exc}")
         status, out = _http("POST", f"{base}/runs", token, {"type": args.type, "name": args.name, "input": input_,
@@ -9080,7 +9837,7 @@ def _cli_client(args: Any) -> int:
         status, out = _http("GET", f"{base}/interactions{query}", token)
     else:
         try:
-            answer = json.loads(args.answer)
+            answer = read_json(args.answer)
         except ValueError as exc:
             raise SystemExit(f"the answer is JSON: {exc}")
         status, out = _http("POST", f"{base}/runs/{args.run_id}/answer", token, {"answer": answer})
@@ -9088,8 +9845,7 @@ def _cli_client(args: Any) -> int:
     return 0 if status < 400 else 1
 
 
-def _cli_token(args: Any) -> int:
-    db = args.db or os.environ.get("INTERACTIOND_DB") or "interactiond.db"
+def _cli_token(args: Any, db: str) -> int:
     conn = open_sync(db)
     try:
         if args.token_cmd == "create":
@@ -9100,10 +9856,19 @@ def _cli_token(args: Any) -> int:
                 return 2
             print(f"{token_id} {secret}")
         elif args.token_cmd == "list":
-            for r in conn.execute("SELECT id, role, playbook, name, created_at, revoked_at FROM tokens"
-                                  " WHERE purpose = 'api' ORDER BY created_at"):
-                state = "revoked" if r["revoked_at"] else "active"
-                print(f"{r['id']}\t{r['role']}\t{r['playbook'] or '*'}\t{state}\t{r['name'] or ''}")
+            # API tokens and inbox sessions (a session's state on this machine's clock; the daemon's
+            # own clock decides); login links are one-time and not listed.
+            now = int(time.time() * 1000)
+            idle_ms = int(INBOX_SESSION_IDLE.total_seconds() * 1000)
+            for r in conn.execute("SELECT id, role, playbook, name, purpose, created_at, revoked_at, used_at,"
+                                  " expires_at FROM tokens WHERE purpose IN ('api', 'session') ORDER BY created_at"):
+                state = "revoked" if r["revoked_at"] else "expired" if session_ended(r, now) else "active"
+                line = f"{r['id']}\t{r['role']}\t{r['playbook'] or '*'}\t{state}\t{r['name'] or ''}"
+                if r["purpose"] == "session":
+                    ends = min(r["expires_at"], r["used_at"] + idle_ms)
+                    line += f"\tsession, signed in {fmt_time(r['created_at'])}, last used {fmt_time(r['used_at'])}," \
+                            f" ends {fmt_time(ends)} at the latest"
+                print(line)
         else:
             cur = conn.execute("UPDATE tokens SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL",
                                (int(time.time() * 1000), args.id))
@@ -9116,6 +9881,67 @@ def _cli_token(args: Any) -> int:
         conn.close()
 
 
+# -- logs: no token, link, cookie or session id in a line ------------------------------------------
+#
+# aiohttp's bad-request log quotes the request line and headers it could not parse (a login
+# link's `?token=`, a bearer token, the session cookie); the MCP SDK logs session ids. A filter on
+# the root handler (and on those loggers) rewrites each record before it is written, and the SDK's
+# chatty loggers only speak from WARNING up.
+
+#: A name and its value: `name=v`, `name: v`, `'name': 'v'`, `(b'name', b'v'`.
+_SEP: Final = r"""([ \t]*[:=][ \t]*['"]?|['"][ \t]*[:,][ \t]*b?['"])"""
+_REDACT: Final = (
+    (re.compile(r"(?i)\b(bearer|basic)(\s+)[A-Za-z0-9._~+/=-]+"), r"\1\2[redacted]"),
+    (re.compile(r"(?i)\b(authorization|proxy-authorization|cookie|set-cookie)" + _SEP + r"[^\r\n'\"]+"),
+     r"\1\2[redacted]"),
+    (re.compile(r"(?i)\b(token|session_id|mcp-session-id|interactiond_session)" + _SEP + r"[A-Za-z0-9_.~%-]+"),
+     r"\1\2[redacted]"),
+    (re.compile(r"\bitd_[A-Za-z0-9_-]+"), "itd_[redacted]"),
+    (re.compile(r"(?i)\b[0-9a-f]{8}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{12}\b"), "[session id]"),
+)
+#: Loggers that speak of each request or session at INFO; quiet below WARNING.
+QUIET_LOGGERS: Final = ("mcp", "httpx2", "sse_starlette")
+
+
+def redact(text: str) -> str:
+    """`text` with tokens, `token=` values, Authorization and Cookie values and session ids taken out."""
+    for pattern, replacement in _REDACT:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+class RedactingFilter(logging.Filter):
+    """Rewrites a record's message, traceback and stack with `redact` (it never drops a record)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:
+            message = str(record.msg)
+        record.msg, record.args = redact(message), None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = redact(record.exc_text)
+        if record.stack_info:
+            record.stack_info = redact(record.stack_info)
+        return True
+
+
+def install_log_redaction() -> None:
+    """Put the redacting filter on every root handler and the loggers that quote requests; quiet the SDK."""
+    redacting = RedactingFilter()
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, RedactingFilter) for f in handler.filters):
+            handler.addFilter(redacting)
+    for name in ("aiohttp.server", "aiohttp.access", "aiohttp.web", "aiohttp.client", *QUIET_LOGGERS):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, RedactingFilter) for f in logger.filters):
+            logger.addFilter(redacting)
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -9124,7 +9950,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     def common(p: Any) -> None:
-        p.add_argument("--db", help="the SQLite file (env: INTERACTIOND_DB; default ./interactiond.db)")
+        p.add_argument("--db", help="the SQLite file (env: INTERACTIOND_DB; default: the configuration's database:,"
+                                     " else ./interactiond.db)")
         p.add_argument("--config", help="the operator configuration, YAML (env: INTERACTIOND_CONFIG)")
 
     p = sub.add_parser("serve", help="run the daemon: HTTP API, MCP over HTTP, the inbox page")
@@ -9140,15 +9967,15 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("check", help="validate function documents; exit 1 on any problem")
     common(p)
     p.add_argument("files", nargs="+")
-    p = sub.add_parser("token", help="create, list or revoke API tokens")
+    p = sub.add_parser("token", help="create, list or revoke API tokens; list or end inbox sessions")
     tsub = p.add_subparsers(dest="token_cmd", required=True)
     t = tsub.add_parser("create", help="print a new token once")
     common(t)
     t.add_argument("--playbook", help="bind the token to one playbook, ORG/NAME")
     t.add_argument("--role", required=True, choices=[r.value for r in Role])
     t.add_argument("--name")
-    common(tsub.add_parser("list", help="list tokens (never their secrets)"))
-    t = tsub.add_parser("revoke", help="revoke a token by its id")
+    common(tsub.add_parser("list", help="list tokens and inbox sessions (never their secrets)"))
+    t = tsub.add_parser("revoke", help="revoke a token, or end an inbox session, by its id")
     common(t)
     t.add_argument("id")
     for name, helptext in (("define", "save a definition from a file"), ("run", "start a run"),
@@ -9174,18 +10001,21 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("answer")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s")
+    install_log_redaction()
     if args.cmd == "check":
         return check_documents(args.files, parsers={".yaml": parse_workflow, ".yml": parse_workflow})
-    if args.cmd == "token":
-        return _cli_token(args)
-    if args.cmd in ("define", "run", "inbox", "answer"):
-        return _cli_client(args)
     try:
         config = load_config(args.config or os.environ.get("INTERACTIOND_CONFIG"))
     except ConfigError as exc:
         for problem in exc.problems:
             print(f"interactiond: configuration: {problem}", file=sys.stderr)
         return 2
+    # The database: --db, else INTERACTIOND_DB, else the configuration's `database:` (default ./interactiond.db).
+    db = args.db or os.environ.get("INTERACTIOND_DB") or config.database
+    if args.cmd == "token":
+        return _cli_token(args, db)
+    if args.cmd in ("define", "run", "inbox", "answer"):
+        return _cli_client(args, db)
     if args.cmd == "stdio":
         return asyncio.run(_stdio(args, config))
     return asyncio.run(_serve(args, config))

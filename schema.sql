@@ -148,7 +148,8 @@ CREATE TABLE IF NOT EXISTS timers (
     due_at INTEGER NOT NULL
 );
 
--- API tokens, stored as sha256 hashes of their secrets.
+-- API tokens, stored as sha256 hashes of their secrets; also one-time login links and the inbox
+-- sessions they trade for (12 h idle, 7 days at most).
 CREATE TABLE IF NOT EXISTS tokens (
     id         TEXT PRIMARY KEY,                     -- tok_...
     hash       TEXT NOT NULL UNIQUE,
@@ -157,7 +158,9 @@ CREATE TABLE IF NOT EXISTS tokens (
     name       TEXT,
     purpose    TEXT NOT NULL DEFAULT 'api' CHECK (purpose IN ('api', 'login', 'session')),
     created_at INTEGER NOT NULL,
-    revoked_at INTEGER
+    revoked_at INTEGER,
+    used_at    INTEGER,                              -- a session's last use (to the minute)
+    expires_at INTEGER                               -- a session's end at the latest
 );
 
 -- Typed-API idempotency keys: a replay returns the first response.
@@ -170,3 +173,4 @@ CREATE TABLE IF NOT EXISTS idempotency (
     created_at INTEGER NOT NULL,
     PRIMARY KEY (caller, key)
 );
+CREATE INDEX IF NOT EXISTS idempotency_by_age ON idempotency (created_at);
