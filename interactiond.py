@@ -228,7 +228,8 @@ TEMPLATE_VALUE_LIMIT: Final = 256 * KIB
 TEMPLATE_WORK_LIMIT: Final = 2 * MIB
 #: Digits of a number a render computes (Python prints no longer integer).
 TEMPLATE_NUMBER_DIGITS: Final = 4300
-#: The longest text `date` reads as a date; a longer one is no date and comes back as it is.
+#: The longest text `date` reads as a date (a longer one is no date and comes back as it is), and
+#: the longest format it takes.
 TEMPLATE_DATE_CHARS: Final = 1 * KIB
 
 #: Names.
@@ -892,8 +893,8 @@ def check_limit(limit: Any) -> int:
 #     `include` or `render`, so no template reads a file;
 #   - bounded: loop iterations, output size and assigned values are capped (TEMPLATE_*), and so
 #     is every value a filter reads or makes (`_BoundedFilter`): a filter whose result would pass
-#     the bound fails before it builds it, so `replace` chained nine times fails at once instead of
-#     building gigabytes; together the filters of one render read and make a bounded amount, so a
+#     the bound fails before it builds it, so `replace` chained eight times fails at once instead of
+#     building a gigabyte; together the filters of one render read and make a bounded amount, so a
 #     render never hangs and never eats memory;
 #   - known in advance: a template lists the names it reads (the library's static analysis), so
 #     `check_template` refuses, when the document is saved, a name its place does not offer, a
@@ -972,19 +973,13 @@ def _value_size(value: Any, cap: int = TEMPLATE_VALUE_LIMIT) -> int:
     stack = [value]
     while stack and total <= cap:
         item = stack.pop()
-        kind = type(item)
-        if issubclass(kind, Undefined):
-            total += 1
-        elif issubclass(kind, str):
+        kind = type(item)   # type(), not isinstance(): a strict undefined refuses to be asked its class
+        if issubclass(kind, str):
             total += len(item)
         elif issubclass(kind, int):
             total += item.bit_length() * 3 // 10 + 1
-        elif issubclass(kind, range):
-            try:
-                count = len(item)
-            except OverflowError:
-                return cap + 1
-            total += count * (_ITEM_COST + max(abs(item.start), abs(item.stop)).bit_length() * 3 // 10 + 1)
+        elif issubclass(kind, range):   # lazy: (1..10000000000) takes nothing until a filter lists it
+            total += max((item.stop - item.start) // item.step, 0) * _ITEM_COST
         elif issubclass(kind, Mapping):
             total += _ITEM_COST * len(item)
             if total <= cap:
@@ -1000,20 +995,15 @@ def _value_size(value: Any, cap: int = TEMPLATE_VALUE_LIMIT) -> int:
     return total
 
 
-def _text_of(value: Any) -> str | None:
-    # type(), not isinstance(): a strict undefined refuses to be asked for its __class__
-    return value if issubclass(type(value), str) else None
-
-
 def _as_text(value: Any) -> str:
     """A filter's operand as the string filters read it (an undefined as nothing)."""
-    if (text := _text_of(value)) is not None:
-        return text
-    return "" if value is None or issubclass(type(value), Undefined) else str(value)
+    if issubclass(type(value), str):
+        return value
+    return "" if value is None or _is_undefined(value) else str(value)
 
 
 def _result_estimate(name: str, left: Any, args: tuple[Any, ...], read: int) -> int:
-    """What the result of a filter that can multiply its value will take, before it is built."""
+    """What the result of a filter that multiplies its value will take, before it is built."""
     if name == "replace" and args:
         text, old = _as_text(left), _as_text(args[0])
         new = len(_as_text(args[1])) if len(args) > 1 else 0
@@ -1021,28 +1011,26 @@ def _result_estimate(name: str, left: Any, args: tuple[Any, ...], read: int) -> 
         return len(text) + count * max(new - len(old), 0)
     if name == "join" and issubclass(type(left), (list, tuple, range)):
         sep = len(_as_text(args[0])) if args else 1
-        return max(read - len(left) * _ITEM_COST, 0) + len(left) * sep
-    if name == "split" and args:
-        text, sep = _as_text(left), _as_text(args[0])
-        return len(text) + (text.count(sep) + 1 if sep else len(text)) * _ITEM_COST
+        return read + len(left) * sep
     return 0
 
 
 class _BoundedFilter:
     """A registered filter, wrapped: what it reads and what it makes are measured and bounded.
 
-    Before the call: each value it reads (bar `_READ_NOTHING`) is at most TEMPLATE_VALUE_LIMIT, and
-    a filter that can multiply its value (`replace`, `join`, `split`, `times`, `uniq`'s time) has
-    its result estimated; after it, the result is measured. Each render keeps a tally of what its filters read
-    and make, and fails past TEMPLATE_WORK_LIMIT. Every failure is a `_ValueLimitError`.
+    Each value it reads (bar `_READ_NOTHING`) is at most TEMPLATE_VALUE_LIMIT; the result of a
+    filter that multiplies its value (`replace`, `join`) is estimated before it is built, and every
+    result is measured after. `date` reads no date longer than TEMPLATE_DATE_CHARS, nor a format
+    (strftime writes up to 256 characters for each of its own). What the filters of one render
+    read and make is tallied against TEMPLATE_WORK_LIMIT (`uniq` counts its comparisons). Each
+    failure is a `_ValueLimitError`, a render failure of kind "limit".
     """
 
     with_context = True
 
-    def __init__(self, name: str, func: Callable[..., Any]) -> None:
+    def __init__(self, name: str, func: Callable[..., Any], env: Environment) -> None:
         self.name = name
-        self.func = func
-        self.with_environment = getattr(func, "with_environment", False)
+        self.func = functools.partial(func, environment=env) if getattr(func, "with_environment", False) else func
 
     def _fail(self, what: str) -> None:
         raise _ValueLimitError(f"{self.name}: {what}", token=None)
@@ -1056,16 +1044,14 @@ class _BoundedFilter:
                 if size > limit:
                     self._fail(f"it reads a value past {limit // KIB} KiB, the most a template computes with")
                 read += size
-        kind = type(left)
-        if self.name == "date" and issubclass(kind, str) and len(left) > TEMPLATE_DATE_CHARS:
-            return left   # no date is that long; the filter gives back what is not a date
-        if self.name == "uniq" and issubclass(kind, (list, tuple)):
-            read += len(left) * len(left) // 8   # it compares each item with those before it
-        if self.name == "times" and args and sum(
-                len(t) if (t := _text_of(x)) is not None else _value_size(x) for x in (left, args[0])) > TEMPLATE_NUMBER_DIGITS:
-            self._fail(f"its result would pass {TEMPLATE_NUMBER_DIGITS} digits")
-        estimate = _result_estimate(self.name, left, args, read)
-        if estimate > limit:
+        if self.name == "date":
+            if issubclass(type(left), str) and len(left) > TEMPLATE_DATE_CHARS:
+                return left   # no date is that long; the filter gives back what is not a date
+            if args and len(_as_text(args[0])) > TEMPLATE_DATE_CHARS:
+                self._fail(f"its format passes {TEMPLATE_DATE_CHARS} characters")
+        if self.name == "uniq" and issubclass(type(left), (list, tuple)):
+            read += len(left) * len(left) // 2   # it compares each item with those before it
+        if _result_estimate(self.name, left, args, read) > limit:
             self._fail(f"its result would pass {limit // KIB} KiB, the most a template computes")
         work = context.tag_namespace.setdefault("interactiond.work", [0])
         work[0] += read
@@ -1104,7 +1090,7 @@ def _make_liquid() -> Environment:
     for name in ("include", "render"):
         env.tags.pop(name, None)
     env.filters["json"] = LiquidJSON(default=str)
-    env.filters = {name: _BoundedFilter(name, func) for name, func in env.filters.items()}
+    env.filters = {name: _BoundedFilter(name, func, env) for name, func in env.filters.items()}
     return env
 
 
@@ -1415,14 +1401,14 @@ class Shape(str, enum.Enum):
 #
 # Patterns are matched by RE2, never by Python's backtracking `re`: RE2 takes time linear in the
 # text, so `^(a+)+$` checks forty characters as fast as four. The validator classes are
-# jsonschema's own with `pattern`, `patternProperties`, `additionalProperties` and (2020-12)
-# `unevaluatedProperties` - every keyword that matches a pattern - matching through `_finds`, and
-# the `regex` format is "a pattern RE2 takes". A schema is written in ECMA-262's dialect:
-# `_re2_source` rewrites the escapes RE2 spells otherwise (`\uXXXX`, `\u{X}`, `\cX`); `\d`,
-# `\w`, `\p{L}` and the rest mean what they say. A pattern RE2 cannot take (a backreference, a
-# lookaround, a repetition past 1000) is refused when a document is saved, with its line. A schema
-# from elsewhere (a tool server's) may hold one: its validator skips that pattern, as though it
-# matched, says so once in the log, and the tool server checks its own arguments.
+# jsonschema's own with `pattern`, `patternProperties` and `additionalProperties` matching through
+# `_finds` (`_linear`), and the `regex` format is "a pattern RE2 takes"; `unevaluatedProperties`,
+# which jsonschema matches by `re`, is refused beside `patternProperties`. A schema is written in
+# ECMA-262's dialect: `_re2_source` rewrites the escapes RE2 spells otherwise (`\uXXXX`, `\u{X}`,
+# `\cX`); `\d`, `\w`, `\p{L}` and the rest mean what they say. A pattern RE2 cannot take (a
+# backreference, a lookaround, a repetition past 1000) is refused when a document is saved, with
+# its line. A schema from elsewhere (a tool server's) may hold one: its validator leaves that
+# pattern unchecked, says so once in the log, and the tool server checks its own arguments.
 
 _ECMA_ESCAPE_RE: Final = re.compile(
     r"\\(?:u(D[89AB][0-9A-F]{2})\\u(D[C-F][0-9A-F]{2})|u([0-9A-F]{4})|u\{([0-9A-F]{1,6})\}|c([A-Z])|(.))",
@@ -1537,66 +1523,30 @@ def _kw_additional_properties(validator: Any, extra: Any, instance: Any, schema:
                                   f"{'was' if len(names) == 1 else 'were'} unexpected)")
 
 
-def _evaluated_keys(validator: Any, instance: dict[str, Any], schema: Any) -> list[str]:
-    """The keys of `instance` that `schema` evaluates (jsonschema's rule for 2020-12, with RE2)."""
-    if validator.is_type(schema, "boolean"):
-        return []
-    keys: list[str] = []
-    for ref in (schema.get("$ref"), schema.get("$dynamicRef")):
-        if ref is not None:
-            resolved = validator._resolver.lookup(ref)
-            keys += _evaluated_keys(validator.evolve(schema=resolved.contents, _resolver=resolved.resolver),
-                                    instance, resolved.contents)
-    properties = schema.get("properties")
-    if validator.is_type(properties, "object"):
-        keys += properties.keys() & instance.keys()
-    for keyword in ("additionalProperties", "unevaluatedProperties"):
-        if (subschema := schema.get(keyword)) is not None:
-            keys += [key for key, value in instance.items() if next(validator.descend(value, subschema), None) is None]
-    if "patternProperties" in schema:
-        keys += [key for key in instance if any(_finds(p, key) is not False for p in schema["patternProperties"])]
-    for key, subschema in (schema.get("dependentSchemas") or {}).items():
-        if key in instance:
-            keys += _evaluated_keys(validator, instance, subschema)
-    for keyword in ("allOf", "oneOf", "anyOf"):
-        for subschema in schema.get(keyword, []):
-            if next(validator.descend(instance, subschema), None) is None:
-                keys += _evaluated_keys(validator, instance, subschema)
-    if "if" in schema:
-        if validator.evolve(schema=schema["if"]).is_valid(instance):
-            keys += _evaluated_keys(validator, instance, schema["if"])
-            if "then" in schema:
-                keys += _evaluated_keys(validator, instance, schema["then"])
-        elif "else" in schema:
-            keys += _evaluated_keys(validator, instance, schema["else"])
-    return keys
+#: jsonschema matches these by Python's `re` when a schema holds both (`_linear`).
+_KEYWORDS_BY_RE: Final = frozenset({"patternProperties", "unevaluatedProperties"})
 
 
-def _kw_unevaluated_properties(validator: Any, rest: Any, instance: Any, schema: Any) -> Iterable[ValidationError]:
-    # jsonschema's own for 2020-12, with its patterns matched by RE2; the messages are its messages
-    if not validator.is_type(instance, "object"):
-        return
-    evaluated = set(_evaluated_keys(validator, instance, schema))
-    bad = [key for key in instance if key not in evaluated
-           and next(validator.descend(instance[key], rest, path=key, schema_path=key), None) is not None]
-    if bad:
-        listed = ", ".join(repr(n) for n in (sorted(bad, key=str) if rest is False else bad))
-        verb = "was" if len(bad) == 1 else "were"
-        yield ValidationError(f"Unevaluated properties are not allowed ({listed} {verb} unexpected)" if rest is False
-                              else f"Unevaluated properties are not valid under the given schema ({listed} {verb} "
-                                   "unevaluated and invalid)")
+def _unchecked(validator: Any, value: Any, instance: Any, schema: Any) -> Iterable[ValidationError]:
+    return iter(())
 
 
 @functools.lru_cache(maxsize=None)
-def _linear(cls: Any) -> Any:
-    """The validator class `cls` with every keyword that matches a pattern matching by RE2."""
+def _linear(cls: Any, unevaluated: bool = True) -> Any:
+    """The validator class `cls` with every keyword that matches a pattern matching by RE2.
+
+    jsonschema's `unevaluatedProperties` matches `patternProperties` by Python's `re`: a schema
+    holding both is refused when saved, and one from elsewhere gets `unevaluated=False`, which
+    leaves that keyword unchecked.
+    """
     keywords = {"pattern": _kw_pattern, "patternProperties": _kw_pattern_properties,
                 "additionalProperties": _kw_additional_properties}
-    if cls is Draft202012Validator:
-        keywords["unevaluatedProperties"] = _kw_unevaluated_properties
+    if not unevaluated:
+        keywords["unevaluatedProperties"] = _unchecked
     linear = validators.extend(cls, keywords)
     linear.__name__ = linear.__qualname__ = cls.__name__   # the dialect's name, as validator_for gives it
     return linear
+
 
 def _iri_ok(rule: str, instance: object) -> bool:
     if not isinstance(instance, str):
@@ -1645,7 +1595,10 @@ def _compiled_schema(text: str) -> Any:
     schema = json.loads(text)
     cls = validators.validator_for(schema, default=Draft202012Validator)
     cls.check_schema(schema, format_checker=_format_checker(cls, regex=False))
-    return _linear(cls)(schema, format_checker=_format_checker(cls), registry=referencing.Registry())
+    unevaluated = not _KEYWORDS_BY_RE <= {key for _, key, _ in _schema_entries(schema, ())}
+    if not unevaluated:
+        log.warning("a schema's unevaluatedProperties is not checked: it stands beside patternProperties")
+    return _linear(cls, unevaluated)(schema, format_checker=_format_checker(cls), registry=referencing.Registry())
 
 
 def compile_schema(schema: Any) -> Any:
@@ -1694,21 +1647,20 @@ def _schema_problem(schema: Any) -> tuple[tuple[Any, ...], str] | None:
         if exc.validator == "format" and exc.validator_value == "regex":
             return tuple(exc.absolute_path), _pattern_refusal(exc.instance)
         return tuple(exc.absolute_path), f"not a valid JSON Schema: {exc.message}"
-    if cls is not Draft202012Validator and "unevaluatedProperties" in cls.VALIDATORS:
-        keys = [(path, key) for path, key, _ in entries]
-        if any(key == "patternProperties" for _, key in keys):
-            for path, key in keys:
-                if key == "unevaluatedProperties":
-                    return path + (key,), ("beside patternProperties, unevaluatedProperties is matched in linear "
-                                           "time in Draft 2020-12 only: write the schema in that dialect")
+    if _KEYWORDS_BY_RE <= {key for _, key, _ in entries}:
+        path = next(path for path, key, _ in entries if key == "unevaluatedProperties")
+        return path + ("unevaluatedProperties",), (
+            "unevaluatedProperties beside patternProperties cannot be checked in linear time; "
+            "use additionalProperties")
     for path, key, value in entries:
-        if key == "$id" and isinstance(value, str) and _on_the_network(value):
-            return path + (key,), (f"{value!r} places the schema on the network, and references are never "
-                                   "fetched; leave out this $id and refer within the schema by #/$defs/...")
+        if key == "$id" and isinstance(value, str) and _remote(value):
+            return path + (key,), (f"{value!r} is a base outside the daemon, and references are never fetched; "
+                                   "leave out this $id and refer within the schema by #/$defs/...")
     return _unheld_reference(schema, cls)
 
 
-def _on_the_network(uri: str) -> bool:
+def _remote(uri: str) -> bool:
+    """Whether an `$id` names a place (`https://...`, `file:...`) rather than a name (`urn:`, `tag:`)."""
     try:
         parts = urllib.parse.urlsplit(uri)
     except ValueError:
