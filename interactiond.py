@@ -62,8 +62,10 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any, Callable, Final, Iterable
 
+import re2
 import referencing
 import referencing.exceptions
+import referencing.jsonschema
 import yaml
 from aiohttp import web
 # The MCP SDK (and its pydantic models, half of the start-up time and a third of the memory) is
@@ -76,7 +78,7 @@ _DEFERRED = [m for m in ("rfc3987_syntax", "isoduration") if sys.modules.setdefa
 from jsonschema import Draft202012Validator, FormatChecker, validators  # noqa: E402
 for _name in _DEFERRED:
     del sys.modules[_name]
-from jsonschema.exceptions import SchemaError
+from jsonschema.exceptions import SchemaError, ValidationError
 from liquid import Environment, RenderContext, StrictDefaultUndefined
 from liquid.builtin.output import Output, OutputNode
 from liquid.builtin.tags.echo_tag import EchoNode, EchoTag
@@ -219,6 +221,16 @@ PRUNE_EVERY: Final = timedelta(hours=1)
 TEMPLATE_LOOP_LIMIT: Final = 10_000
 TEMPLATE_OUTPUT_LIMIT: Final = 64 * KIB
 TEMPLATE_NAMESPACE_LIMIT: Final = 64 * KIB
+#: Every value a filter reads or makes, in characters (an item of a list or an object counts 16
+#: more): a chain of filters never multiplies a value past it, so a render's memory stays a few MiB.
+TEMPLATE_VALUE_LIMIT: Final = 256 * KIB
+#: All the values the filters of one render read and make, together: a loop of filters ends fast.
+TEMPLATE_WORK_LIMIT: Final = 2 * MIB
+#: Digits of a number a render computes (Python prints no longer integer).
+TEMPLATE_NUMBER_DIGITS: Final = 4300
+#: The longest text `date` reads as a date (a longer one is no date and comes back as it is), and
+#: the longest format it takes.
+TEMPLATE_DATE_CHARS: Final = 1 * KIB
 
 #: Names.
 PLAYBOOK_RE: Final = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,62})/[a-z0-9](?:[a-z0-9-]{0,62})")
@@ -879,7 +891,10 @@ def check_limit(limit: Any) -> int:
 #   - strict: reading a name that is not there is an error (`| default:` still works), so is a
 #     filter that does not exist; nothing is HTML-escaped, and there is no other template to
 #     `include` or `render`, so no template reads a file;
-#   - bounded: loop iterations, output size and assigned values are capped (TEMPLATE_*), so a
+#   - bounded: loop iterations, output size and assigned values are capped (TEMPLATE_*), and so
+#     is every value a filter reads or makes (`_BoundedFilter`): a filter whose result would pass
+#     the bound fails before it builds it, so `replace` chained eight times fails at once instead of
+#     building a gigabyte; together the filters of one render read and make a bounded amount, so a
 #     render never hangs and never eats memory;
 #   - known in advance: a template lists the names it reads (the library's static analysis), so
 #     `check_template` refuses, when the document is saved, a name its place does not offer, a
@@ -938,6 +953,120 @@ class _Echo(EchoTag):
     node_class = _EchoNode
 
 
+class _ValueLimitError(ResourceLimitError):
+    """A value a render computes would pass its bound (TEMPLATE_VALUE_LIMIT and the others)."""
+
+
+#: What one item of a list or an object counts, beyond its contents: a list of a million empty
+#: strings is small as text but not in memory, nor in the time a filter takes over it.
+_ITEM_COST: Final = 16
+#: Filters that read nothing but the top of their value, whatever its size.
+_READ_NOTHING: Final = frozenset({"size", "first", "last", "default"})
+
+
+def _value_size(value: Any, cap: int = TEMPLATE_VALUE_LIMIT) -> int:
+    """What `value` takes: characters of its text, digits of its numbers, _ITEM_COST an item.
+
+    Counting stops just past `cap`, so measuring a large value costs no more than the bound.
+    """
+    total = 0
+    stack = [value]
+    while stack and total <= cap:
+        item = stack.pop()
+        kind = type(item)   # type(), not isinstance(): a strict undefined refuses to be asked its class
+        if issubclass(kind, str):
+            total += len(item)
+        elif issubclass(kind, int):
+            total += item.bit_length() * 3 // 10 + 1
+        elif issubclass(kind, range):   # lazy: (1..10000000000) takes nothing until a filter lists it
+            total += max((item.stop - item.start) // item.step, 0) * _ITEM_COST
+        elif issubclass(kind, Mapping):
+            total += _ITEM_COST * len(item)
+            if total <= cap:
+                for k, v in item.items():
+                    stack.append(k)
+                    stack.append(v)
+        elif issubclass(kind, (list, tuple)):
+            total += _ITEM_COST * len(item)
+            if total <= cap:
+                stack.extend(item)
+        else:
+            total += _ITEM_COST
+    return total
+
+
+def _as_text(value: Any) -> str:
+    """A filter's operand as the string filters read it (an undefined as nothing)."""
+    if issubclass(type(value), str):
+        return value
+    return "" if value is None or _is_undefined(value) else str(value)
+
+
+def _result_estimate(name: str, left: Any, args: tuple[Any, ...], read: int) -> int:
+    """What the result of a filter that multiplies its value will take, before it is built."""
+    if name == "replace" and args:
+        text, old = _as_text(left), _as_text(args[0])
+        new = len(_as_text(args[1])) if len(args) > 1 else 0
+        count = text.count(old) if old else len(text) + 1
+        return len(text) + count * max(new - len(old), 0)
+    if name == "join" and issubclass(type(left), (list, tuple, range)):
+        sep = len(_as_text(args[0])) if args else 1
+        return read + len(left) * sep
+    return 0
+
+
+class _BoundedFilter:
+    """A registered filter, wrapped: what it reads and what it makes are measured and bounded.
+
+    Each value it reads (bar `_READ_NOTHING`) is at most TEMPLATE_VALUE_LIMIT; the result of a
+    filter that multiplies its value (`replace`, `join`) is estimated before it is built, and every
+    result is measured after. `date` reads no date longer than TEMPLATE_DATE_CHARS, nor a format
+    (strftime writes up to 256 characters for each of its own). What the filters of one render
+    read and make is tallied against TEMPLATE_WORK_LIMIT (`uniq` counts its comparisons). Each
+    failure is a `_ValueLimitError`, a render failure of kind "limit".
+    """
+
+    with_context = True
+
+    def __init__(self, name: str, func: Callable[..., Any], env: Environment) -> None:
+        self.name = name
+        self.func = functools.partial(func, environment=env) if getattr(func, "with_environment", False) else func
+
+    def _fail(self, what: str) -> None:
+        raise _ValueLimitError(f"{self.name}: {what}", token=None)
+
+    def __call__(self, left: Any, *args: Any, context: RenderContext, **kwargs: Any) -> Any:
+        limit = TEMPLATE_VALUE_LIMIT
+        read = 0
+        if self.name not in _READ_NOTHING:
+            for value in (left, *args, *kwargs.values()):
+                size = _value_size(value)
+                if size > limit:
+                    self._fail(f"it reads a value past {limit // KIB} KiB, the most a template computes with")
+                read += size
+        if self.name == "date":
+            if issubclass(type(left), str) and len(left) > TEMPLATE_DATE_CHARS:
+                return left   # no date is that long; the filter gives back what is not a date
+            if args and len(_as_text(args[0])) > TEMPLATE_DATE_CHARS:
+                self._fail(f"its format passes {TEMPLATE_DATE_CHARS} characters")
+        if self.name == "uniq" and issubclass(type(left), (list, tuple)):
+            read += len(left) * len(left) // 2   # it compares each item with those before it
+        if _result_estimate(self.name, left, args, read) > limit:
+            self._fail(f"its result would pass {limit // KIB} KiB, the most a template computes")
+        work = context.tag_namespace.setdefault("interactiond.work", [0])
+        work[0] += read
+        if work[0] > TEMPLATE_WORK_LIMIT:
+            self._fail(f"the filters of this template read and make more than {TEMPLATE_WORK_LIMIT // MIB} MiB")
+        result = self.func(left, *args, **kwargs)
+        if type(result) is int and result.bit_length() * 3 // 10 > TEMPLATE_NUMBER_DIGITS:
+            self._fail(f"its result passes {TEMPLATE_NUMBER_DIGITS} digits")
+        size = _value_size(result)
+        if size > limit:
+            self._fail(f"its result passes {limit // KIB} KiB, the most a template computes")
+        work[0] += size
+        return result
+
+
 class _LiquidEnv(Environment):
     loop_iteration_limit = TEMPLATE_LOOP_LIMIT
     output_stream_limit = TEMPLATE_OUTPUT_LIMIT
@@ -961,6 +1090,7 @@ def _make_liquid() -> Environment:
     for name in ("include", "render"):
         env.tags.pop(name, None)
     env.filters["json"] = LiquidJSON(default=str)
+    env.filters = {name: _BoundedFilter(name, func, env) for name, func in env.filters.items()}
     return env
 
 
@@ -1135,11 +1265,11 @@ def _schema_member(schema: Any, name: Any) -> tuple[Any, str | None]:
     if isinstance(props, dict) and name in props:
         return props[name], None
     for pattern, sub in (schema.get("patternProperties") or {}).items():
-        try:
-            if re.search(pattern, name):
-                return sub, None
-        except re.error:
+        found = _finds(pattern, name) if isinstance(pattern, str) else None
+        if found is None:
             return None, None
+        if found:
+            return sub, None
     extra = schema.get("additionalProperties")
     if isinstance(props, dict) and extra is not True and not isinstance(extra, dict):
         listed = ", ".join(sorted(props)) or "none"
@@ -1266,7 +1396,157 @@ class Shape(str, enum.Enum):
 
 # JSON Schemas. Draft 2020-12 unless the schema's `$schema` names another dialect; formats are
 # asserted; references resolve within the schema only: an empty registry means a remote `$ref` is
-# never fetched (jsonschema's default registry would fetch it).
+# never fetched (jsonschema's default registry would fetch it), and a schema that names anything
+# outside itself (a `$ref` it does not hold, an `$id` on the network) is refused when saved.
+#
+# Patterns are matched by RE2, never by Python's backtracking `re`: RE2 takes time linear in the
+# text, so `^(a+)+$` checks forty characters as fast as four. The validator classes are
+# jsonschema's own with `pattern`, `patternProperties` and `additionalProperties` matching through
+# `_finds` (`_linear`), and the `regex` format is "a pattern RE2 takes"; `unevaluatedProperties`,
+# which jsonschema matches by `re`, is refused beside `patternProperties`. A schema is written in
+# ECMA-262's dialect: `_re2_source` rewrites the escapes RE2 spells otherwise (`\uXXXX`, `\u{X}`,
+# `\cX`); `\d`, `\w`, `\p{L}` and the rest mean what they say. A pattern RE2 cannot take (a
+# backreference, a lookaround, a repetition past 1000) is refused when a document is saved, with
+# its line. A schema from elsewhere (a tool server's) may hold one: its validator leaves that
+# pattern unchecked, says so once in the log, and the tool server checks its own arguments.
+
+_ECMA_ESCAPE_RE: Final = re.compile(
+    r"\\(?:u(D[89AB][0-9A-F]{2})\\u(D[C-F][0-9A-F]{2})|u([0-9A-F]{4})|u\{([0-9A-F]{1,6})\}|c([A-Z])|(.))",
+    re.S | re.I)
+
+
+def _re2_source(pattern: str) -> str:
+    """An ECMA-262 pattern in RE2's spelling: its `\\u` and `\\c` escapes as `\\x{...}`."""
+    def escape(m: re.Match[str]) -> str:
+        high, low, four, braced, control, _ = m.groups()
+        if high:
+            code = 0x10000 + ((int(high, 16) - 0xD800) << 10) + (int(low, 16) - 0xDC00)
+        elif four or braced:
+            code = int(four or braced, 16)
+        elif control:
+            code = ord(control) % 32
+        else:
+            return m.group(0)
+        return f"\\x{{{code:X}}}"
+    return _ECMA_ESCAPE_RE.sub(escape, pattern)
+
+
+def _re2_options() -> Any:
+    options = re2.Options()
+    options.log_errors = False     # a refused pattern is told to its writer, not to stderr
+    options.never_capture = True   # only whether it matches: the fastest of RE2's engines
+    return options
+
+
+_RE2_OPTIONS: Final = _re2_options()
+
+
+def _re2_compile(pattern: str) -> tuple[Any, str | None]:
+    """The RE2 program of an ECMA-262 pattern, or None and why RE2 cannot take it."""
+    try:
+        return re2.compile(_re2_source(pattern), _RE2_OPTIONS), None
+    except re2.error as exc:
+        reason = exc.args[0] if exc.args else "RE2 refuses it"
+        return None, reason.decode(errors="replace") if isinstance(reason, bytes) else str(reason)
+    except UnicodeError:
+        return None, "it holds a lone surrogate"
+
+
+#: Schemas' patterns, compiled once each (a validator is cached too; this outlives its schema).
+_re2_program: Final = functools.lru_cache(maxsize=256)(_re2_compile)
+
+
+@functools.lru_cache(maxsize=256)
+def _unchecked_pattern(pattern: str, reason: str) -> None:
+    log.warning("a schema's pattern %r is not checked: RE2 cannot take it (%s)", pattern, reason)
+
+
+def _finds(pattern: str, text: str) -> bool | None:
+    """Whether `pattern` matches somewhere in `text`; None when RE2 cannot take the pattern."""
+    program, reason = _re2_program(pattern)
+    if program is None:
+        _unchecked_pattern(pattern, reason or "")
+        return None
+    return program.search(text.encode("utf-8", "surrogatepass")) is not None
+
+
+def _regex_ok(instance: object) -> bool:
+    """The `regex` format: a pattern RE2 takes (not cached: answers are not schemas)."""
+    return not isinstance(instance, str) or _re2_compile(instance)[0] is not None
+
+
+def _pattern_refusal(pattern: Any) -> str:
+    reason = _re2_compile(pattern)[1] if isinstance(pattern, str) else "not a text"
+    return (f"the pattern {pattern!r} cannot be matched in linear time ({reason}); patterns are matched "
+            "by RE2, which takes no backreference, lookahead or lookbehind")
+
+
+def _kw_pattern(validator: Any, pattern: Any, instance: Any, schema: Any) -> Iterable[ValidationError]:
+    if validator.is_type(instance, "string") and isinstance(pattern, str) and _finds(pattern, instance) is False:
+        yield ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+def _kw_pattern_properties(validator: Any, patterns: Any, instance: Any, schema: Any) -> Iterable[ValidationError]:
+    if not validator.is_type(instance, "object"):
+        return
+    for pattern, subschema in patterns.items():
+        for key, value in instance.items():
+            if _finds(pattern, key):
+                yield from validator.descend(value, subschema, path=key, schema_path=pattern)
+
+
+def _unlisted(instance: dict[str, Any], schema: Any) -> list[str]:
+    """The keys of `instance` that neither `properties` nor `patternProperties` of `schema` name."""
+    properties = schema.get("properties", {})
+    patterns = list(schema.get("patternProperties", {}))
+    return [key for key in instance
+            if key not in properties and not any(_finds(p, key) is not False for p in patterns)]
+
+
+def _kw_additional_properties(validator: Any, extra: Any, instance: Any, schema: Any) -> Iterable[ValidationError]:
+    # jsonschema's own, with its patterns matched by RE2; the messages are its messages
+    if not validator.is_type(instance, "object"):
+        return
+    extras = set(_unlisted(instance, schema))
+    if validator.is_type(extra, "object"):
+        for key in extras:
+            yield from validator.descend(instance[key], extra, path=key)
+    elif not extra and extras:
+        if "patternProperties" in schema:
+            verb = "does" if len(extras) == 1 else "do"
+            joined = ", ".join(repr(each) for each in sorted(extras))
+            patterns = ", ".join(repr(each) for each in sorted(schema["patternProperties"]))
+            yield ValidationError(f"{joined} {verb} not match any of the regexes: {patterns}")
+        else:
+            names = sorted(extras, key=str)
+            yield ValidationError(f"Additional properties are not allowed ({', '.join(repr(n) for n in names)} "
+                                  f"{'was' if len(names) == 1 else 'were'} unexpected)")
+
+
+#: jsonschema matches these by Python's `re` when a schema holds both (`_linear`).
+_KEYWORDS_BY_RE: Final = frozenset({"patternProperties", "unevaluatedProperties"})
+
+
+def _unchecked(validator: Any, value: Any, instance: Any, schema: Any) -> Iterable[ValidationError]:
+    return iter(())
+
+
+@functools.lru_cache(maxsize=None)
+def _linear(cls: Any, unevaluated: bool = True) -> Any:
+    """The validator class `cls` with every keyword that matches a pattern matching by RE2.
+
+    jsonschema's `unevaluatedProperties` matches `patternProperties` by Python's `re`: a schema
+    holding both is refused when saved, and one from elsewhere gets `unevaluated=False`, which
+    leaves that keyword unchecked.
+    """
+    keywords = {"pattern": _kw_pattern, "patternProperties": _kw_pattern_properties,
+                "additionalProperties": _kw_additional_properties}
+    if not unevaluated:
+        keywords["unevaluatedProperties"] = _unchecked
+    linear = validators.extend(cls, keywords)
+    linear.__name__ = linear.__qualname__ = cls.__name__   # the dialect's name, as validator_for gives it
+    return linear
+
 
 def _iri_ok(rule: str, instance: object) -> bool:
     if not isinstance(instance, str):
@@ -1293,13 +1573,20 @@ def _duration_ok(instance: object) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _format_checker(cls: Any) -> FormatChecker:
-    """The validator class's format checks, with the deferred ones loaded on first use."""
+def _format_checker(cls: Any, regex: bool = True) -> FormatChecker:
+    """The validator class's format checks, with the deferred ones loaded on first use.
+
+    `regex` is checked by RE2; without `regex`, it is not checked (a schema from elsewhere whose
+    pattern RE2 cannot take is still used, that pattern unchecked).
+    """
     checker = FormatChecker()
     checker.checkers = dict(cls.FORMAT_CHECKER.checkers)
     for name, rule in (("iri", "iri"), ("iri-reference", "iri_reference")):
         checker.checks(name, raises=ValueError)(functools.partial(_iri_ok, rule))
     checker.checks("duration")(_duration_ok)
+    checker.checkers.pop("regex", None)
+    if regex:
+        checker.checks("regex")(_regex_ok)
     return checker
 
 
@@ -1307,8 +1594,11 @@ def _format_checker(cls: Any) -> FormatChecker:
 def _compiled_schema(text: str) -> Any:
     schema = json.loads(text)
     cls = validators.validator_for(schema, default=Draft202012Validator)
-    cls.check_schema(schema)
-    return cls(schema, format_checker=_format_checker(cls), registry=referencing.Registry())
+    cls.check_schema(schema, format_checker=_format_checker(cls, regex=False))
+    unevaluated = not _KEYWORDS_BY_RE <= {key for _, key, _ in _schema_entries(schema, ())}
+    if not unevaluated:
+        log.warning("a schema's unevaluatedProperties is not checked: it stands beside patternProperties")
+    return _linear(cls, unevaluated)(schema, format_checker=_format_checker(cls), registry=referencing.Registry())
 
 
 def compile_schema(schema: Any) -> Any:
@@ -1345,16 +1635,72 @@ def _schema_problem(schema: Any) -> tuple[tuple[Any, ...], str] | None:
             not isinstance(schema["$schema"], str) or validators.validator_for(schema, default=None) is None):
         return ("$schema",), f"{schema['$schema']!r} is not a JSON Schema dialect this daemon knows"
     cls = validators.validator_for(schema, default=Draft202012Validator)
-    try:
-        cls.check_schema(schema)
-    except SchemaError as exc:
-        return tuple(exc.absolute_path), f"not a valid JSON Schema: {exc.message}"
     entries = list(_schema_entries(schema, ()))
-    if any(key == "$id" for _, key, _ in entries):
-        return None   # relative references may name an embedded $id; they resolve within the schema or fail
+    for path, key, value in entries:   # before the meta-schema, which points at the mapping, not the key
+        if key == "patternProperties" and isinstance(value, dict):
+            for pattern in value:
+                if _re2_compile(pattern)[0] is None:
+                    return path + (key, pattern), _pattern_refusal(pattern)
+    try:
+        cls.check_schema(schema, format_checker=_format_checker(cls))
+    except SchemaError as exc:
+        if exc.validator == "format" and exc.validator_value == "regex":
+            return tuple(exc.absolute_path), _pattern_refusal(exc.instance)
+        return tuple(exc.absolute_path), f"not a valid JSON Schema: {exc.message}"
+    if _KEYWORDS_BY_RE <= {key for _, key, _ in entries}:
+        path = next(path for path, key, _ in entries if key == "unevaluatedProperties")
+        return path + ("unevaluatedProperties",), (
+            "unevaluatedProperties beside patternProperties cannot be checked in linear time; "
+            "use additionalProperties")
     for path, key, value in entries:
-        if key in ("$ref", "$dynamicRef") and isinstance(value, str) and not value.startswith("#"):
-            return path + (key,), f"{value!r} is outside the schema; references are never fetched, so use #/$defs/..."
+        if key == "$id" and isinstance(value, str) and _remote(value):
+            return path + (key,), (f"{value!r} is a base outside the daemon, and references are never fetched; "
+                                   "leave out this $id and refer within the schema by #/$defs/...")
+    return _unheld_reference(schema, cls)
+
+
+def _remote(uri: str) -> bool:
+    """Whether an `$id` names a place (`https://...`, `file:...`) rather than a name (`urn:`, `tag:`)."""
+    try:
+        parts = urllib.parse.urlsplit(uri)
+    except ValueError:
+        return True
+    return bool(parts.netloc) or parts.scheme.lower() not in ("", "urn", "tag")
+
+
+def _unheld_reference(schema: Any, cls: Any) -> tuple[tuple[Any, ...], str] | None:
+    """The first `$ref` (or `$dynamicRef`) that `schema` does not hold itself, or None.
+
+    Each is looked up as the validator will, from the base its enclosing `$id`s make, in a
+    registry that holds the schema and nothing else.
+    """
+    spec = referencing.jsonschema.specification_with(cls.META_SCHEMA.get("$id", ""),
+                                                      default=referencing.jsonschema.DRAFT202012)
+    root = spec.create_resource(schema)
+    registry = referencing.Registry().with_resource(root.id() or "", root).crawl()
+
+    def refs(node: Any, path: tuple[Any, ...], base: str) -> Iterable[tuple[tuple[Any, ...], str, str, str]]:
+        if isinstance(node, dict):
+            try:
+                ident = spec.id_of(node)
+            except (AttributeError, TypeError):
+                ident = None
+            base = urllib.parse.urljoin(base, ident) if isinstance(ident, str) else base
+            for k, v in node.items():
+                if k in ("$ref", "$dynamicRef") and isinstance(v, str):
+                    yield path, k, v, base
+                yield from refs(v, path + (k,), base)
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                yield from refs(v, path + (i,), base)
+
+    for path, key, ref, base in refs(schema, (), ""):
+        try:
+            registry.resolver(base_uri=base).lookup(ref)
+        except (referencing.exceptions.Unresolvable, ValueError):
+            if ref.startswith("#"):
+                return path + (key,), f"{ref!r} points at nothing in the schema"
+            return path + (key,), f"{ref!r} is outside the schema; references are never fetched, so use #/$defs/..."
     return None
 
 
