@@ -60,7 +60,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from decimal import Decimal
 from pathlib import Path
-from typing import Any, Callable, Final, Iterable
+from typing import Any, Callable, Final, Iterable, Protocol
 
 import re2
 import referencing
@@ -660,7 +660,7 @@ class _Ulid:
 
     def __call__(self) -> str:
         with self._lock:
-            ms = int(time.time() * 1000)
+            ms = WALL.now_ms()
             if ms <= self._last_ms:
                 ms = self._last_ms
                 self._last_rand += 1
@@ -795,7 +795,19 @@ def has_control_char(text: str) -> bool:
 
 # The clock. Every schedule of the product reads one clock object; `ManualClock` stands still
 # until told to move, so tests and demos show a two-day expiry in a second. Times are integer
-# milliseconds since the epoch, in the database and in memory; RFC 3339 only at the edges.
+# milliseconds since the epoch, in the database and in memory; RFC 3339 only at the edges. Nothing
+# else reads the time of day: what is not the daemon's schedule (a ULID's time, a Retry-After date,
+# the command line's token stamps) reads `WALL`, the system clock.
+
+class Clock(Protocol):
+    """What every reader of the time sees: the daemon's clock, system or manual."""
+
+    manual: bool
+
+    def now_ms(self) -> int: ...
+
+    def on_change(self, callback: Callable[[], None]) -> None: ...
+
 
 class SystemClock:
     manual = False
@@ -811,7 +823,7 @@ class ManualClock:
     manual = True
 
     def __init__(self, start_ms: int | None = None) -> None:
-        self._now = start_ms if start_ms is not None else int(time.time() * 1000)
+        self._now = start_ms if start_ms is not None else WALL.now_ms()
         self._listeners: list[Callable[[], None]] = []
 
     def now_ms(self) -> int:
@@ -829,6 +841,9 @@ class ManualClock:
     def on_change(self, callback: Callable[[], None]) -> None:
         self._listeners.append(callback)
 
+
+#: The system clock, for what is not the daemon's schedule.
+WALL: Final = SystemClock()
 
 #: 9999-12-31T23:59:59.999Z: the last moment RFC 3339 writes; no clock moves past it.
 MAX_TIME_MS: Final = 253_402_300_799_999
@@ -3758,7 +3773,7 @@ def _retry_after_ms(exc: BaseException) -> int | None:
                 return int(value.strip()) * 1000
             with contextlib.suppress(Exception):
                 from email.utils import parsedate_to_datetime
-                return max(0, int((parsedate_to_datetime(value).timestamp() - time.time()) * 1000))
+                return max(0, int(parsedate_to_datetime(value).timestamp() * 1000) - WALL.now_ms())
     return None
 
 
@@ -4284,7 +4299,7 @@ def session_ended(row: Row, now: int) -> bool:
 class TimerWheel:
     """The daemon's one timer task: a heap of (due, key) mirrored from the `timers` table."""
 
-    def __init__(self, clock: SystemClock | ManualClock, fire: Callable[[list[str]], Any]) -> None:
+    def __init__(self, clock: Clock, fire: Callable[[list[str]], Any]) -> None:
         self.clock = clock
         self.fire = fire
         self._heap: list[tuple[int, str]] = []
@@ -5541,7 +5556,7 @@ class Engine(_EngineDefinitions, _EngineRuns, _EngineSystemCalls, _EngineInbox, 
     (the store, the clock, the timer wheel, waiters, caches and tool sessions) and the life cycle.
     """
 
-    def __init__(self, store: Store, clock: SystemClock | ManualClock, config: Config) -> None:
+    def __init__(self, store: Store, clock: Clock, config: Config) -> None:
         self.store = store
         self.clock = clock
         self.config = config
@@ -7442,7 +7457,7 @@ def create_token(tx: Tx, role: str, playbook: str | None, name: str | None,
                          " or make a reader or writer token for one playbook")
     secret = new_token_secret()
     token_id = "tok_" + new_ulid().lower()
-    at = now if now is not None else int(time.time() * 1000)
+    at = now if now is not None else WALL.now_ms()
     session = purpose == "session"
     tx.insert_token(token_id=token_id, digest=sha256_hex(secret), playbook=playbook, role=role, name=name,
                     purpose=purpose, now=at, used_at=at if session else None,
@@ -8954,7 +8969,7 @@ def render_markdown(text: str) -> str:
 async def trade_login_token(store: Store, secret: str, now: int | None = None) -> str | None:
     """Revoke a one-time login token and make a session token of its role; None when it is spent.
     `now` is the daemon's clock: the session expires on it."""
-    now = now if now is not None else int(time.time() * 1000)
+    now = now if now is not None else WALL.now_ms()
 
     def change(tx: Tx, fx: Effects) -> str | None:
         row = tx.spend_login(sha256_hex(secret), now)
@@ -8990,7 +9005,7 @@ async def h_login(request: web.Request) -> web.Response:
 async def h_logout(request: web.Request) -> web.Response:
     secret = request.cookies.get(SESSION_COOKIE)
     if secret:
-        digest, now = sha256_hex(secret), int(time.time() * 1000)
+        digest, now = sha256_hex(secret), request.app[ENGINE_KEY].clock.now_ms()
         await request.app[ENGINE_KEY].store.write(lambda tx, fx: tx.end_session(digest, now))
         request.app[TOKENS_KEY].pop(digest, None)
     resp = web.Response(status=204, headers={"Cache-Control": "no-store"})
@@ -9808,7 +9823,7 @@ class EngineLock:
             self.fh = None
 
 
-def _make_clock(name: str, host: str) -> SystemClock | ManualClock:
+def _make_clock(name: str, host: str) -> Clock:
     if name == "manual":
         if host not in ("127.0.0.1", "localhost", "::1"):
             raise SystemExit("--clock manual is for tests and demos: it needs --host 127.0.0.1")
@@ -9828,7 +9843,7 @@ async def _serve(args: Any, config: Config) -> int:
         secret = ensure_operator_token(db)
         tx = open_sync(db)
         # One login link at a time: the link an earlier start printed stops working.
-        tx.revoke_logins(int(time.time() * 1000))
+        tx.revoke_logins(WALL.now_ms())
         _, login = create_token(tx, "operator", None, "inbox login", purpose="login")
         tx.close()
         engine = Engine(Store(db), _make_clock(args.clock, host), config)
@@ -10016,7 +10031,7 @@ def _cli_token(args: Any, db: str) -> int:
         elif args.token_cmd == "list":
             # API tokens and inbox sessions (a session's state on this machine's clock; the daemon's
             # own clock decides); login links are one-time and not listed.
-            now = int(time.time() * 1000)
+            now = WALL.now_ms()
             idle_ms = int(INBOX_SESSION_IDLE.total_seconds() * 1000)
             for r in tx.listed_tokens():
                 state = "revoked" if r["revoked_at"] else "expired" if session_ended(r, now) else "active"
@@ -10027,7 +10042,7 @@ def _cli_token(args: Any, db: str) -> int:
                             f" ends {fmt_time(ends)} at the latest"
                 print(line)
         else:
-            if not tx.revoke_token(args.id, int(time.time() * 1000)):
+            if not tx.revoke_token(args.id, WALL.now_ms()):
                 print(f"interactiond: no active token {args.id}", file=sys.stderr)
                 return 1
             print(f"revoked {args.id}")
