@@ -15,17 +15,32 @@ The module reads top to bottom, each section using only those above it:
 
     Constants and limits      every bound of the product, with its reason
     Problems                  one exception type carrying an RFC 9457 problem object
+    States                    run, request and delivery states; transition tables; the ENDINGS table
     Small parsers             durations, JSON Pointers, ids, the clock, JSON helpers
     Templates                 python-liquid with limits, static analysis, typed rendering
     Documents                 YAML front matter with lines, save-time rules, reply rules, overview
-    Store                     SQLite schema, one writer with group commit, reader queries
+    Settings                  the configuration file: tool servers, playbooks, secrets
+    Store                     the schema and migrations, one writer with group commit, a reader, and
+                              SQLiteTx: every SQL statement, as named, guarded operations
     Tool servers              MCP client sessions, one owner task per server
     Engine                    runs, requests, deliveries, readings, the timer task
+    Workflows                 the workflow language, its checker and its step-by-step executor
     HTTP API                  aiohttp routes, problem+json, auth, OpenAPI
     MCP server                the same operations as MCP tools over three transports
     Typed API and client      /v2/interactions and interactiond.Client
     Web inbox                 the page a person answers on
     Command line              serve, stdio, check, token, run, inbox, answer
+    The page's text           the inbox page's HTML, CSS and script
+
+How to change it:
+
+    a new ending              one row of ENDINGS (States): its run status, request status, kind,
+                              problem, HTTP, v2 and stream names follow from it; then the code
+                              that reaches it calls end_run / close_request with it
+    a field of the run        a column in schema.sql (and SCHEMA_SQL, and a step in MIGRATIONS),
+                              the INSERT in SQLiteTx.insert_run, and one line in run_object
+    a state change            an operation of SQLiteTx: one UPDATE guarded by the states it may
+                              leave (allowed_from), whose empty RETURNING means "not allowed"
 """
 
 from __future__ import annotations
@@ -9056,6 +9071,472 @@ def mount_web(app: web.Application) -> None:
     app.router.add_get("/web/orgs/{org}/playbooks/{playbook}/counts", h_web_counts)
 
 
+# Command line ###################################################################################
+#
+# `serve` and `stdio` run the engine; `check` and `token` work on files; `run`, `inbox` and
+# `answer` are thin clients of the HTTP API. Files beside the database (mode 0600): `.lock` (the
+# engine's OS lock), `.token` (the operator token the first start made) and `.url` (where the
+# running engine listens).
+
+def build_app(engine: Engine, *, manage_engine: bool = True, hosts: Iterable[str] = ()) -> web.Application:
+    """The aiohttp application over an engine (started and stopped with the app when asked)."""
+    app = web.Application(middlewares=[api_middleware], client_max_size=MAX_BODY_BYTES)
+    app[ENGINE_KEY] = engine
+    app[TOKENS_KEY] = {}
+    for r in ROUTES:
+        app.router.add_route(r.method, r.path, r.handler)
+    mount_mcp(app, engine, sorted({"127.0.0.1:*", "localhost:*", "[::1]:*", *(f"{h}:*" for h in hosts)}))
+    mount_typed_api(app)
+    mount_web(app)
+
+    async def end_waits(app: web.Application) -> None:
+        engine.end_waits()              # with the streams ended above: a stop takes no long poll's time
+    app.on_shutdown.append(end_waits)
+    if manage_engine:
+        async def lifecycle(app: web.Application) -> Any:
+            await engine.store.open()
+            await engine.start()
+            yield
+            await engine.stop()
+            await engine.store.close()
+        app.cleanup_ctx.append(lifecycle)
+    return app
+
+
+def _beside(db: str, suffix: str) -> Path:
+    return Path(db + suffix)
+
+
+def _write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    os.chmod(path, 0o600)
+
+
+def ensure_operator_token(db: str) -> str:
+    """The operator token the first start made (written beside the database), made now if missing."""
+    path = _beside(db, ".token")
+    tx = open_sync(db)
+    try:
+        if path.exists():
+            secret = path.read_text().strip()
+            if tx.token_known(sha256_hex(secret)):
+                return secret
+        _, secret = create_token(tx, "operator", None, "first start")
+        _write_private(path, secret + "\n")
+        return secret
+    finally:
+        tx.close()
+
+
+class EngineLock:
+    """The OS lock that makes one engine per database file."""
+
+    def __init__(self, db: str) -> None:
+        self.path = _beside(db, ".lock")
+        self.fh: Any = None
+
+    def acquire(self) -> bool:
+        self.fh = os.fdopen(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600), "a+")
+        try:
+            fcntl.flock(self.fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self.fh.close()
+            self.fh = None
+            return False
+        self.fh.seek(0)
+        self.fh.truncate()
+        self.fh.write(str(os.getpid()))
+        self.fh.flush()
+        return True
+
+    def holder(self) -> str:
+        try:
+            return self.path.read_text().strip() or "unknown"
+        except OSError:
+            return "unknown"
+
+    def release(self) -> None:
+        if self.fh is not None:
+            fcntl.flock(self.fh, fcntl.LOCK_UN)
+            self.fh.close()
+            self.fh = None
+
+
+def _make_clock(name: str, host: str) -> Clock:
+    if name == "manual":
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            raise SystemExit("--clock manual is for tests and demos: it needs --host 127.0.0.1")
+        return ManualClock()
+    return SystemClock()
+
+
+async def _serve(args: Any, config: Config) -> int:
+    db = args.db or os.environ.get("INTERACTIOND_DB") or config.database
+    host = args.host or config.host
+    port = args.port if args.port is not None else config.port
+    lock = EngineLock(db)
+    if not lock.acquire():
+        print(f"interactiond: {db} is already served by process {lock.holder()}; stop it first", file=sys.stderr)
+        return 1
+    try:
+        secret = ensure_operator_token(db)
+        tx = open_sync(db)
+        # One login link at a time: the link an earlier start printed stops working.
+        tx.revoke_logins(WALL.now_ms())
+        _, login = create_token(tx, "operator", None, "inbox login", purpose="login")
+        tx.close()
+        engine = Engine(Store(db), _make_clock(args.clock, host), config)
+        app = build_app(engine)
+        runner = web.AppRunner(app, handle_signals=False, access_log=None)   # a log line per request cost 1/6 of the loop
+        await runner.setup()
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound = runner.addresses[0][1] if runner.addresses else port
+        url = f"http://{host}:{bound}"
+        _write_private(_beside(db, ".url"), url + "\n")
+        print(f"interactiond {__version__} serving {db} at {url}", flush=True)
+        print(f"inbox: {url}/login?token={login}", flush=True)
+        print(f"operator token: {_beside(db, '.token')}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        print("interactiond: stopping", file=sys.stderr, flush=True)
+        await runner.cleanup()
+        with contextlib.suppress(OSError):
+            _beside(db, ".url").unlink()
+        return 0
+    finally:
+        lock.release()
+
+
+async def _stdio(args: Any, config: Config) -> int:
+    """MCP over stdin/stdout: the engine itself, or a thin front over the engine that runs already."""
+    from mcp.server.stdio import stdio_server
+
+    db = args.db or os.environ.get("INTERACTIOND_DB") or config.database
+    if args.playbook and not PLAYBOOK_RE.fullmatch(args.playbook):
+        print("interactiond: --playbook is ORG/NAME", file=sys.stderr)
+        return 2
+    lock = EngineLock(db)
+    if not lock.acquire():
+        return await _stdio_front(db, args.playbook)
+    runner = None
+    try:
+        ensure_operator_token(db)
+        engine = Engine(Store(db), SystemClock(), config)
+        if args.playbook and args.playbook not in engine.playbooks:
+            print(f"interactiond: no playbook {args.playbook} in the configuration", file=sys.stderr)
+            return 2
+        await engine.store.open()
+        await engine.start()
+        if args.http is not None:
+            runner = web.AppRunner(build_app(engine, manage_engine=False), handle_signals=False)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", args.http).start()
+            bound = runner.addresses[0][1] if runner.addresses else args.http
+            _write_private(_beside(db, ".url"), f"http://127.0.0.1:{bound}\n")
+            print(f"interactiond: HTTP at http://127.0.0.1:{bound}", file=sys.stderr)
+        server = make_mcp_server(engine, caller=Caller("stdio", Role.OPERATOR, args.playbook),
+                                 scoped_playbook=args.playbook)
+        async with stdio_server() as (read, write):
+            await server.run(read, write, server.create_initialization_options())
+        return 0
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+            with contextlib.suppress(OSError):
+                _beside(db, ".url").unlink()
+        if "engine" in locals():
+            await engine.stop()
+            await engine.store.close()
+        lock.release()
+
+
+async def _stdio_front(db: str, playbook: str | None) -> int:
+    """Another process runs the engine of this file: relay MCP to its /mcp endpoint."""
+    import httpx2
+    from mcp import Client
+    from mcp import types as mt
+    from mcp.client.streamable_http import streamable_http_client
+    from mcp.server import Server as _McpServer
+    from mcp.server.stdio import stdio_server
+
+    try:
+        url = _beside(db, ".url").read_text().strip()
+        token = _beside(db, ".token").read_text().strip()
+    except OSError:
+        print(f"interactiond: {db} is served by another process, which publishes no URL (start it with serve)",
+              file=sys.stderr)
+        return 1
+    async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=httpx2.Timeout(90)) as http:
+        async with Client(streamable_http_client(url + "/mcp", http_client=http)) as upstream:
+            async def list_tools(ctx: Any, params: Any) -> mt.ListToolsResult:
+                tools = (await upstream.list_tools()).tools
+                if playbook:
+                    for t in tools:
+                        t.input_schema.get("properties", {}).pop("playbook", None)
+                return mt.ListToolsResult(tools=tools)
+
+            async def call_tool(ctx: Any, params: Any) -> mt.CallToolResult:
+                args = dict(params.arguments or {})
+                if playbook:
+                    args["playbook"] = playbook
+
+                async def relay(progress: float, total: float | None, message: str | None) -> None:
+                    await ctx.session.report_progress(progress, total, message)
+                return await upstream.call_tool(params.name, args, progress_callback=relay)
+
+            server = _McpServer("interactiond", version=__version__, on_list_tools=list_tools, on_call_tool=call_tool)
+            async with stdio_server() as (read, write):
+                await server.run(read, write, server.create_initialization_options())
+    return 0
+
+
+def _client_token(args: Any, db: str) -> tuple[str, str]:
+    url = args.url
+    if not url:
+        try:
+            url = _beside(db, ".url").read_text().strip()
+        except OSError:
+            url = "http://127.0.0.1:8765"
+    token = args.token or os.environ.get("INTERACTIOND_TOKEN")
+    if not token:
+        try:
+            token = _beside(db, ".token").read_text().strip()
+        except OSError:
+            raise SystemExit("no token: pass --token, set INTERACTIOND_TOKEN, or run beside the database that serve made")
+    return url.rstrip("/"), token
+
+
+def _http(method: str, url: str, token: str, body: Any = None) -> tuple[int, Any]:
+    data = dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method, headers={
+        "Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=70) as resp:
+            return resp.status, json.loads(resp.read() or b"null")
+    except urllib.error.HTTPError as exc:
+        raw = exc.read()
+        try:
+            return exc.code, json.loads(raw)
+        except ValueError:
+            return exc.code, {"detail": raw.decode(errors="replace")}
+
+
+def _cli_client(args: Any, db: str) -> int:
+    url, token = _client_token(args, db)
+    org, _, name = args.playbook.partition("/")
+    base = f"{url}/v1/orgs/{org}/playbooks/{name}"
+    if args.cmd == "define":
+        try:
+            source = Path(args.file).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise SystemExit(f"interactiond: {args.file}: {exc.strerror}")
+        type_ = args.type or ("workflow" if args.file.endswith((".yaml", ".yml")) else "interaction")
+        status, out = _http("POST", f"{base}/definitions", token,
+                            {"type": type_, "name": args.name or Path(args.file).stem, "source": source})
+    elif args.cmd == "run":
+        try:
+            input_ = read_json(args.input)
+        except ValueError as exc:
+            raise SystemExit(f"--input is JSON: {exc}")
+        status, out = _http("POST", f"{base}/runs", token, {"type": args.type, "name": args.name, "input": input_,
+                                                             **({"run_id": args.run_id} if args.run_id else {})})
+    elif args.cmd == "inbox":
+        query = f"?to={urllib.request.quote(args.to)}" if args.to else ""
+        status, out = _http("GET", f"{base}/interactions{query}", token)
+    else:
+        try:
+            answer = read_json(args.answer)
+        except ValueError as exc:
+            raise SystemExit(f"the answer is JSON: {exc}")
+        status, out = _http("POST", f"{base}/runs/{args.run_id}/answer", token, {"answer": answer})
+    print(json.dumps(out, indent=2, ensure_ascii=False))
+    return 0 if status < 400 else 1
+
+
+def _cli_token(args: Any, db: str) -> int:
+    tx = open_sync(db)
+    try:
+        if args.token_cmd == "create":
+            try:
+                token_id, secret = create_token(tx, args.role, args.playbook, args.name)
+            except ValueError as exc:
+                print(f"interactiond: {exc}", file=sys.stderr)
+                return 2
+            print(f"{token_id} {secret}")
+        elif args.token_cmd == "list":
+            # API tokens and inbox sessions (a session's state on this machine's clock; the daemon's
+            # own clock decides); login links are one-time and not listed.
+            now = WALL.now_ms()
+            idle_ms = int(INBOX_SESSION_IDLE.total_seconds() * 1000)
+            for r in tx.listed_tokens():
+                state = "revoked" if r["revoked_at"] else "expired" if session_ended(r, now) else "active"
+                line = f"{r['id']}\t{r['role']}\t{r['playbook'] or '*'}\t{state}\t{r['name'] or ''}"
+                if r["purpose"] == "session":
+                    ends = min(r["expires_at"], r["used_at"] + idle_ms)
+                    line += f"\tsession, signed in {fmt_time(r['created_at'])}, last used {fmt_time(r['used_at'])}," \
+                            f" ends {fmt_time(ends)} at the latest"
+                print(line)
+        else:
+            if not tx.revoke_token(args.id, WALL.now_ms()):
+                print(f"interactiond: no active token {args.id}", file=sys.stderr)
+                return 1
+            print(f"revoked {args.id}")
+        return 0
+    finally:
+        tx.close()
+
+
+# -- logs: no token, link, cookie or session id in a line ------------------------------------------
+#
+# aiohttp's bad-request log quotes the request line and headers it could not parse (a login
+# link's `?token=`, a bearer token, the session cookie); the MCP SDK logs session ids. A filter on
+# the root handler (and on those loggers) rewrites each record before it is written, and the SDK's
+# chatty loggers only speak from WARNING up.
+
+#: A name and its value: `name=v`, `name: v`, `'name': 'v'`, `(b'name', b'v'`.
+_SEP: Final = r"""([ \t]*[:=][ \t]*['"]?|['"][ \t]*[:,][ \t]*b?['"])"""
+_REDACT: Final = (
+    (re.compile(r"(?i)\b(bearer|basic)(\s+)[A-Za-z0-9._~+/=-]+"), r"\1\2[redacted]"),
+    (re.compile(r"(?i)\b(authorization|proxy-authorization|cookie|set-cookie)" + _SEP + r"[^\r\n'\"]+"),
+     r"\1\2[redacted]"),
+    (re.compile(r"(?i)\b(token|session_id|mcp-session-id|interactiond_session)" + _SEP + r"[A-Za-z0-9_.~%-]+"),
+     r"\1\2[redacted]"),
+    (re.compile(r"\bitd_[A-Za-z0-9_-]+"), "itd_[redacted]"),
+    (re.compile(r"(?i)\b[0-9a-f]{8}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{12}\b"), "[session id]"),
+)
+#: Loggers that speak of each request or session at INFO; quiet below WARNING.
+QUIET_LOGGERS: Final = ("mcp", "httpx2", "sse_starlette")
+
+
+def redact(text: str) -> str:
+    """`text` with tokens, `token=` values, Authorization and Cookie values and session ids taken out."""
+    for pattern, replacement in _REDACT:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+class RedactingFilter(logging.Filter):
+    """Rewrites a record's message, traceback and stack with `redact` (it never drops a record)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:
+            message = str(record.msg)
+        record.msg, record.args = redact(message), None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = redact(record.exc_text)
+        if record.stack_info:
+            record.stack_info = redact(record.stack_info)
+        return True
+
+
+def install_log_redaction() -> None:
+    """Put the redacting filter on every root handler and the loggers that quote requests; quiet the SDK."""
+    redacting = RedactingFilter()
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, RedactingFilter) for f in handler.filters):
+            handler.addFilter(redacting)
+    for name in ("aiohttp.server", "aiohttp.access", "aiohttp.web", "aiohttp.client", *QUIET_LOGGERS):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, RedactingFilter) for f in logger.filters):
+            logger.addFilter(redacting)
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="interactiond", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=__version__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    def common(p: Any) -> None:
+        p.add_argument("--db", help="the SQLite file (env: INTERACTIOND_DB; default: the configuration's database:,"
+                                     " else ./interactiond.db)")
+        p.add_argument("--config", help="the operator configuration, YAML (env: INTERACTIOND_CONFIG)")
+
+    p = sub.add_parser("serve", help="run the daemon: HTTP API, MCP over HTTP, the inbox page")
+    common(p)
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--clock", choices=["system", "manual"], default="system",
+                   help="manual: time moves only through POST /v1/admin/clock (tests and demos)")
+    p = sub.add_parser("stdio", help="MCP over stdin/stdout for a local agent")
+    common(p)
+    p.add_argument("--playbook", help="scope the connection to one playbook, ORG/NAME")
+    p.add_argument("--http", type=int, metavar="PORT", help="also serve the HTTP API and the inbox on this port")
+    p = sub.add_parser("check", help="validate function documents; exit 1 on any problem")
+    common(p)
+    p.add_argument("files", nargs="+")
+    p = sub.add_parser("token", help="create, list or revoke API tokens; list or end inbox sessions")
+    tsub = p.add_subparsers(dest="token_cmd", required=True)
+    t = tsub.add_parser("create", help="print a new token once")
+    common(t)
+    t.add_argument("--playbook", help="bind the token to one playbook, ORG/NAME")
+    t.add_argument("--role", required=True, choices=[r.value for r in Role])
+    t.add_argument("--name")
+    common(tsub.add_parser("list", help="list tokens and inbox sessions (never their secrets)"))
+    t = tsub.add_parser("revoke", help="revoke a token, or end an inbox session, by its id")
+    common(t)
+    t.add_argument("id")
+    for name, helptext in (("define", "save a definition from a file"), ("run", "start a run"),
+                           ("inbox", "list open requests"), ("answer", "answer a request")):
+        p = sub.add_parser(name, help=helptext)
+        common(p)
+        p.add_argument("--url", help="the daemon's URL (default: the one serve wrote beside the database)")
+        p.add_argument("--token", help="an API token (env: INTERACTIOND_TOKEN)")
+        p.add_argument("--playbook", default=DEFAULT_PLAYBOOK)
+        if name == "define":
+            p.add_argument("file", help="a function document (.md) or a workflow (.yaml)")
+            p.add_argument("--name", help="the definition's name (default: the file's name without extension)")
+            p.add_argument("--type", choices=["interaction", "workflow"])
+        elif name == "run":
+            p.add_argument("type", choices=["interaction", "workflow"])
+            p.add_argument("name")
+            p.add_argument("--input", default="{}")
+            p.add_argument("--run-id")
+        elif name == "inbox":
+            p.add_argument("--to")
+        else:
+            p.add_argument("run_id")
+            p.add_argument("answer")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s")
+    install_log_redaction()
+    if args.cmd == "check":
+        return check_documents(args.files, parsers={".yaml": parse_workflow, ".yml": parse_workflow})
+    try:
+        config = load_config(args.config or os.environ.get("INTERACTIOND_CONFIG"))
+    except ConfigError as exc:
+        for problem in exc.problems:
+            print(f"interactiond: configuration: {problem}", file=sys.stderr)
+        return 2
+    # The database: --db, else INTERACTIOND_DB, else the configuration's `database:` (default ./interactiond.db).
+    db = args.db or os.environ.get("INTERACTIOND_DB") or config.database
+    if args.cmd == "token":
+        return _cli_token(args, db)
+    if args.cmd in ("define", "run", "inbox", "answer"):
+        return _cli_client(args, db)
+    if args.cmd == "stdio":
+        return asyncio.run(_stdio(args, config))
+    return asyncio.run(_serve(args, config))
+
+
+# The page's text ################################################################################
+#
+# The inbox page's stylesheet, script and HTML, last so the code above reads without them. The
+# page is one document with its style and script inline, allowed by their hashes (INBOX_HEADERS).
+
 _INBOX_CSS: Final = """
 :root { color-scheme: light dark; --fg: #1c1f24; --bg: #f5f6f8; --card: #fff; --line: #cfd5de; --muted: #565e6b;
   --accent: #1b5cc4; --on-accent: #fff; --err: #b0001e; --ok: #1b7a3a; }
@@ -9728,467 +10209,6 @@ LOGIN_SPENT_HTML: Final = """<!doctype html>
 <p>It was used already, or it is not one this daemon made. Each inbox link works once; every start of
 <code>interactiond serve</code> prints a new one.</p></body></html>
 """
-
-
-# Command line ###################################################################################
-#
-# `serve` and `stdio` run the engine; `check` and `token` work on files; `run`, `inbox` and
-# `answer` are thin clients of the HTTP API. Files beside the database (mode 0600): `.lock` (the
-# engine's OS lock), `.token` (the operator token the first start made) and `.url` (where the
-# running engine listens).
-
-def build_app(engine: Engine, *, manage_engine: bool = True, hosts: Iterable[str] = ()) -> web.Application:
-    """The aiohttp application over an engine (started and stopped with the app when asked)."""
-    app = web.Application(middlewares=[api_middleware], client_max_size=MAX_BODY_BYTES)
-    app[ENGINE_KEY] = engine
-    app[TOKENS_KEY] = {}
-    for r in ROUTES:
-        app.router.add_route(r.method, r.path, r.handler)
-    mount_mcp(app, engine, sorted({"127.0.0.1:*", "localhost:*", "[::1]:*", *(f"{h}:*" for h in hosts)}))
-    mount_typed_api(app)
-    mount_web(app)
-
-    async def end_waits(app: web.Application) -> None:
-        engine.end_waits()              # with the streams ended above: a stop takes no long poll's time
-    app.on_shutdown.append(end_waits)
-    if manage_engine:
-        async def lifecycle(app: web.Application) -> Any:
-            await engine.store.open()
-            await engine.start()
-            yield
-            await engine.stop()
-            await engine.store.close()
-        app.cleanup_ctx.append(lifecycle)
-    return app
-
-
-def _beside(db: str, suffix: str) -> Path:
-    return Path(db + suffix)
-
-
-def _write_private(path: Path, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    os.chmod(path, 0o600)
-
-
-def ensure_operator_token(db: str) -> str:
-    """The operator token the first start made (written beside the database), made now if missing."""
-    path = _beside(db, ".token")
-    tx = open_sync(db)
-    try:
-        if path.exists():
-            secret = path.read_text().strip()
-            if tx.token_known(sha256_hex(secret)):
-                return secret
-        _, secret = create_token(tx, "operator", None, "first start")
-        _write_private(path, secret + "\n")
-        return secret
-    finally:
-        tx.close()
-
-
-class EngineLock:
-    """The OS lock that makes one engine per database file."""
-
-    def __init__(self, db: str) -> None:
-        self.path = _beside(db, ".lock")
-        self.fh: Any = None
-
-    def acquire(self) -> bool:
-        self.fh = os.fdopen(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600), "a+")
-        try:
-            fcntl.flock(self.fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            self.fh.close()
-            self.fh = None
-            return False
-        self.fh.seek(0)
-        self.fh.truncate()
-        self.fh.write(str(os.getpid()))
-        self.fh.flush()
-        return True
-
-    def holder(self) -> str:
-        try:
-            return self.path.read_text().strip() or "unknown"
-        except OSError:
-            return "unknown"
-
-    def release(self) -> None:
-        if self.fh is not None:
-            fcntl.flock(self.fh, fcntl.LOCK_UN)
-            self.fh.close()
-            self.fh = None
-
-
-def _make_clock(name: str, host: str) -> Clock:
-    if name == "manual":
-        if host not in ("127.0.0.1", "localhost", "::1"):
-            raise SystemExit("--clock manual is for tests and demos: it needs --host 127.0.0.1")
-        return ManualClock()
-    return SystemClock()
-
-
-async def _serve(args: Any, config: Config) -> int:
-    db = args.db or os.environ.get("INTERACTIOND_DB") or config.database
-    host = args.host or config.host
-    port = args.port if args.port is not None else config.port
-    lock = EngineLock(db)
-    if not lock.acquire():
-        print(f"interactiond: {db} is already served by process {lock.holder()}; stop it first", file=sys.stderr)
-        return 1
-    try:
-        secret = ensure_operator_token(db)
-        tx = open_sync(db)
-        # One login link at a time: the link an earlier start printed stops working.
-        tx.revoke_logins(WALL.now_ms())
-        _, login = create_token(tx, "operator", None, "inbox login", purpose="login")
-        tx.close()
-        engine = Engine(Store(db), _make_clock(args.clock, host), config)
-        app = build_app(engine)
-        runner = web.AppRunner(app, handle_signals=False, access_log=None)   # a log line per request cost 1/6 of the loop
-        await runner.setup()
-        site = web.TCPSite(runner, host, port)
-        await site.start()
-        bound = runner.addresses[0][1] if runner.addresses else port
-        url = f"http://{host}:{bound}"
-        _write_private(_beside(db, ".url"), url + "\n")
-        print(f"interactiond {__version__} serving {db} at {url}", flush=True)
-        print(f"inbox: {url}/login?token={login}", flush=True)
-        print(f"operator token: {_beside(db, '.token')}", flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-        print("interactiond: stopping", file=sys.stderr, flush=True)
-        await runner.cleanup()
-        with contextlib.suppress(OSError):
-            _beside(db, ".url").unlink()
-        return 0
-    finally:
-        lock.release()
-
-
-async def _stdio(args: Any, config: Config) -> int:
-    """MCP over stdin/stdout: the engine itself, or a thin front over the engine that runs already."""
-    from mcp.server.stdio import stdio_server
-
-    db = args.db or os.environ.get("INTERACTIOND_DB") or config.database
-    if args.playbook and not PLAYBOOK_RE.fullmatch(args.playbook):
-        print("interactiond: --playbook is ORG/NAME", file=sys.stderr)
-        return 2
-    lock = EngineLock(db)
-    if not lock.acquire():
-        return await _stdio_front(db, args.playbook)
-    runner = None
-    try:
-        ensure_operator_token(db)
-        engine = Engine(Store(db), SystemClock(), config)
-        if args.playbook and args.playbook not in engine.playbooks:
-            print(f"interactiond: no playbook {args.playbook} in the configuration", file=sys.stderr)
-            return 2
-        await engine.store.open()
-        await engine.start()
-        if args.http is not None:
-            runner = web.AppRunner(build_app(engine, manage_engine=False), handle_signals=False)
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", args.http).start()
-            bound = runner.addresses[0][1] if runner.addresses else args.http
-            _write_private(_beside(db, ".url"), f"http://127.0.0.1:{bound}\n")
-            print(f"interactiond: HTTP at http://127.0.0.1:{bound}", file=sys.stderr)
-        server = make_mcp_server(engine, caller=Caller("stdio", Role.OPERATOR, args.playbook),
-                                 scoped_playbook=args.playbook)
-        async with stdio_server() as (read, write):
-            await server.run(read, write, server.create_initialization_options())
-        return 0
-    finally:
-        if runner is not None:
-            await runner.cleanup()
-            with contextlib.suppress(OSError):
-                _beside(db, ".url").unlink()
-        if "engine" in locals():
-            await engine.stop()
-            await engine.store.close()
-        lock.release()
-
-
-async def _stdio_front(db: str, playbook: str | None) -> int:
-    """Another process runs the engine of this file: relay MCP to its /mcp endpoint."""
-    import httpx2
-    from mcp import Client
-    from mcp import types as mt
-    from mcp.client.streamable_http import streamable_http_client
-    from mcp.server import Server as _McpServer
-    from mcp.server.stdio import stdio_server
-
-    try:
-        url = _beside(db, ".url").read_text().strip()
-        token = _beside(db, ".token").read_text().strip()
-    except OSError:
-        print(f"interactiond: {db} is served by another process, which publishes no URL (start it with serve)",
-              file=sys.stderr)
-        return 1
-    async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=httpx2.Timeout(90)) as http:
-        async with Client(streamable_http_client(url + "/mcp", http_client=http)) as upstream:
-            async def list_tools(ctx: Any, params: Any) -> mt.ListToolsResult:
-                tools = (await upstream.list_tools()).tools
-                if playbook:
-                    for t in tools:
-                        t.input_schema.get("properties", {}).pop("playbook", None)
-                return mt.ListToolsResult(tools=tools)
-
-            async def call_tool(ctx: Any, params: Any) -> mt.CallToolResult:
-                args = dict(params.arguments or {})
-                if playbook:
-                    args["playbook"] = playbook
-
-                async def relay(progress: float, total: float | None, message: str | None) -> None:
-                    await ctx.session.report_progress(progress, total, message)
-                return await upstream.call_tool(params.name, args, progress_callback=relay)
-
-            server = _McpServer("interactiond", version=__version__, on_list_tools=list_tools, on_call_tool=call_tool)
-            async with stdio_server() as (read, write):
-                await server.run(read, write, server.create_initialization_options())
-    return 0
-
-
-def _client_token(args: Any, db: str) -> tuple[str, str]:
-    url = args.url
-    if not url:
-        try:
-            url = _beside(db, ".url").read_text().strip()
-        except OSError:
-            url = "http://127.0.0.1:8765"
-    token = args.token or os.environ.get("INTERACTIOND_TOKEN")
-    if not token:
-        try:
-            token = _beside(db, ".token").read_text().strip()
-        except OSError:
-            raise SystemExit("no token: pass --token, set INTERACTIOND_TOKEN, or run beside the database that serve made")
-    return url.rstrip("/"), token
-
-
-def _http(method: str, url: str, token: str, body: Any = None) -> tuple[int, Any]:
-    data = dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method, headers={
-        "Authorization": f"Bearer {token}", "Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=70) as resp:
-            return resp.status, json.loads(resp.read() or b"null")
-    except urllib.error.HTTPError as exc:
-        raw = exc.read()
-        try:
-            return exc.code, json.loads(raw)
-        except ValueError:
-            return exc.code, {"detail": raw.decode(errors="replace")}
-
-
-def _cli_client(args: Any, db: str) -> int:
-    url, token = _client_token(args, db)
-    org, _, name = args.playbook.partition("/")
-    base = f"{url}/v1/orgs/{org}/playbooks/{name}"
-    if args.cmd == "define":
-        try:
-            source = Path(args.file).read_text(encoding="utf-8")
-        except OSError as exc:
-            raise SystemExit(f"interactiond: {args.file}: {exc.strerror}")
-        type_ = args.type or ("workflow" if args.file.endswith((".yaml", ".yml")) else "interaction")
-        status, out = _http("POST", f"{base}/definitions", token,
-                            {"type": type_, "name": args.name or Path(args.file).stem, "source": source})
-    elif args.cmd == "run":
-        try:
-            input_ = read_json(args.input)
-        except ValueError as exc:
-            raise SystemExit(f"--input is JSON: {exc}")
-        status, out = _http("POST", f"{base}/runs", token, {"type": args.type, "name": args.name, "input": input_,
-                                                             **({"run_id": args.run_id} if args.run_id else {})})
-    elif args.cmd == "inbox":
-        query = f"?to={urllib.request.quote(args.to)}" if args.to else ""
-        status, out = _http("GET", f"{base}/interactions{query}", token)
-    else:
-        try:
-            answer = read_json(args.answer)
-        except ValueError as exc:
-            raise SystemExit(f"the answer is JSON: {exc}")
-        status, out = _http("POST", f"{base}/runs/{args.run_id}/answer", token, {"answer": answer})
-    print(json.dumps(out, indent=2, ensure_ascii=False))
-    return 0 if status < 400 else 1
-
-
-def _cli_token(args: Any, db: str) -> int:
-    tx = open_sync(db)
-    try:
-        if args.token_cmd == "create":
-            try:
-                token_id, secret = create_token(tx, args.role, args.playbook, args.name)
-            except ValueError as exc:
-                print(f"interactiond: {exc}", file=sys.stderr)
-                return 2
-            print(f"{token_id} {secret}")
-        elif args.token_cmd == "list":
-            # API tokens and inbox sessions (a session's state on this machine's clock; the daemon's
-            # own clock decides); login links are one-time and not listed.
-            now = WALL.now_ms()
-            idle_ms = int(INBOX_SESSION_IDLE.total_seconds() * 1000)
-            for r in tx.listed_tokens():
-                state = "revoked" if r["revoked_at"] else "expired" if session_ended(r, now) else "active"
-                line = f"{r['id']}\t{r['role']}\t{r['playbook'] or '*'}\t{state}\t{r['name'] or ''}"
-                if r["purpose"] == "session":
-                    ends = min(r["expires_at"], r["used_at"] + idle_ms)
-                    line += f"\tsession, signed in {fmt_time(r['created_at'])}, last used {fmt_time(r['used_at'])}," \
-                            f" ends {fmt_time(ends)} at the latest"
-                print(line)
-        else:
-            if not tx.revoke_token(args.id, WALL.now_ms()):
-                print(f"interactiond: no active token {args.id}", file=sys.stderr)
-                return 1
-            print(f"revoked {args.id}")
-        return 0
-    finally:
-        tx.close()
-
-
-# -- logs: no token, link, cookie or session id in a line ------------------------------------------
-#
-# aiohttp's bad-request log quotes the request line and headers it could not parse (a login
-# link's `?token=`, a bearer token, the session cookie); the MCP SDK logs session ids. A filter on
-# the root handler (and on those loggers) rewrites each record before it is written, and the SDK's
-# chatty loggers only speak from WARNING up.
-
-#: A name and its value: `name=v`, `name: v`, `'name': 'v'`, `(b'name', b'v'`.
-_SEP: Final = r"""([ \t]*[:=][ \t]*['"]?|['"][ \t]*[:,][ \t]*b?['"])"""
-_REDACT: Final = (
-    (re.compile(r"(?i)\b(bearer|basic)(\s+)[A-Za-z0-9._~+/=-]+"), r"\1\2[redacted]"),
-    (re.compile(r"(?i)\b(authorization|proxy-authorization|cookie|set-cookie)" + _SEP + r"[^\r\n'\"]+"),
-     r"\1\2[redacted]"),
-    (re.compile(r"(?i)\b(token|session_id|mcp-session-id|interactiond_session)" + _SEP + r"[A-Za-z0-9_.~%-]+"),
-     r"\1\2[redacted]"),
-    (re.compile(r"\bitd_[A-Za-z0-9_-]+"), "itd_[redacted]"),
-    (re.compile(r"(?i)\b[0-9a-f]{8}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{12}\b"), "[session id]"),
-)
-#: Loggers that speak of each request or session at INFO; quiet below WARNING.
-QUIET_LOGGERS: Final = ("mcp", "httpx2", "sse_starlette")
-
-
-def redact(text: str) -> str:
-    """`text` with tokens, `token=` values, Authorization and Cookie values and session ids taken out."""
-    for pattern, replacement in _REDACT:
-        text = pattern.sub(replacement, text)
-    return text
-
-
-class RedactingFilter(logging.Filter):
-    """Rewrites a record's message, traceback and stack with `redact` (it never drops a record)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        try:
-            message = record.getMessage()
-        except Exception:
-            message = str(record.msg)
-        record.msg, record.args = redact(message), None
-        if record.exc_info and not record.exc_text:
-            record.exc_text = logging.Formatter().formatException(record.exc_info)
-        if record.exc_text:
-            record.exc_text = redact(record.exc_text)
-        if record.stack_info:
-            record.stack_info = redact(record.stack_info)
-        return True
-
-
-def install_log_redaction() -> None:
-    """Put the redacting filter on every root handler and the loggers that quote requests; quiet the SDK."""
-    redacting = RedactingFilter()
-    for handler in logging.getLogger().handlers:
-        if not any(isinstance(f, RedactingFilter) for f in handler.filters):
-            handler.addFilter(redacting)
-    for name in ("aiohttp.server", "aiohttp.access", "aiohttp.web", "aiohttp.client", *QUIET_LOGGERS):
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, RedactingFilter) for f in logger.filters):
-            logger.addFilter(redacting)
-    for name in QUIET_LOGGERS:
-        logging.getLogger(name).setLevel(logging.WARNING)
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="interactiond", description=__doc__.splitlines()[0])
-    parser.add_argument("--version", action="version", version=__version__)
-    sub = parser.add_subparsers(dest="cmd", required=True)
-
-    def common(p: Any) -> None:
-        p.add_argument("--db", help="the SQLite file (env: INTERACTIOND_DB; default: the configuration's database:,"
-                                     " else ./interactiond.db)")
-        p.add_argument("--config", help="the operator configuration, YAML (env: INTERACTIOND_CONFIG)")
-
-    p = sub.add_parser("serve", help="run the daemon: HTTP API, MCP over HTTP, the inbox page")
-    common(p)
-    p.add_argument("--host")
-    p.add_argument("--port", type=int)
-    p.add_argument("--clock", choices=["system", "manual"], default="system",
-                   help="manual: time moves only through POST /v1/admin/clock (tests and demos)")
-    p = sub.add_parser("stdio", help="MCP over stdin/stdout for a local agent")
-    common(p)
-    p.add_argument("--playbook", help="scope the connection to one playbook, ORG/NAME")
-    p.add_argument("--http", type=int, metavar="PORT", help="also serve the HTTP API and the inbox on this port")
-    p = sub.add_parser("check", help="validate function documents; exit 1 on any problem")
-    common(p)
-    p.add_argument("files", nargs="+")
-    p = sub.add_parser("token", help="create, list or revoke API tokens; list or end inbox sessions")
-    tsub = p.add_subparsers(dest="token_cmd", required=True)
-    t = tsub.add_parser("create", help="print a new token once")
-    common(t)
-    t.add_argument("--playbook", help="bind the token to one playbook, ORG/NAME")
-    t.add_argument("--role", required=True, choices=[r.value for r in Role])
-    t.add_argument("--name")
-    common(tsub.add_parser("list", help="list tokens and inbox sessions (never their secrets)"))
-    t = tsub.add_parser("revoke", help="revoke a token, or end an inbox session, by its id")
-    common(t)
-    t.add_argument("id")
-    for name, helptext in (("define", "save a definition from a file"), ("run", "start a run"),
-                           ("inbox", "list open requests"), ("answer", "answer a request")):
-        p = sub.add_parser(name, help=helptext)
-        common(p)
-        p.add_argument("--url", help="the daemon's URL (default: the one serve wrote beside the database)")
-        p.add_argument("--token", help="an API token (env: INTERACTIOND_TOKEN)")
-        p.add_argument("--playbook", default=DEFAULT_PLAYBOOK)
-        if name == "define":
-            p.add_argument("file", help="a function document (.md) or a workflow (.yaml)")
-            p.add_argument("--name", help="the definition's name (default: the file's name without extension)")
-            p.add_argument("--type", choices=["interaction", "workflow"])
-        elif name == "run":
-            p.add_argument("type", choices=["interaction", "workflow"])
-            p.add_argument("name")
-            p.add_argument("--input", default="{}")
-            p.add_argument("--run-id")
-        elif name == "inbox":
-            p.add_argument("--to")
-        else:
-            p.add_argument("run_id")
-            p.add_argument("answer")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s")
-    install_log_redaction()
-    if args.cmd == "check":
-        return check_documents(args.files, parsers={".yaml": parse_workflow, ".yml": parse_workflow})
-    try:
-        config = load_config(args.config or os.environ.get("INTERACTIOND_CONFIG"))
-    except ConfigError as exc:
-        for problem in exc.problems:
-            print(f"interactiond: configuration: {problem}", file=sys.stderr)
-        return 2
-    # The database: --db, else INTERACTIOND_DB, else the configuration's `database:` (default ./interactiond.db).
-    db = args.db or os.environ.get("INTERACTIOND_DB") or config.database
-    if args.cmd == "token":
-        return _cli_token(args, db)
-    if args.cmd in ("define", "run", "inbox", "answer"):
-        return _cli_client(args, db)
-    if args.cmd == "stdio":
-        return asyncio.run(_stdio(args, config))
-    return asyncio.run(_serve(args, config))
 
 
 if __name__ == "__main__":
