@@ -3101,15 +3101,85 @@ def apply_schema(conn: sqlite3.Connection) -> None:
 
 
 class Effects:
-    """What a committed change asks of the in-memory side, applied after the commit."""
+    """What a committed change asks of the in-memory side, delivered by the Bus after the commit."""
 
-    __slots__ = ("timers", "wakes", "published", "later")
+    __slots__ = ("timers", "wakes", "published", "invalidated")
 
     def __init__(self) -> None:
         self.timers: list[tuple[str, int | None]] = []       # in order; None cancels
-        self.wakes: list[tuple[str, str]] = []
-        self.published: list[dict[str, Any]] = []
-        self.later: list[Callable[[], Any]] = []
+        self.wakes: list[tuple[str, str]] = []               # (playbook, run_id) whose waiters look again
+        self.published: list[dict[str, Any]] = []            # events, to the streams
+        self.invalidated: list[tuple[str, ...]] = []         # cached things that changed, e.g. a definition
+
+
+class LocalBus:
+    """The effects of committed changes, delivered in this process: due times to the timer wheel,
+    wake-ups to the waiters of a run, events to the streams, invalidations to the caches.
+
+    Everything after a commit goes through here, so a bus that also tells other processes (a
+    database's notifications) can take its place without the engine changing.
+    """
+
+    def __init__(self) -> None:
+        self._waiters: dict[tuple[str, str], set[asyncio.Future[None]]] = {}
+        self._subscribers: set[asyncio.Queue[dict[str, Any]]] = set()
+        self._timer_sinks: list[Callable[[str, int | None], None]] = []
+        self._invalidators: list[Callable[[tuple[str, ...]], None]] = []
+        self.stopped = False
+
+    def on_timer(self, sink: Callable[[str, int | None], None]) -> None:
+        self._timer_sinks.append(sink)
+
+    def on_invalidate(self, sink: Callable[[tuple[str, ...]], None]) -> None:
+        self._invalidators.append(sink)
+
+    def deliver(self, fx: Effects) -> None:
+        for key, due in fx.timers:
+            for sink in self._timer_sinks:
+                sink(key, due)
+        for what in fx.invalidated:
+            for sink in self._invalidators:
+                sink(what)
+        for key in fx.wakes:
+            for fut in self._waiters.pop(key, ()):
+                if not fut.done():
+                    fut.set_result(None)
+        for event in fx.published:
+            for q in list(self._subscribers):
+                if q.qsize() < 1000:
+                    q.put_nowait(event)
+
+    def waiter(self, key: tuple[str, str]) -> asyncio.Future[None]:
+        """A future that resolves when a change wakes `key` (or the bus stops); `forget` it after."""
+        fut = asyncio.get_running_loop().create_future()
+        if self.stopped:
+            fut.set_result(None)
+        else:
+            self._waiters.setdefault(key, set()).add(fut)
+        return fut
+
+    def forget(self, key: tuple[str, str], fut: asyncio.Future[None]) -> None:
+        waiters = self._waiters.get(key)
+        if waiters is not None:
+            waiters.discard(fut)
+            if not waiters:
+                self._waiters.pop(key, None)
+
+    def end_waits(self) -> None:
+        """At shutdown: every waiter resolves now, and none waits again."""
+        self.stopped = True
+        for futs in self._waiters.values():
+            for f in futs:
+                if not f.done():
+                    f.set_result(None)
+
+    def subscribe(self) -> asyncio.Queue[dict[str, Any]]:
+        q: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._subscribers.add(q)
+        return q
+
+    def unsubscribe(self, q: asyncio.Queue[dict[str, Any]]) -> None:
+        self._subscribers.discard(q)
 
 
 def _private_file(path: str) -> None:
@@ -4504,6 +4574,7 @@ class _EngineDefinitions:
             if created:
                 tx.append_event(fx, playbook, None, "definition_created", now, caller.id,
                                 {"type": type_, "name": name, "version": version, "sha256": sha})
+                fx.invalidated.append(("definition", playbook, type_, name))
             return version, created
 
         version, created = await self.store.write(change)
@@ -4552,10 +4623,10 @@ class _EngineDefinitions:
             deleted = tx.deactivate_definition(playbook, type_, name)
             if deleted:
                 tx.append_event(fx, playbook, None, "definition_deleted", now, caller.id, {"type": type_, "name": name})
+                fx.invalidated.append(("definition", playbook, type_, name))
             return deleted
         if not await self.store.write(change):
             raise not_found(f"no active {type_} named {name!r} in this playbook")
-        self._current.pop((playbook, type_, name), None)
         return {"playbook": playbook, "type": type_, "name": name, "active": False}
 
     async def _current_doc(self, playbook: str, type_: str, name: str) -> tuple[int, Any]:
@@ -4748,8 +4819,7 @@ class _EngineRuns:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(0.0, timeout)
         while True:
-            fut = loop.create_future()
-            self._waiters.setdefault(key, set()).add(fut)
+            fut = self.bus.waiter(key)
             try:
                 run = await self.get_run(caller, playbook, run_id)
                 left = deadline - loop.time()
@@ -4762,11 +4832,7 @@ class _EngineRuns:
                     if tick is not None:
                         await tick(deadline - loop.time())
             finally:
-                waiters = self._waiters.get(key)
-                if waiters is not None:
-                    waiters.discard(fut)
-                    if not waiters:
-                        self._waiters.pop(key, None)
+                self.bus.forget(key, fut)
 
     async def cancel_run(self, caller: Caller, playbook: str, run_id: str) -> dict[str, Any]:
         caller.require(Role.WRITER)
@@ -5576,13 +5642,14 @@ class Engine(_EngineDefinitions, _EngineRuns, _EngineSystemCalls, _EngineInbox, 
         self.clock = clock
         self.config = config
         self.open_limit = config.open_requests
-        store.on_commit = self._apply
+        self.bus = LocalBus()
+        store.on_commit = self.bus.deliver
         self.wheel = TimerWheel(clock, self._fire)
-        self._waiters: dict[tuple[str, str], set[asyncio.Future[None]]] = {}
+        self.bus.on_timer(lambda key, due: self.wheel.cancel(key) if due is None else self.wheel.set(key, due))
+        self.bus.on_invalidate(self._invalidate)
         self._docs: OrderedDict[tuple[str, str, str, int], Any] = OrderedDict()
         self._current: dict[tuple[str, str, str], tuple[int, Any] | None] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._subscribers: set[asyncio.Queue[dict[str, Any]]] = set()
         self._timer_task: asyncio.Task[None] | None = None
         self._inflight: set[tuple[str, str]] = set()
         self._stopping = False                # shutdown: long polls answer at once
@@ -5624,10 +5691,7 @@ class Engine(_EngineDefinitions, _EngineRuns, _EngineSystemCalls, _EngineInbox, 
     def end_waits(self) -> None:
         """At shutdown: every long poll answers now with its run as it stands, and none waits again."""
         self._stopping = True
-        for futs in self._waiters.values():
-            for f in futs:
-                if not f.done():
-                    f.set_result(None)
+        self.bus.end_waits()
 
     async def stop(self) -> None:
         self._stopping = True
@@ -5640,10 +5704,7 @@ class Engine(_EngineDefinitions, _EngineRuns, _EngineSystemCalls, _EngineInbox, 
             for t in pending:
                 t.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
-        for futs in self._waiters.values():
-            for f in futs:
-                if not f.done():
-                    f.set_result(None)
+        self.bus.end_waits()
         await self.tools.close()
         await self.workflows.close()          # Workflows: its jq process
 
@@ -5679,30 +5740,16 @@ class Engine(_EngineDefinitions, _EngineRuns, _EngineSystemCalls, _EngineInbox, 
         self.clock.advance((target - self.clock.now_ms()) / 1000)
         await self.settle()
 
-    def _apply(self, fx: Effects) -> None:
-        for key, due in fx.timers:
-            if due is None:
-                self.wheel.cancel(key)
-            else:
-                self.wheel.set(key, due)
-        for key in fx.wakes:
-            for fut in self._waiters.pop(key, ()):
-                if not fut.done():
-                    fut.set_result(None)
-        for event in fx.published:
-            for q in list(self._subscribers):
-                if q.qsize() < 1000:
-                    q.put_nowait(event)
-        for fn in fx.later:
-            fn()
+    def _invalidate(self, what: tuple[str, ...]) -> None:
+        """A cached thing changed (told by the bus): a definition's current version is read again."""
+        if what[0] == "definition":
+            self._current.pop(what[1:], None)
 
     def subscribe(self) -> asyncio.Queue[dict[str, Any]]:
-        q: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        self._subscribers.add(q)
-        return q
+        return self.bus.subscribe()
 
     def unsubscribe(self, q: asyncio.Queue[dict[str, Any]]) -> None:
-        self._subscribers.discard(q)
+        self.bus.unsubscribe(q)
 
     # -- access ---------------------------------------------------------------------------------
 

@@ -499,7 +499,7 @@ async def test_a_slow_consumer_never_blocks_the_engine(d, stalled_writes):
         await d.engine.run_definition(itd.OPERATOR_LOCAL, "local/default", "interaction", "ask-confirmation",
                                       {"prompt": f"#{i}", "to": "ana"})
     await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(n))), 60)
-    assert len(d.engine._subscribers) == 1      # the stream is still there, stuck in its write
+    assert len(d.engine.bus._subscribers) == 1      # the stream is still there, stuck in its write
     stalled_writes.set()
     got = [await stream.next() for _ in range(n)]
     ids = [int(e["id"].removeprefix("evt_")) for e in got]
@@ -513,7 +513,7 @@ async def test_a_stalled_consumer_is_dropped_and_resumes(d, stalled_writes, monk
     x = await ask(d, "approval")
     with pytest.raises(EOFError):
         await stream.next()
-    assert d.engine._subscribers == set()
+    assert d.engine.bus._subscribers == set()
     stalled_writes.set()
     again = await open_stream(d, last="0")
     (_, name, data), = await again.take(1)
