@@ -3125,6 +3125,18 @@ class SQLiteTx:
                                                       req["seq"])).rowcount:
             raise Problem("not_open", "the request has ended; it takes no answer", kind="ended")
 
+    def idempotent_response(self, caller: str, key: str) -> Row | None:
+        """What a caller's Idempotency-Key first came with (body_sha) and the response it got; None: a new key."""
+        return self.conn.execute("SELECT body_sha, response FROM idempotency WHERE caller = ? AND key = ?",
+                                 (caller, key)).fetchone()
+
+    def remember_response(self, *, caller: str, key: str, body_sha: str, response: dict[str, Any],
+                          now: int) -> None:
+        """Keep the response a new answer got under the caller's Idempotency-Key, in the answer's change (which
+        looked the key up first: one writer, so no other change can take it in between)."""
+        self.conn.execute("INSERT INTO idempotency (caller, key, body_sha, status, response, created_at)"
+                          " VALUES (?, ?, ?, 200, ?, ?)", (caller, key, body_sha, dumps(response), now))
+
     def run_events(self, playbook: str, run_id: str, *, after: int, limit: int) -> list[Row]:
         """A page of a run's events, oldest first, after the event id `after`."""
         return self.conn.execute("SELECT * FROM events WHERE playbook = ? AND run_id = ? AND id > ? ORDER BY id LIMIT ?",
@@ -3274,6 +3286,11 @@ class SQLiteTx:
 #: The live run states, as SQL's IN list (the statuses a run ends from).
 _LIVE_SQL: Final = ", ".join(f"'{s.value}'" for s in LIVE_RUN_STATUSES)
 
+
+#: What a change or a reading is handed: the store's operations (SQLiteTx on the embedded file).
+Tx = SQLiteTx
+
+
 #: The states an attempt is in flight in: delivering, or cancelling (cancel asked meanwhile; the attempt
 #: finishes first). Its end leaves either, as SQL's IN list.
 _IN_FLIGHT_SQL: Final = ", ".join(f"'{s.value}'" for s in (
@@ -3314,10 +3331,6 @@ _V2_SELECT: Final = (
     "SELECT q.seq, q.id, q.playbook, q.run_id, q.name, q.status, q.delivery_state, q.message, q.answer_schema,"
     " q.answer, q.answered_at, q.asked_at, q.expires_at, r.input AS run_input FROM requests q"
     " JOIN runs r ON r.playbook = q.playbook AND r.run_id = q.run_id WHERE q.answer_schema IS NOT NULL")
-
-
-#: What a change or a reading is handed: the store's operations (SQLiteTx on the embedded file).
-Tx = SQLiteTx
 
 
 def timer_key(kind: str, playbook: str, ref: str) -> str:
@@ -4657,6 +4670,16 @@ class _EngineSystemCalls:
         return ending_problem(RunStatus.CONFLICT, "unworkable", detail, **kw)
 
 
+@dataclass(frozen=True)
+class IdempotencyKey:
+    """A typed response's Idempotency-Key, as answer_interaction keeps it with the answer it gives."""
+
+    caller: str                                     # keys belong to their caller (its token's id)
+    key: str
+    body_sha: str                                   # what the key came with; another digest is a conflict
+    response: Callable[[Row], dict[str, Any]]       # what a new answer keeps under it, from the closed request
+
+
 class _EngineInbox:
     """Open requests, their answers, and the events of runs and playbooks (a part of Engine)."""
 
@@ -4673,10 +4696,13 @@ class _EngineInbox:
 
     async def answer_interaction(self, caller: Caller, playbook: str, run_id: str, answer: Any,
                                  claimed_for: str | None = None,
-                                 also: Callable[[Tx], None] | None = None) -> tuple[dict[str, Any], bool]:
+                                 idempotency: IdempotencyKey | None = None) -> tuple[dict[str, Any], bool]:
         """Record the answer of an open request and end its run. Returns the fact and whether it is new.
 
-        `also` writes more in the transaction of a new answer (the typed API's idempotency key)."""
+        Under an idempotency key (the typed API) it returns the key's response in place of the fact: a new
+        answer keeps `idempotency.response(closed request)` under the key in its own transaction; a key
+        used before returns its first response (not new), or idempotency_key_conflict when it came with
+        another request; a request this key did not answer is `not_open` (or `answered`)."""
         caller.require(Role.WRITER)
         by = caller.id
         if claimed_for is not None and (not isinstance(claimed_for, str) or len(claimed_for.encode()) > MAX_CLAIM_BYTES):
@@ -4698,17 +4724,44 @@ class _EngineInbox:
             row = tx.request(playbook, run_id)
             if row is None:
                 raise not_found(f"no request of run {run_id} in this playbook")
+            if idempotency is not None:
+                # Looked up in the answer's own transaction: a concurrent call under the same key that
+                # committed first is replayed here, and no other change can take the key before this one.
+                first = self._first_response(tx.idempotent_response(idempotency.caller, idempotency.key), idempotency)
+                if first is not None:
+                    return first, False
             if self._answer_state_check(row, answer):
+                if idempotency is not None:
+                    raise Problem("not_open", "the request has ended (answered)", kind=row["status"])
                 return answer_fact(row), False
             errors = schema_errors(_compiled_schema(row["answer_schema"]), answer, "/answer")   # stored as dumps() wrote it
             if errors:
                 raise ending_problem(RunStatus.INVALID_INPUT, None, "the answer does not match the request's answer schema",
                                      errors=errors)
             closed = self._record_answer(tx, fx, row, answer, claimed_for, by, now)
-            if also is not None:
-                also(tx)
-            return answer_fact(closed), True
+            if idempotency is None:
+                return answer_fact(closed), True
+            response = idempotency.response(closed)
+            tx.remember_response(caller=idempotency.caller, key=idempotency.key, body_sha=idempotency.body_sha,
+                                 response=response, now=now)
+            return response, True
         return await self.store.write(change)
+
+    async def replayed(self, key: IdempotencyKey) -> dict[str, Any] | None:
+        """The response first given under `key` (a replay), or None when the key is new; the problem
+        idempotency_key_conflict when the key came with another request."""
+        return self._first_response(await self.store.read(lambda tx: tx.idempotent_response(key.caller, key.key)), key)
+
+    @staticmethod
+    def _first_response(seen: Row | None, key: IdempotencyKey) -> dict[str, Any] | None:
+        """Decide a key by what the store kept under it (`seen`): its first response, None, or a conflict."""
+        if seen is None:
+            return None
+        if seen["body_sha"] != key.body_sha:
+            raise Problem("idempotency_key_conflict",
+                          "this Idempotency-Key was used with another request; use a new key for a new response",
+                          code="idempotency_key_conflict")
+        return json.loads(seen["response"])
 
     def _record_answer(self, tx: Tx, fx: Effects, row: Row, answer: Any,
                        claimed_for: str | None, by: str, now: int, *, reply_id: str | None = None) -> Row:
@@ -8059,58 +8112,42 @@ async def respond_interaction(engine: Engine, caller: Caller, row: Row, key: str
     if not isinstance(body, dict):
         raise _v2_problem("bad_request", "the body is a JSON object: the response variant")
     body_sha = sha256_hex(json.dumps({"interaction": row["id"], "body": body}, sort_keys=True, ensure_ascii=False))
-
-    async def replay() -> tuple[int, dict[str, Any], bool] | None:
-        seen = await engine.store.read(lambda c: c.execute(
-            "SELECT body_sha, status, response FROM idempotency WHERE caller = ? AND key = ?",
-            (caller.id, key)).fetchone())
-        if seen is None:
-            return None
-        if seen["body_sha"] != body_sha:
-            raise _v2_problem("idempotency_key_conflict",
-                              "this Idempotency-Key was used with another request; use a new key for a new response")
-        return seen["status"], json.loads(seen["response"]), True
-
-    def not_pending(req: Row) -> Problem:
-        status = V2_STATUS[req["status"]]
-        words = "being cancelled" if status == "pending" else status
-        return _v2_problem("interaction_not_pending", f"the interaction is {words}; it takes no response",
-                           extra={"interaction_status": status})
-
-    if (first := await replay()) is not None:
-        return first
+    # The answer's own transaction keeps the key with the response, built from the closed request.
+    idempotency = IdempotencyKey(caller=caller.id, key=key, body_sha=body_sha,
+                                 response=lambda closed: interaction_object({**closed, "run_input": row["run_input"]}))
+    if (first := await engine.replayed(idempotency)) is not None:
+        return 200, first, True
     if row["status"] != "open" or row["delivery_state"] == DeliveryState.CANCELLING.value:
-        raise not_pending(row)
+        raise _not_pending(row["status"])
     kind, _, _ = typed_shape(row["answer_schema"])
     answer = typed_answer(kind, json.loads(row["answer_schema"]), body)
-    made: dict[str, Any] = {}
-
-    def remember(conn: Tx) -> None:
-        # Runs inside the answer's own transaction: the key and the answer commit together.
-        made["object"] = interaction_object(conn.execute(_V2_SELECT + " AND q.id = ?", (row["id"],)).fetchone())
-        conn.execute("INSERT INTO idempotency (caller, key, body_sha, status, response, created_at)"
-                     " VALUES (?, ?, ?, 200, ?, ?)", (caller.id, key, body_sha, dumps(made["object"]),
-                                                      engine.clock.now_ms()))
-
     try:
-        _, new = await engine.answer_interaction(caller, row["playbook"], row["run_id"], answer, also=remember)
-    except sqlite3.IntegrityError:          # the same key, committed meanwhile by a concurrent call
-        new = False
+        response, new = await engine.answer_interaction(caller, row["playbook"], row["run_id"], answer,
+                                                        idempotency=idempotency)
     except Problem as exc:
-        if exc.name in ("answered", "not_open"):
-            new = False
-        elif exc.name == "invalid_input":
-            prefix = "answer" if kind == "form" else ""
-            raise _v2_problem("validation_failed", exc.detail, errors=[
-                {"field": _field_name(([prefix] if prefix else []) + [p for p in e["pointer"].split("/")[2:] if p])
-                 or "answer", "code": "invalid_value", "message": e["message"]} for e in exc.errors or []]) from None
-        else:
-            raise
-    if not new:
-        if (first := await replay()) is not None:
-            return first
-        raise not_pending(await find_interaction(engine, caller, row["id"]))
-    return 200, made["object"], False
+        raise _v2_refusal(exc, kind) from None
+    return 200, response, not new
+
+
+def _not_pending(status: str) -> Problem:
+    """409 interaction_not_pending for a request in `status` (or `cancelling`: open, being cancelled)."""
+    shown = V2_STATUS.get(status, "pending")
+    words = "being cancelled" if shown == "pending" else shown
+    return _v2_problem("interaction_not_pending", f"the interaction is {words}; it takes no response",
+                       extra={"interaction_status": shown})
+
+
+def _v2_refusal(exc: Problem, kind: str) -> Problem:
+    """The engine's refusal of a typed response, as the typed API names it: a request that has ended
+    (its status is the problem's kind) is not pending, an answer off its schema fails validation."""
+    if exc.name in ("answered", "not_open"):
+        return _not_pending(exc.kind or "")
+    if exc.name == "invalid_input":
+        prefix = "answer" if kind == "form" else ""
+        return _v2_problem("validation_failed", exc.detail, errors=[
+            {"field": _field_name(([prefix] if prefix else []) + [p for p in e["pointer"].split("/")[2:] if p])
+             or "answer", "code": "invalid_value", "message": e["message"]} for e in exc.errors or []])
+    return exc
 
 
 # -- the event stream ---------------------------------------------------------------------------
