@@ -3675,6 +3675,192 @@ class SQLiteTx:
 
     # Requests, answers, deliveries and readings: the inbox and the chat tools.
 
+    def open_requests(self, playbook: str, *, to: str | None, type_: str | None, name: str | None,
+                      before: int | None, limit: int) -> list[Row]:
+        """A page of a playbook's open requests, newest first, before the cursor's `seq` (None: from the
+        newest); only those to one party, of one type or of one function, where given."""
+        sql = "SELECT * FROM requests WHERE playbook = ? AND open = 1"
+        args: list[Any] = [playbook]
+        for col, val in (("party", to), ("type", type_), ("name", name)):
+            if val is not None:
+                sql += f" AND {col} = ?"
+                args.append(val)
+        if before is not None:
+            sql += " AND seq < ?"
+            args.append(before)
+        return self.conn.execute(sql + " ORDER BY seq DESC LIMIT ?", (*args, limit)).fetchall()
+
+    def request(self, playbook: str, run_id: str) -> Row | None:
+        """The request of a run, open or closed; None when the run asks nobody."""
+        return self.conn.execute("SELECT * FROM requests WHERE playbook = ? AND run_id = ?",
+                                 (playbook, run_id)).fetchone()
+
+    def record_answer(self, fx: Effects, req: Row, answer: Any, *, by: str, now: int,
+                      claimed_for: str | None = None, reply_id: str | None = None) -> None:
+        """Append request_answered and write the answer on the request, guarded: only an open request that is
+        not being cancelled takes one (else `not_open`). Its closing and its run's ending follow in the change."""
+        answer_id = self.append_event(fx, req["playbook"], req["run_id"], "request_answered", now, by,
+                                      {"answer": answer, "claimed_for": claimed_for,
+                                       **({"reply": {"id": reply_id}} if reply_id is not None else {})})
+        if not self.conn.execute(_RECORD_ANSWER_SQL, (dumps(answer), answer_id, by, now, claimed_for, reply_id,
+                                                      req["seq"])).rowcount:
+            raise Problem("not_open", "the request has ended; it takes no answer", kind="ended")
+
+    def idempotent_response(self, caller: str, key: str) -> Row | None:
+        """What a caller's Idempotency-Key first came with (body_sha) and the response it got; None: a new key."""
+        return self.conn.execute("SELECT body_sha, response FROM idempotency WHERE caller = ? AND key = ?",
+                                 (caller, key)).fetchone()
+
+    def remember_response(self, *, caller: str, key: str, body_sha: str, response: dict[str, Any],
+                          now: int) -> None:
+        """Keep the response a new answer got under the caller's Idempotency-Key, in the answer's change (which
+        looked the key up first: one writer, so no other change can take it in between)."""
+        self.conn.execute("INSERT INTO idempotency (caller, key, body_sha, status, response, created_at)"
+                          " VALUES (?, ?, ?, 200, ?, ?)", (caller, key, body_sha, dumps(response), now))
+
+    def run_events(self, playbook: str, run_id: str, *, after: int, limit: int) -> list[Row]:
+        """A page of a run's events, oldest first, after the event id `after`."""
+        return self.conn.execute("SELECT * FROM events WHERE playbook = ? AND run_id = ? AND id > ? ORDER BY id LIMIT ?",
+                                 (playbook, run_id, after, limit)).fetchall()
+
+    def playbook_events(self, playbook: str, *, type_: str | None, after: int, limit: int) -> list[Row]:
+        """A page of the playbook's own events (of one type, where given), oldest first, after `after`."""
+        return self.conn.execute(
+            "SELECT * FROM events WHERE playbook = ? AND run_id IS NULL AND (? IS NULL OR type = ?) AND id > ?"
+            " ORDER BY id LIMIT ?", (playbook, type_, type_, after, limit)).fetchall()
+
+    def event(self, playbook: str, event_id: int) -> Row | None:
+        """One event of the playbook (its own or one of its runs')."""
+        return self.conn.execute("SELECT * FROM events WHERE id = ? AND playbook = ?", (event_id, playbook)).fetchone()
+
+    def begin_attempt(self, playbook: str, run_id: str, *, now: int) -> Row | None:
+        """Start the next attempt of an open request's delivery, guarded: only a delivery an attempt may begin
+        (DELIVERY_TRANSITIONS), with an attempt left. The request as it now stands, or None."""
+        return self.conn.execute(_BEGIN_ATTEMPT_SQL, (now, playbook, run_id, MAX_ATTEMPTS)).fetchone()
+
+    def request_by_seq(self, seq: int) -> Row | None:
+        """A request by its `seq`, as it stands now (an attempt's end reads it again)."""
+        return self.conn.execute("SELECT * FROM requests WHERE seq = ?", (seq,)).fetchone()
+
+    def end_attempt(self, seq: int, attempt: int, state: DeliveryState, *, sent_conversation: str | None = None,
+                    sent_id: str | None = None, conversation: str | None = None) -> bool:
+        """Record how attempt `attempt` ended: DELIVERED (where it went, and the conversation whose replies are
+        read) or UNDELIVERED (a bound refused its arguments: no attempt is left). Guarded: False when that
+        attempt is no longer the one in flight."""
+        if state is DeliveryState.DELIVERED:
+            params: tuple[Any, ...] = (sent_conversation, sent_id, conversation, seq, attempt)
+        else:
+            params = (MAX_ATTEMPTS, seq, attempt)
+        return self.conn.execute(_END_ATTEMPT_SQL[state], params).rowcount > 0
+
+    def fail_attempt(self, seq: int, *, spent: bool) -> bool:
+        """A failed attempt: retrying (the next is scheduled), or undelivered when `spent` (none is left).
+        Guarded by the states a failure leaves: False when no attempt is in flight."""
+        return self.conn.execute(_FAIL_ATTEMPT_SQL[DeliveryEvent.SPEND if spent else DeliveryEvent.FAIL],
+                                 (seq,)).rowcount > 0
+
+    def join_reading(self, seq: int, *, playbook: str, server: str, tool: str, conversation: str,
+                     wait_ms: int) -> Row:
+        """Join a delivered request to the reading of its conversation, made if new (a join restarts the
+        reading's gaps and keeps the longest wait): the reading's id and wait_ms."""
+        reading = self.conn.execute(
+            "INSERT INTO readings (playbook, server, tool, conversation, wait_ms) VALUES (?,?,?,?,?)"
+            " ON CONFLICT (playbook, server, tool, conversation) DO UPDATE SET reads = 0,"
+            " wait_ms = MAX(wait_ms, excluded.wait_ms) RETURNING id, wait_ms",
+            (playbook, server, tool, conversation, wait_ms)).fetchone()
+        self.conn.execute("UPDATE requests SET reading = ? WHERE seq = ?", (reading["id"], seq))
+        return reading
+
+    def timer_due(self, key: str) -> int | None:
+        """When a timer is due, or None when there is none."""
+        row = self.conn.execute("SELECT due_at FROM timers WHERE key = ?", (key,)).fetchone()
+        return row["due_at"] if row is not None else None
+
+    def reading(self, reading_id: int) -> Row | None:
+        """A reading: its server, tool, conversation key, `since`, reads and wait."""
+        return self.conn.execute("SELECT * FROM readings WHERE id = ?", (reading_id,)).fetchone()
+
+    def reading_requests(self, reading_id: int) -> list[Row]:
+        """The open requests that joined a reading, oldest first."""
+        return self.conn.execute("SELECT * FROM requests WHERE reading = ? AND open = 1 ORDER BY seq",
+                                 (reading_id,)).fetchall()
+
+    def sent_ids(self, reading_id: int) -> list[str]:
+        """The ids of the messages the playbook sent into a reading's conversation: its own, never replies."""
+        return [r[0] for r in self.conn.execute("SELECT sent_id FROM requests WHERE reading = ? AND sent_id IS NOT NULL",
+                                                (reading_id,))]
+
+    def count_read(self, reading_id: int) -> Row:
+        """Count a read of the reading: its reads since a request last joined, and its wait_ms."""
+        return self.conn.execute("UPDATE readings SET reads = reads + 1 WHERE id = ? RETURNING reads, wait_ms",
+                                 (reading_id,)).fetchone()
+
+    def reading_waited_on(self, reading_id: int) -> bool:
+        """Whether an open request still waits on the reading's replies."""
+        return self.conn.execute("SELECT 1 FROM requests WHERE reading = ? AND open = 1 LIMIT 1",
+                                 (reading_id,)).fetchone() is not None
+
+    def definition_source(self, playbook: str, type_: str, name: str, version: int) -> str | None:
+        """The source of one version of a definition; None when there is none."""
+        row = self.conn.execute("SELECT source FROM definitions WHERE playbook = ? AND type = ? AND name = ?"
+                                " AND version = ?", (playbook, type_, name, version)).fetchone()
+        return row["source"] if row is not None else None
+
+    def see_reply(self, reading_id: int, reply_id: str) -> bool:
+        """Note a message id as dealt with by the reading: True the first time, False ever after."""
+        return self.conn.execute("INSERT INTO replies_seen (reading, reply_id) VALUES (?, ?)"
+                                 " ON CONFLICT (reading, reply_id) DO NOTHING", (reading_id, reply_id)).rowcount > 0
+
+    def read_up_to(self, reading_id: int, since: str) -> None:
+        """Move the reading's `since` to the newest message id a read listed."""
+        self.conn.execute("UPDATE readings SET since = ? WHERE id = ?", (since, reading_id))
+
+    def count_refusal(self, seq: int) -> Row:
+        """Count a reply refused on a request: its refused_replies and told, as they now stand."""
+        return self.conn.execute("UPDATE requests SET refused_replies = refused_replies + 1 WHERE seq = ?"
+                                 " RETURNING refused_replies, told", (seq,)).fetchone()
+
+    def count_telling(self, seq: int) -> None:
+        """Count a telling sent to a request's answerer about a refused reply."""
+        self.conn.execute("UPDATE requests SET told = told + 1 WHERE seq = ?", (seq,))
+
+    def interaction(self, interaction_id: str) -> Row | None:
+        """The typed API's view of a request that takes an answer, by its id, with its run's input."""
+        return self.conn.execute(_V2_SELECT + " AND q.id = ?", (interaction_id,)).fetchone()
+
+    def interactions(self, playbooks: list[str], statuses: Iterable[str], *, run_id: str | None,
+                     before: int | None, limit: int) -> list[Row]:
+        """A page of the typed API's view of the playbooks' requests in `statuses` (of one run, where given),
+        newest first, before the cursor's `seq` (None: from the newest)."""
+        statuses = tuple(statuses)
+        sql = (_V2_SELECT + f" AND q.playbook IN ({','.join('?' * len(playbooks))})"
+               f" AND q.status IN ({','.join('?' * len(statuses))})")
+        args: list[Any] = [*playbooks, *statuses]
+        if run_id is not None:
+            sql += " AND q.run_id = ?"
+            args.append(run_id)
+        if before is not None:
+            sql += " AND q.seq < ?"
+            args.append(before)
+        return self.conn.execute(sql + " ORDER BY q.seq DESC LIMIT ?", (*args, limit)).fetchall()
+
+    def events_after(self, after: int, *, types: Iterable[str], playbooks: list[str], limit: int) -> list[Row]:
+        """Up to `limit` events of the playbooks, of the given types, after the event id `after`, oldest first."""
+        types = tuple(types)
+        return self.conn.execute(
+            f"SELECT id, playbook, run_id, type, at, payload FROM events WHERE id > ?"
+            f" AND type IN ({','.join('?' * len(types))}) AND playbook IN ({','.join('?' * len(playbooks))})"
+            " ORDER BY id LIMIT ?", (after, *types, *playbooks, limit)).fetchall()
+
+    def request_shape(self, playbook: str, run_id: str) -> Row | None:
+        """A run's request id and answer schema (None for a notification); None when the run asks nobody."""
+        return self.conn.execute("SELECT id, answer_schema FROM requests WHERE playbook = ? AND run_id = ?",
+                                 (playbook, run_id)).fetchone()
+
+    def last_event_id(self) -> int:
+        """The newest event's id; 0 before the first."""
+        return self.conn.execute("SELECT COALESCE(MAX(id), 0) FROM events").fetchone()[0]
+
     # Workflows, tokens, sessions, idempotency and the typed API's listings.
 
     def workflows_calling(self, playbook: str, type_: str, name: str) -> list[Row]:
@@ -3806,6 +3992,48 @@ _STEP_WORKFLOW_CHILD_SQL: Final = _STEP_WORKFLOW_SQL.replace(
 
 #: What a change or a reading is handed: the store's operations (SQLiteTx on the embedded file).
 Tx = SQLiteTx
+
+
+#: The states an attempt is in flight in: delivering, or cancelling (cancel asked meanwhile; the attempt
+#: finishes first). Its end leaves either, as SQL's IN list.
+_IN_FLIGHT_SQL: Final = ", ".join(f"'{s.value}'" for s in (
+    *allowed_from(DELIVERY_TRANSITIONS, DeliveryEvent.SUCCEED),
+    *(DELIVERY_TRANSITIONS[s][DeliveryEvent.CANCEL] for s in allowed_from(DELIVERY_TRANSITIONS, DeliveryEvent.CANCEL))))
+
+#: An answer: guarded by the statuses an answer closes (REQUEST_TRANSITIONS), and not while cancelling.
+_RECORD_ANSWER_SQL: Final = (
+    "UPDATE requests SET answer = ?, answer_id = ?, answered_by = ?, answered_at = ?, claimed_for = ?, reply_id = ?"
+    " WHERE seq = ? AND status IN (" + ", ".join(f"'{s.value}'" for s in allowed_from(REQUEST_TRANSITIONS, RequestStatus.ANSWERED))
+    + f") AND delivery_state <> '{DeliveryState.CANCELLING.value}'")
+
+#: An attempt begins: guarded by the deliveries that may begin one (DELIVERY_TRANSITIONS) and the attempts left.
+_BEGIN_ATTEMPT_SQL: Final = (
+    f"UPDATE requests SET delivery_state = '{DeliveryState.DELIVERING.value}', attempts = attempts + 1,"
+    " attempt_started_at = ? WHERE playbook = ? AND run_id = ? AND open = 1 AND delivery_state IN ("
+    + ", ".join(f"'{s.value}'" for s in allowed_from(DELIVERY_TRANSITIONS, DeliveryEvent.BEGIN)) + ") AND attempts < ?"
+    " RETURNING *")
+
+#: An attempt ends, delivered or refused: guarded by the attempt in flight (its number and state).
+_END_ATTEMPT_SQL: Final = {
+    DeliveryState.DELIVERED: f"UPDATE requests SET delivery_state = '{DeliveryState.DELIVERED.value}',"
+                             " sent_conversation = ?, sent_id = ?, conversation = ?"
+                             f" WHERE seq = ? AND attempts = ? AND delivery_state IN ({_IN_FLIGHT_SQL})",
+    DeliveryState.UNDELIVERED: f"UPDATE requests SET delivery_state = '{DeliveryState.UNDELIVERED.value}', attempts = ?"
+                               f" WHERE seq = ? AND attempts = ? AND delivery_state IN ({_IN_FLIGHT_SQL})",
+}
+
+#: A failed attempt: retrying (FAIL) or undelivered (SPEND), guarded by the states each leaves.
+_FAIL_ATTEMPT_SQL: Final = {
+    event: f"UPDATE requests SET delivery_state = '{next_state(DELIVERY_TRANSITIONS, DeliveryState.DELIVERING, event).value}'"
+           " WHERE seq = ? AND delivery_state IN ("
+           + ", ".join(f"'{s.value}'" for s in allowed_from(DELIVERY_TRANSITIONS, event)) + ")"
+    for event in (DeliveryEvent.FAIL, DeliveryEvent.SPEND)}
+
+#: The typed API's view of a request that takes an answer, joined with its run's input (interaction_object).
+_V2_SELECT: Final = (
+    "SELECT q.seq, q.id, q.playbook, q.run_id, q.name, q.status, q.delivery_state, q.message, q.answer_schema,"
+    " q.answer, q.answered_at, q.asked_at, q.expires_at, r.input AS run_input FROM requests q"
+    " JOIN runs r ON r.playbook = q.playbook AND r.run_id = q.run_id WHERE q.answer_schema IS NOT NULL")
 
 
 def timer_key(kind: str, playbook: str, ref: str) -> str:
@@ -5096,6 +5324,16 @@ class _EngineSystemCalls:
         return ending_problem(RunStatus.CONFLICT, "unworkable", detail, **kw)
 
 
+@dataclass(frozen=True)
+class IdempotencyKey:
+    """A typed response's Idempotency-Key, as answer_interaction keeps it with the answer it gives."""
+
+    caller: str                                     # keys belong to their caller (its token's id)
+    key: str
+    body_sha: str                                   # what the key came with; another digest is a conflict
+    response: Callable[[Row], dict[str, Any]]       # what a new answer keeps under it, from the closed request
+
+
 class _EngineInbox:
     """Open requests, their answers, and the events of runs and playbooks (a part of Engine)."""
 
@@ -5106,27 +5344,19 @@ class _EngineInbox:
                                 cursor: str | None = None) -> dict[str, Any]:
         n = check_limit(limit)
         before = decode_cursor(cursor)[0] if cursor else None
-
-        def query(conn: Tx) -> list[Row]:
-            sql = "SELECT * FROM requests WHERE playbook = ? AND open = 1"
-            args: list[Any] = [playbook]
-            for col, val in (("party", to), ("type", type_), ("name", function)):
-                if val is not None:
-                    sql += f" AND {col} = ?"
-                    args.append(val)
-            if before is not None:
-                sql += " AND seq < ?"
-                args.append(before)
-            return conn.execute(sql + " ORDER BY seq DESC LIMIT ?", (*args, n + 1)).fetchall()
-        rows = await self.store.read(query)
+        rows = await self.store.read(lambda tx: tx.open_requests(playbook, to=to, type_=type_, name=function,
+                                                                 before=before, limit=n + 1))
         return _page([request_object(r) for r in rows[:n]], rows, n, lambda: [rows[n - 1]["seq"]])
 
     async def answer_interaction(self, caller: Caller, playbook: str, run_id: str, answer: Any,
                                  claimed_for: str | None = None,
-                                 also: Callable[[Tx], None] | None = None) -> tuple[dict[str, Any], bool]:
+                                 idempotency: IdempotencyKey | None = None) -> tuple[dict[str, Any], bool]:
         """Record the answer of an open request and end its run. Returns the fact and whether it is new.
 
-        `also` writes more in the transaction of a new answer (the typed API's idempotency key)."""
+        Under an idempotency key (the typed API) it returns the key's response in place of the fact: a new
+        answer keeps `idempotency.response(closed request)` under the key in its own transaction; a key
+        used before returns its first response (not new), or idempotency_key_conflict when it came with
+        another request; a request this key did not answer is `not_open` (or `answered`)."""
         caller.require(Role.WRITER)
         by = caller.id
         if claimed_for is not None and (not isinstance(claimed_for, str) or len(claimed_for.encode()) > MAX_CLAIM_BYTES):
@@ -5144,36 +5374,58 @@ class _EngineInbox:
 
         # One hop to the writer: the request is read, checked and answered in one change (a read
         # first and then the write cost a second thread hop, the larger part of an answer's latency).
-        def change(conn: Tx, fx: Effects) -> tuple[dict[str, Any], bool]:
-            row = conn.execute("SELECT * FROM requests WHERE playbook = ? AND run_id = ?", (playbook, run_id)).fetchone()
+        def change(tx: Tx, fx: Effects) -> tuple[dict[str, Any], bool]:
+            row = tx.request(playbook, run_id)
             if row is None:
                 raise not_found(f"no request of run {run_id} in this playbook")
+            if idempotency is not None:
+                # Looked up in the answer's own transaction: a concurrent call under the same key that
+                # committed first is replayed here, and no other change can take the key before this one.
+                first = self._first_response(tx.idempotent_response(idempotency.caller, idempotency.key), idempotency)
+                if first is not None:
+                    return first, False
             if self._answer_state_check(row, answer):
+                if idempotency is not None:
+                    raise Problem("not_open", "the request has ended (answered)", kind=row["status"])
                 return answer_fact(row), False
             errors = schema_errors(_compiled_schema(row["answer_schema"]), answer, "/answer")   # stored as dumps() wrote it
             if errors:
                 raise ending_problem(RunStatus.INVALID_INPUT, None, "the answer does not match the request's answer schema",
                                      errors=errors)
-            closed = self._record_answer(conn, fx, row, answer, claimed_for, by, now)
-            if also is not None:
-                also(conn)
-            return answer_fact(closed), True
+            closed = self._record_answer(tx, fx, row, answer, claimed_for, by, now)
+            if idempotency is None:
+                return answer_fact(closed), True
+            response = idempotency.response(closed)
+            tx.remember_response(caller=idempotency.caller, key=idempotency.key, body_sha=idempotency.body_sha,
+                                 response=response, now=now)
+            return response, True
         return await self.store.write(change)
 
-    def _record_answer(self, conn: Tx, fx: Effects, row: Row, answer: Any,
+    async def replayed(self, key: IdempotencyKey) -> dict[str, Any] | None:
+        """The response first given under `key` (a replay), or None when the key is new; the problem
+        idempotency_key_conflict when the key came with another request."""
+        return self._first_response(await self.store.read(lambda tx: tx.idempotent_response(key.caller, key.key)), key)
+
+    @staticmethod
+    def _first_response(seen: Row | None, key: IdempotencyKey) -> dict[str, Any] | None:
+        """Decide a key by what the store kept under it (`seen`): its first response, None, or a conflict."""
+        if seen is None:
+            return None
+        if seen["body_sha"] != key.body_sha:
+            raise Problem("idempotency_key_conflict",
+                          "this Idempotency-Key was used with another request; use a new key for a new response",
+                          code="idempotency_key_conflict")
+        return json.loads(seen["response"])
+
+    def _record_answer(self, tx: Tx, fx: Effects, row: Row, answer: Any,
                        claimed_for: str | None, by: str, now: int, *, reply_id: str | None = None) -> Row:
         """The one fact of an answer: request_answered, the request closed, the run succeeded.
 
         Returns the closed request's row (its answer columns filled)."""
         playbook, run_id = row["playbook"], row["run_id"]
-        answer_id = conn.append_event(fx, playbook, run_id, "request_answered", now, by,
-                                 {"answer": answer, "claimed_for": claimed_for,
-                                  **({"reply": {"id": reply_id}} if reply_id is not None else {})})
-        conn.execute("UPDATE requests SET answer = ?, answer_id = ?, answered_by = ?, answered_at = ?,"
-                     " claimed_for = ?, reply_id = ? WHERE seq = ?",
-                     (dumps(answer), answer_id, by, now, claimed_for, reply_id, row["seq"]))
-        closed = self._close_request(conn, fx, playbook, run_id, "answered", now)
-        conn.end_run(fx, playbook, run_id, RunStatus.SUCCEEDED, now=now, by=by, output=answer)
+        tx.record_answer(fx, row, answer, by=by, now=now, claimed_for=claimed_for, reply_id=reply_id)
+        closed = self._close_request(tx, fx, playbook, run_id, "answered", now)
+        tx.end_run(fx, playbook, run_id, RunStatus.SUCCEEDED, now=now, by=by, output=answer)
         return closed
 
     @staticmethod
@@ -5201,24 +5453,19 @@ class _EngineInbox:
         n = check_limit(limit)
         after = decode_cursor(cursor)[0] if cursor else 0
         await self.get_run(caller, playbook, run_id)
-        rows = await self.store.read(lambda c: c.execute(
-            "SELECT * FROM events WHERE playbook = ? AND run_id = ? AND id > ? ORDER BY id LIMIT ?",
-            (playbook, run_id, after, n + 1)).fetchall())
+        rows = await self.store.read(lambda tx: tx.run_events(playbook, run_id, after=after, limit=n + 1))
         return _page([event_object(r) for r in rows[:n]], rows, n, lambda: [rows[n - 1]["id"]])
 
     async def list_playbook_events(self, caller: Caller, playbook: str, type_: str | None = None, limit: Any = None,
                                    cursor: str | None = None) -> dict[str, Any]:
         n = check_limit(limit)
         after = decode_cursor(cursor)[0] if cursor else 0
-        rows = await self.store.read(lambda c: c.execute(
-            "SELECT * FROM events WHERE playbook = ? AND run_id IS NULL AND (? IS NULL OR type = ?) AND id > ?"
-            " ORDER BY id LIMIT ?", (playbook, type_, type_, after, n + 1)).fetchall())
+        rows = await self.store.read(lambda tx: tx.playbook_events(playbook, type_=type_, after=after, limit=n + 1))
         return _page([event_object(r) for r in rows[:n]], rows, n, lambda: [rows[n - 1]["id"]])
 
     async def get_event(self, caller: Caller, playbook: str, event_id: str) -> dict[str, Any]:
         eid = parse_event_id(event_id)
-        row = await self.store.read(lambda c: c.execute("SELECT * FROM events WHERE id = ? AND playbook = ?",
-                                                        (eid, playbook)).fetchone())
+        row = await self.store.read(lambda tx: tx.event(playbook, eid))
         if row is None:
             raise not_found(f"no event {event_id} in this playbook")
         return event_object(row, whole=True)
@@ -5245,22 +5492,18 @@ class _EngineDeliveries:
     async def _attempt(self, playbook: str, run_id: str, key: str) -> None:
         now = self.clock.now_ms()
 
-        def begin(conn: Tx, fx: Effects) -> Row | None:
-            if not conn.take_timer(fx, key, now):
+        def begin(tx: Tx, fx: Effects) -> Row | None:
+            if not tx.take_timer(fx, key, now):
                 return None
-            req = conn.execute("SELECT * FROM requests WHERE playbook = ? AND run_id = ? AND open = 1"
-                               " AND delivery_state IN ('to_deliver', 'retrying')", (playbook, run_id)).fetchone()
-            if req is None or req["attempts"] >= MAX_ATTEMPTS:
+            req = tx.begin_attempt(playbook, run_id, now=now)
+            if req is None:
                 return None
-            attempt = req["attempts"] + 1
-            conn.execute("UPDATE requests SET delivery_state = 'delivering', attempts = ?, attempt_started_at = ?"
-                         " WHERE seq = ?", (attempt, now, req["seq"]))
             args = req["deliver_args"]
-            conn.append_event(fx, playbook, run_id, "delivery_started", now, "interactiond", {
-                "attempt": attempt, "server": req["server"], "tool": req["tool"],
+            tx.append_event(fx, playbook, run_id, "delivery_started", now, "interactiond", {
+                "attempt": req["attempts"], "server": req["server"], "tool": req["tool"],
                 "arguments_size": len(args.encode()), "arguments_sha256": sha256_hex(args)})
-            conn.set_timer(fx, timer_key("lost", playbook, run_id), now + LOST_ATTEMPT_S * 1000)
-            return conn.execute("SELECT * FROM requests WHERE seq = ?", (req["seq"],)).fetchone()
+            tx.set_timer(fx, timer_key("lost", playbook, run_id), now + LOST_ATTEMPT_S * 1000)
+            return req
 
         req = await self.store.write(begin)
         if req is None:
@@ -5314,11 +5557,11 @@ class _EngineDeliveries:
                     key = ""
                 conversation = key if _valid_key(key) else None
 
-        def end(conn: Tx, fx: Effects) -> None:
-            row = conn.execute("SELECT * FROM requests WHERE seq = ?", (req["seq"],)).fetchone()
+        def end(tx: Tx, fx: Effects) -> None:
+            row = tx.request_by_seq(req["seq"])
             if row["attempts"] != req["attempts"] or row["delivery_state"] not in ("delivering", "cancelling"):
                 return                                  # counted lost meanwhile; this end is stale
-            conn.drop_timer(fx, timer_key("lost", playbook, run_id))
+            tx.drop_timer(fx, timer_key("lost", playbook, run_id))
             attempt = row["attempts"]
             if outcome.get("ok"):
                 payload: dict[str, Any] = {"attempt": attempt, "result_size": outcome["result_size"],
@@ -5328,36 +5571,35 @@ class _EngineDeliveries:
                                                if sent_conv is not None and sent_id is not None else None)
                     if doc.replies is not None:
                         payload["replies_read_at"] = conversation
-                conn.append_event(fx, playbook, run_id, "delivery_succeeded", now, "interactiond", payload)
-                conn.execute("UPDATE requests SET delivery_state = 'delivered', sent_conversation = ?, sent_id = ?,"
-                             " conversation = ? WHERE seq = ?", (sent_conv, sent_id, conversation, row["seq"]))
+                tx.append_event(fx, playbook, run_id, "delivery_succeeded", now, "interactiond", payload)
+                tx.end_attempt(row["seq"], attempt, DeliveryState.DELIVERED, sent_conversation=sent_conv,
+                               sent_id=sent_id, conversation=conversation)
             elif "refused" in outcome:
-                conn.append_event(fx, playbook, run_id, "delivery_refused", now, "interactiond",
-                             {"attempt": attempt, "because": outcome["refused"], "message": outcome["message"]})
-                conn.execute("UPDATE requests SET delivery_state = 'undelivered', attempts = ? WHERE seq = ?",
-                             (MAX_ATTEMPTS, row["seq"]))
+                tx.append_event(fx, playbook, run_id, "delivery_refused", now, "interactiond",
+                                {"attempt": attempt, "because": outcome["refused"], "message": outcome["message"]})
+                tx.end_attempt(row["seq"], attempt, DeliveryState.UNDELIVERED)
             else:
-                conn.append_event(fx, playbook, run_id, "delivery_failed", now, "interactiond",
-                             {"attempt": attempt, "because": outcome["because"], "message": outcome.get("message"),
-                              "retry_after_ms": outcome.get("retry_after_ms")})
+                tx.append_event(fx, playbook, run_id, "delivery_failed", now, "interactiond",
+                                {"attempt": attempt, "because": outcome["because"], "message": outcome.get("message"),
+                                 "retry_after_ms": outcome.get("retry_after_ms")})
             if row["delivery_state"] == "cancelling" or row["status"] != "open":
                 if row["delivery_state"] == "cancelling" and row["status"] == "open":
-                    self._close_request(conn, fx, playbook, run_id, "cancelled", now)
-                    conn.end_run(fx, playbook, run_id, RunStatus.REJECTED, now=now, by="interactiond",
-                             kind="cancelled", problem=ending_problem(RunStatus.REJECTED, "cancelled", "the run was cancelled"))
+                    self._close_request(tx, fx, playbook, run_id, "cancelled", now)
+                    tx.end_run(fx, playbook, run_id, RunStatus.REJECTED, now=now, by="interactiond",
+                               kind="cancelled", problem=ending_problem(RunStatus.REJECTED, "cancelled", "the run was cancelled"))
                 return
             if outcome.get("ok"):
                 if row["answer_schema"] is None:
-                    self._close_request(conn, fx, playbook, run_id, "notified", now)
-                    conn.end_run(fx, playbook, run_id, RunStatus.SUCCEEDED, now=now, by="interactiond", output={})
+                    self._close_request(tx, fx, playbook, run_id, "notified", now)
+                    tx.end_run(fx, playbook, run_id, RunStatus.SUCCEEDED, now=now, by="interactiond", output={})
                 elif conversation is not None:
-                    self._join_reading(conn, fx, row, doc, conversation, now)
+                    self._join_reading(tx, fx, row, doc, conversation, now)
                 return
-            self._after_failed_attempt(conn, fx, row, now, outcome.get("retry_after_ms"),
+            self._after_failed_attempt(tx, fx, row, now, outcome.get("retry_after_ms"),
                                        spent="refused" in outcome)
         await self.store.write(end)
 
-    def _after_failed_attempt(self, conn: Tx, fx: Effects, row: Row, now: int,
+    def _after_failed_attempt(self, tx: Tx, fx: Effects, row: Row, now: int,
                               retry_after_ms: int | None, spent: bool = False) -> None:
         """Schedule the next attempt, or give up: a notification ends undelivered, a question stays open."""
         playbook, run_id = row["playbook"], row["run_id"]
@@ -5366,14 +5608,14 @@ class _EngineDeliveries:
             if retry_after_ms is not None:
                 gap = min(max(0, int(retry_after_ms)), MAX_RETRY_AFTER_DELIVERY_S * 1000)
             started = row["attempt_started_at"] or now
-            conn.execute("UPDATE requests SET delivery_state = 'retrying' WHERE seq = ?", (row["seq"],))
-            conn.set_timer(fx, timer_key("attempt", playbook, run_id), max(now, started + gap))
+            tx.fail_attempt(row["seq"], spent=False)
+            tx.set_timer(fx, timer_key("attempt", playbook, run_id), max(now, started + gap))
             return
-        conn.execute("UPDATE requests SET delivery_state = 'undelivered' WHERE seq = ?", (row["seq"],))
+        tx.fail_attempt(row["seq"], spent=True)         # a refused attempt has ended undelivered already
         if row["answer_schema"] is None:
-            self._close_request(conn, fx, playbook, run_id, "undelivered", now)
-            conn.end_run(fx, playbook, run_id, RunStatus.REJECTED, now=now, by="interactiond", kind="undelivered",
-                     problem=ending_problem(RunStatus.REJECTED, "undelivered", "every attempt to deliver the notification failed"))
+            self._close_request(tx, fx, playbook, run_id, "undelivered", now)
+            tx.end_run(fx, playbook, run_id, RunStatus.REJECTED, now=now, by="interactiond", kind="undelivered",
+                       problem=ending_problem(RunStatus.REJECTED, "undelivered", "every attempt to deliver the notification failed"))
 
     async def _lost(self, playbook: str, run_id: str, key: str) -> None:
         """An attempt with no recorded end a minute after it started counts as failed."""
@@ -5381,22 +5623,22 @@ class _EngineDeliveries:
             return                                   # still running here; its end will be recorded
         now = self.clock.now_ms()
 
-        def change(conn: Tx, fx: Effects) -> None:
-            if not conn.take_timer(fx, key, now):
+        def change(tx: Tx, fx: Effects) -> None:
+            if not tx.take_timer(fx, key, now):
                 return
-            row = conn.execute("SELECT * FROM requests WHERE playbook = ? AND run_id = ?", (playbook, run_id)).fetchone()
+            row = tx.request(playbook, run_id)
             if row is None or row["delivery_state"] not in ("delivering", "cancelling"):
                 return
-            conn.append_event(fx, playbook, run_id, "delivery_failed", now, "interactiond",
-                         {"attempt": row["attempts"], "because": "lost",
-                          "message": "the attempt had no recorded end a minute after it started (the daemon restarted)",
-                          "retry_after_ms": None})
+            tx.append_event(fx, playbook, run_id, "delivery_failed", now, "interactiond",
+                            {"attempt": row["attempts"], "because": "lost",
+                             "message": "the attempt had no recorded end a minute after it started (the daemon restarted)",
+                             "retry_after_ms": None})
             if row["delivery_state"] == "cancelling":
-                self._close_request(conn, fx, playbook, run_id, "cancelled", now)
-                conn.end_run(fx, playbook, run_id, RunStatus.REJECTED, now=now, by="interactiond", kind="cancelled",
-                         problem=ending_problem(RunStatus.REJECTED, "cancelled", "the run was cancelled"))
+                self._close_request(tx, fx, playbook, run_id, "cancelled", now)
+                tx.end_run(fx, playbook, run_id, RunStatus.REJECTED, now=now, by="interactiond", kind="cancelled",
+                           problem=ending_problem(RunStatus.REJECTED, "cancelled", "the run was cancelled"))
             elif row["status"] == "open":
-                self._after_failed_attempt(conn, fx, row, now, None)
+                self._after_failed_attempt(tx, fx, row, now, None)
         await self.store.write(change)
 
 
@@ -5410,35 +5652,25 @@ class _EngineReadings:
     # the new `since` and every message id dealt with - is written in ONE transaction, so a reply is
     # taken once and only once, across restarts. Tellings follow the commit, each its own call.
 
-    def _join_reading(self, conn: Tx, fx: Effects, req: Row, doc: Any, conversation: str,
+    def _join_reading(self, tx: Tx, fx: Effects, req: Row, doc: Any, conversation: str,
                       now: int) -> None:
         replies = doc.replies
-        wait_ms = int(replies.wait.total_seconds() * 1000)
-        reading = conn.execute(
-            "INSERT INTO readings (playbook, server, tool, conversation, wait_ms) VALUES (?,?,?,?,?)"
-            " ON CONFLICT (playbook, server, tool, conversation) DO UPDATE SET reads = 0,"
-            " wait_ms = MAX(wait_ms, excluded.wait_ms) RETURNING id, wait_ms",
-            (req["playbook"], req["server"], replies.tool, conversation, wait_ms)).fetchone()
-        conn.execute("UPDATE requests SET reading = ? WHERE seq = ?", (reading["id"], req["seq"]))
+        reading = tx.join_reading(req["seq"], playbook=req["playbook"], server=req["server"], tool=replies.tool,
+                                  conversation=conversation, wait_ms=int(replies.wait.total_seconds() * 1000))
         key = timer_key("read", req["playbook"], str(reading["id"]))
         due = now + max(READ_GAPS_S[0] * 1000, reading["wait_ms"])
-        current = conn.execute("SELECT due_at FROM timers WHERE key = ?", (key,)).fetchone()
-        if current is None or current["due_at"] > due:
-            conn.set_timer(fx, key, due)
+        current = tx.timer_due(key)
+        if current is None or current > due:
+            tx.set_timer(fx, key, due)
 
     async def _read(self, playbook: str, reading_id: int, key: str) -> None:
         now = self.clock.now_ms()
 
-        def load(conn: Tx) -> tuple[Row, list[Row], list[str]] | None:
-            timer = conn.execute("SELECT due_at FROM timers WHERE key = ?", (key,)).fetchone()
-            if timer is None or timer["due_at"] > now:
+        def load(tx: Tx) -> tuple[Row, list[Row], list[str]] | None:
+            due = tx.timer_due(key)
+            if due is None or due > now:
                 return None
-            reading = conn.execute("SELECT * FROM readings WHERE id = ?", (reading_id,)).fetchone()
-            reqs = conn.execute("SELECT * FROM requests WHERE reading = ? AND open = 1 ORDER BY seq",
-                                (reading_id,)).fetchall()
-            own = [r[0] for r in conn.execute("SELECT sent_id FROM requests WHERE reading = ? AND sent_id IS NOT NULL",
-                                              (reading_id,))]
-            return reading, reqs, own
+            return tx.reading(reading_id), tx.reading_requests(reading_id), tx.sent_ids(reading_id)
         loaded = await self.store.read(load)
         if loaded is None:
             return
@@ -5482,33 +5714,32 @@ class _EngineReadings:
         done = self.clock.now_ms()
         tellings: list[tuple[Row, str]] = []
 
-        def change(conn: Tx, fx: Effects) -> None:
-            if not conn.take_timer(fx, key, now):
+        def change(tx: Tx, fx: Effects) -> None:
+            if not tx.take_timer(fx, key, now):
                 return
             if failure is not None:
-                conn.append_event(fx, playbook, None, "reading_failed", done, "interactiond", {**event, **failure})
-                self._next_read(conn, fx, reading_id, key, done, failure.get("retry_after_ms"))
+                tx.append_event(fx, playbook, None, "reading_failed", done, "interactiond", {**event, **failure})
+                self._next_read(tx, fx, reading_id, key, done, failure.get("retry_after_ms"))
                 return
-            self._take_replies(conn, fx, reading, messages, own, replies, event, done, tellings, docs)
-            self._next_read(conn, fx, reading_id, key, done, None)
+            self._take_replies(tx, fx, reading, messages, own, replies, event, done, tellings, docs)
+            self._next_read(tx, fx, reading_id, key, done, None)
         await self.store.write(change)
         for req, text in tellings:
             await self._tell(req, text)
 
-    def _next_read(self, conn: Tx, fx: Effects, reading_id: int, key: str, now: int,
+    def _next_read(self, tx: Tx, fx: Effects, reading_id: int, key: str, now: int,
                    retry_after_ms: int | None) -> None:
-        reading = conn.execute("UPDATE readings SET reads = reads + 1 WHERE id = ? RETURNING reads, wait_ms",
-                               (reading_id,)).fetchone()
-        if not conn.execute("SELECT 1 FROM requests WHERE reading = ? AND open = 1 LIMIT 1", (reading_id,)).fetchone():
+        reading = tx.count_read(reading_id)
+        if not tx.reading_waited_on(reading_id):
             return                                                  # nobody waits: the reading rests
         n = reading["reads"]
         gap = (READ_GAPS_S[n] if n < len(READ_GAPS_S) else READ_GAP_LATE_S) * 1000
         gap = max(gap, reading["wait_ms"])
         if retry_after_ms is not None:
             gap = max(gap, min(int(retry_after_ms), MAX_RETRY_AFTER_READ_S * 1000))
-        conn.set_timer(fx, key, now + gap)
+        tx.set_timer(fx, key, now + gap)
 
-    def _take_replies(self, conn: Tx, fx: Effects, reading: Row, messages: list[dict[str, Any]],
+    def _take_replies(self, tx: Tx, fx: Effects, reading: Row, messages: list[dict[str, Any]],
                       own: list[str], replies: Any, event: dict[str, Any], now: int,
                       tellings: list[tuple[Row, str]], docs: dict[tuple[str, str, str, int], Any]) -> None:
         """Deal with one read's messages, oldest first, in the read's one transaction. `docs` holds
@@ -5517,9 +5748,8 @@ class _EngineReadings:
         def doc_of(req: Row) -> Any:
             key = (req["playbook"], req["type"], req["name"], req["version"])
             if key not in docs:
-                row = conn.execute("SELECT source FROM definitions WHERE playbook = ? AND type = ? AND name = ?"
-                                   " AND version = ?", key).fetchone()
-                docs[key] = self._parse(req["type"], row["source"]) if row is not None else None
+                source = tx.definition_source(*key)
+                docs[key] = self._parse(req["type"], source) if source is not None else None
             return docs[key]
 
         playbook = reading["playbook"]
@@ -5532,14 +5762,12 @@ class _EngineReadings:
             since = m["id"]
             if m["id"] in own:
                 continue                                   # the playbook's own message
-            if conn.execute("INSERT OR IGNORE INTO replies_seen (reading, reply_id) VALUES (?, ?)",
-                            (reading["id"], m["id"])).rowcount == 0:
+            if not tx.see_reply(reading["id"], m["id"]):
                 continue                                   # dealt with by an earlier read
             if m["sender"] is None:
                 continue
             counted += 1
-            open_reqs = conn.execute("SELECT * FROM requests WHERE reading = ? AND open = 1 ORDER BY seq",
-                                     (reading["id"],)).fetchall()
+            open_reqs = tx.reading_requests(reading["id"])
             target = None
             if has_to and m.get("to") is not None:
                 target = next((r for r in open_reqs if r["sent_id"] == m["to"]), None)
@@ -5551,7 +5779,7 @@ class _EngineReadings:
                 mine = [r for r in open_reqs if r["answerer"] == m["sender"]]
                 if mine:
                     refused += 1
-                    self._refuse(conn, fx, mine[0], doc_of(mine[0]), m["id"], "several requests are open here", now,
+                    self._refuse(tx, fx, mine[0], doc_of(mine[0]), m["id"], "several requests are open here", now,
                                  tellings,
                                  "Several questions are open in this conversation: reply in the thread of the one you answer.")
                 continue
@@ -5560,7 +5788,7 @@ class _EngineReadings:
             text = m["text"] if isinstance(m["text"], str) else ""
             if len(text.encode()) > MAX_REPLY_BYTES:
                 refused += 1
-                self._refuse(conn, fx, target, doc_of(target), m["id"], "the reply is too long", now, tellings,
+                self._refuse(tx, fx, target, doc_of(target), m["id"], "the reply is too long", now, tellings,
                              f"Your reply is longer than {MAX_REPLY_BYTES // KIB} KiB, the most a reply may hold.")
                 continue
             doc_rule = doc_of(target)
@@ -5574,25 +5802,24 @@ class _EngineReadings:
             if answer is None:
                 refused += 1
                 how = rule.how_to_answer() if rule is not None else ""
-                self._refuse(conn, fx, target, doc_rule, m["id"], "; ".join(reasons), now, tellings,
+                self._refuse(tx, fx, target, doc_rule, m["id"], "; ".join(reasons), now, tellings,
                              ("Your reply could not be taken: " + "; ".join(reasons) + ". " + how).strip())
                 continue
             taken += 1
-            self._record_answer(conn, fx, target, answer, None, f"playbook:{playbook}", now, reply_id=m["id"])
-        conn.execute("UPDATE readings SET since = ? WHERE id = ?", (since, reading["id"]))
+            self._record_answer(tx, fx, target, answer, None, f"playbook:{playbook}", now, reply_id=m["id"])
+        tx.read_up_to(reading["id"], since)
         if counted:
-            conn.append_event(fx, playbook, None, "replies_read", now, "interactiond",
-                         {**event, "replies": counted, "taken": taken, "refused": refused, "since": since})
+            tx.append_event(fx, playbook, None, "replies_read", now, "interactiond",
+                            {**event, "replies": counted, "taken": taken, "refused": refused, "since": since})
 
-    def _refuse(self, conn: Tx, fx: Effects, req: Row, doc: Any, reply_id: str, reason: str,
+    def _refuse(self, tx: Tx, fx: Effects, req: Row, doc: Any, reply_id: str, reason: str,
                 now: int, tellings: list[tuple[Row, str]], telling: str) -> None:
-        row = conn.execute("UPDATE requests SET refused_replies = refused_replies + 1 WHERE seq = ?"
-                           " RETURNING refused_replies, told", (req["seq"],)).fetchone()
+        row = tx.count_refusal(req["seq"])
         if row["refused_replies"] <= MAX_REFUSED_RECORDED:
-            conn.append_event(fx, req["playbook"], req["run_id"], "reply_refused", now, "interactiond",
-                         {"reply": {"id": reply_id}, "reason": reason[:500]})
+            tx.append_event(fx, req["playbook"], req["run_id"], "reply_refused", now, "interactiond",
+                            {"reply": {"id": reply_id}, "reason": reason[:500]})
         if doc is not None and doc.replies.tell is not None and row["told"] < MAX_REFUSED_TOLD:
-            conn.execute("UPDATE requests SET told = told + 1 WHERE seq = ?", (req["seq"],))
+            tx.count_telling(req["seq"])
             tellings.append((req, telling))
 
     async def _tell(self, req: Row, telling: str) -> None:
@@ -8293,10 +8520,6 @@ SSE_PAGE: Final = 500
 #: What a reconnecting EventSource waits, in milliseconds.
 SSE_RETRY_MS: Final = 2000
 
-_V2_SELECT: Final = (
-    "SELECT q.seq, q.id, q.playbook, q.run_id, q.name, q.status, q.delivery_state, q.message, q.answer_schema,"
-    " q.answer, q.answered_at, q.asked_at, q.expires_at, r.input AS run_input FROM requests q"
-    " JOIN runs r ON r.playbook = q.playbook AND r.run_id = q.run_id WHERE q.answer_schema IS NOT NULL")
 _FIELD_CODES: Final = {"type": "invalid_type", "enum": "invalid_option", "maxLength": "too_long",
                        "minLength": "too_short", "maxItems": "too_many", "minItems": "too_few",
                        "uniqueItems": "duplicate", "format": "invalid_format", "pattern": "invalid_format"}
@@ -8440,7 +8663,7 @@ async def find_interaction(engine: Engine, caller: Caller, ident: str) -> Row:
     """The request behind an interaction id, or 404 when it is unknown, malformed or not the caller's."""
     row = None
     if INTERACTION_ID_RE.fullmatch(ident):
-        row = await engine.store.read(lambda c: c.execute(_V2_SELECT + " AND q.id = ?", (ident,)).fetchone())
+        row = await engine.store.read(lambda tx: tx.interaction(ident))
     if row is None or row["playbook"] not in engine.playbooks or not caller.sees(row["playbook"]):
         raise _v2_problem("not_found", "The interaction does not exist or is not visible to this token.")
     return row
@@ -8459,19 +8682,8 @@ async def list_typed_interactions(engine: Engine, caller: Caller, status: str | 
         raise _v2_problem("bad_request", "The cursor does not decode; pass next_cursor as it came.")
     playbooks = _visible(engine, caller)
     statuses = V2_STATUS_FILTER[status] if status else tuple(V2_STATUS)
-
-    def query(conn: Tx) -> list[Row]:
-        sql = (_V2_SELECT + f" AND q.playbook IN ({','.join('?' * len(playbooks))})"
-               f" AND q.status IN ({','.join('?' * len(statuses))})")
-        args: list[Any] = [*playbooks, *statuses]
-        if run_id is not None:
-            sql += " AND q.run_id = ?"
-            args.append(run_id)
-        if before is not None:
-            sql += " AND q.seq < ?"
-            args.append(before)
-        return conn.execute(sql + " ORDER BY q.seq DESC LIMIT ?", (*args, n + 1)).fetchall()
-    rows = await engine.store.read(query) if playbooks else []
+    rows = await engine.store.read(lambda tx: tx.interactions(playbooks, statuses, run_id=run_id, before=before,
+                                                              limit=n + 1)) if playbooks else []
     more = len(rows) > n
     return {"data": [interaction_object(r) for r in rows[:n]],
             "page": {"has_more": more, "next_cursor": encode_cursor([rows[n - 1]["seq"]]) if more else None}}
@@ -8492,58 +8704,42 @@ async def respond_interaction(engine: Engine, caller: Caller, row: Row, key: str
     if not isinstance(body, dict):
         raise _v2_problem("bad_request", "the body is a JSON object: the response variant")
     body_sha = sha256_hex(json.dumps({"interaction": row["id"], "body": body}, sort_keys=True, ensure_ascii=False))
-
-    async def replay() -> tuple[int, dict[str, Any], bool] | None:
-        seen = await engine.store.read(lambda c: c.execute(
-            "SELECT body_sha, status, response FROM idempotency WHERE caller = ? AND key = ?",
-            (caller.id, key)).fetchone())
-        if seen is None:
-            return None
-        if seen["body_sha"] != body_sha:
-            raise _v2_problem("idempotency_key_conflict",
-                              "this Idempotency-Key was used with another request; use a new key for a new response")
-        return seen["status"], json.loads(seen["response"]), True
-
-    def not_pending(req: Row) -> Problem:
-        status = V2_STATUS[req["status"]]
-        words = "being cancelled" if status == "pending" else status
-        return _v2_problem("interaction_not_pending", f"the interaction is {words}; it takes no response",
-                           extra={"interaction_status": status})
-
-    if (first := await replay()) is not None:
-        return first
+    # The answer's own transaction keeps the key with the response, built from the closed request.
+    idempotency = IdempotencyKey(caller=caller.id, key=key, body_sha=body_sha,
+                                 response=lambda closed: interaction_object({**closed, "run_input": row["run_input"]}))
+    if (first := await engine.replayed(idempotency)) is not None:
+        return 200, first, True
     if row["status"] != "open" or row["delivery_state"] == DeliveryState.CANCELLING.value:
-        raise not_pending(row)
+        raise _not_pending(row["status"])
     kind, _, _ = typed_shape(row["answer_schema"])
     answer = typed_answer(kind, json.loads(row["answer_schema"]), body)
-    made: dict[str, Any] = {}
-
-    def remember(conn: Tx) -> None:
-        # Runs inside the answer's own transaction: the key and the answer commit together.
-        made["object"] = interaction_object(conn.execute(_V2_SELECT + " AND q.id = ?", (row["id"],)).fetchone())
-        conn.execute("INSERT INTO idempotency (caller, key, body_sha, status, response, created_at)"
-                     " VALUES (?, ?, ?, 200, ?, ?)", (caller.id, key, body_sha, dumps(made["object"]),
-                                                      engine.clock.now_ms()))
-
     try:
-        _, new = await engine.answer_interaction(caller, row["playbook"], row["run_id"], answer, also=remember)
-    except sqlite3.IntegrityError:          # the same key, committed meanwhile by a concurrent call
-        new = False
+        response, new = await engine.answer_interaction(caller, row["playbook"], row["run_id"], answer,
+                                                        idempotency=idempotency)
     except Problem as exc:
-        if exc.name in ("answered", "not_open"):
-            new = False
-        elif exc.name == "invalid_input":
-            prefix = "answer" if kind == "form" else ""
-            raise _v2_problem("validation_failed", exc.detail, errors=[
-                {"field": _field_name(([prefix] if prefix else []) + [p for p in e["pointer"].split("/")[2:] if p])
-                 or "answer", "code": "invalid_value", "message": e["message"]} for e in exc.errors or []]) from None
-        else:
-            raise
-    if not new:
-        if (first := await replay()) is not None:
-            return first
-        raise not_pending(await find_interaction(engine, caller, row["id"]))
-    return 200, made["object"], False
+        raise _v2_refusal(exc, kind) from None
+    return 200, response, not new
+
+
+def _not_pending(status: str) -> Problem:
+    """409 interaction_not_pending for a request in `status` (or `cancelling`: open, being cancelled)."""
+    shown = V2_STATUS.get(status, "pending")
+    words = "being cancelled" if shown == "pending" else shown
+    return _v2_problem("interaction_not_pending", f"the interaction is {words}; it takes no response",
+                       extra={"interaction_status": shown})
+
+
+def _v2_refusal(exc: Problem, kind: str) -> Problem:
+    """The engine's refusal of a typed response, as the typed API names it: a request that has ended
+    (its status is the problem's kind) is not pending, an answer off its schema fails validation."""
+    if exc.name in ("answered", "not_open"):
+        return _not_pending(exc.kind or "")
+    if exc.name == "invalid_input":
+        prefix = "answer" if kind == "form" else ""
+        return _v2_problem("validation_failed", exc.detail, errors=[
+            {"field": _field_name(([prefix] if prefix else []) + [p for p in e["pointer"].split("/")[2:] if p])
+             or "answer", "code": "invalid_value", "message": e["message"]} for e in exc.errors or []])
+    return exc
 
 
 # -- the event stream ---------------------------------------------------------------------------
@@ -8572,19 +8768,15 @@ def _stream_messages(ev: Row, req: Row | None) -> list[tuple[str, dict[str, Any]
     return out
 
 
-def _stream_page(conn: Tx, playbooks: list[str], after: int) -> tuple[bytes, int, bool]:
+def _stream_page(tx: Tx, playbooks: list[str], after: int) -> tuple[bytes, int, bool]:
     """The SSE bytes of the streamed events after `after`; the last id read; whether more follow."""
-    rows = conn.execute(
-        f"SELECT id, playbook, run_id, type, at, payload FROM events WHERE id > ?"
-        f" AND type IN ({','.join('?' * len(_STREAMED))}) AND playbook IN ({','.join('?' * len(playbooks))})"
-        " ORDER BY id LIMIT ?", (after, *_STREAMED, *playbooks, SSE_PAGE)).fetchall()
+    rows = tx.events_after(after, types=_STREAMED, playbooks=playbooks, limit=SSE_PAGE)
     reqs: dict[tuple[str, str], Row | None] = {}
     chunks = []
     for ev in rows:
         where = (ev["playbook"], ev["run_id"])
         if where not in reqs:
-            reqs[where] = conn.execute("SELECT id, answer_schema FROM requests WHERE playbook = ? AND run_id = ?",
-                                       where).fetchone()
+            reqs[where] = tx.request_shape(*where)
         for name, data in _stream_messages(ev, reqs[where]):
             chunks.append(f"id: evt_{ev['id']}\nevent: {name}\ndata: {dumps(data)}\n\n")
     return "".join(chunks).encode(), (rows[-1]["id"] if rows else after), len(rows) == SSE_PAGE
@@ -8617,7 +8809,7 @@ async def serve_stream(request: web.Request, playbooks: list[str]) -> web.Stream
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no"})
     try:
-        newest = await engine.store.read(lambda c: c.execute("SELECT COALESCE(MAX(id), 0) FROM events").fetchone()[0])
+        newest = await engine.store.read(lambda tx: tx.last_event_id())
         if after is None:
             after = newest
         elif after > newest:                # never sent: resuming there would skip what comes before it
