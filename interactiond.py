@@ -3453,9 +3453,6 @@ class SQLiteTx:
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn = conn
 
-    def execute(self, sql: str, params: Iterable[Any] = ()) -> Any:
-        return self.conn.execute(sql, params)
-
     def close(self) -> None:
         self.conn.close()
 
@@ -3498,6 +3495,11 @@ class SQLiteTx:
             return False
         fx.timers.append((key, None))
         return True
+
+    def timer_due(self, key: str) -> int | None:
+        """When a timer is due, or None when there is none."""
+        row = self.conn.execute("SELECT due_at FROM timers WHERE key = ?", (key,)).fetchone()
+        return row["due_at"] if row is not None else None
 
     # Runs.
 
@@ -3771,11 +3773,6 @@ class SQLiteTx:
         self.conn.execute("UPDATE requests SET reading = ? WHERE seq = ?", (reading["id"], seq))
         return reading
 
-    def timer_due(self, key: str) -> int | None:
-        """When a timer is due, or None when there is none."""
-        row = self.conn.execute("SELECT due_at FROM timers WHERE key = ?", (key,)).fetchone()
-        return row["due_at"] if row is not None else None
-
     def reading(self, reading_id: int) -> Row | None:
         """A reading: its server, tool, conversation key, `since`, reads and wait."""
         return self.conn.execute("SELECT * FROM readings WHERE id = ?", (reading_id,)).fetchone()
@@ -3882,11 +3879,6 @@ class SQLiteTx:
             " ON r.playbook = ? AND r.run_id = up.id WHERE r.parent IS NOT NULL AND up.n < 64) SELECT MAX(n) FROM up",
             (run_id, playbook)).fetchone()
         return row[0] or 1
-
-    def timer_due(self, key: str) -> int | None:
-        """When a timer is due, or None when there is none."""
-        row = self.conn.execute("SELECT due_at FROM timers WHERE key = ?", (key,)).fetchone()
-        return row["due_at"] if row is not None else None
 
     def request_expiry(self, playbook: str, run_id: str) -> int | None:
         """When the run's request expires; None when the run has no request."""
@@ -5164,7 +5156,7 @@ class _EngineSystemCalls:
                 "output_schema": t.output_schema, "read_only": session.read_only(tool),
                 "annotations": t.annotations.model_dump(mode="json", by_alias=True, exclude_none=True) if t.annotations else None}
 
-    async def execute(self, caller: Caller, playbook: str, server: str, tool: str,
+    async def execute_tool(self, caller: Caller, playbook: str, server: str, tool: str,
                       arguments: dict[str, Any]) -> dict[str, Any]:
         """Call one tool once and return its answer; the call is a playbook event."""
         caller.require(Role.WRITER)
@@ -7612,7 +7604,7 @@ async def h_execute(request: web.Request) -> web.Response:
     body = await _json_body(request)
     engine = request.app[ENGINE_KEY]
     m = request.match_info
-    return _json(await engine.execute(_caller(request), _pb(request), m["server"], m["tool"], body.get("arguments", {})))
+    return _json(await engine.execute_tool(_caller(request), _pb(request), m["server"], m["tool"], body.get("arguments", {})))
 
 
 async def h_clock(request: web.Request) -> web.Response:
@@ -7934,7 +7926,7 @@ async def _t_introspect(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any
 
 
 async def _t_execute(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
-    return await e.execute(c, pb, a["server"], a["tool"], a.get("arguments") or {})
+    return await e.execute_tool(c, pb, a["server"], a["tool"], a.get("arguments") or {})
 
 
 async def _t_ask(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:

@@ -236,7 +236,7 @@ def test_command_line_refuses_nan_and_deep_json_in_one_line(tmp_path):
 
 async def test_last_event_id_never_sent_is_400_naming_the_header(d):
     await seed(d)
-    newest = int((await d.engine.store.read(lambda c: c.execute("SELECT MAX(id) FROM events").fetchone()))[0])
+    newest = int((await d.engine.store.read(lambda c: c.conn.execute("SELECT MAX(id) FROM events").fetchone()))[0])
     for path in (d.url("/stream"), "/v2/events"):
         for last in (f"evt_{newest + 1}", f"evt_{newest + 1000}", "999999999999999999", "evt_x", "evt_" + "9" * 30):
             resp = await asyncio.wait_for(d.client.get(path, headers={**d.auth(), "Last-Event-ID": last}), 10)

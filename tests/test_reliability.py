@@ -629,8 +629,8 @@ async def test_locked_database_is_a_clear_error_and_nothing_half_written(d_short
 
 async def test_full_disk_is_a_clear_error_and_nothing_half_written(d_short_busy):
     d = d_short_busy
-    pages = await d.engine.store.write(lambda c, fx: c.execute("PRAGMA page_count").fetchone()[0])
-    await d.engine.store.write(lambda c, fx: c.execute(f"PRAGMA max_page_count = {pages}").fetchone())
+    pages = await d.engine.store.write(lambda c, fx: c.conn.execute("PRAGMA page_count").fetchone()[0])
+    await d.engine.store.write(lambda c, fx: c.conn.execute(f"PRAGMA max_page_count = {pages}").fetchone())
     big = {"owner": "ana", "review": "r", "attachment": "x" * 300_000}   # ~75 more pages than the file has
     status, problem = await d.run("approve", big, run_id="too-big")
     assert status == 503 and problem["kind"] == "disk_full" and "full" in problem["detail"], problem
@@ -647,6 +647,6 @@ async def test_full_disk_is_a_clear_error_and_nothing_half_written(d_short_busy)
         assert (status, run_rows(d.db, n)) in ((202, (1, 1, 1)), (503, (0, 0, 0))), (n, status, body)
         assert status == 202 or body["kind"] == "disk_full", body
     assert results[6][0] == 503
-    await d.engine.store.write(lambda c, fx: c.execute("PRAGMA max_page_count = 1073741823").fetchone())
+    await d.engine.store.write(lambda c, fx: c.conn.execute("PRAGMA max_page_count = 1073741823").fetchone())
     status, run = await d.run("approve", big, run_id="too-big")
     assert status == 202 and run_rows(d.db, "too-big") == (1, 1, 1), run

@@ -34,7 +34,7 @@ def _run_with_request(tx, run_id: str, *, deliver: bool = False, notified: bool 
 
 
 def _open_count(tx) -> int:
-    return tx.execute("SELECT open_requests FROM playbooks WHERE id = ?", (PB,)).fetchone()[0]
+    return tx.conn.execute("SELECT open_requests FROM playbooks WHERE id = ?", (PB,)).fetchone()[0]
 
 
 def test_a_request_closes_once(tx):
@@ -44,19 +44,19 @@ def test_a_request_closes_once(tx):
     closed = tx.close_request(fx, PB, "r1", itd.ENDINGS["expired"])
     assert closed["status"] == "expired" and closed["open"] == 0
     assert _open_count(tx) == 0
-    assert tx.execute("SELECT COUNT(*) FROM timers").fetchone()[0] == 0
+    assert tx.conn.execute("SELECT COUNT(*) FROM timers").fetchone()[0] == 0
     assert (itd.timer_key("expire", PB, "r1"), None) in fx.timers
     # A closed request leaves no state a closing may leave: nothing moves, the counter stays.
     for name in ("answered", "cancelled", "expired"):
         assert tx.close_request(itd.Effects(), PB, "r1", itd.ENDINGS[name]) is None
-    assert tx.execute("SELECT status FROM requests WHERE run_id = 'r1'").fetchone()[0] == "expired"
+    assert tx.conn.execute("SELECT status FROM requests WHERE run_id = 'r1'").fetchone()[0] == "expired"
     assert _open_count(tx) == 0
     assert tx.close_request(itd.Effects(), PB, "no-such-run", itd.ENDINGS["cancelled"]) is None
 
 
 def test_a_notification_for_the_inbox_is_notified_at_once_and_leaves_the_run_started(tx):
     _run_with_request(tx, "n1", notified=True)
-    req = tx.execute("SELECT status, open FROM requests WHERE run_id = 'n1'").fetchone()
+    req = tx.conn.execute("SELECT status, open FROM requests WHERE run_id = 'n1'").fetchone()
     assert (req["status"], req["open"]) == ("notified", 0)
     assert tx.run(PB, "n1")["status"] == "started"
     assert tx.close_request(itd.Effects(), PB, "n1", itd.ENDINGS["cancelled"]) is None
@@ -65,7 +65,7 @@ def test_a_notification_for_the_inbox_is_notified_at_once_and_leaves_the_run_sta
 def test_a_request_opens_only_for_a_started_run(tx):
     _run_with_request(tx, "r1")
     tx.end_run(itd.Effects(), PB, "r1", itd.RunStatus.REJECTED, now=NOW, by="tok_1", kind="cancelled")
-    tx.execute("DELETE FROM requests WHERE run_id = 'r1'")
+    tx.conn.execute("DELETE FROM requests WHERE run_id = 'r1'")
     with pytest.raises(itd.Problem) as info:
         tx.open_request(request_id="int_again", playbook=PB, run_id="r1", type_="interaction", name="approve",
                         version=1, party="ann", answerer="ann", message="ok?", answer_schema="{}", server=None,
@@ -78,9 +78,9 @@ def test_a_request_opens_only_for_a_started_run(tx):
 def test_cancel_moves_only_an_attempt_in_flight(tx):
     _run_with_request(tx, "d1", deliver=True)
     assert not tx.cancel_delivery(PB, "d1")                       # to_deliver: nothing in flight
-    tx.execute("UPDATE requests SET delivery_state = 'delivering' WHERE run_id = 'd1'")
+    tx.conn.execute("UPDATE requests SET delivery_state = 'delivering' WHERE run_id = 'd1'")
     assert tx.cancel_delivery(PB, "d1")
-    assert tx.execute("SELECT delivery_state FROM requests WHERE run_id = 'd1'").fetchone()[0] == "cancelling"
+    assert tx.conn.execute("SELECT delivery_state FROM requests WHERE run_id = 'd1'").fetchone()[0] == "cancelling"
     assert not tx.cancel_delivery(PB, "d1")                       # cancelling moves no more
     assert not tx.cancel_delivery(PB, "no-such-run")
 

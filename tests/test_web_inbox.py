@@ -159,7 +159,7 @@ async def test_login_trades_the_token_once_for_a_cookie(d):
     cookie = resp.cookies[itd.SESSION_COOKIE]
     assert cookie["httponly"] and cookie["samesite"] == "Strict" and cookie["path"] == "/"
     conn = itd.open_sync(d.db)
-    rows = {r["purpose"]: r for r in conn.execute("SELECT * FROM tokens WHERE name = 'inbox login' OR name = 'inbox session'")}
+    rows = {r["purpose"]: r for r in conn.conn.execute("SELECT * FROM tokens WHERE name = 'inbox login' OR name = 'inbox session'")}
     conn.close()
     assert rows["login"]["revoked_at"] is not None
     assert rows["session"]["role"] == "writer" and rows["session"]["playbook"] == "local/default"
