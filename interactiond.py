@@ -4738,6 +4738,56 @@ def _ask_overrides(kind: str, input_: dict[str, Any], now: int) -> dict[str, Any
     return {"expires_at": now + int(td.total_seconds() * 1000), "answer_schema": schema}
 
 
+class RunKind(Protocol):
+    """A kind of run that lives beside the engine, with its own definition type.
+
+    The engine's own kinds are interactions (asking a person) and system calls (asking a tool);
+    a section below registers another in RUN_KINDS at import (Workflows: `workflow`). The engine
+    parses, starts, cancels and wakes such runs only through this face, and the kind uses only the
+    engine's public one (`document`, `run_definition`, `cancel_in`, `store`, `clock`, `spawn`), so
+    neither reaches into the other.
+    """
+
+    def parse(self, source: str, name: str | None = None) -> Any: ...
+
+    async def start(self, caller: Caller, playbook: str, name: str, version: int, doc: Any, input_: Any,
+                    run_id: str, input_text: str, input_sha: str, parent: str | None) -> tuple[dict[str, Any], bool]: ...
+
+    def cancel_in(self, tx: Tx, fx: Effects, run: Row, now: int, by: str) -> None: ...
+
+    async def on_timer(self, playbook: str, ref: str) -> None: ...
+
+    async def used_by(self, playbook: str, type_: str, name: str) -> list[dict[str, Any]]: ...
+
+    async def warnings(self, playbook: str, doc: Any) -> list[dict[str, Any]]: ...
+
+    async def close(self) -> None: ...
+
+
+#: The run kinds registered by the sections below: definition type -> a factory given the engine.
+#: A kind's runs wake on timers of the same name (`workflow:<playbook>:<run_id>`).
+RUN_KINDS: Final[dict[str, Callable[[Any], RunKind]]] = {}
+
+
+def end_cancelled(tx: Tx, fx: Effects, playbook: str, run_id: str, *, now: int, by: str) -> None:
+    """The one cancelled ending of every kind of run: its open request (if any) closes, the run ends."""
+    tx.close_request(fx, playbook, run_id, ENDINGS["cancelled"])
+    tx.end_run(fx, playbook, run_id, RunStatus.REJECTED, now=now, by=by, kind="cancelled",
+               problem=ending_problem(RunStatus.REJECTED, "cancelled", "the run was cancelled"))
+
+
+def rerun_check(row: Row, type_: str, name: str, input_sha: str) -> dict[str, Any]:
+    """A run id used before: the same run as it stands, or why it cannot be reused."""
+    if row["type"] != type_ or row["name"] != name or row["input_sha"] != input_sha:
+        raise Problem("run_id_taken", f"run id {row['run_id']} belongs to a run of another function or input;"
+                      " use a new run id", kind="run_id_taken", status=409, extra={"run_id": row["run_id"]})
+    if row["tools_called"] and row["status"] != RunStatus.SUCCEEDED.value and RunStatus(row["status"]).ended:
+        raise Problem("tools_called", f"run {row['run_id']} called its tool and did not succeed; check its history,"
+                      " then start a new run under a new id", kind="tools_called", status=409,
+                      extra={"run_id": row["run_id"]})
+    return run_object(row)
+
+
 class _EngineDefinitions:
     """Saving, reading, listing and deactivating definitions (a part of Engine)."""
 
@@ -4746,9 +4796,10 @@ class _EngineDefinitions:
     def _parse(self, type_: str, source: str, name: str | None = None) -> Any:
         if type_ == "interaction":
             return parse_function(source)
-        return parse_workflow(source, name)    # Workflows: `name` (when saving) must equal document.name
+        return self.kinds[type_].parse(source, name)    # e.g. Workflows: `name` (when saving) must equal document.name
 
-    def _doc(self, playbook: str, type_: str, name: str, version: int, source: str) -> Any:
+    def parsed(self, playbook: str, type_: str, name: str, version: int, source: str) -> Any:
+        """The document of a definition's version, parsed once and kept (the 512 most recent)."""
         key = (playbook, type_, name, version)
         doc = self._docs.get(key)
         if doc is None:
@@ -4760,11 +4811,29 @@ class _EngineDefinitions:
             self._docs.move_to_end(key)
         return doc
 
+    async def document(self, playbook: str, type_: str, name: str, version: int | None = None) -> tuple[int, Any]:
+        """The one lookup of a definition's document: (version, parsed document), of `version` or,
+        without it, of the active version (cached until the bus says the definition changed)."""
+        if version is None:
+            hit = self._current.get((playbook, type_, name))
+            if hit is not None:
+                return hit
+        else:
+            doc = self._docs.get((playbook, type_, name, version))
+            if doc is not None:
+                self._docs.move_to_end((playbook, type_, name, version))
+                return version, doc
+        row = await self._definition_row(playbook, type_, name, version)
+        hit = (row["version"], self.parsed(playbook, type_, name, row["version"], row["source"]))
+        if version is None:
+            self._current[(playbook, type_, name)] = hit
+        return hit
+
     @staticmethod
     def _check_def_name(type_: Any, name: Any) -> None:
         errors = []
-        if type_ not in ("interaction", "workflow"):
-            errors.append({"pointer": "/type", "message": "must be interaction or workflow"})
+        if type_ not in ("interaction", *RUN_KINDS):
+            errors.append({"pointer": "/type", "message": "must be " + " or ".join(("interaction", *RUN_KINDS))})
         if not isinstance(name, str) or not FUNCTION_NAME_RE.fullmatch(name):
             errors.append({"pointer": "/name", "message": "1 to 128 lowercase letters, digits, hyphens and underscores, starting with a letter or digit"})
         if errors:
@@ -4801,8 +4870,8 @@ class _EngineDefinitions:
         self._docs[(playbook, type_, name, version)] = doc
         self._current[(playbook, type_, name)] = (version, doc)
         out = await self.get_definition(caller, playbook, type_, name, version)
-        if type_ == "workflow":                # Workflows: calls of definitions that do not exist yet
-            out["warnings"] = await self.workflows.warnings(playbook, doc)
+        if type_ in self.kinds:                # e.g. a workflow's calls of definitions that do not exist yet
+            out["warnings"] = await self.kinds[type_].warnings(playbook, doc)
         return out, created
 
     async def _definition_row(self, playbook: str, type_: str, name: str, version: int | None) -> Row:
@@ -4815,7 +4884,8 @@ class _EngineDefinitions:
     async def get_definition(self, caller: Caller, playbook: str, type_: str, name: str,
                              version: int | None = None) -> dict[str, Any]:
         row = await self._definition_row(playbook, type_, name, version)
-        used_by = await self.workflows.used_by(playbook, type_, name)   # Workflows: the active ones calling it
+        used_by = [u for kind in self.kinds.values()                   # e.g. the active workflows calling it
+                   for u in await kind.used_by(playbook, type_, name)]
         overview = row["overview"]
         if used_by:
             overview += "\n\n**Used by:** " + ", ".join(u["name"] for u in used_by)
@@ -4848,16 +4918,6 @@ class _EngineDefinitions:
         if not await self.store.write(change):
             raise not_found(f"no active {type_} named {name!r} in this playbook")
         return {"playbook": playbook, "type": type_, "name": name, "active": False}
-
-    async def _current_doc(self, playbook: str, type_: str, name: str) -> tuple[int, Any]:
-        key = (playbook, type_, name)
-        hit = self._current.get(key)
-        if hit is None:
-            row = await self._definition_row(playbook, type_, name, None)
-            hit = (row["version"], self._doc(playbook, type_, name, row["version"], row["source"]))
-            self._current[key] = hit
-        return hit
-
 
 class _EngineRuns:
     """Starting runs, reading, waiting for and cancelling them (a part of Engine)."""
@@ -4939,15 +4999,15 @@ class _EngineRuns:
         input_text = dumps(input_)                      # once: for the bound and for the row
         if len(input_text.encode()) > MAX_BODY_BYTES or json_depth(input_) > MAX_JSON_DEPTH:
             raise Problem("too_large", "the input is too large or too deep")
-        version, doc = await self._current_doc(playbook, type_, name)
+        version, doc = await self.document(playbook, type_, name)
         run_id = run_id or new_run_id()  # known before rendering: deliver.with may read it
         input_sha = sha256_hex(json.dumps(input_, sort_keys=True, separators=(",", ":"), ensure_ascii=False))
         now = self.clock.now_ms()
         ending: Problem | None = None
         prepared: dict[str, Any] = {}
-        if type_ == "workflow":                 # Workflows: the run row; its tasks follow on the timer task
-            return await self.workflows.start(caller, playbook, name, version, doc, input_, run_id, input_text,
-                                              input_sha, parent)
+        if type_ in self.kinds:                 # e.g. a workflow: the run row; its tasks follow on the timer task
+            return await self.kinds[type_].start(caller, playbook, name, version, doc, input_, run_id, input_text,
+                                                 input_sha, parent)
         if doc.shape is Shape.SYSTEM:
             return await self._run_system(caller, playbook, type_, name, version, doc, input_, run_id,
                                           input_text, input_sha, parent=parent)
@@ -4969,7 +5029,7 @@ class _EngineRuns:
         def change(tx: Tx, fx: Effects) -> tuple[dict[str, Any], bool]:
             row = tx.run(playbook, run_id)
             if row is not None:
-                return self._rerun(row, type_, name, input_sha), False
+                return rerun_check(row, type_, name, input_sha), False
             tx.insert_run(playbook=playbook, run_id=run_id, type_=type_, name=name, version=version,
                           input_text=input_text, input_sha=input_sha, parent=parent, now=now, by=caller.id)
             end = ending
@@ -4988,17 +5048,6 @@ class _EngineRuns:
         if fresh and run["status"] == RunStatus.WAITING.value:
             run = dict(run, status=RunStatus.STARTED.value)
         return run, fresh
-
-    def _rerun(self, row: Row, type_: str, name: str, input_sha: str) -> dict[str, Any]:
-        """A run id used before: the same run as it stands, or why it cannot be reused."""
-        if row["type"] != type_ or row["name"] != name or row["input_sha"] != input_sha:
-            raise Problem("run_id_taken", f"run id {row['run_id']} belongs to a run of another function or input;"
-                          " use a new run id", kind="run_id_taken", status=409, extra={"run_id": row["run_id"]})
-        if row["tools_called"] and row["status"] != RunStatus.SUCCEEDED.value and RunStatus(row["status"]).ended:
-            raise Problem("tools_called", f"run {row['run_id']} called its tool and did not succeed; check its history,"
-                          " then start a new run under a new id", kind="tools_called", status=409,
-                          extra={"run_id": row["run_id"]})
-        return run_object(row)
 
     def _open_request(self, tx: Tx, fx: Effects, playbook: str, run_id: str, type_: str,
                       name: str, version: int, doc: Any, prepared: dict[str, Any], now: int, by: str) -> None:
@@ -5066,27 +5115,20 @@ class _EngineRuns:
                 if run["kind"] == "cancelled":
                     return run_object(run)
                 raise Problem("not_open", f"run {run_id} has already ended ({run['status']})", kind="ended")
-            self._cancel_in(tx, fx, run, now, caller.id)
+            self.cancel_in(tx, fx, run, now, caller.id)
             return run_object(tx.run(playbook, run_id))
         return await self.store.write(change)
 
-    def _cancel_in(self, tx: Tx, fx: Effects, run: Row, now: int, by: str) -> None:
+    def cancel_in(self, tx: Tx, fx: Effects, run: Row, now: int, by: str) -> None:
         """Cancel a live run inside a change: cancel_run, and a workflow cancelling its child."""
         playbook, run_id = run["playbook"], run["run_id"]
-        if run["type"] == "workflow":          # Workflows: its open child is cancelled with it
-            self.workflows.cancel_in(tx, fx, run, now, by)
+        if run["type"] in self.kinds:          # e.g. a workflow: its open child is cancelled with it
+            self.kinds[run["type"]].cancel_in(tx, fx, run, now, by)
             return
         if tx.cancel_delivery(playbook, run_id):      # an attempt in flight finishes first
             tx.append_event(fx, playbook, run_id, "cancel_requested", now, by, {})
         else:
-            tx.close_request(fx, playbook, run_id, ENDINGS["cancelled"])
-            tx.end_run(fx, playbook, run_id, RunStatus.REJECTED, now=now, by=by, kind="cancelled",
-                       problem=ending_problem(RunStatus.REJECTED, "cancelled", "the run was cancelled"))
-
-    def _close_request(self, tx: Tx, fx: Effects, playbook: str, run_id: str, status: str,
-                       now: int) -> Row | None:
-        """Close the run's open request (if any) with `status`, the name of its ending (see close_request)."""
-        return tx.close_request(fx, playbook, run_id, ENDINGS[status])
+            end_cancelled(tx, fx, playbook, run_id, now=now, by=by)
 
     async def list_runs(self, caller: Caller, playbook: str, status: str | None = None, function: str | None = None,
                         limit: Any = None, cursor: str | None = None) -> dict[str, Any]:
@@ -5236,7 +5278,7 @@ class _EngineSystemCalls:
         def begin(tx: Tx, fx: Effects) -> tuple[dict[str, Any], bool]:
             row = tx.run(playbook, run_id)
             if row is not None:
-                return self._rerun(row, type_, name, input_sha), False
+                return rerun_check(row, type_, name, input_sha), False
             tx.insert_run(playbook=playbook, run_id=run_id, type_=type_, name=name, version=version,
                           input_text=input_text, input_sha=input_sha, parent=parent, now=now, by=caller.id,
                           tools_called=ending is None)
@@ -5416,7 +5458,7 @@ class _EngineInbox:
         Returns the closed request's row (its answer columns filled)."""
         playbook, run_id = row["playbook"], row["run_id"]
         tx.record_answer(fx, row, answer, by=by, now=now, claimed_for=claimed_for, reply_id=reply_id)
-        closed = self._close_request(tx, fx, playbook, run_id, "answered", now)
+        closed = tx.close_request(fx, playbook, run_id, ENDINGS["answered"])
         tx.end_run(fx, playbook, run_id, RunStatus.SUCCEEDED, now=now, by=by, output=answer)
         return closed
 
@@ -5474,12 +5516,7 @@ class _EngineDeliveries:
     # which counts the attempt as failed and schedules the next. No transaction spans the call.
 
     async def _request_doc(self, req: Row) -> Any:
-        key = (req["playbook"], req["type"], req["name"], req["version"])
-        doc = self._docs.get(key)
-        if doc is None:
-            row = await self._definition_row(req["playbook"], req["type"], req["name"], req["version"])
-            doc = self._doc(req["playbook"], req["type"], req["name"], req["version"], row["source"])
-        return doc
+        return (await self.document(req["playbook"], req["type"], req["name"], req["version"]))[1]
 
     async def _attempt(self, playbook: str, run_id: str, key: str) -> None:
         now = self.clock.now_ms()
@@ -5576,13 +5613,11 @@ class _EngineDeliveries:
                                  "retry_after_ms": outcome.get("retry_after_ms")})
             if row["delivery_state"] == "cancelling" or row["status"] != "open":
                 if row["delivery_state"] == "cancelling" and row["status"] == "open":
-                    self._close_request(tx, fx, playbook, run_id, "cancelled", now)
-                    tx.end_run(fx, playbook, run_id, RunStatus.REJECTED, now=now, by="interactiond",
-                               kind="cancelled", problem=ending_problem(RunStatus.REJECTED, "cancelled", "the run was cancelled"))
+                    end_cancelled(tx, fx, playbook, run_id, now=now, by="interactiond")
                 return
             if outcome.get("ok"):
                 if row["answer_schema"] is None:
-                    self._close_request(tx, fx, playbook, run_id, "notified", now)
+                    tx.close_request(fx, playbook, run_id, ENDINGS["notified"])
                     tx.end_run(fx, playbook, run_id, RunStatus.SUCCEEDED, now=now, by="interactiond", output={})
                 elif conversation is not None:
                     self._join_reading(tx, fx, row, doc, conversation, now)
@@ -5605,7 +5640,7 @@ class _EngineDeliveries:
             return
         tx.fail_attempt(row["seq"], spent=True)         # a refused attempt has ended undelivered already
         if row["answer_schema"] is None:
-            self._close_request(tx, fx, playbook, run_id, "undelivered", now)
+            tx.close_request(fx, playbook, run_id, ENDINGS["undelivered"])
             tx.end_run(fx, playbook, run_id, RunStatus.REJECTED, now=now, by="interactiond", kind="undelivered",
                        problem=ending_problem(RunStatus.REJECTED, "undelivered", "every attempt to deliver the notification failed"))
 
@@ -5626,9 +5661,7 @@ class _EngineDeliveries:
                              "message": "the attempt had no recorded end a minute after it started (the daemon restarted)",
                              "retry_after_ms": None})
             if row["delivery_state"] == "cancelling":
-                self._close_request(tx, fx, playbook, run_id, "cancelled", now)
-                tx.end_run(fx, playbook, run_id, RunStatus.REJECTED, now=now, by="interactiond", kind="cancelled",
-                           problem=ending_problem(RunStatus.REJECTED, "cancelled", "the run was cancelled"))
+                end_cancelled(tx, fx, playbook, run_id, now=now, by="interactiond")
             elif row["status"] == "open":
                 self._after_failed_attempt(tx, fx, row, now, None)
         await self.store.write(change)
@@ -5741,7 +5774,7 @@ class _EngineReadings:
             key = (req["playbook"], req["type"], req["name"], req["version"])
             if key not in docs:
                 source = tx.definition_source(*key)
-                docs[key] = self._parse(req["type"], source) if source is not None else None
+                docs[key] = self.parsed(*key, source) if source is not None else None
             return docs[key]
 
         playbook = reading["playbook"]
@@ -5876,7 +5909,8 @@ class Engine(_EngineDefinitions, _EngineRuns, _EngineSystemCalls, _EngineInbox, 
         self.timer_kinds: dict[str, Callable[[str], Any]] = {}
         self.playbooks: set[str] = set(config.playbooks)
         self.tools = ToolServers(config)
-        self.workflows = Workflows(self)      # the workflow executor (section Workflows)
+        #: The run kinds of the sections below (Workflows), each made with this engine.
+        self.kinds: dict[str, RunKind] = {type_: make(self) for type_, make in RUN_KINDS.items()}
 
     # -- life ---------------------------------------------------------------------------------
 
@@ -5925,7 +5959,8 @@ class Engine(_EngineDefinitions, _EngineRuns, _EngineSystemCalls, _EngineInbox, 
             await asyncio.gather(*pending, return_exceptions=True)
         self.bus.end_waits()
         await self.tools.close()
-        await self.workflows.close()          # Workflows: its jq process
+        for kind in self.kinds.values():      # e.g. Workflows: its jq process
+            await kind.close()
 
     def spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
         """A named side task, kept until it ends; its failure is logged, never lost."""
@@ -5993,8 +6028,8 @@ class Engine(_EngineDefinitions, _EngineRuns, _EngineSystemCalls, _EngineInbox, 
                 jobs.append(self._lost(playbook, ref, key))
             elif kind == "read":
                 self.spawn(self._read(playbook, int(ref), key), f"read {ref}")
-            elif kind == "workflow":        # Workflows: a run to move on (started, woken, or due)
-                self.spawn(self.workflows.drive(playbook, ref), f"workflow {ref}")
+            elif kind in self.kinds:        # e.g. a workflow run to move on (started, woken, or due)
+                self.spawn(self.kinds[kind].on_timer(playbook, ref), f"{kind} {ref}")
             elif kind == "prune":
                 jobs.append(self._prune(key))
             elif kind in self.timer_kinds:
@@ -7185,7 +7220,7 @@ class _Walk:
 
 
 class Workflows:
-    """Runs workflows for the engine: their start, every transition, their cancel, their uses."""
+    """The `workflow` run kind (RunKind): its documents, its start, every transition, its cancel, its uses."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -7195,6 +7230,12 @@ class Workflows:
 
     async def close(self) -> None:
         await self.jq.close()
+
+    def parse(self, source: str, name: str | None = None) -> WorkflowDoc:
+        return parse_workflow(source, name)
+
+    async def on_timer(self, playbook: str, ref: str) -> None:
+        await self.drive(playbook, ref)
 
     # -- definitions ----------------------------------------------------------------------------
 
@@ -7228,7 +7269,7 @@ class Workflows:
             if not tx.insert_run(playbook=playbook, run_id=run_id, type_="workflow", name=name, version=version,
                           input_text=input_text, input_sha=input_sha, parent=parent, state=state,
                           now=now, by=caller.id):
-                return self.engine._rerun(tx.run(playbook, run_id), "workflow", name, input_sha), False
+                return rerun_check(tx.run(playbook, run_id), "workflow", name, input_sha), False
             # Raising rolls the new row back with the rest of the change.
             if parent is not None and tx.run_depth(playbook, parent) >= WORKFLOW_MAX_DEPTH:
                 raise ending_problem(RunStatus.CONFLICT, "unworkable", f"workflows nest at most {WORKFLOW_MAX_DEPTH} deep")
@@ -7258,13 +7299,7 @@ class Workflows:
             self._start_errors.pop(key, None)
 
     async def _doc(self, run: Row) -> WorkflowDoc:
-        engine = self.engine
-        key = (run["playbook"], "workflow", run["name"], run["version"])
-        doc = engine._docs.get(key)
-        if doc is None:
-            row = await engine._definition_row(run["playbook"], "workflow", run["name"], run["version"])
-            doc = engine._doc(run["playbook"], "workflow", run["name"], run["version"], row["source"])
-        return doc
+        return (await self.engine.document(run["playbook"], "workflow", run["name"], run["version"]))[1]
 
     async def _step(self, playbook: str, run_id: str) -> bool:
         """One transition, written; True when there is more to do at once."""
@@ -7372,7 +7407,7 @@ class Workflows:
         """Cancel a workflow's open child run inside the workflow's change (a system call in flight ends alone)."""
         child = tx.child_to_cancel(playbook, child_id)
         if child is not None:
-            self.engine._cancel_in(tx, fx, child, now, by)
+            self.engine.cancel_in(tx, fx, child, now, by)
 
     def cancel_in(self, tx: Tx, fx: Effects, run: Row, now: int, by: str) -> None:
         """cancel_run of a live workflow: its open child is cancelled and it ends cancelled, together."""
@@ -7380,8 +7415,7 @@ class Workflows:
         for fr in stack:
             if "child" in fr:
                 self._cancel_child(tx, fx, run["playbook"], fr["child"], now, by)
-        tx.end_run(fx, run["playbook"], run["run_id"], RunStatus.REJECTED, now=now, by=by, kind="cancelled",
-                   problem=ending_problem(RunStatus.REJECTED, "cancelled", "the run was cancelled"))
+        end_cancelled(tx, fx, run["playbook"], run["run_id"], now=now, by=by)
         tx.drop_timer(fx, timer_key("workflow", run["playbook"], run["run_id"]))
 
     def _tidy(self, tx: Tx, fx: Effects, run: Row, key: str) -> None:
@@ -7389,6 +7423,9 @@ class Workflows:
         if stack and "child" in stack[-1]:
             self._cancel_child(tx, fx, run["playbook"], stack[-1]["child"], self.engine.clock.now_ms(), "interactiond")
         tx.drop_timer(fx, key)
+
+
+RUN_KINDS["workflow"] = Workflows
 
 
 # HTTP API #######################################################################################

@@ -288,7 +288,7 @@ async def test_a_child_that_ended_before_its_workflow_moved_is_picked_up_at_rest
 
     async def stopped(playbook, run_id):          # the daemon dies before the workflow moves on
         return None
-    d1.engine.workflows.drive = stopped
+    d1.engine.kinds["workflow"].drive = stopped
     await d1.call("POST", f"/runs/{child}/answer", {"answer": {"verdict": "approve"}})
     await d1.advance("PT0S")
     assert (await get_run(d1, run["run_id"]))["status"] == "waiting"
