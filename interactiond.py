@@ -29,7 +29,7 @@ The module reads top to bottom, each section using only those above it:
     MCP server                the same operations as MCP tools over three transports
     Typed API and client      /v2/interactions and interactiond.Client
     Web inbox                 the page a person answers on
-    Command line              serve, stdio, check, token, run, inbox, answer
+    Command line              serve, stdio, demo, check, token, and the clients of the HTTP API
     The page's text           the inbox page's HTML, CSS and script
 
 How to change it:
@@ -9543,10 +9543,10 @@ def mount_web(app: web.Application) -> None:
 
 # Command line ###################################################################################
 #
-# `serve` and `stdio` run the engine; `check` and `token` work on files; `run`, `inbox` and
-# `answer` are thin clients of the HTTP API. Files beside the database (mode 0600): `.lock` (the
-# engine's OS lock), `.token` (the operator token the first start made) and `.url` (where the
-# running engine listens).
+# `serve`, `stdio` and `demo` run the engine; `check` and `token` work on files; `define`, `run`,
+# `get`, `wait`, `cancel`, `inbox`, `answer`, `runs` and `definitions` are thin clients of the HTTP
+# API. Files beside the database (mode 0600): `.lock` (the engine's OS lock), `.token` (the
+# operator token the first start made) and `.url` (where the running engine listens).
 
 def build_app(engine: Engine, *, manage_engine: bool = True, hosts: Iterable[str] = (),
               access_log: bool = False) -> web.Application:
