@@ -7711,6 +7711,8 @@ REQUEST_ID: Final[contextvars.ContextVar[str | None]] = contextvars.ContextVar("
 _REQUEST_ID_RE: Final = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 _HTTP_METHODS: Final = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 access_log = logging.getLogger("interactiond.access")
+#: The kinds a run's ending is counted under; any other (a workflow may raise its own) is `other`.
+_ENDING_KINDS: Final = frozenset(e.kind for e in ENDINGS.values() if e.kind)
 
 
 def answer_channel(event: Mapping[str, Any]) -> str:
@@ -7761,7 +7763,9 @@ class Metrics:
         try:
             type_, pb, payload = event["type"], event["playbook"], event.get("payload") or {}
             if type_.startswith("run_"):
-                self.runs_ended.labels(pb, payload.get("status") or type_[4:], payload.get("kind") or "").inc()
+                kind = payload.get("kind") or ""
+                self.runs_ended.labels(pb, payload.get("status") or type_[4:],
+                                       kind if kind in _ENDING_KINDS or not kind else "other").inc()
             elif type_ == "request_answered":
                 self.answers.labels(pb, answer_channel(event)).inc()
             elif type_ == "delivery_succeeded":

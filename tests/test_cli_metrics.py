@@ -158,3 +158,19 @@ async def test_the_wait_limit_has_one_name_and_a_longer_wait_is_cut(d):
     resp = await d.client.post(path + "?timeout=120", headers=d.auth())        # cut, not refused
     assert resp.status == 200 and resp.headers["X-Timeout-Cut-To"] == "60"
     assert (await resp.json())["status"] == "succeeded"
+
+
+async def test_a_kind_of_a_workflows_own_is_counted_as_other(d):
+    source = ("document: {dsl: '1.0.0', namespace: t, name: boom, version: '1.0.0'}\n"
+              "do:\n  - fail:\n      raise:\n        error: {type: https://serverlessworkflow.io/spec/1.0.0/errors/teapot,"
+              " status: 409, kind: teapot}\n")
+    status, body = await d.call("POST", "/definitions", {"type": "workflow", "name": "boom", "source": source})
+    assert status == 201, body
+    status, run = await d.call("POST", "/runs", {"type": "workflow", "name": "boom", "input": {}})
+    await d.advance("PT0S")
+    ended = (await d.call("GET", f"/runs/{run['run_id']}"))[1]
+    assert ended["status"] == "conflict" and ended["kind"] == "teapot"
+    samples = await scrape(d)
+    assert value(samples, "interactiond_runs_started_total", playbook="local/default", type="workflow") == 1
+    assert value(samples, "interactiond_runs_ended_total", playbook="local/default", status="conflict",
+                 kind="other") == 1
