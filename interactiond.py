@@ -29,7 +29,7 @@ The module reads top to bottom, each section using only those above it:
     MCP server                the same operations as MCP tools over three transports
     Typed API and client      /v2/interactions and interactiond.Client
     Web inbox                 the page a person answers on
-    Command line              serve, stdio, check, token, run, inbox, answer
+    Command line              serve, stdio, demo, check, token, and the clients of the HTTP API
     The page's text           the inbox page's HTML, CSS and script
 
 How to change it:
@@ -48,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import contextvars
 import enum
 import fcntl
 import functools
@@ -2720,6 +2721,11 @@ class Config:
     servers: dict[str, ServerConfig] = field(default_factory=dict)
     playbooks: dict[str, tuple[str, ...]] = field(default_factory=lambda: {DEFAULT_PLAYBOOK: ()})
     source: str | None = None
+    metrics_open_on_loopback: bool = False      # GET /metrics without a token from this machine
+
+
+#: The keys of a configuration file (and how `check` tells one from a workflow).
+CONFIG_KEYS: Final = ("listen", "database", "open_requests", "servers", "playbooks", "metrics")
 
 
 class ConfigError(Exception):
@@ -2816,8 +2822,7 @@ def load_config(path: str | None, environ: dict[str, str] | None = None) -> Conf
     problems: list[str] = []
     if not isinstance(raw, dict):
         raise ConfigError(["(top): the configuration is a mapping of keys such as listen, servers, playbooks"])
-    known = {"listen", "database", "open_requests", "servers", "playbooks"}
-    problems += [f"{k}: unknown key (known: {', '.join(sorted(known))})" for k in raw if k not in known]
+    problems += [f"{k}: unknown key (known: {', '.join(sorted(CONFIG_KEYS))})" for k in raw if k not in CONFIG_KEYS]
     listen = raw.get("listen") or {}
     host, port = "127.0.0.1", 8765
     if not isinstance(listen, dict):
@@ -2849,9 +2854,14 @@ def load_config(path: str | None, environ: dict[str, str] | None = None) -> Conf
         names = _read_playbook(pb, value, raw_servers, problems)
         if names is not None:
             playbooks[pb] = names
+    metrics = _config_mapping(raw, "metrics", "a mapping with open_on_loopback", problems)
+    problems += [f"metrics.{k}: unknown key" for k in metrics if k != "open_on_loopback"]
+    if not isinstance(metrics.get("open_on_loopback", False), bool):
+        problems.append("metrics.open_on_loopback: true or false")
     if problems:
         raise ConfigError(problems)
-    return Config(host, port, database, open_requests, servers, playbooks, path)
+    return Config(host, port, database, open_requests, servers, playbooks, path,
+                  metrics_open_on_loopback=metrics.get("open_on_loopback") is True)
 
 
 # Store ##########################################################################################
@@ -3125,6 +3135,7 @@ class LocalBus:
         self._subscribers: set[asyncio.Queue[dict[str, Any]]] = set()
         self._timer_sinks: list[Callable[[str, int | None], None]] = []
         self._invalidators: list[Callable[[tuple[str, ...]], None]] = []
+        self._event_sinks: list[Callable[[dict[str, Any]], None]] = []
         self.stopped = False
 
     def on_timer(self, sink: Callable[[str, int | None], None]) -> None:
@@ -3132,6 +3143,10 @@ class LocalBus:
 
     def on_invalidate(self, sink: Callable[[tuple[str, ...]], None]) -> None:
         self._invalidators.append(sink)
+
+    def on_event(self, sink: Callable[[dict[str, Any]], None]) -> None:
+        """`sink(event)` for every committed event (the metrics count them); it must not raise."""
+        self._event_sinks.append(sink)
 
     def deliver(self, fx: Effects) -> None:
         for key, due in fx.timers:
@@ -3145,6 +3160,8 @@ class LocalBus:
                 if not fut.done():
                     fut.set_result(None)
         for event in fx.published:
+            for event_sink in self._event_sinks:
+                event_sink(event)
             for q in list(self._subscribers):
                 if q.qsize() < 1000:
                     q.put_nowait(event)
@@ -3211,10 +3228,12 @@ class _DbThread(threading.Thread):
     """A thread that owns one connection and runs functions of it, in batches when it writes."""
 
     def __init__(self, path: str, loop: asyncio.AbstractEventLoop, *, writer: bool,
-                 sink: Callable[[Effects], None] | None = None) -> None:
+                 sink: Callable[[Effects], None] | None = None,
+                 on_batch: Callable[[int, float], None] | None = None) -> None:
         super().__init__(name="interactiond-writer" if writer else "interactiond-reader", daemon=True)
         self.path = path
         self.sink = sink
+        self.on_batch = on_batch            # (changes, seconds) of each group commit, for the metrics
         self.loop = loop
         self.writer = writer
         self.q: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -3248,7 +3267,10 @@ class _DbThread(threading.Thread):
                     self.q.put(None)
                     break
                 batch.append(nxt)
+            began = time.perf_counter()
             settled = self._run_batch(batch) if self.writer else [self._run_read(*it) for it in batch]
+            if self.on_batch is not None:
+                self.on_batch(len(batch), time.perf_counter() - began)
             self.loop.call_soon_threadsafe(_settle_all, settled, self.sink)
             if self.checkpointer is not None:
                 self.checkpointer.due.set()
@@ -3371,6 +3393,7 @@ class Store:
     def __init__(self, path: str, on_commit: Callable[[Effects], None] | None = None) -> None:
         self.path = path
         self.on_commit = on_commit
+        self.on_batch: Callable[[int, float], None] | None = None     # each group commit: (changes, seconds)
         self._writer: _DbThread | None = None
         self._reader: _DbThread | None = None
         self._checkpointer: _Checkpointer | None = None
@@ -3382,7 +3405,8 @@ class Store:
             apply_schema(init)
         finally:
             init.close()
-        self._writer = _DbThread(self.path, loop, writer=True, sink=lambda fx: self.on_commit and self.on_commit(fx))
+        self._writer = _DbThread(self.path, loop, writer=True, sink=lambda fx: self.on_commit and self.on_commit(fx),
+                                 on_batch=lambda n, s: self.on_batch and self.on_batch(n, s))
         self._reader = _DbThread(self.path, loop, writer=False)
         self._checkpointer = _Checkpointer(self.path)
         self._checkpointer.start()
@@ -3475,7 +3499,7 @@ class SQLiteTx:
         event_id = cur.lastrowid
         if fx is not None:
             fx.published.append({"id": event_id, "playbook": playbook, "run_id": run_id, "type": type_, "at": at,
-                                 "payload": payload})
+                                 "by": by, "payload": payload})
         return event_id
 
     def set_timer(self, fx: Effects, key: str, due: int) -> None:
@@ -3670,6 +3694,10 @@ class SQLiteTx:
         """Set every playbook's open-request counter (a cache of requests.open) from the requests."""
         self.conn.execute("UPDATE playbooks SET open_requests ="
                           " (SELECT COUNT(*) FROM requests r WHERE r.playbook = playbooks.id AND r.open = 1)")
+
+    def open_request_counts(self) -> dict[str, int]:
+        """Each playbook's open requests, as its counter keeps them (the metrics read it)."""
+        return {r[0]: r[1] for r in self.conn.execute("SELECT id, open_requests FROM playbooks")}
 
     def all_timers(self) -> list[tuple[str, int]]:
         """Every due time the file holds (key, due_at): the timer wheel loads them at start."""
@@ -4611,6 +4639,7 @@ class TimerWheel:
         self._due: dict[str, int] = {}
         self._wake = asyncio.Event()
         self._lock = asyncio.Lock()
+        self.on_lag: Callable[[float], None] | None = None     # seconds a due timer fired late (metrics)
         clock.on_change(self._wake.set)
 
     def __len__(self) -> int:
@@ -4638,6 +4667,8 @@ class TimerWheel:
             if self._due.get(key) == due:
                 del self._due[key]
                 keys.append(key)
+                if self.on_lag is not None:
+                    self.on_lag((now - due) / 1000)
         return keys
 
     async def run_due(self) -> int:
@@ -4878,7 +4909,7 @@ class _EngineDefinitions:
         row = await self.store.read(lambda tx: tx.definition(playbook, type_, name, version))
         if row is None:
             raise not_found(f"no {type_} named {name!r}" + (f" at version {version}" if version else "")
-                            + " in this playbook; list_definitions shows what there is")
+                            + f" in {playbook} (list the playbook's definitions to see what there is)")
         return row
 
     async def get_definition(self, caller: Caller, playbook: str, type_: str, name: str,
@@ -5749,6 +5780,8 @@ class _EngineReadings:
             self._take_replies(tx, fx, reading, messages, own, replies, event, done, tellings, docs)
             self._next_read(tx, fx, reading_id, key, done, None)
         await self.store.write(change)
+        if self.observe is not None:
+            self.observe("read", playbook, failure["because"] if failure is not None else "ok")
         for req, text in tellings:
             await self._tell(req, text)
 
@@ -5911,6 +5944,9 @@ class Engine(_EngineDefinitions, _EngineRuns, _EngineSystemCalls, _EngineInbox, 
         self.tools = ToolServers(config)
         #: The run kinds of the sections below (Workflows), each made with this engine.
         self.kinds: dict[str, RunKind] = {type_: make(self) for type_, make in RUN_KINDS.items()}
+        #: `observe(what, playbook, label)` of what the events do not tell: a run started (label: its
+        #: type), a read of replies done (label: ok or why it failed). The metrics set it.
+        self.observe: Callable[[str, str, str], None] | None = None
 
     # -- life ---------------------------------------------------------------------------------
 
@@ -6004,6 +6040,14 @@ class Engine(_EngineDefinitions, _EngineRuns, _EngineSystemCalls, _EngineInbox, 
 
     def unsubscribe(self, q: asyncio.Queue[dict[str, Any]]) -> None:
         self.bus.unsubscribe(q)
+
+    async def run_definition(self, caller: Caller, playbook: str, type_: str, name: str, input_: Any = None,
+                             run_id: str | None = None, *, parent: str | None = None) -> tuple[dict[str, Any], bool]:
+        """Start a run (see _EngineRuns.run_definition), told to `observe` when this call started it."""
+        run, fresh = await super().run_definition(caller, playbook, type_, name, input_, run_id, parent=parent)
+        if fresh and self.observe is not None:
+            self.observe("run_started", playbook, type_)
+        return run, fresh
 
     # -- access ---------------------------------------------------------------------------------
 
@@ -7442,6 +7486,8 @@ SESSION_COOKIE: Final = "interactiond_session"
 TOKEN_CACHE_S: Final = 2.0          # a revoked token stops working within this long
 PB: Final = "/v1/orgs/{org}/playbooks/{playbook}"
 PUBLIC_PATHS: Final = ("/healthz", "/openapi.json", "/problems/", "/login", "/favicon.ico")
+#: What every 401 answers in `WWW-Authenticate` (RFC 6750), so a client names the failure.
+BEARER_CHALLENGE: Final = 'Bearer realm="interactiond"'
 
 
 @dataclass(frozen=True)
@@ -7454,6 +7500,7 @@ class Route:
     body: dict[str, Any] | None = None          # JSON schema of the request body, for OpenAPI
     query: tuple[str, ...] = ()
     public: bool = False
+    media: str = "application/json"             # what a 200 carries, for OpenAPI
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:
@@ -7483,7 +7530,10 @@ def _json(data: Any, status: int = 200) -> web.Response:
 
 
 def problem_response(exc: Problem) -> web.Response:
-    return web.Response(text=dumps(exc.body()), status=exc.status, content_type="application/problem+json")
+    resp = web.Response(text=dumps(exc.body()), status=exc.status, content_type="application/problem+json")
+    if exc.status == 401:
+        resp.headers["WWW-Authenticate"] = BEARER_CHALLENGE
+    return resp
 
 
 def _run_response(run: dict[str, Any], fresh: bool = False) -> web.Response:
@@ -7573,16 +7623,28 @@ async def h_get_run(request: web.Request) -> web.Response:
 
 
 async def h_wait_run(request: web.Request) -> web.Response:
+    # `timeout`, as the MCP tool names it too (`max_wait` is its alias on both); a longer wait than
+    # one call holds is cut to the longest, and the response says so in a header.
+    name = "timeout" if "timeout" in request.query or "max_wait" not in request.query else "max_wait"
     try:
-        timeout = float(request.query.get("timeout", "30"))
+        timeout = float(request.query.get(name, "30"))
     except ValueError:
         timeout = -1
-    if not 0 <= timeout <= MAX_HTTP_WAIT_S:
-        raise Problem("invalid_request", f"timeout is 0 to {MAX_HTTP_WAIT_S:g} seconds",
-                      errors=[{"pointer": "/timeout", "message": f"0 to {MAX_HTTP_WAIT_S:g} seconds"}])
+    if not 0 <= timeout < math.inf:
+        raise Problem("invalid_request", f"{name} is a number of seconds, 0 or more (at most {MAX_HTTP_WAIT_S:g} are waited)",
+                      errors=[{"pointer": f"/{name}", "message": "a number of seconds, 0 or more"}])
+    cut = timeout > MAX_HTTP_WAIT_S
     engine = request.app[ENGINE_KEY]
-    run = await engine.wait_run(_caller(request), _pb(request), request.match_info["run_id"], timeout)
-    return _run_response(run)
+    run = await engine.wait_run(_caller(request), _pb(request), request.match_info["run_id"],
+                                min(timeout, MAX_HTTP_WAIT_S))
+    resp = _run_response(run)
+    if cut:
+        resp.headers[WAIT_CUT_HEADER] = f"{MAX_HTTP_WAIT_S:g}"
+    return resp
+
+
+#: Set when a wait asked for longer than one call holds: the seconds it waited at most.
+WAIT_CUT_HEADER: Final = "X-Timeout-Cut-To"
 
 
 async def h_cancel_run(request: web.Request) -> web.Response:
@@ -7671,6 +7733,159 @@ async def h_openapi(request: web.Request) -> web.Response:
     return _json(openapi_spec())
 
 
+# -- metrics and request ids ------------------------------------------------------------------------
+#
+# GET /metrics speaks Prometheus text format through prometheus-client, from one registry per
+# daemon. Counters are fed from four places: every committed event (through the bus: run endings,
+# answers, delivery attempts), the engine's `observe` (runs started, reads), the timer wheel (how
+# late a timer fired) and the store's writer (each group commit's size and time); the HTTP
+# middleware below times each request by its route. Open requests are read from the store when
+# scraped.
+
+#: The id of the HTTP request being handled: every log line it causes carries it.
+REQUEST_ID: Final[contextvars.ContextVar[str | None]] = contextvars.ContextVar("interactiond_request_id",
+                                                                              default=None)
+_REQUEST_ID_RE: Final = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+_HTTP_METHODS: Final = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+access_log = logging.getLogger("interactiond.access")
+#: The kinds a run's ending is counted under; any other (a workflow may raise its own) is `other`.
+_ENDING_KINDS: Final = frozenset(e.kind for e in ENDINGS.values() if e.kind)
+
+
+def answer_channel(event: Mapping[str, Any]) -> str:
+    """How an answer came: `reply` (read from a chat thread), `stdio` (the stdio MCP peer), `api`
+    (a token or session: the HTTP APIs, MCP over HTTP, the inbox page), `local` or `other`."""
+    by = event.get("by") or ""
+    if (event.get("payload") or {}).get("reply") is not None or by.startswith("playbook:"):
+        return "reply"
+    if by.startswith("tok_"):
+        return "api"
+    return by if by in ("stdio", "local") else "other"
+
+
+class Metrics:
+    """The daemon's metrics: one prometheus-client registry over one engine (see above)."""
+
+    def __init__(self, engine: Engine) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.engine = engine
+        r = self.registry = CollectorRegistry()
+        self.open_requests = Gauge("interactiond_open_requests", "Open requests, by playbook", ["playbook"], registry=r)
+        self.runs_started = Counter("interactiond_runs_started", "Runs started, by playbook and type",
+                                    ["playbook", "type"], registry=r)
+        self.runs_ended = Counter("interactiond_runs_ended", "Runs ended, by playbook, status and kind",
+                                  ["playbook", "status", "kind"], registry=r)
+        self.answers = Counter("interactiond_answers", "Answers taken, by playbook and channel (api, reply, stdio,"
+                               " local)", ["playbook", "channel"], registry=r)
+        self.attempts = Counter("interactiond_delivery_attempts", "Delivery attempts ended, by playbook and outcome"
+                                " (delivered, refused, or why it failed)", ["playbook", "outcome"], registry=r)
+        self.reads = Counter("interactiond_reads", "Reads of a conversation's replies, by playbook and outcome (ok,"
+                             " or why it failed)", ["playbook", "outcome"], registry=r)
+        self.timer_lag = Histogram("interactiond_timer_lag_seconds", "How late a due timer fired",
+                                   buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30), registry=r)
+        self.http = Histogram("interactiond_http_request_duration_seconds", "HTTP requests, by method, route and"
+                              " status", ["method", "route", "status"], registry=r,
+                              buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5, 30, 60))
+        self.batch_size = Histogram("interactiond_commit_batch_size", "Changes in one group commit", registry=r,
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
+        self.commit_seconds = Histogram("interactiond_commit_seconds", "Time of one group commit", registry=r,
+                                        buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1, 5))
+        engine.bus.on_event(self._event)
+        engine.store.on_batch = self._batch
+        engine.wheel.on_lag = self.timer_lag.observe
+        engine.observe = self._observe
+
+    def _event(self, event: dict[str, Any]) -> None:
+        try:
+            type_, pb, payload = event["type"], event["playbook"], event.get("payload") or {}
+            if type_.startswith("run_"):
+                kind = payload.get("kind") or ""
+                self.runs_ended.labels(pb, payload.get("status") or type_[4:],
+                                       kind if kind in _ENDING_KINDS or not kind else "other").inc()
+            elif type_ == "request_answered":
+                self.answers.labels(pb, answer_channel(event)).inc()
+            elif type_ == "delivery_succeeded":
+                self.attempts.labels(pb, "delivered").inc()
+            elif type_ == "delivery_refused":
+                self.attempts.labels(pb, "refused").inc()
+            elif type_ == "delivery_failed":
+                self.attempts.labels(pb, str(payload.get("because") or "failed")).inc()
+        except Exception:
+            log.exception("counting an event failed")
+
+    def _observe(self, what: str, playbook: str, label: str) -> None:
+        (self.runs_started if what == "run_started" else self.reads).labels(playbook, label).inc()
+
+    def _batch(self, changes: int, seconds: float) -> None:
+        self.batch_size.observe(changes)
+        self.commit_seconds.observe(seconds)
+
+    async def exposition(self) -> bytes:
+        """The text a scrape reads; open requests as the store counts them now."""
+        from prometheus_client import generate_latest
+
+        counts = await self.engine.store.read(lambda tx: tx.open_request_counts())
+        for pb in sorted(self.engine.playbooks | set(counts)):
+            self.open_requests.labels(pb).set(counts.get(pb, 0))
+        return generate_latest(self.registry)
+
+
+METRICS_KEY: Final = web.AppKey("metrics", Metrics)
+ACCESS_LOG_KEY: Final = web.AppKey("access_log", bool)
+
+
+def _from_loopback(request: web.Request) -> bool:
+    """A request from this machine that no proxy forwarded (a proxy on this machine is loopback too)."""
+    return request.remote in ("127.0.0.1", "::1") and not any(
+        h in request.headers for h in ("Forwarded", "X-Forwarded-For", "X-Real-IP"))
+
+
+async def h_metrics(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    if not (engine.config.metrics_open_on_loopback and _from_loopback(request)):
+        (await _authenticate(request)).require(Role.OPERATOR)
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    return web.Response(body=await request.app[METRICS_KEY].exposition(),
+                        headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+@web.middleware
+async def observe_middleware(request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
+    """Give the request an id (the client's `X-Request-Id` when it is a plain one), time it by its
+    route for the metrics, and write the access line when asked (`serve --access-log`)."""
+    rid = request.headers.get("X-Request-Id", "")
+    if not _REQUEST_ID_RE.fullmatch(rid):
+        rid = secrets.token_hex(8)
+    reset = REQUEST_ID.set(rid)
+    began = time.perf_counter()
+    status = 500
+    try:
+        resp = await handler(request)
+        status = resp.status
+        if not resp.prepared:
+            resp.headers["X-Request-Id"] = rid
+        return resp
+    except web.HTTPException as exc:
+        status = exc.status
+        raise
+    except asyncio.CancelledError:
+        status = 499                        # the client went away first
+        raise
+    finally:
+        elapsed = time.perf_counter() - began
+        metrics = request.app.get(METRICS_KEY)
+        if metrics is not None:
+            resource = request.match_info.route.resource
+            metrics.http.labels(request.method if request.method in _HTTP_METHODS else "other",
+                                resource.canonical if resource is not None else "unmatched",
+                                str(status)).observe(elapsed)
+        if request.app.get(ACCESS_LOG_KEY):
+            access_log.info("%s %s %s %.1f ms", request.method, request.path, status, elapsed * 1000)
+        REQUEST_ID.reset(reset)
+
+
 _DEF_BODY: Final = {"type": "object", "required": ["name", "source"], "properties": {
     "type": {"type": "string", "enum": ["interaction", "workflow"]}, "name": {"type": "string"},
     "source": {"type": "string"}}}
@@ -7694,7 +7909,8 @@ ROUTES: Final[list[Route]] = [
     Route("GET", PB + "/runs", h_list_runs, "list runs", query=("status", "function", "limit", "cursor")),
     Route("GET", PB + "/runs/{run_id}", h_get_run, "get_run"),
     Route("GET", PB + "/runs/{run_id}/events", h_run_events, "list_run_events", query=("limit", "cursor")),
-    Route("POST", PB + "/runs/{run_id}/wait", h_wait_run, "wait for a run to end", Role.READER, None, ("timeout",)),
+    Route("POST", PB + "/runs/{run_id}/wait", h_wait_run, "wait for a run to end", Role.READER, None,
+          ("timeout", "max_wait")),
     Route("POST", PB + "/runs/{run_id}/cancel", h_cancel_run, "cancel_run", Role.WRITER),
     Route("POST", PB + "/runs/{run_id}/answer", h_answer, "answer_interaction", Role.WRITER, _ANSWER_BODY),
     Route("GET", PB + "/interactions", h_list_interactions, "list_interactions",
@@ -7705,6 +7921,8 @@ ROUTES: Final[list[Route]] = [
     Route("GET", PB + "/tools/{server}/{tool}", h_introspect, "introspect"),
     Route("POST", PB + "/tools/{server}/{tool}", h_execute, "execute", Role.WRITER,
           {"type": "object", "properties": {"arguments": {"type": "object"}}}),
+    Route("GET", "/metrics", h_metrics, "The daemon's metrics, in Prometheus text format (operator token, or none"
+          " from this machine when the configuration opens it)", Role.OPERATOR, public=True, media="text/plain"),
 ]
 
 
@@ -7720,7 +7938,7 @@ def openapi_spec() -> dict[str, Any]:
         op: dict[str, Any] = {"summary": r.summary, "operationId": re.sub(r"\W+", "_", f"{r.method}_{r.path}").strip("_"),
                               "responses": {"default": {"description": "A problem",
                                                         "content": {"application/problem+json": {"schema": problem}}},
-                                            "200": {"description": "OK", "content": {"application/json": {"schema": {}}}}}}
+                                            "200": {"description": "OK", "content": {r.media: {"schema": {}}}}}}
         if r.handler is h_create_definition:
             op["responses"]["201"] = {"description": "A new version", "content": {"application/json": {"schema": {}}}}
         if r.handler in (h_run_definition, h_wait_run):
@@ -7831,6 +8049,12 @@ async def lookup_token(app: web.Application, secret: str) -> Caller | None:
     return caller
 
 
+def _challenge(request: web.Request) -> str:
+    """RFC 6750's challenge: `invalid_token` when a token (or a session cookie) came and was refused."""
+    sent = request.headers.get("Authorization", "").lower().startswith("bearer ") or SESSION_COOKIE in request.cookies
+    return BEARER_CHALLENGE + (', error="invalid_token"' if sent else "")
+
+
 @web.middleware
 async def api_middleware(request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
     try:
@@ -7844,7 +8068,16 @@ async def api_middleware(request: web.Request, handler: Callable[[web.Request], 
             request[CALLER_KEY] = await _authenticate(request)
         return await handler(request)
     except Problem as exc:
-        return problem_response(exc)
+        if exc.status == 401 and request.path == "/mcp" and request.method == "POST":
+            # The MCP client shows a JSON-RPC error it finds in the body, and only a generic
+            # "error response" otherwise: say what is wrong in its terms.
+            return web.Response(text=dumps({"jsonrpc": "2.0", "id": None, "error": {
+                "code": -32001, "message": f"Unauthorized: {exc.detail}", "data": exc.body()}}),
+                status=401, content_type="application/json", headers={"WWW-Authenticate": _challenge(request)})
+        resp = problem_response(exc)
+        if exc.status == 401:
+            resp.headers["WWW-Authenticate"] = _challenge(request)
+        return resp
     except web.HTTPRequestEntityTooLarge:
         return problem_response(Problem("too_large", f"the body is larger than {MAX_BODY_BYTES // MIB} MiB"))
     except web.HTTPException as exc:
@@ -7925,8 +8158,13 @@ async def _t_get_run(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -
 
 
 async def _t_wait_run(e: Engine, c: Caller, pb: str, a: dict[str, Any], progress: Any) -> Any:
-    max_wait = float(a.get("max_wait", DEFAULT_MCP_WAIT_S))
-    return await e.wait_run(c, pb, a["run_id"], max_wait, tick=progress)
+    # `timeout`, as the HTTP route names it (`max_wait` is its alias); longer than a call holds is cut.
+    timeout = float(a.get("timeout", a.get("max_wait", DEFAULT_MCP_WAIT_S)))
+    run = await e.wait_run(c, pb, a["run_id"], min(timeout, MAX_MCP_WAIT_S), tick=progress)
+    if timeout > MAX_MCP_WAIT_S:
+        return run, False, (f"timeout {timeout:g} s was cut to {MAX_MCP_WAIT_S:g} s, the longest one call waits;"
+                            " call wait_run again to wait longer")
+    return run
 
 
 async def _t_cancel(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
@@ -8005,12 +8243,15 @@ MCP_TOOLS: Final[list[McpTool]] = [
             "Read a run as it stands: status (started, waiting, or how it ended), kind, output and problem.",
             {"run_id": _RUN_ID_ARG}, ("run_id",), _t_get_run, True),
     McpTool("wait_run",
-            "Wait for a run to end. Returns the ended run, or the run as it stands when max_wait seconds pass "
+            "Wait for a run to end. Returns the ended run, or the run as it stands when timeout seconds pass "
             "(then call wait_run again). Progress notifications are sent while it waits, so a person who is slow "
             "to answer does not make this call time out.",
             {"run_id": _RUN_ID_ARG,
-             "max_wait": _p("number", f"Seconds to wait, 0 to {MAX_MCP_WAIT_S:g} (default {DEFAULT_MCP_WAIT_S:g}).",
-                            minimum=0, maximum=MAX_MCP_WAIT_S)}, ("run_id",), _t_wait_run, True),
+             "timeout": _p("number", f"Seconds to wait (default {DEFAULT_MCP_WAIT_S:g}); more than "
+                                     f"{MAX_MCP_WAIT_S:g} is cut to {MAX_MCP_WAIT_S:g}, and the result says so.",
+                           minimum=0),
+             "max_wait": _p("number", "The same as timeout (an older name).", minimum=0)},
+            ("run_id",), _t_wait_run, True),
     McpTool("cancel_run",
             "Cancel a run that is still waiting: its request leaves the inbox and the run ends rejected, kind "
             "cancelled. Returns the run.", {"run_id": _RUN_ID_ARG}, ("run_id",), _t_cancel),
@@ -8087,9 +8328,11 @@ def make_mcp_server(engine: Engine, *, caller: Caller | None = None, scoped_play
     async def list_tools(ctx: Any, params: Any) -> mt.ListToolsResult:
         return mt.ListToolsResult(tools=listed)
 
-    def result(data: Any, is_error: bool = False) -> mt.CallToolResult:
-        return mt.CallToolResult(content=[mt.TextContent(type="text", text=dumps(data))],
-                                 structured_content=data, is_error=is_error)
+    def result(data: Any, is_error: bool = False, note: str | None = None) -> mt.CallToolResult:
+        content = [mt.TextContent(type="text", text=dumps(data))]
+        if note:
+            content.append(mt.TextContent(type="text", text=note))
+        return mt.CallToolResult(content=content, structured_content=data, is_error=is_error)
 
     async def call_tool(ctx: Any, params: Any) -> mt.CallToolResult:
         try:
@@ -8937,7 +9180,7 @@ async def _v2_codes(request: web.Request, handler: Callable[[web.Request], Any])
         body = json.loads(resp.body)
         if "code" not in body:
             body["code"] = str(body.get("type", "")).rsplit("/", 1)[-1]
-            resp = web.Response(text=dumps(body), status=resp.status, content_type="application/problem+json")
+            resp.text = dumps(body)         # its headers stand (WWW-Authenticate, X-Request-Id)
     return resp
 
 
@@ -9341,16 +9584,20 @@ def mount_web(app: web.Application) -> None:
 
 # Command line ###################################################################################
 #
-# `serve` and `stdio` run the engine; `check` and `token` work on files; `run`, `inbox` and
-# `answer` are thin clients of the HTTP API. Files beside the database (mode 0600): `.lock` (the
-# engine's OS lock), `.token` (the operator token the first start made) and `.url` (where the
-# running engine listens).
+# `serve`, `stdio` and `demo` run the engine; `check` and `token` work on files; `define`, `run`,
+# `get`, `wait`, `cancel`, `inbox`, `answer`, `runs` and `definitions` are thin clients of the HTTP
+# API. Files beside the database (mode 0600): `.lock` (the engine's OS lock), `.token` (the
+# operator token the first start made) and `.url` (where the running engine listens).
 
-def build_app(engine: Engine, *, manage_engine: bool = True, hosts: Iterable[str] = ()) -> web.Application:
-    """The aiohttp application over an engine (started and stopped with the app when asked)."""
-    app = web.Application(middlewares=[api_middleware], client_max_size=MAX_BODY_BYTES)
+def build_app(engine: Engine, *, manage_engine: bool = True, hosts: Iterable[str] = (),
+              access_log: bool = False) -> web.Application:
+    """The aiohttp application over an engine (started and stopped with the app when asked); its
+    metrics count from now on, and `access_log` writes a line per request."""
+    app = web.Application(middlewares=[observe_middleware, api_middleware], client_max_size=MAX_BODY_BYTES)
     app[ENGINE_KEY] = engine
     app[TOKENS_KEY] = {}
+    app[METRICS_KEY] = Metrics(engine)
+    app[ACCESS_LOG_KEY] = access_log
     for r in ROUTES:
         app.router.add_route(r.method, r.path, r.handler)
     mount_mcp(app, engine, sorted({"127.0.0.1:*", "localhost:*", "[::1]:*", *(f"{h}:*" for h in hosts)}))
@@ -9440,7 +9687,9 @@ def _make_clock(name: str, host: str) -> Clock:
     return SystemClock()
 
 
-async def _serve(args: Any, config: Config) -> int:
+async def _serve(args: Any, config: Config,
+                 after_start: Callable[[Engine, str], Any] | None = None) -> int:
+    """`serve` (and `demo`, whose `after_start(engine, url)` runs once the daemon listens)."""
     db = args.db or os.environ.get("INTERACTIOND_DB") or config.database
     host = args.host or config.host
     port = args.port if args.port is not None else config.port
@@ -9456,11 +9705,17 @@ async def _serve(args: Any, config: Config) -> int:
         _, login = create_token(tx, "operator", None, "inbox login", purpose="login")
         tx.close()
         engine = Engine(Store(db), _make_clock(args.clock, host), config)
-        app = build_app(engine)
+        app = build_app(engine, access_log=args.access_log)
         runner = web.AppRunner(app, handle_signals=False, access_log=None)   # a log line per request cost 1/6 of the loop
         await runner.setup()
         site = web.TCPSite(runner, host, port)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:
+            await runner.cleanup()
+            print(f"interactiond: cannot listen on {host}:{port}: {exc.strerror or exc}"
+                  " (another daemon there? choose another with --port)", file=sys.stderr)
+            return 1
         bound = runner.addresses[0][1] if runner.addresses else port
         url = f"http://{host}:{bound}"
         _write_private(_beside(db, ".url"), url + "\n")
@@ -9471,8 +9726,10 @@ async def _serve(args: Any, config: Config) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        if after_start is not None:
+            await after_start(engine, url)
         await stop.wait()
-        print("interactiond: stopping", file=sys.stderr, flush=True)
+        log.info("stopping: in-flight tool calls get %g s to finish", SHUTDOWN_GRACE_S)
         await runner.cleanup()
         with contextlib.suppress(OSError):
             _beside(db, ".url").unlink()
@@ -9502,7 +9759,8 @@ async def _stdio(args: Any, config: Config) -> int:
         await engine.store.open()
         await engine.start()
         if args.http is not None:
-            runner = web.AppRunner(build_app(engine, manage_engine=False), handle_signals=False)
+            runner = web.AppRunner(build_app(engine, manage_engine=False, access_log=args.access_log),
+                                   handle_signals=False, access_log=None)
             await runner.setup()
             await web.TCPSite(runner, "127.0.0.1", args.http).start()
             bound = runner.addresses[0][1] if runner.addresses else args.http
@@ -9564,67 +9822,314 @@ async def _stdio_front(db: str, playbook: str | None) -> int:
     return 0
 
 
-def _client_token(args: Any, db: str) -> tuple[str, str]:
-    url = args.url
-    if not url:
-        try:
-            url = _beside(db, ".url").read_text().strip()
-        except OSError:
-            url = "http://127.0.0.1:8765"
-    token = args.token or os.environ.get("INTERACTIOND_TOKEN")
-    if not token:
-        try:
-            token = _beside(db, ".token").read_text().strip()
-        except OSError:
-            raise SystemExit("no token: pass --token, set INTERACTIOND_TOKEN, or run beside the database that serve made")
-    return url.rstrip("/"), token
+# -- the command-line clients ---------------------------------------------------------------------
+#
+# Thin clients of the HTTP API (standard library only). Every failure a user can meet is one line
+# on stderr and an exit code: 0 done, 1 refused, 2 usage, 3 the daemon could not be reached (and,
+# for `wait --timeout`, 4 when the run goes on). Lists print a table on a terminal and JSON when
+# piped or with --json.
+
+EXIT_REFUSED: Final = 1
+EXIT_USAGE: Final = 2
+EXIT_UNREACHABLE: Final = 3
+EXIT_STILL_WAITING: Final = 4
+EXIT_CODES: Final = """exit codes:
+  0  done
+  1  refused: the daemon said no (the problem is printed on one line), `check` found problems, or
+     the run that `run` or `wait` shows ended other than succeeded
+  2  usage: a bad option or argument
+  3  the daemon could not be reached
+  4  `wait --timeout` passed and the run goes on"""
 
 
-def _http(method: str, url: str, token: str, body: Any = None) -> tuple[int, Any]:
-    data = dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method, headers={
-        "Authorization": f"Bearer {token}", "Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=70) as resp:
-            return resp.status, json.loads(resp.read() or b"null")
-    except urllib.error.HTTPError as exc:
-        raw = exc.read()
-        try:
-            return exc.code, json.loads(raw)
-        except ValueError:
-            return exc.code, {"detail": raw.decode(errors="replace")}
+class CliError(Exception):
+    """A command that cannot go on: one line for stderr, and the exit code."""
+
+    def __init__(self, message: str, code: int = EXIT_REFUSED) -> None:
+        super().__init__(message)
+        self.code = code
 
 
-def _cli_client(args: Any, db: str) -> int:
-    url, token = _client_token(args, db)
-    org, _, name = args.playbook.partition("/")
-    base = f"{url}/v1/orgs/{org}/playbooks/{name}"
-    if args.cmd == "define":
-        try:
-            source = Path(args.file).read_text(encoding="utf-8")
-        except OSError as exc:
-            raise SystemExit(f"interactiond: {args.file}: {exc.strerror}")
-        type_ = args.type or ("workflow" if args.file.endswith((".yaml", ".yml")) else "interaction")
-        status, out = _http("POST", f"{base}/definitions", token,
-                            {"type": type_, "name": args.name or Path(args.file).stem, "source": source})
-    elif args.cmd == "run":
-        try:
-            input_ = read_json(args.input)
-        except ValueError as exc:
-            raise SystemExit(f"--input is JSON: {exc}")
-        status, out = _http("POST", f"{base}/runs", token, {"type": args.type, "name": args.name, "input": input_,
-                                                             **({"run_id": args.run_id} if args.run_id else {})})
-    elif args.cmd == "inbox":
-        query = f"?to={urllib.request.quote(args.to)}" if args.to else ""
-        status, out = _http("GET", f"{base}/interactions{query}", token)
+@dataclass(frozen=True)
+class DaemonAddress:
+    """Where a client command finds the daemon, where it learnt that (for a message), and its token."""
+
+    url: str
+    source: str
+    token: str | None
+
+
+def daemon_address(args: Any, db: str, config: Config) -> DaemonAddress:
+    """--url, else the URL the running engine wrote beside the database, else the configuration's
+    listen address; --token, else INTERACTIOND_TOKEN, else the operator token beside the database."""
+    url_file = _beside(db, ".url")
+    if args.url:
+        url, source = args.url, "--url"
     else:
         try:
-            answer = read_json(args.answer)
-        except ValueError as exc:
-            raise SystemExit(f"the answer is JSON: {exc}")
-        status, out = _http("POST", f"{base}/runs/{args.run_id}/answer", token, {"answer": answer})
-    print(json.dumps(out, indent=2, ensure_ascii=False))
-    return 0 if status < 400 else 1
+            url, source = url_file.read_text().strip(), str(url_file)
+        except OSError:
+            host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
+            url, source = f"http://{host}:{config.port}", f"the default; no {url_file} beside the database"
+    token = args.token or os.environ.get("INTERACTIOND_TOKEN")
+    if not token:
+        with contextlib.suppress(OSError):
+            token = _beside(db, ".token").read_text().strip() or None
+    return DaemonAddress(url.rstrip("/"), source, token)
+
+
+def _http(method: str, url: str, token: str | None, body: Any = None,
+          timeout: float = MAX_HTTP_WAIT_S + 10) -> tuple[int, Any, Mapping[str, str]]:
+    """One call: (status, JSON body, headers). Raises OSError (URLError included) when nothing answered."""
+    data = dumps(body).encode() if body is not None else None
+    headers = {"Content-Type": "application/json", "Accept": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            status, raw, got = resp.status, resp.read(), resp.headers
+    except urllib.error.HTTPError as exc:
+        status, raw, got = exc.code, exc.read(), exc.headers
+    try:
+        return status, json.loads(raw or b"null"), got
+    except ValueError:
+        return status, {"title": f"HTTP {status}", "detail": raw.decode(errors="replace")[:200]}, got
+
+
+def call_daemon(d: DaemonAddress, method: str, path: str, body: Any = None,
+                query: Mapping[str, Any] | None = None) -> tuple[int, Any, Mapping[str, str]]:
+    """A call to the daemon, or a CliError that says in one line why there was none."""
+    q = {k: v for k, v in (query or {}).items() if v is not None}
+    url = d.url + path + ("?" + urllib.parse.urlencode(q) if q else "")
+    unreachable = CliError(f"cannot reach the daemon at {d.url} (from {d.source}): is `interactiond serve` running?",
+                           EXIT_UNREACHABLE)
+    if not re.match(r"https?://[^/\s]+(/\S*)?$", d.url):
+        raise CliError(f"{d.url} (from {d.source}) is not a daemon's URL such as http://127.0.0.1:8765", EXIT_USAGE)
+    if d.token is None:
+        try:
+            _http("GET", d.url + "/healthz", None, timeout=10)
+        except (OSError, http.client.HTTPException):
+            raise unreachable from None
+        raise CliError("no token: pass --token, set INTERACTIOND_TOKEN, or give the --db that serve made"
+                       " (its token is beside it)", EXIT_USAGE)
+    try:
+        return _http(method, url, d.token, body)
+    except (OSError, http.client.HTTPException):
+        raise unreachable from None
+
+
+def problem_line(status: int, body: Any) -> str:
+    """A problem object as one line: its title and detail, then each error's place and message."""
+    if not isinstance(body, dict):
+        return f"the daemon answered {status}"
+    line = f"{body.get('title') or f'HTTP {status}'}: {body.get('detail') or ''}".rstrip(": ")
+    errors = body.get("errors") if isinstance(body.get("errors"), list) else []
+    shown = []
+    for e in errors[:5]:
+        if isinstance(e, dict):
+            where = e.get("pointer") or e.get("field") or (f"line {e['line']}" if e.get("line") else "")
+            shown.append(f"{where}: {e.get('message')}" if where else str(e.get("message")))
+    if shown:
+        line += " (" + "; ".join(shown) + (f"; and {len(errors) - 5} more" if len(errors) > 5 else "") + ")"
+    return line
+
+
+def _is_run(body: Any) -> bool:
+    return isinstance(body, dict) and "run_id" in body and "status" in body and "type" in body
+
+
+def _run_ending_line(run: dict[str, Any]) -> str:
+    status = run["status"] + (f"/{run['kind']}" if run.get("kind") else "")
+    detail = (run.get("problem") or {}).get("detail") or ""
+    return f"run {run['run_id']} ended {status}" + (f": {detail}" if detail else "")
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(value, indent=2, ensure_ascii=False))
+
+
+def _when(text: Any) -> str:
+    """An RFC 3339 time as `YYYY-MM-DD HH:MM` (UTC), for a table."""
+    return f"{text[:10]} {text[11:16]}" if isinstance(text, str) and len(text) >= 16 else ""
+
+
+def _cell(value: Any, width: int = 48) -> str:
+    text = " ".join(str(value if value is not None else "").split())
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def render_table(header: list[str], rows: list[list[str]]) -> str:
+    """Columns padded to their widest cell, the last one left as it is."""
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
+    lines = []
+    for cells in [header, *rows]:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(cells[:-1], widths)) + ("  " if len(cells) > 1 else "")
+                     + cells[-1])
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _print_list(args: Any, out: dict[str, Any], header: list[str], row: Callable[[dict[str, Any]], list[str]],
+                empty: str) -> None:
+    """A listing: a table on a terminal, else (or with --json) the API's JSON."""
+    if args.json or not sys.stdout.isatty():
+        _print_json(out)
+        return
+    items = out.get("data") or []
+    print(render_table(header, [row(x) for x in items]) if items else empty)
+    if out.get("next_cursor"):
+        print(f"(more: add --cursor {out['next_cursor']})")
+
+
+def _elapsed(seconds: float) -> str:
+    s = int(seconds)
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"
+
+
+def _wait_for_run(d: DaemonAddress, base: str, run_id: str, timeout: float | None) -> int:
+    """`wait`: long polls until the run ends (or --timeout passes), showing that it waits."""
+    path = f"{base}/runs/{urllib.parse.quote(run_id, safe='')}"
+    status, body, _ = call_daemon(d, "GET", path)           # first: is there such a run, and is it live?
+    if not _is_run(body):
+        raise CliError(problem_line(status, body))
+    path += "/wait"
+    began = time.monotonic()
+    done: dict[str, Any] = {} if body["status"] in ("started", "waiting") else {"run": body}
+
+    def poll() -> None:
+        try:
+            while True:
+                left = MAX_HTTP_WAIT_S if timeout is None else max(0.0, timeout - (time.monotonic() - began))
+                status, body, _ = call_daemon(d, "POST", path, query={"timeout": f"{min(left, MAX_HTTP_WAIT_S):.3f}"})
+                if not _is_run(body):
+                    done["problem"] = (status, body)
+                    return
+                if body["status"] not in ("started", "waiting") or (timeout is not None and left <= 0):
+                    done["run"] = body
+                    return
+        except BaseException as exc:            # a CliError, to raise in the main thread
+            done["error"] = exc
+
+    worker = threading.Thread(target=poll, name="interactiond-wait", daemon=True)
+    if not done:
+        worker.start()
+    shown = sys.stderr.isatty() and not done
+    if not shown and not done:
+        print(f"waiting for run {run_id} to end", file=sys.stderr, flush=True)
+    try:
+        while worker.is_alive():
+            worker.join(1.0)
+            if shown and worker.is_alive():
+                print(f"\rwaiting for run {run_id} to end: {_elapsed(time.monotonic() - began)}", end="",
+                      file=sys.stderr, flush=True)
+    finally:
+        if shown:
+            print("\r\x1b[K", end="", file=sys.stderr, flush=True)
+    if "error" in done:
+        raise done["error"]
+    if "problem" in done:
+        raise CliError(problem_line(*done["problem"]))
+    run = done["run"]
+    _print_json(run)
+    if run["status"] in ("started", "waiting"):
+        print(f"interactiond: run {run_id} is still {run['status']} after {timeout:g} s", file=sys.stderr)
+        return EXIT_STILL_WAITING
+    if run["status"] != RunStatus.SUCCEEDED.value:
+        print(f"interactiond: {_run_ending_line(run)}", file=sys.stderr)
+        return EXIT_REFUSED
+    return 0
+
+
+def _json_argument(text: str, what: str, example: str) -> Any:
+    try:
+        return read_json(text)
+    except ValueError as exc:
+        raise CliError(f"{what} is not JSON ({exc}); write it as {example}", EXIT_USAGE) from None
+
+
+def _cli_client(args: Any, db: str, config: Config) -> int:
+    if not PLAYBOOK_RE.fullmatch(args.playbook):
+        raise CliError(f"--playbook is ORG/NAME in lowercase letters, digits and hyphens, not {args.playbook!r}",
+                       EXIT_USAGE)
+    d = daemon_address(args, db, config)
+    org, _, name = args.playbook.partition("/")
+    base = f"/v1/orgs/{org}/playbooks/{name}"
+    cmd = args.cmd
+    rid = urllib.parse.quote(getattr(args, "run_id", "") or "", safe="")
+    if cmd == "define":
+        try:
+            source = Path(args.file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CliError(f"{args.file}: cannot read it: {getattr(exc, 'strerror', None) or exc}", EXIT_USAGE) from None
+        type_ = args.type or ("workflow" if args.file.endswith((".yaml", ".yml")) else "interaction")
+        status, out, _ = call_daemon(d, "POST", f"{base}/definitions",
+                                     {"type": type_, "name": args.name or Path(args.file).stem, "source": source})
+        if status == 422 and isinstance(out, dict) and any("line" in e for e in out.get("errors") or []):
+            for e in out["errors"]:                 # a document's problems, each with its line, as `check` prints them
+                print(f"{args.file}:{e.get('line')}: {e['field'] + ': ' if e.get('field') else ''}{e.get('message')}",
+                      file=sys.stderr)
+            return EXIT_REFUSED
+    elif cmd == "run":
+        input_ = _json_argument(args.input, "--input", """'{"owner": "ana"}'""")
+        status, out, _ = call_daemon(d, "POST", f"{base}/runs", {"type": args.type, "name": args.name, "input": input_,
+                                                                 **({"run_id": args.run_id} if args.run_id else {})})
+    elif cmd == "get":
+        status, out, _ = call_daemon(d, "GET", f"{base}/runs/{rid}")
+    elif cmd == "wait":
+        if args.timeout is not None and not 0 <= args.timeout < math.inf:
+            raise CliError("--timeout is a number of seconds, 0 or more", EXIT_USAGE)
+        return _wait_for_run(d, base, args.run_id, args.timeout)
+    elif cmd == "cancel":
+        status, out, _ = call_daemon(d, "POST", f"{base}/runs/{rid}/cancel")
+    elif cmd == "answer":
+        answer = _json_argument(args.answer, "the answer", """'{"decision": "publish"}'""")
+        status, out, _ = call_daemon(d, "POST", f"{base}/runs/{rid}/answer", {"answer": answer})
+    elif cmd == "inbox":
+        status, out, _ = call_daemon(d, "GET", f"{base}/interactions", query={
+            "to": args.to, "function": args.function, "limit": args.limit, "cursor": args.cursor})
+        if status < 400:
+            _print_list(args, out, ["RUN", "TO", "FUNCTION", "ASKED", "EXPIRES", "DELIVERY", "MESSAGE"], lambda r: [
+                r["run_id"], _cell(r.get("to"), 24), r["name"], _when(r.get("asked_at")), _when(r.get("expires_at")),
+                r.get("delivery_state") or "", _cell(r.get("message"))], "no open requests")
+            return 0
+    elif cmd == "runs":
+        status, out, _ = call_daemon(d, "GET", f"{base}/runs", query={
+            "status": args.status, "function": args.function, "limit": args.limit, "cursor": args.cursor})
+        if status < 400:
+            _print_list(args, out, ["RUN", "FUNCTION", "STATUS", "CREATED", "ENDED"], lambda r: [
+                r["run_id"], f"{r['name']} v{r['version']}" + (" (workflow)" if r["type"] == "workflow" else ""),
+                r["status"] + (f"/{r['kind']}" if r.get("kind") else ""), _when(r.get("created_at")),
+                _when(r.get("ended_at"))], "no runs")
+            return 0
+    else:                                           # definitions
+        if args.name:
+            status, out, _ = call_daemon(d, "GET", f"{base}/definitions/{args.type or 'interaction'}/"
+                                                   f"{urllib.parse.quote(args.name, safe='')}")
+            if status < 400 and not args.json and sys.stdout.isatty():
+                print(out["overview"])
+                return 0
+        else:
+            status, out, _ = call_daemon(d, "GET", f"{base}/definitions", query={"type": args.type})
+            if status < 400:
+                _print_list(args, out, ["TYPE", "NAME", "VERSION", "DESCRIPTION"], lambda r: [
+                    r["type"], r["name"], str(r["version"]), _cell(r.get("description"), 72)], "no definitions")
+                return 0
+    if _is_run(out):                                # run, get, cancel: the run, whatever its status
+        _print_json(out)
+        if cmd == "run" and status >= 400:
+            print(f"interactiond: {_run_ending_line(out)}", file=sys.stderr)
+            return EXIT_REFUSED
+        return 0
+    if status >= 400:
+        if getattr(args, "json", False):
+            _print_json(out)
+        raise CliError(problem_line(status, out))
+    _print_json(out)
+    return 0
 
 
 def _cli_token(args: Any, db: str) -> int:
@@ -9721,83 +10226,381 @@ def install_log_redaction() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def main(argv: list[str] | None = None) -> int:
+class JsonLogFormatter(logging.Formatter):
+    """`--log-format json`: one JSON object a line (time, level, logger, message, and the id of the
+    HTTP request the line comes from; the traceback as `exc`)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, Any] = {
+            "time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds")
+            .replace("+00:00", "Z"),
+            "level": record.levelname.lower(), "logger": record.name, "message": record.getMessage()}
+        request_id = getattr(record, "request_id", None)
+        if request_id:
+            line["request_id"] = request_id
+        if record.exc_info and not record.exc_text:
+            record.exc_text = self.formatException(record.exc_info)
+        if record.exc_text:
+            line["exc"] = record.exc_text
+        return json.dumps(line, ensure_ascii=False)
+
+
+class RequestIdFilter(logging.Filter):
+    """Puts the id of the HTTP request being handled (if any) on each record as `request_id`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not hasattr(record, "request_id"):
+            record.request_id = REQUEST_ID.get()
+        return True
+
+
+def configure_logging(log_format: str = "text") -> None:
+    """Log to stderr, as text (with the request id when there is one) or as JSON lines."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(RequestIdFilter())
+    if log_format == "json":
+        handler.setFormatter(JsonLogFormatter())
+    else:
+        handler.setFormatter(RequestIdTextFormatter("%(asctime)s %(levelname)s %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+    install_log_redaction()
+
+
+class RequestIdTextFormatter(logging.Formatter):
+    """The text lines, ended by `request_id=...` when the line comes from an HTTP request."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        request_id = getattr(record, "request_id", None)
+        return f"{text} request_id={request_id}" if request_id else text
+
+
+# -- check --------------------------------------------------------------------------------------------
+
+#: What `check` reads in a directory.
+CHECKED_SUFFIXES: Final = (".md", ".yaml", ".yml")
+
+
+def file_kind(path: Path, source: str) -> str:
+    """What a file is read as: a `.yaml` whose keys are a configuration's (and not a workflow's
+    `document` or `do`) is a configuration, any other `.yaml` a workflow, anything else a function
+    document."""
+    if path.suffix.lower() not in (".yaml", ".yml"):
+        return "function document"
+    try:
+        raw = yaml.safe_load(source)
+    except yaml.YAMLError:
+        return "workflow"                       # its parser says where, with the line
+    if isinstance(raw, dict) and not {"document", "do"} & set(raw) and set(raw) & set(CONFIG_KEYS):
+        return "configuration"
+    return "workflow"
+
+
+def check_files(paths: list[str], out: Any = None) -> int:
+    """`interactiond check`: each file (a directory: its .md and .yaml files) read as a function
+    document, a workflow or a configuration; every problem on a line (`FILE:LINE: field: message`,
+    or `FILE: key.path: message` for a configuration); 1 on any problem."""
+    out = out or sys.stdout
+    status = 0
+    files: list[Path] = []
+    for name in paths:
+        p = Path(name)
+        if p.is_dir():
+            found = sorted(f for f in p.iterdir() if f.suffix.lower() in CHECKED_SUFFIXES and f.is_file())
+            if not found:
+                print(f"{p}: no .md or .yaml files in this directory", file=out)
+                status = 1
+            files += found
+        else:
+            files.append(p)
+    for path in files:
+        try:
+            source = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            print(f"{path}: cannot read it: {getattr(exc, 'strerror', None) or exc}", file=out)
+            status = 1
+            continue
+        kind = file_kind(path, source)
+        problems: list[str] = []
+        if kind == "configuration":
+            try:
+                load_config(str(path), environ={})
+            except ConfigError as exc:
+                problems = [p if p.startswith(str(path)) else f"{path}: {p}" for p in exc.problems]
+        else:
+            try:
+                (parse_workflow if kind == "workflow" else parse_function)(source)
+            except DocumentError as exc:
+                problems = [f"{path}:{p['line']}: {p['field'] + ': ' if p['field'] else ''}{p['message']}"
+                            for p in exc.problems]
+        for line in problems:
+            print(line, file=out)
+        if problems:
+            status = 1
+            print(f"{path}: {len(problems)} problem{'s' if len(problems) > 1 else ''} (read as a {kind})", file=out)
+        else:
+            print(f"{path}: ok ({kind})", file=out)
+    return status
+
+
+# -- demo ---------------------------------------------------------------------------------------------
+
+#: Where the examples are: beside the module in a checkout (or an editable install).
+EXAMPLES_DIR: Final = Path(__file__).resolve().parent / "examples"
+
+
+async def _demo(args: Any) -> int:
+    """`interactiond demo`: a daemon on a fresh temporary database, the examples defined, the example
+    chat server wired, two requests open (one in the inbox, one posted in the chat); it prints the
+    page's link and three things to try. The directory goes when the demo stops."""
+    import shutil
+    import tempfile
+
+    if not (EXAMPLES_DIR / "chat_server.py").is_file():
+        print(f"interactiond: the demo needs the examples of the source tree ({EXAMPLES_DIR} is missing);"
+              " install from a checkout with pip install -e .", file=sys.stderr)
+        return 1
+    where = Path(tempfile.mkdtemp(prefix="interactiond-demo-"))
+    try:
+        chat_db = where / "chat.db"
+        config_path = where / "demo.yaml"
+        config_path.write_text(dumps({
+            "listen": {"host": "127.0.0.1", "port": args.port},
+            "database": str(where / "interactiond.db"),
+            "servers": {"chat": {"command": [sys.executable, str(EXAMPLES_DIR / "chat_server.py"), "serve",
+                                             "--db", str(chat_db)],
+                                 "tools": ["post_message", "thread_replies", "channel_history"]}},
+            "playbooks": {DEFAULT_PLAYBOOK: {"servers": ["chat"]}}}) + "\n")
+        config = load_config(str(config_path), environ={})
+        args.db, args.host, args.clock, args.config = config.database, "127.0.0.1", "system", str(config_path)
+        return await _serve(args, config, after_start=lambda engine, url: _demo_open(engine, where, chat_db))
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+
+
+async def _demo_open(engine: Engine, where: Path, chat_db: Path) -> None:
+    """Define the examples and open the demo's requests; then say what to try."""
+    import shlex
+    import shutil
+
+    pb, me = DEFAULT_PLAYBOOK, OPERATOR_LOCAL
+    for path in sorted(EXAMPLES_DIR.iterdir()):
+        type_ = {".md": "interaction", ".yaml": "workflow"}.get(path.suffix)
+        if type_ is None or file_kind(path, path.read_text(encoding="utf-8")) == "configuration":
+            continue
+        try:
+            await engine.create_definition(me, pb, type_, path.stem, path.read_text(encoding="utf-8"))
+        except Problem as exc:
+            print(f"demo: {path.name} was not defined: {exc.detail}", flush=True)
+    inbox, _ = await engine.run_definition(me, pb, "interaction", "approve-brief", {
+        "editor": "ana", "title": "Q3 launch post", "draft": "We launch the new plans on Monday; prices stay as they are."})
+    chat, _ = await engine.run_definition(me, pb, "interaction", "chat-approval", {
+        "channel": "ops", "owner": "ana", "change": "Raise the cache size to 2 GB"})
+    thread = None
+    for _ in range(150):                    # the delivery is the timer task's: at most ~15 s
+        items = (await engine.list_interactions(me, pb, function="chat-approval"))["data"]
+        item = next((i for i in items if i["run_id"] == chat["run_id"]), None)
+        if item is None or item["delivery_state"] in ("delivered", "undelivered", "retrying"):
+            thread = (item or {}).get("conversation")
+            break
+        await asyncio.sleep(0.1)
+    python = "python" if shutil.which("python") == sys.executable else shlex.quote(sys.executable)
+    db = shlex.quote(str(where / "interactiond.db"))
+    chat_server = shlex.quote(str(EXAMPLES_DIR / "chat_server.py"))
+    ts = thread.rsplit("/", 1)[-1] if thread else "TS"
+    posted = (f"posted in the chat's #ops channel, thread {ts}" if thread
+              else "not posted yet (`interactiond inbox` shows its delivery)")
+    print(f"""
+demo: a fresh database in {where} (removed when the demo stops), every example defined, and the
+example chat server wired to {pb}. Open now:
+  - approve-brief asks ana to sign off a draft, in the inbox (run {inbox['run_id']})
+  - chat-approval asks ana about a change in the chat: {posted} (run {chat['run_id']})
+
+Three things to try:
+  1. Open the inbox link above and answer approve-brief (publish or rework).
+  2. Answer in the chat thread as ana, then see the run end:
+       {python} {chat_server} say --db {shlex.quote(str(chat_db))} --channel ops --user ana --thread {ts} go looks safe
+       interactiond wait {chat['run_id']} --db {db}
+  3. Ask from the command line, and watch it arrive in the inbox:
+       interactiond run interaction ask-approval --db {db} --input '{{"prompt": "Deploy?", "to": "ana"}}'
+       interactiond inbox --db {db}
+
+Stop the demo with Ctrl-C.""", flush=True)
+
+
+# -- the parser ---------------------------------------------------------------------------------------
+
+#: (command, one line that says what it does), in the order --help lists them.
+COMMANDS: Final = (
+    ("serve", "run the daemon: the HTTP API, MCP over HTTP, the inbox page and the timers"),
+    ("stdio", "speak MCP over stdin/stdout for a local agent (a relay when serve runs on the same database)"),
+    ("demo", "a daemon on a fresh temporary database with the examples and a few open requests, for workshops"),
+    ("check", "check function documents, workflows and configuration files offline; exit 1 on any problem"),
+    ("token", "create, list or revoke API tokens; list or end inbox sessions"),
+    ("define", "save a function document or a workflow from a file"),
+    ("run", "start a run of a function or a workflow"),
+    ("get", "show a run as it stands"),
+    ("wait", "wait for a run to end, showing that it waits, and print it"),
+    ("cancel", "cancel a run that is still waiting"),
+    ("inbox", "list the open requests (a table on a terminal, JSON when piped or with --json)"),
+    ("answer", "answer a run's open request"),
+    ("runs", "list runs, newest first (a table on a terminal, JSON when piped or with --json)"),
+    ("definitions", "list the playbook's definitions, or show one"),
+)
+CLIENT_COMMANDS: Final = ("define", "run", "get", "wait", "cancel", "inbox", "answer", "runs", "definitions")
+
+
+def build_parser() -> Any:
+    """The command line's parser: every command and option with its help, defaults shown."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="interactiond", description=__doc__.splitlines()[0])
-    parser.add_argument("--version", action="version", version=__version__)
-    sub = parser.add_subparsers(dest="cmd", required=True)
+    class Help(argparse.RawDescriptionHelpFormatter):
+        """Shows an option's default after its help, unless there is none or the help says it."""
 
-    def common(p: Any) -> None:
-        p.add_argument("--db", help="the SQLite file (env: INTERACTIOND_DB; default: the configuration's database:,"
-                                     " else ./interactiond.db)")
-        p.add_argument("--config", help="the operator configuration, YAML (env: INTERACTIOND_CONFIG)")
+        def _get_help_string(self, action: Any) -> str:
+            text = action.help or ""
+            if action.default not in (None, False, argparse.SUPPRESS) and "default" not in text \
+                    and (action.option_strings or action.nargs in ("?", "*")):
+                text += " (default: %(default)s)"
+            return text
 
-    p = sub.add_parser("serve", help="run the daemon: HTTP API, MCP over HTTP, the inbox page")
-    common(p)
-    p.add_argument("--host")
-    p.add_argument("--port", type=int)
+    parser = argparse.ArgumentParser(
+        prog="interactiond", formatter_class=Help, description=__doc__.splitlines()[0],
+        epilog="environment: INTERACTIOND_DB, INTERACTIOND_CONFIG, INTERACTIOND_TOKEN, "
+               "INTERACTION_OPEN_REQUESTS\n\n" + EXIT_CODES)
+    parser.add_argument("--version", action="version", version=__version__, help="print the version and stop")
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    helps = dict(COMMANDS)
+
+    def command(name: str) -> Any:
+        p = sub.add_parser(name, help=helps[name], description=helps[name] + ".", formatter_class=Help,
+                           epilog=EXIT_CODES)
+        p.add_argument("--db", metavar="PATH", help="the SQLite file (env: INTERACTIOND_DB; else the configuration's"
+                                                    " database:, else ./interactiond.db)")
+        p.add_argument("--config", metavar="PATH", help="the operator configuration, YAML (env: INTERACTIOND_CONFIG)")
+        return p
+
+    def logs(p: Any) -> None:
+        p.add_argument("--log-format", choices=["text", "json"], default="text",
+                       help="json: one JSON object a line, with the HTTP request's id")
+        p.add_argument("--access-log", action="store_true", help="log a line per HTTP request (costs throughput)")
+
+    p = command("serve")
+    p.add_argument("--host", help="the address to listen on (default: the configuration's listen.host, else"
+                                  " 127.0.0.1)")
+    p.add_argument("--port", type=int, help="the port (default: the configuration's listen.port, else 8765;"
+                                            " 0 picks a free one)")
     p.add_argument("--clock", choices=["system", "manual"], default="system",
-                   help="manual: time moves only through POST /v1/admin/clock (tests and demos)")
-    p = sub.add_parser("stdio", help="MCP over stdin/stdout for a local agent")
-    common(p)
-    p.add_argument("--playbook", help="scope the connection to one playbook, ORG/NAME")
-    p.add_argument("--http", type=int, metavar="PORT", help="also serve the HTTP API and the inbox on this port")
-    p = sub.add_parser("check", help="validate function documents; exit 1 on any problem")
-    common(p)
-    p.add_argument("files", nargs="+")
-    p = sub.add_parser("token", help="create, list or revoke API tokens; list or end inbox sessions")
-    tsub = p.add_subparsers(dest="token_cmd", required=True)
-    t = tsub.add_parser("create", help="print a new token once")
-    common(t)
-    t.add_argument("--playbook", help="bind the token to one playbook, ORG/NAME")
-    t.add_argument("--role", required=True, choices=[r.value for r in Role])
-    t.add_argument("--name")
-    common(tsub.add_parser("list", help="list tokens and inbox sessions (never their secrets)"))
-    t = tsub.add_parser("revoke", help="revoke a token, or end an inbox session, by its id")
-    common(t)
-    t.add_argument("id")
-    for name, helptext in (("define", "save a definition from a file"), ("run", "start a run"),
-                           ("inbox", "list open requests"), ("answer", "answer a request")):
-        p = sub.add_parser(name, help=helptext)
-        common(p)
-        p.add_argument("--url", help="the daemon's URL (default: the one serve wrote beside the database)")
-        p.add_argument("--token", help="an API token (env: INTERACTIOND_TOKEN)")
-        p.add_argument("--playbook", default=DEFAULT_PLAYBOOK)
+                   help="manual: time moves only through POST /v1/admin/clock (tests and demos; needs --host"
+                        " 127.0.0.1)")
+    logs(p)
+    p = command("stdio")
+    p.add_argument("--playbook", metavar="ORG/NAME", help="scope the connection to one playbook (default: every"
+                                                          " playbook, named in each call)")
+    p.add_argument("--http", type=int, metavar="PORT", help="also serve the HTTP API and the inbox page on this"
+                                                            " port of 127.0.0.1 (0 picks a free one)")
+    logs(p)
+    p = command("demo")
+    p.add_argument("--port", type=int, default=8765, help="the port (0 picks a free one)")
+    logs(p)
+    p = command("check")
+    p.add_argument("files", nargs="+", metavar="FILE", help="a function document (.md), a workflow or a"
+                                                            " configuration (.yaml), or a directory of them")
+    p = command("token")
+    tsub = p.add_subparsers(dest="token_cmd", required=True, metavar="ACTION")
+    for name, text in (("create", "make a token and print it once (only its hash is kept)"),
+                       ("list", "list tokens and inbox sessions (never their secrets)"),
+                       ("revoke", "revoke a token, or end an inbox session, by its id")):
+        t = tsub.add_parser(name, help=text, description=text + ".", formatter_class=Help)
+        t.add_argument("--db", metavar="PATH", help="the SQLite file (env: INTERACTIOND_DB; else the"
+                                                    " configuration's database:, else ./interactiond.db)")
+        t.add_argument("--config", metavar="PATH", help="the operator configuration, YAML (env: INTERACTIOND_CONFIG)")
+        if name == "create":
+            t.add_argument("--playbook", metavar="ORG/NAME", help="bind the token to one playbook (default: every"
+                                                                  " playbook; an operator is always global)")
+            t.add_argument("--role", required=True, choices=[r.value for r in Role],
+                           help="reader: read; writer: also create, run, answer, cancel, execute; operator: "
+                                "everything, in every playbook")
+            t.add_argument("--name", help="a name to know the token by in `token list`")
+        elif name == "revoke":
+            t.add_argument("id", help="the token's or the session's id (tok_...), as `token list` shows it")
+    for name in CLIENT_COMMANDS:
+        p = command(name)
+        p.add_argument("--url", help="the daemon's URL (default: the one serve wrote beside the database, else the"
+                                     " configuration's listen address)")
+        p.add_argument("--token", help="an API token (env: INTERACTIOND_TOKEN; default: the operator token serve"
+                                       " wrote beside the database)")
+        p.add_argument("--playbook", metavar="ORG/NAME", default=DEFAULT_PLAYBOOK, help="the playbook")
+        p.add_argument("--json", action="store_true", help="print JSON: lists print a table on a terminal without"
+                                                           " it; a refusal prints its problem object too")
         if name == "define":
             p.add_argument("file", help="a function document (.md) or a workflow (.yaml)")
-            p.add_argument("--name", help="the definition's name (default: the file's name without extension)")
-            p.add_argument("--type", choices=["interaction", "workflow"])
+            p.add_argument("--name", help="the definition's name (default: the file's name without its extension)")
+            p.add_argument("--type", choices=["interaction", "workflow"],
+                           help="what the file holds (default: workflow for .yaml/.yml, else interaction)")
         elif name == "run":
-            p.add_argument("type", choices=["interaction", "workflow"])
-            p.add_argument("name")
-            p.add_argument("--input", default="{}")
-            p.add_argument("--run-id")
-        elif name == "inbox":
-            p.add_argument("--to")
-        else:
-            p.add_argument("run_id")
-            p.add_argument("answer")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s")
-    install_log_redaction()
-    if args.cmd == "check":
-        return check_documents(args.files, parsers={".yaml": parse_workflow, ".yml": parse_workflow})
+            p.add_argument("type", choices=["interaction", "workflow"], help="what to run: a function or a workflow")
+            p.add_argument("name", help="the definition's name")
+            p.add_argument("--input", default="{}", metavar="JSON", help="the run's input, a JSON object")
+            p.add_argument("--run-id", help="an id of your choosing (1 to 128 of A-Z a-z 0-9 _ . : -): running"
+                                            " again under it returns the same run (default: a new id)")
+        elif name in ("get", "wait", "cancel", "answer"):
+            p.add_argument("run_id", help="the run's id (run_...)")
+            if name == "wait":
+                p.add_argument("--timeout", type=float, metavar="SECONDS",
+                               help="give up after this long, exit 4 (default: wait until the run ends)")
+            if name == "answer":
+                p.add_argument("answer", metavar="JSON", help="the answer, a JSON value that matches the request's"
+                                                              """ answer schema, e.g. '{"decision": "publish"}'""")
+        elif name in ("inbox", "runs"):
+            if name == "inbox":
+                p.add_argument("--to", help="only the requests addressed to this party")
+            else:
+                p.add_argument("--status", choices=[s.value for s in RunStatus], help="only runs in this status")
+            p.add_argument("--function", metavar="NAME", help="only those of this function or workflow")
+            p.add_argument("--limit", type=int, default=DEFAULT_PAGE, help=f"how many, 1 to {MAX_PAGE}")
+            p.add_argument("--cursor", help="the next page, as the last listing gave it")
+        else:                                   # definitions
+            p.add_argument("name", nargs="?", help="show this definition (its overview on a terminal)")
+            p.add_argument("--type", choices=["interaction", "workflow"],
+                           help="only this type (with a name: default interaction)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line: every failure a user can meet is one line on stderr and an exit code."""
+    args = build_parser().parse_args(argv)
+    configure_logging(getattr(args, "log_format", "text"))
     try:
-        config = load_config(args.config or os.environ.get("INTERACTIOND_CONFIG"))
-    except ConfigError as exc:
-        for problem in exc.problems:
-            print(f"interactiond: configuration: {problem}", file=sys.stderr)
-        return 2
-    # The database: --db, else INTERACTIOND_DB, else the configuration's `database:` (default ./interactiond.db).
-    db = args.db or os.environ.get("INTERACTIOND_DB") or config.database
-    if args.cmd == "token":
-        return _cli_token(args, db)
-    if args.cmd in ("define", "run", "inbox", "answer"):
-        return _cli_client(args, db)
-    if args.cmd == "stdio":
-        return asyncio.run(_stdio(args, config))
-    return asyncio.run(_serve(args, config))
+        if args.cmd == "check":
+            return check_files(args.files)
+        if args.cmd == "demo":
+            return asyncio.run(_demo(args))
+        try:
+            config = load_config(args.config or os.environ.get("INTERACTIOND_CONFIG"))
+        except ConfigError as exc:
+            for problem in exc.problems:
+                print(f"interactiond: configuration: {problem}", file=sys.stderr)
+            return EXIT_USAGE
+        # The database: --db, else INTERACTIOND_DB, else the configuration's `database:` (default ./interactiond.db).
+        db = args.db or os.environ.get("INTERACTIOND_DB") or config.database
+        if args.cmd == "token":
+            return _cli_token(args, db)
+        if args.cmd in CLIENT_COMMANDS:
+            return _cli_client(args, db, config)
+        if args.cmd == "stdio":
+            return asyncio.run(_stdio(args, config))
+        return asyncio.run(_serve(args, config))
+    except CliError as exc:
+        print(f"interactiond: {exc}", file=sys.stderr)
+        return exc.code
+    except KeyboardInterrupt:
+        print("interactiond: interrupted", file=sys.stderr)
+        return 130
+    except (OSError, sqlite3.Error) as exc:         # a file or the database, as the system said it
+        print(f"interactiond: {getattr(exc, 'filename', None) or 'the database'}: "
+              f"{getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
+        return EXIT_REFUSED
 
 
 # The page's text ################################################################################

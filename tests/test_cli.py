@@ -57,7 +57,7 @@ def test_serve_on_a_fresh_directory_and_the_client_commands(served):
     inbox = json.loads(cli("inbox", "--to", "ana", cwd=cwd).stdout)
     assert [r["run_id"] for r in inbox["data"]] == [run["run_id"]]
     bad = cli("answer", run["run_id"], '{"decision": "maybe"}', cwd=cwd, check=False)
-    assert bad.returncode == 1 and "/answer/decision" in bad.stdout
+    assert bad.returncode == 1 and "/answer/decision" in bad.stderr and len(bad.stderr.splitlines()) == 1
     fact = json.loads(cli("answer", run["run_id"], '{"decision": "publish"}', cwd=cwd).stdout)
     assert fact["answer"] == {"decision": "publish"}
     # A second engine on the same file refuses to start and names the first.

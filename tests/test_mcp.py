@@ -126,8 +126,12 @@ async def test_ask_and_wait_run(d):
         assert r.structured_content["status"] == "succeeded"
         assert r.structured_content["output"] == {"option_ids": ["blue"]}
 
-        r = await c.call_tool("wait_run", {"run_id": run_id, "max_wait": 99})
+        r = await c.call_tool("wait_run", {"run_id": run_id, "max_wait": -1})
         assert r.is_error and r.structured_content["errors"][0]["pointer"] == "/max_wait"
+        # Longer than one call waits is cut to the longest, and the result says so (an ended run: at once).
+        r = await c.call_tool("wait_run", {"run_id": run_id, "timeout": 99})
+        assert not r.is_error and r.structured_content["status"] == "succeeded"
+        assert "cut to 55 s" in r.content[-1].text
 
 
 async def test_wait_run_returns_the_run_as_it_stands_and_reports_progress(d):
