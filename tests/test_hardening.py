@@ -41,7 +41,7 @@ def test_an_operator_token_bound_to_a_playbook_is_refused(tmp_path):
             assert "global" in str(exc)
         else:
             raise AssertionError("an operator token bound to a playbook was made")
-        assert conn.execute("SELECT COUNT(*) FROM tokens").fetchone()[0] == 0
+        assert conn.conn.execute("SELECT COUNT(*) FROM tokens").fetchone()[0] == 0
     finally:
         conn.close()
 
