@@ -4107,13 +4107,20 @@ _PG_SCHEMA_LOCK: Final = 0x69_74_64_73         # "itds"
 PG_LOCK_TIMEOUT_MS: Final = 5000
 #: A connection attempt gives up after this many seconds (unless the URL says otherwise).
 PG_CONNECT_TIMEOUT_S: Final = 10
+#: Each daemon on a database beats this often (daemons.seen_at) ...
+DAEMON_BEAT_S: Final = 5.0
+#: ... and is dead once unseen this long: a start takes over its calls in flight.
+DAEMON_LEASE_S: Final = 30.0
+#: Milliseconds since the epoch on the database server's clock: one clock for every daemon's lease.
+_PG_NOW_SQL: Final = "CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000 AS BIGINT)"
 
 
 #: The schema, embedded so an installed wheel needs no data file; tests keep it equal to
 #: schema-postgres.sql.
 POSTGRES_SCHEMA_SQL: Final = """\
 -- interactiond's schema in PostgreSQL's dialect: the tables, columns and checks of schema.sql, in
--- the order their references need. Applied at every start (idempotent) under an advisory lock;
+-- the order their references need, and what several daemons sharing the database keep (daemons,
+-- events.daemon). Applied at every start (idempotent) under an advisory lock;
 -- the schema_version table tells which migrations a database has had. Times are integer
 -- milliseconds since the epoch (UTC), BIGINT; JSON columns hold compact JSON text, as in SQLite.
 -- Text a listing sorts by is COLLATE "C": the same order as SQLite's, whatever the database's
@@ -4260,7 +4267,8 @@ CREATE TABLE IF NOT EXISTS events (
     at       BIGINT NOT NULL,
     by       TEXT,
     payload  TEXT NOT NULL,
-    size     INTEGER NOT NULL
+    size     INTEGER NOT NULL,
+    daemon   TEXT                                    -- the daemon that wrote it (daemons.id)
 );
 CREATE INDEX IF NOT EXISTS events_by_run ON events (playbook, run_id, id);
 CREATE INDEX IF NOT EXISTS events_by_playbook ON events (playbook, id) WHERE run_id IS NULL;
@@ -4297,6 +4305,17 @@ CREATE TABLE IF NOT EXISTS idempotency (
     PRIMARY KEY (caller, key)
 );
 CREATE INDEX IF NOT EXISTS idempotency_by_age ON idempotency (created_at);
+
+-- The daemons serving this database: each registers at its start, beats every few seconds and
+-- leaves at its stop; times are the database server's (one clock for every machine). A daemon
+-- unseen past its lease is dead: a start takes over its calls in flight, never a live one's.
+CREATE TABLE IF NOT EXISTS daemons (
+    id         TEXT PRIMARY KEY,                     -- dmn_<ULID>
+    host       TEXT NOT NULL,
+    pid        INTEGER NOT NULL,
+    started_at BIGINT NOT NULL,
+    seen_at    BIGINT NOT NULL
+);
 """
 
 
@@ -4451,11 +4470,16 @@ def _pg_problem(exc: BaseException, otherwise: str | None = None) -> BaseExcepti
 
 class PostgresTx(SQLiteTx):
     """The store's operations on a PostgreSQL connection: SQLiteTx's, but for the few statements
-    whose SQL differs between the dialects."""
+    whose SQL differs between the dialects, and what several daemons sharing the database need.
+    `daemon` is the id of the daemon whose store it serves (None for the command line)."""
 
-    __slots__ = ()
+    __slots__ = ("daemon",)
 
     conn: _PgConn
+
+    def __init__(self, conn: _PgConn, daemon: str | None = None) -> None:
+        super().__init__(conn)  # type: ignore[arg-type]
+        self.daemon = daemon
 
     @property
     def errors(self) -> tuple[type[BaseException], ...]:  # type: ignore[override]
@@ -4505,8 +4529,9 @@ class PostgresTx(SQLiteTx):
             run_seq = self.conn.execute("UPDATE runs SET events = events + 1 WHERE playbook = ? AND run_id = ?"
                                         " RETURNING events", (playbook, run_id)).fetchone()[0]
         event_id = self.conn.execute(
-            "INSERT INTO events (playbook, run_id, run_seq, type, at, by, payload, size) VALUES (?,?,?,?,?,?,?,?)"
-            " RETURNING id", (playbook, run_id, run_seq, type_, at, by, text, len(text.encode()))).fetchone()[0]
+            "INSERT INTO events (playbook, run_id, run_seq, type, at, by, payload, size, daemon)"
+            " VALUES (?,?,?,?,?,?,?,?,?) RETURNING id",
+            (playbook, run_id, run_seq, type_, at, by, text, len(text.encode()), self.daemon)).fetchone()[0]
         if fx is not None:
             fx.published.append({"id": event_id, "playbook": playbook, "run_id": run_id, "type": type_, "at": at,
                                  "payload": payload})
@@ -4534,6 +4559,88 @@ class PostgresTx(SQLiteTx):
             "SELECT name, version FROM definitions d WHERE playbook = ? AND type = 'workflow' AND active = 1"
             " AND EXISTS (SELECT 1 FROM jsonb_array_elements(d.uses::jsonb) u WHERE u->>0 = ? AND u->>1 = ?)"
             " ORDER BY name", (playbook, type_, name)).fetchall()
+
+    # Several daemons on one database.
+
+    def system_calls_in_flight(self) -> list[tuple[str, str, dict[str, Any] | None]]:
+        """As SQLiteTx's, but only the calls of daemons that are gone: a call that a live daemon sent
+        (by the daemon of its last tool_call_started event) is that daemon's to end."""
+        rows = self.conn.execute(
+            "SELECT r.playbook, r.run_id, e.payload FROM runs r LEFT JOIN LATERAL (SELECT payload, daemon FROM events"
+            " WHERE playbook = r.playbook AND run_id = r.run_id AND type = ? ORDER BY id DESC LIMIT 1) e ON TRUE"
+            " WHERE r.status = ? AND r.tools_called = 1 AND r.type = 'interaction' AND NOT EXISTS (SELECT 1"
+            f" FROM daemons d WHERE d.id = e.daemon AND d.seen_at > {_PG_NOW_SQL} - ?)",
+            (EventType.TOOL_CALL_STARTED.value, RunStatus.STARTED.value, int(DAEMON_LEASE_S * 1000))).fetchall()
+        return [(r["playbook"], r["run_id"], json.loads(r["payload"]) if r["payload"] else None) for r in rows]
+
+    def register_daemon(self, daemon: str, host: str, pid: int) -> None:
+        """Enter a daemon that starts; a daemon of this host whose process is gone (a crash, a kill)
+        leaves now rather than when its lease ends."""
+        for row in self.conn.execute("SELECT id, pid FROM daemons WHERE host = ?", (host,)).fetchall():
+            if row["pid"] != pid and not _process_alive(row["pid"]):
+                self.conn.execute("DELETE FROM daemons WHERE id = ?", (row["id"],))
+        self.conn.execute(f"INSERT INTO daemons (id, host, pid, started_at, seen_at) VALUES (?, ?, ?, {_PG_NOW_SQL},"
+                          f" {_PG_NOW_SQL})", (daemon, host, pid))
+
+    def beat(self, daemon: str) -> None:
+        """A live daemon's heartbeat (entered again should its row have gone)."""
+        self.conn.execute(f"UPDATE daemons SET seen_at = {_PG_NOW_SQL} WHERE id = ?", (daemon,))
+
+    def leave(self, daemon: str) -> None:
+        """A daemon that stops: its calls still in flight are the next start's to end."""
+        self.conn.execute("DELETE FROM daemons WHERE id = ?", (daemon,))
+
+    def live_daemons(self) -> list[Row]:
+        """The daemons seen within their lease: id, host, pid, started_at, seen_at."""
+        return self.conn.execute(f"SELECT * FROM daemons WHERE seen_at > {_PG_NOW_SQL} - ? ORDER BY started_at, id",
+                                 (int(DAEMON_LEASE_S * 1000),)).fetchall()
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:                                 # another user's process: it exists
+        return True
+    return True
+
+
+class _PgBeat(threading.Thread):
+    """A store's own connection to the database for the daemon's registration: it enters the daemon
+    at the store's open, beats every DAEMON_BEAT_S and removes it at the close."""
+
+    def __init__(self, url: str, daemon: str) -> None:
+        super().__init__(name="interactiond-daemon", daemon=True)
+        self.url = url
+        self.daemon_id = daemon
+        self.tx: PostgresTx | None = None
+        self.halt = threading.Event()
+
+    def register(self) -> None:
+        """Connect and enter the daemon (on the caller's thread, before the store serves anything)."""
+        self.tx = PostgresTx(_PgConn(self.url), self.daemon_id)
+        self.tx.register_daemon(self.daemon_id, _HOST, os.getpid())
+
+    def run(self) -> None:
+        tx = self.tx
+        while not self.halt.wait(DAEMON_BEAT_S):
+            try:
+                tx.ready()
+                tx.beat(self.daemon_id)
+            except Exception as exc:                  # the next beat tries again, on a new connection
+                log.warning("the heartbeat of daemon %s failed: %s", self.daemon_id, _pg_problem(exc))
+        with contextlib.suppress(Exception):
+            tx.ready()
+            tx.leave(self.daemon_id)
+        tx.close()
+
+    def stop(self) -> None:
+        self.halt.set()
+
+
+#: This machine's name, as the daemons table records it.
+_HOST: Final = os.uname().nodename
 
 
 def apply_postgres_schema(conn: _PgConn) -> None:
@@ -4575,12 +4682,21 @@ def open_postgres_sync(url: str) -> PostgresTx:
 
 class PostgresStore(Store):
     """The store on a PostgreSQL database: Store's writer and reader threads and group commit, with
-    PostgresTx's operations; no checkpointer (the server keeps its own log)."""
+    PostgresTx's operations; no checkpointer (the server keeps its own log). Each store is one
+    daemon of the database, entered in its `daemons` table with a heartbeat (`daemon_id`)."""
+
+    def __init__(self, path: str, on_commit: Callable[[Effects], None] | None = None) -> None:
+        super().__init__(path, on_commit)
+        self.daemon_id = "dmn_" + new_ulid().lower()
+        self._beat: _PgBeat | None = None
 
     async def open(self) -> None:
         loop = asyncio.get_running_loop()
         init = await loop.run_in_executor(None, open_postgres_sync, self.path)
         init.close()
+        self._beat = _PgBeat(self.path, self.daemon_id)
+        await loop.run_in_executor(None, self._beat.register)
+        self._beat.start()
         self._writer = _DbThread(lambda: self._connect_tx(True), loop, writer=True,
                                  sink=lambda fx: self.on_commit and self.on_commit(fx))
         self._reader = _DbThread(lambda: self._connect_tx(False), loop, writer=False)
@@ -4592,7 +4708,14 @@ class PostgresStore(Store):
 
     def _connect_tx(self, writer: bool) -> PostgresTx:
         setup = (f"SET lock_timeout = {PG_LOCK_TIMEOUT_MS}",) if writer else ()
-        return PostgresTx(_PgConn(self.path, setup))
+        return PostgresTx(_PgConn(self.path, setup), self.daemon_id)
+
+    async def close(self) -> None:
+        await super().close()
+        if self._beat is not None:                 # after the writer: the daemon leaves last
+            self._beat.stop()
+            await asyncio.get_running_loop().run_in_executor(None, self._beat.join, 5.0)
+            self._beat = None
 
     def read_sync(self, query: Callable[[Any], Any]) -> Any:
         tx = PostgresTx(_PgConn(self.path))

@@ -1,5 +1,6 @@
 -- interactiond's schema in PostgreSQL's dialect: the tables, columns and checks of schema.sql, in
--- the order their references need. Applied at every start (idempotent) under an advisory lock;
+-- the order their references need, and what several daemons sharing the database keep (daemons,
+-- events.daemon). Applied at every start (idempotent) under an advisory lock;
 -- the schema_version table tells which migrations a database has had. Times are integer
 -- milliseconds since the epoch (UTC), BIGINT; JSON columns hold compact JSON text, as in SQLite.
 -- Text a listing sorts by is COLLATE "C": the same order as SQLite's, whatever the database's
@@ -146,7 +147,8 @@ CREATE TABLE IF NOT EXISTS events (
     at       BIGINT NOT NULL,
     by       TEXT,
     payload  TEXT NOT NULL,
-    size     INTEGER NOT NULL
+    size     INTEGER NOT NULL,
+    daemon   TEXT                                    -- the daemon that wrote it (daemons.id)
 );
 CREATE INDEX IF NOT EXISTS events_by_run ON events (playbook, run_id, id);
 CREATE INDEX IF NOT EXISTS events_by_playbook ON events (playbook, id) WHERE run_id IS NULL;
@@ -183,3 +185,14 @@ CREATE TABLE IF NOT EXISTS idempotency (
     PRIMARY KEY (caller, key)
 );
 CREATE INDEX IF NOT EXISTS idempotency_by_age ON idempotency (created_at);
+
+-- The daemons serving this database: each registers at its start, beats every few seconds and
+-- leaves at its stop; times are the database server's (one clock for every machine). A daemon
+-- unseen past its lease is dead: a start takes over its calls in flight, never a live one's.
+CREATE TABLE IF NOT EXISTS daemons (
+    id         TEXT PRIMARY KEY,                     -- dmn_<ULID>
+    host       TEXT NOT NULL,
+    pid        INTEGER NOT NULL,
+    started_at BIGINT NOT NULL,
+    seen_at    BIGINT NOT NULL
+);
