@@ -61,6 +61,7 @@ import os
 import queue
 import re
 import secrets
+import select
 import signal
 import sqlite3
 import sys
@@ -3293,6 +3294,7 @@ class _DbThread(threading.Thread):
             else:
                 out.append((fut, result, None, fx))
         try:
+            tx.before_commit([fx for *_, fx in out if fx is not None])
             conn.execute("COMMIT")
         except BaseException as exc:
             with contextlib.suppress(*tx.errors):
@@ -3410,6 +3412,10 @@ class Store:
             if t.start_error:
                 raise t.start_error
 
+    def make_bus(self, clock: Clock) -> LocalBus:
+        """The bus that delivers the effects of this store's commits (the engine's): in-process here."""
+        return LocalBus()
+
     def _connect_tx(self, writer: bool) -> "SQLiteTx":
         conn = _connect(self.path)
         if writer:                          # the checkpointer copies the WAL; this is only a safety net
@@ -3497,6 +3503,10 @@ class SQLiteTx:
     def in_transaction(self) -> bool:
         """Whether the transaction still stands after an error (a full disk rolls it all back)."""
         return self.conn.in_transaction
+
+    def before_commit(self, changes: list[Effects]) -> None:
+        """Last in the transaction, with the effects of the changes it commits: nothing to tell others
+        on a file (a server's daemons are told here)."""
 
     @staticmethod
     def problem(exc: BaseException, otherwise: str | None = None) -> BaseException:
@@ -4111,6 +4121,10 @@ PG_CONNECT_TIMEOUT_S: Final = 10
 DAEMON_BEAT_S: Final = 5.0
 #: ... and is dead once unseen this long: a start takes over its calls in flight.
 DAEMON_LEASE_S: Final = 30.0
+#: The channel of the daemons' notifications (LISTEN/NOTIFY), and the most one carries (the
+#: server's limit is 8000 bytes; larger effects go in several).
+PG_CHANNEL: Final = "interactiond"
+PG_NOTIFY_BYTES: Final = 7000
 #: Milliseconds since the epoch on the database server's clock: one clock for every daemon's lease.
 _PG_NOW_SQL: Final = "CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000 AS BIGINT)"
 
@@ -4562,6 +4576,18 @@ class PostgresTx(SQLiteTx):
 
     # Several daemons on one database.
 
+    def before_commit(self, changes: list[Effects]) -> None:
+        """Tell the other daemons what the changes mean for them (due times, wake-ups, new events,
+        invalidated caches): NOTIFY in the changing transaction, so they hear it at the COMMIT, and
+        never of a change rolled back."""
+        if self.daemon is not None:
+            for payload in _bus_payloads(self.daemon, changes):
+                self.conn.execute("SELECT pg_notify(?, ?)", (PG_CHANNEL, payload))
+
+    def definition_keys(self) -> list[tuple[str, str, str]]:
+        """Every (playbook, type, name) that has a definition."""
+        return [(r[0], r[1], r[2]) for r in self.conn.execute("SELECT DISTINCT playbook, type, name FROM definitions")]
+
     def system_calls_in_flight(self) -> list[tuple[str, str, dict[str, Any] | None]]:
         """As SQLiteTx's, but only the calls of daemons that are gone: a call that a live daemon sent
         (by the daemon of its last tool_call_started event) is that daemon's to end."""
@@ -4582,9 +4608,9 @@ class PostgresTx(SQLiteTx):
         self.conn.execute(f"INSERT INTO daemons (id, host, pid, started_at, seen_at) VALUES (?, ?, ?, {_PG_NOW_SQL},"
                           f" {_PG_NOW_SQL})", (daemon, host, pid))
 
-    def beat(self, daemon: str) -> None:
-        """A live daemon's heartbeat (entered again should its row have gone)."""
-        self.conn.execute(f"UPDATE daemons SET seen_at = {_PG_NOW_SQL} WHERE id = ?", (daemon,))
+    def beat(self, daemon: str) -> bool:
+        """A live daemon's heartbeat; False when its row has gone (it is entered again)."""
+        return self.conn.execute(f"UPDATE daemons SET seen_at = {_PG_NOW_SQL} WHERE id = ?", (daemon,)).rowcount > 0
 
     def leave(self, daemon: str) -> None:
         """A daemon that stops: its calls still in flight are the next start's to end."""
@@ -4606,37 +4632,156 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
-class _PgBeat(threading.Thread):
-    """A store's own connection to the database for the daemon's registration: it enters the daemon
-    at the store's open, beats every DAEMON_BEAT_S and removes it at the close."""
+def _bus_payloads(daemon: str, changes: list[Effects]) -> list[str]:
+    """The effects of committed changes as NOTIFY payloads of at most PG_NOTIFY_BYTES: JSON
+    {"d": daemon, "x": [item, ...]}, an item being ["t", key, due or null] (a due time), ["w",
+    playbook, run_id] (a wake-up), ["e", id, playbook, run_id, type, at] (an event, without its
+    payload: a stream reads it from the table) or ["i", ...] (an invalidated cache entry)."""
+    items: list[str] = []
+    for fx in changes:
+        items += (dumps(["t", key, due]) for key, due in fx.timers)
+        items += (dumps(["w", *key]) for key in fx.wakes)
+        items += (dumps(["e", e["id"], e["playbook"], e["run_id"], e["type"], e["at"]]) for e in fx.published)
+        items += (dumps(["i", *what]) for what in fx.invalidated)
+    out: list[str] = []
+    head = '{"d":' + dumps(daemon) + ',"x":['
+    chunk: list[str] = []
+    size = len(head) + 2
+    for item in items:
+        n = len(item.encode()) + 1
+        if chunk and size + n > PG_NOTIFY_BYTES:
+            out.append(head + ",".join(chunk) + "]}")
+            chunk, size = [], len(head) + 2
+        chunk.append(item)
+        size += n
+    if chunk:
+        out.append(head + ",".join(chunk) + "]}")
+    return out
+
+
+class PgBus(LocalBus):
+    """LocalBus, told also of other daemons' commits on the database: their notifications (sent in
+    their changing transactions) arrive on the store's listening connection and are delivered here
+    as this daemon's own effects are, so a long poll on one daemon wakes on an answer given on
+    another, a stream rings, a timer set elsewhere is armed here, a definition saved elsewhere is
+    read again. The database stays the truth: a notification only says where to look again."""
+
+    def __init__(self, store: "PostgresStore", clock: Clock) -> None:
+        super().__init__()
+        self.store = store
+        self.clock = clock
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def remote(self, text: str) -> None:
+        """A notification from the database (on the event loop); this daemon's own are skipped."""
+        try:
+            msg = json.loads(text)
+            if msg.get("d") == self.store.daemon_id:
+                return
+            fx = Effects()
+            for item in msg["x"]:
+                kind = item[0]
+                if kind == "t":
+                    fx.timers.append((item[1], item[2]))
+                elif kind == "w":
+                    fx.wakes.append((item[1], item[2]))
+                elif kind == "e":
+                    fx.published.append({"id": item[1], "playbook": item[2], "run_id": item[3], "type": item[4],
+                                         "at": item[5], "payload": None})
+                elif kind == "i":
+                    fx.invalidated.append(tuple(item[1:]))
+        except (ValueError, KeyError, IndexError, TypeError):
+            log.warning("a notification on %s could not be read; dropped", PG_CHANNEL)
+            return
+        self.deliver(fx)
+
+    def resync(self) -> None:
+        """The listening connection was lost and opened again, so notifications may have been missed:
+        every due time is loaded again, every cached definition invalidated, every waiter and stream
+        told to look again."""
+        async def again() -> None:
+            timers, names = await self.store.read(lambda tx: (tx.all_timers(), tx.definition_keys()))
+            fx = Effects()
+            fx.timers.extend(timers)
+            fx.invalidated.extend(("definition", *k) for k in names)
+            fx.wakes.extend(self._waiters)
+            fx.published.append({"id": None, "playbook": None, "run_id": None, "type": None, "at": None,
+                                 "payload": None})
+            self.deliver(fx)
+        if self.stopped:
+            return
+        task = asyncio.ensure_future(again())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+class _PgListener(threading.Thread):
+    """A store's own connection for being one of the database's daemons: it enters the daemon at the
+    store's open, LISTENs to the other daemons' notifications and hands each to the bus, beats every
+    DAEMON_BEAT_S, and removes the daemon at the close. A lost connection is opened again (and the
+    bus told to look at everything again, since notifications went missing meanwhile)."""
 
     def __init__(self, url: str, daemon: str) -> None:
-        super().__init__(name="interactiond-daemon", daemon=True)
+        super().__init__(name="interactiond-listener", daemon=True)
         self.url = url
         self.daemon_id = daemon
         self.tx: PostgresTx | None = None
         self.halt = threading.Event()
+        self.deliver: Callable[[str], None] | None = None      # a notification's payload, to the bus
+        self.lost: Callable[[], None] | None = None            # the connection came back: resync
+        self._wake_r, self._wake_w = os.pipe()
 
     def register(self) -> None:
-        """Connect and enter the daemon (on the caller's thread, before the store serves anything)."""
-        self.tx = PostgresTx(_PgConn(self.url), self.daemon_id)
+        """Connect, LISTEN and enter the daemon (on the caller's thread, before the store serves)."""
+        self.tx = PostgresTx(_PgConn(self.url, ("SET application_name = 'interactiond-listener'",
+                                                f"LISTEN {PG_CHANNEL}")), self.daemon_id)
         self.tx.register_daemon(self.daemon_id, _HOST, os.getpid())
 
     def run(self) -> None:
         tx = self.tx
-        while not self.halt.wait(DAEMON_BEAT_S):
+        next_beat = time.monotonic() + DAEMON_BEAT_S
+        failures = 0
+        while not self.halt.is_set():
             try:
-                tx.ready()
-                tx.beat(self.daemon_id)
-            except Exception as exc:                  # the next beat tries again, on a new connection
-                log.warning("the heartbeat of daemon %s failed: %s", self.daemon_id, _pg_problem(exc))
+                if tx.conn.lost:
+                    tx.conn.reopen()                    # LISTENs again (its setup)
+                    if not tx.beat(self.daemon_id):
+                        tx.register_daemon(self.daemon_id, _HOST, os.getpid())
+                    if self.lost is not None:
+                        self.lost()
+                raw = tx.conn.raw
+                ready, _, _ = select.select([raw.fileno(), self._wake_r], [], [],
+                                            max(0.0, next_beat - time.monotonic()))
+                if self.halt.is_set():
+                    break
+                if time.monotonic() >= next_beat:
+                    if not tx.beat(self.daemon_id):
+                        tx.register_daemon(self.daemon_id, _HOST, os.getpid())
+                    next_beat = time.monotonic() + DAEMON_BEAT_S
+                # What arrived (and what a beat's query read meanwhile, kept by psycopg for here).
+                for note in raw.notifies(timeout=0):
+                    if self.deliver is not None:
+                        self.deliver(note.payload)
+                failures = 0
+            except Exception as exc:
+                failures += 1
+                log.warning("daemon %s lost its listening connection (%s); opening it again",
+                            self.daemon_id, _pg_problem(exc))
+                with contextlib.suppress(Exception):
+                    tx.conn.close()
+                tx.conn.raw = None
+                self.halt.wait(min(5.0, 0.1 * 2 ** failures))
         with contextlib.suppress(Exception):
             tx.ready()
             tx.leave(self.daemon_id)
         tx.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
 
     def stop(self) -> None:
         self.halt.set()
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
 
 
 #: This machine's name, as the daemons table records it.
@@ -4688,15 +4833,25 @@ class PostgresStore(Store):
     def __init__(self, path: str, on_commit: Callable[[Effects], None] | None = None) -> None:
         super().__init__(path, on_commit)
         self.daemon_id = "dmn_" + new_ulid().lower()
-        self._beat: _PgBeat | None = None
+        self._listener: _PgListener | None = None
+        self._bus: PgBus | None = None
+
+    def make_bus(self, clock: Clock) -> LocalBus:
+        """A PgBus: the effects of this daemon's commits, and of the other daemons' on the database."""
+        self._bus = PgBus(self, clock)
+        return self._bus
 
     async def open(self) -> None:
         loop = asyncio.get_running_loop()
         init = await loop.run_in_executor(None, open_postgres_sync, self.path)
         init.close()
-        self._beat = _PgBeat(self.path, self.daemon_id)
-        await loop.run_in_executor(None, self._beat.register)
-        self._beat.start()
+        self._listener = _PgListener(self.path, self.daemon_id)
+        await loop.run_in_executor(None, self._listener.register)
+        if self._bus is not None:
+            bus = self._bus
+            self._listener.deliver = lambda payload: loop.call_soon_threadsafe(bus.remote, payload)
+            self._listener.lost = lambda: loop.call_soon_threadsafe(bus.resync)
+        self._listener.start()
         self._writer = _DbThread(lambda: self._connect_tx(True), loop, writer=True,
                                  sink=lambda fx: self.on_commit and self.on_commit(fx))
         self._reader = _DbThread(lambda: self._connect_tx(False), loop, writer=False)
@@ -4712,10 +4867,10 @@ class PostgresStore(Store):
 
     async def close(self) -> None:
         await super().close()
-        if self._beat is not None:                 # after the writer: the daemon leaves last
-            self._beat.stop()
-            await asyncio.get_running_loop().run_in_executor(None, self._beat.join, 5.0)
-            self._beat = None
+        if self._listener is not None:             # after the writer: the daemon leaves last
+            self._listener.stop()
+            await asyncio.get_running_loop().run_in_executor(None, self._listener.join, 5.0)
+            self._listener = None
 
     def read_sync(self, query: Callable[[Any], Any]) -> Any:
         tx = PostgresTx(_PgConn(self.path))
@@ -6554,7 +6709,7 @@ class Engine(_EngineDefinitions, _EngineRuns, _EngineSystemCalls, _EngineInbox, 
         self.clock = clock
         self.config = config
         self.open_limit = config.open_requests
-        self.bus = LocalBus()
+        self.bus = store.make_bus(clock)      # LocalBus; on PostgreSQL, a PgBus that hears other daemons too
         store.on_commit = self.bus.deliver
         self.wheel = TimerWheel(clock, self._fire)
         self.bus.on_timer(lambda key, due: self.wheel.cancel(key) if due is None else self.wheel.set(key, due))
