@@ -857,6 +857,11 @@ class ManualClock:
     def on_change(self, callback: Callable[[], None]) -> None:
         self._listeners.append(callback)
 
+    def catch_up(self, ms: int) -> None:
+        """Move to `ms` (never back) without telling the listeners: another daemon sharing the
+        database moved the clock, and fires what fell due."""
+        self._now = max(self._now, ms)
+
 
 #: The system clock, for what is not the daemon's schedule.
 WALL: Final = SystemClock()
@@ -4134,7 +4139,7 @@ _PG_NOW_SQL: Final = "CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000 AS BIGIN
 POSTGRES_SCHEMA_SQL: Final = """\
 -- interactiond's schema in PostgreSQL's dialect: the tables, columns and checks of schema.sql, in
 -- the order their references need, and what several daemons sharing the database keep (daemons,
--- events.daemon). Applied at every start (idempotent) under an advisory lock;
+-- events.daemon, the manual clock). Applied at every start (idempotent) under an advisory lock;
 -- the schema_version table tells which migrations a database has had. Times are integer
 -- milliseconds since the epoch (UTC), BIGINT; JSON columns hold compact JSON text, as in SQLite.
 -- Text a listing sorts by is COLLATE "C": the same order as SQLite's, whatever the database's
@@ -4329,6 +4334,13 @@ CREATE TABLE IF NOT EXISTS daemons (
     pid        INTEGER NOT NULL,
     started_at BIGINT NOT NULL,
     seen_at    BIGINT NOT NULL
+);
+
+-- The manual clock's time (--clock manual, for tests and demos), shared: advancing it on any daemon
+-- moves it for all. A single row; the system clock never reads it.
+CREATE TABLE IF NOT EXISTS clock (
+    one    BOOLEAN PRIMARY KEY DEFAULT TRUE CHECK (one),
+    now_ms BIGINT NOT NULL
 );
 """
 
@@ -4616,6 +4628,21 @@ class PostgresTx(SQLiteTx):
         """A daemon that stops: its calls still in flight are the next start's to end."""
         self.conn.execute("DELETE FROM daemons WHERE id = ?", (daemon,))
 
+    def share_clock(self, now: int) -> int:
+        """Keep the manual clock's time in the database, the later of `now` and the time kept, and tell
+        the other daemons (in this transaction); the time kept."""
+        kept = self.conn.execute("INSERT INTO clock (now_ms) VALUES (?) ON CONFLICT (one) DO UPDATE"
+                                 " SET now_ms = GREATEST(clock.now_ms, excluded.now_ms) RETURNING now_ms",
+                                 (now,)).fetchone()[0]
+        if self.daemon is not None:
+            self.conn.execute("SELECT pg_notify(?, ?)", (PG_CHANNEL, dumps({"d": self.daemon, "x": [["c", kept]]})))
+        return kept
+
+    def clock_kept(self) -> int | None:
+        """The manual clock's time in the database; None before a manual clock kept one."""
+        row = self.conn.execute("SELECT now_ms FROM clock").fetchone()
+        return row[0] if row is not None else None
+
     def live_daemons(self) -> list[Row]:
         """The daemons seen within their lease: id, host, pid, started_at, seen_at."""
         return self.conn.execute(f"SELECT * FROM daemons WHERE seen_at > {_PG_NOW_SQL} - ? ORDER BY started_at, id",
@@ -4671,6 +4698,18 @@ class PgBus(LocalBus):
         self.store = store
         self.clock = clock
         self._tasks: set[asyncio.Task[Any]] = set()
+        if clock.manual:                       # the manual clock's time lives in the database
+            clock.on_change(self._clock_moved)
+
+    def _clock_moved(self) -> None:
+        """This daemon moved the manual clock: keep the time in the database (in the writer's order,
+        so before the changes the move fires), and the other daemons catch up."""
+        if self.store._writer is None:
+            return                              # not open yet: the open shares the clock
+        now = self.clock.now_ms()
+        fut = self.store.write(lambda tx, fx: tx.share_clock(now))
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception() is None or log.warning(
+            "the manual clock's time could not be kept in the database: %s", f.exception()))
 
     def remote(self, text: str) -> None:
         """A notification from the database (on the event loop); this daemon's own are skipped."""
@@ -4690,6 +4729,8 @@ class PgBus(LocalBus):
                                          "at": item[5], "payload": None})
                 elif kind == "i":
                     fx.invalidated.append(tuple(item[1:]))
+                elif kind == "c" and self.clock.manual:
+                    self.clock.catch_up(item[1])        # type: ignore[attr-defined]
         except (ValueError, KeyError, IndexError, TypeError):
             log.warning("a notification on %s could not be read; dropped", PG_CHANNEL)
             return
@@ -4697,10 +4738,13 @@ class PgBus(LocalBus):
 
     def resync(self) -> None:
         """The listening connection was lost and opened again, so notifications may have been missed:
-        every due time is loaded again, every cached definition invalidated, every waiter and stream
-        told to look again."""
+        every due time is loaded again (and the manual clock's time), every cached definition
+        invalidated, every waiter and stream told to look again."""
         async def again() -> None:
-            timers, names = await self.store.read(lambda tx: (tx.all_timers(), tx.definition_keys()))
+            timers, names, kept = await self.store.read(
+                lambda tx: (tx.all_timers(), tx.definition_keys(), tx.clock_kept()))
+            if kept is not None and self.clock.manual:
+                self.clock.catch_up(kept)            # type: ignore[attr-defined]
             fx = Effects()
             fx.timers.extend(timers)
             fx.invalidated.extend(("definition", *k) for k in names)
@@ -4844,7 +4888,12 @@ class PostgresStore(Store):
     async def open(self) -> None:
         loop = asyncio.get_running_loop()
         init = await loop.run_in_executor(None, open_postgres_sync, self.path)
-        init.close()
+        try:
+            if self._bus is not None and self._bus.clock.manual:     # the later of this clock and the shared one
+                init.daemon = self.daemon_id
+                self._bus.clock.catch_up(init.share_clock(self._bus.clock.now_ms()))  # type: ignore[attr-defined]
+        finally:
+            init.close()
         self._listener = _PgListener(self.path, self.daemon_id)
         await loop.run_in_executor(None, self._listener.register)
         if self._bus is not None:

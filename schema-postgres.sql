@@ -1,6 +1,6 @@
 -- interactiond's schema in PostgreSQL's dialect: the tables, columns and checks of schema.sql, in
 -- the order their references need, and what several daemons sharing the database keep (daemons,
--- events.daemon). Applied at every start (idempotent) under an advisory lock;
+-- events.daemon, the manual clock). Applied at every start (idempotent) under an advisory lock;
 -- the schema_version table tells which migrations a database has had. Times are integer
 -- milliseconds since the epoch (UTC), BIGINT; JSON columns hold compact JSON text, as in SQLite.
 -- Text a listing sorts by is COLLATE "C": the same order as SQLite's, whatever the database's
@@ -195,4 +195,11 @@ CREATE TABLE IF NOT EXISTS daemons (
     pid        INTEGER NOT NULL,
     started_at BIGINT NOT NULL,
     seen_at    BIGINT NOT NULL
+);
+
+-- The manual clock's time (--clock manual, for tests and demos), shared: advancing it on any daemon
+-- moves it for all. A single row; the system clock never reads it.
+CREATE TABLE IF NOT EXISTS clock (
+    one    BOOLEAN PRIMARY KEY DEFAULT TRUE CHECK (one),
+    now_ms BIGINT NOT NULL
 );

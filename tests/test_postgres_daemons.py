@@ -187,3 +187,46 @@ def test_effects_are_notified_in_payloads_under_the_limit():
     assert items[400:] == [["w", PB, "run_0001"], ["e", 7, PB, "run_0001", "run_succeeded", START_MS],
                            ["i", "definition", PB, "interaction", "approve"]]
     assert itd._bus_payloads("dmn_a", [itd.Effects()]) == []
+
+
+# The manual clock's time lives in the database.
+
+
+async def _clock_reaches(d, ms: int) -> int:
+    for _ in range(250):                                      # the other daemon's notification, in real time
+        if d.engine.clock.now_ms() >= ms:
+            break
+        await asyncio.sleep(0.02)
+    return d.engine.clock.now_ms()
+
+
+async def test_advancing_the_manual_clock_on_one_daemon_moves_it_for_all(two, aiohttp_client):
+    a, b = two
+    status, body = await a.call("POST", "/v1/admin/clock", {"advance": "PT1H"})
+    assert status == 200
+    assert await _clock_reaches(b, START_MS + 3_600_000) == START_MS + 3_600_000
+    status, body = await b.call("POST", "/v1/admin/clock", {"advance": "PT1M"})    # from the shared time on
+    assert body["now"] == itd.fmt_time(START_MS + 3_660_000)
+    assert await _clock_reaches(a, START_MS + 3_660_000) == START_MS + 3_660_000
+    # A daemon that starts later, on a clock of its own, takes the shared time.
+    c = await start_daemon(aiohttp_client, a.db, tokens=a.tokens)
+    assert c.engine.clock.now_ms() == START_MS + 3_660_000
+
+
+async def test_an_expiry_due_on_two_daemons_advancing_together_fires_once(two):
+    from daemon_kit import APPROVAL
+
+    a, b = two
+    await a.define("approve", APPROVAL)
+    run_ids = [(await (a if i % 2 else b).run("approve", INPUT))[1]["run_id"] for i in range(6)]
+    await asyncio.gather(a.advance("P2D"), b.advance("P2D"))
+    tx = itd.open_sync(a.db)
+    try:
+        for run_id in run_ids:
+            rows = tx.conn.execute("SELECT type, run_seq FROM events WHERE run_id = ? ORDER BY id", (run_id,)).fetchall()
+            assert [r["type"] for r in rows if r["type"].startswith("run_")] == ["run_rejected"], rows
+            assert [r["run_seq"] for r in rows] == list(range(1, len(rows) + 1))
+            assert tx.run(PB, run_id)["kind"] == "expired"
+        assert tx.all_timers() == []
+    finally:
+        tx.close()
