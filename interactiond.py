@@ -4106,6 +4106,12 @@ def timer_key(kind: str, playbook: str, ref: str) -> str:
 # statement text. The threads are Store's: one writer with group commit (BEGIN, a SAVEPOINT per
 # change, one COMMIT) and one reader, each on its own connection. A lost connection answers its
 # changes `unavailable` and is opened again at the next transaction.
+#
+# Several daemons may share the database; each store is one of them. A third connection enters
+# the daemon in the `daemons` table, beats, and LISTENs: every write transaction NOTIFYs what its
+# changes mean for the others (PostgresTx.before_commit), and their PgBus delivers it as their own
+# effects. The writes of every daemon commit one after another (an advisory lock taken at BEGIN),
+# so what a change reads and guards holds as under SQLite's one writer.
 
 #: The first schema version made on PostgreSQL: the migrations below it are SQLite's only.
 POSTGRES_FIRST_VERSION: Final = 2
