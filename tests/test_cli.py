@@ -190,3 +190,17 @@ def test_serve_and_token_commands_on_postgres_through_the_environment(tmp_path):
         finally:
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=30) == 0
+
+
+def test_a_postgres_url_without_its_driver_or_its_server_is_one_line(tmp_path):
+    unreachable = cli("token", "list", "--db", "postgresql://itd:s3cret@127.0.0.1:1/itd", cwd=tmp_path, check=False)
+    assert unreachable.returncode == 1 and unreachable.stderr.count("\n") == 1, unreachable.stderr
+    assert "cannot reach postgresql://itd:***@127.0.0.1:1/itd" in unreachable.stderr
+    assert "s3cret" not in unreachable.stderr and "Traceback" not in unreachable.stderr
+    # Without psycopg installed (the default install), the same command says how to get it.
+    code = ("import sys; sys.modules['psycopg'] = None; import interactiond;"
+            " sys.exit(interactiond.main(['token', 'list', '--db', 'postgresql:///itd']))")
+    missing = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert missing.returncode == 1 and "pip install 'interactiond[postgres]'" in missing.stderr
+    assert missing.stderr.count("\n") == 1 and "Traceback" not in missing.stderr, missing.stderr
