@@ -62,6 +62,7 @@ import os
 import queue
 import re
 import secrets
+import select
 import signal
 import sqlite3
 import sys
@@ -856,6 +857,11 @@ class ManualClock:
 
     def on_change(self, callback: Callable[[], None]) -> None:
         self._listeners.append(callback)
+
+    def catch_up(self, ms: int) -> None:
+        """Move to `ms` (never back) without telling the listeners: another daemon sharing the
+        database moved the clock, and fires what fell due."""
+        self._now = max(self._now, ms)
 
 
 #: The system clock, for what is not the daemon's schedule.
@@ -2837,7 +2843,7 @@ def load_config(path: str | None, environ: dict[str, str] | None = None) -> Conf
             problems.append("listen.port: a port number from 0 to 65535")
     database = raw.get("database", "interactiond.db")
     if not isinstance(database, str) or not database:
-        problems.append("database: a file path")
+        problems.append("database: a file path, or a postgresql:// URL")
     open_requests = raw.get("open_requests", DEFAULT_OPEN_REQUESTS)
     if "INTERACTION_OPEN_REQUESTS" in environ:
         try:
@@ -2882,6 +2888,8 @@ def load_config(path: str | None, environ: dict[str, str] | None = None) -> Conf
 # beside the writer's commits, so no commit pays for a checkpoint. A database that is locked past
 # the busy timeout, full or failing answers the caller with a problem that says so, and a batch is
 # committed whole or not at all (see _run_batch).
+#
+# The end of this section runs the same store, threads and SQL on a PostgreSQL server.
 
 #: PRAGMA user_version of a file this version made; an earlier one is migrated at open (MIGRATIONS).
 SCHEMA_VERSION: Final = 2
@@ -3225,29 +3233,32 @@ def _connect(path: str) -> sqlite3.Connection:
 
 
 class _DbThread(threading.Thread):
-    """A thread that owns one connection and runs functions of it, in batches when it writes."""
+    """A thread that owns one connection and runs functions of it, in batches when it writes.
 
-    def __init__(self, path: str, loop: asyncio.AbstractEventLoop, *, writer: bool,
+    `connect` opens the connection as the backend's operations (SQLiteTx or PostgresTx); what the
+    dialects do differently at a transaction's edges (begin, whether it still stands, which errors
+    mean an unavailable database) the operations object says.
+    """
+
+    def __init__(self, connect: Callable[[], "SQLiteTx"], loop: asyncio.AbstractEventLoop, *, writer: bool,
                  sink: Callable[[Effects], None] | None = None,
                  on_batch: Callable[[int, float], None] | None = None) -> None:
         super().__init__(name="interactiond-writer" if writer else "interactiond-reader", daemon=True)
-        self.path = path
+        self.connect = connect
         self.sink = sink
         self.on_batch = on_batch            # (changes, seconds) of each group commit, for the metrics
         self.loop = loop
         self.writer = writer
         self.q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.ready = threading.Event()
-        self.conn: sqlite3.Connection | None = None
+        self.conn: Any = None
         self.start_error: BaseException | None = None
         self.checkpointer: _Checkpointer | None = None
 
     def run(self) -> None:
         try:
-            self.conn = _connect(self.path)
-            self.tx = SQLiteTx(self.conn)
-            if self.writer:                  # the checkpointer copies the WAL; this is only a safety net
-                self.conn.execute(f"PRAGMA wal_autocheckpoint = {WRITER_AUTOCHECKPOINT_PAGES}")
+            self.tx = self.connect()
+            self.conn = self.tx.conn
         except BaseException as exc:  # reported by Store.open
             self.start_error = exc
             self.ready.set()
@@ -3274,21 +3285,22 @@ class _DbThread(threading.Thread):
             self.loop.call_soon_threadsafe(_settle_all, settled, self.sink)
             if self.checkpointer is not None:
                 self.checkpointer.due.set()
-        self.conn.close()
+        self.tx.close()
 
     def _run_read(self, fn: Callable[..., Any], fut: asyncio.Future[Any], fx: None) -> tuple[Any, ...]:
         try:
+            self.tx.ready()
             return (fut, fn(self.tx), None, None)
         except BaseException as exc:
-            return (fut, None, exc, None)
+            return (fut, None, self.tx.problem(exc), None)
 
     def _run_batch(self, batch: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-        conn = self.conn
+        conn, tx = self.conn, self.tx
         out: list[tuple[Any, ...]] = []
         try:
-            conn.execute("BEGIN IMMEDIATE")
+            tx.begin()
         except BaseException as exc:
-            failure = _db_problem(exc)
+            failure = tx.problem(exc)
             return [(fut, None, failure, None) for _, fut, _ in batch]
         for i, (fn, fut, fx) in enumerate(batch):
             try:
@@ -3296,23 +3308,25 @@ class _DbThread(threading.Thread):
                 result = fn(self.tx, fx)
                 conn.execute("RELEASE change")
             except BaseException as exc:
-                if not conn.in_transaction:
-                    # A full disk or an I/O error rolled the whole transaction back: the changes
-                    # before this one are gone too, and the ones after it must not run outside one.
-                    failure = _db_problem(exc)
+                if not tx.in_transaction():
+                    # A full disk or an I/O error rolled the whole transaction back (or, on
+                    # PostgreSQL, the connection was lost): the changes before this one are gone
+                    # too, and the ones after it must not run outside one.
+                    failure = tx.problem(exc)
                     return [(f, None, failure, None) for f, *_ in out] + [(f, None, failure, None) for _, f, _ in batch[i:]]
-                with contextlib.suppress(sqlite3.Error):
+                with contextlib.suppress(*tx.errors):
                     conn.execute("ROLLBACK TO change")
                     conn.execute("RELEASE change")
-                out.append((fut, None, _db_problem(exc), None))
+                out.append((fut, None, tx.problem(exc), None))
             else:
                 out.append((fut, result, None, fx))
         try:
+            tx.before_commit([fx for *_, fx in out if fx is not None])
             conn.execute("COMMIT")
         except BaseException as exc:
-            with contextlib.suppress(sqlite3.Error):
+            with contextlib.suppress(*tx.errors):
                 conn.execute("ROLLBACK")
-            failure = _db_problem(exc, f"the database refused the write: {exc}")
+            failure = tx.problem(exc, f"the database refused the write: {exc}")
             return [(fut, None, failure, None) for fut, *_ in out]
         return out
 
@@ -3388,7 +3402,16 @@ def _settle_all(settled: list[tuple[Any, ...]], sink: Callable[[Effects], None] 
 
 
 class Store:
-    """The SQLite file: the schema, one writer thread with group commit, one reader thread."""
+    """The SQLite file: the schema, one writer thread with group commit, one reader thread.
+
+    `Store(path)` with a PostgreSQL URL (postgresql://...) makes a PostgresStore instead: the same
+    operations, threads and commits over a database server (see the end of this section).
+    """
+
+    def __new__(cls, path: str, on_commit: Callable[[Effects], None] | None = None) -> "Store":
+        if cls is Store and is_postgres_url(path):
+            cls = PostgresStore
+        return super().__new__(cls)
 
     def __init__(self, path: str, on_commit: Callable[[Effects], None] | None = None) -> None:
         self.path = path
@@ -3405,9 +3428,10 @@ class Store:
             apply_schema(init)
         finally:
             init.close()
-        self._writer = _DbThread(self.path, loop, writer=True, sink=lambda fx: self.on_commit and self.on_commit(fx),
+        self._writer = _DbThread(lambda: self._connect_tx(True), loop, writer=True,
+                                 sink=lambda fx: self.on_commit and self.on_commit(fx),
                                  on_batch=lambda n, s: self.on_batch and self.on_batch(n, s))
-        self._reader = _DbThread(self.path, loop, writer=False)
+        self._reader = _DbThread(lambda: self._connect_tx(False), loop, writer=False)
         self._checkpointer = _Checkpointer(self.path)
         self._checkpointer.start()
         self._writer.checkpointer = self._checkpointer
@@ -3416,6 +3440,16 @@ class Store:
             t.ready.wait()
             if t.start_error:
                 raise t.start_error
+
+    def make_bus(self, clock: Clock) -> LocalBus:
+        """The bus that delivers the effects of this store's commits (the engine's): in-process here."""
+        return LocalBus()
+
+    def _connect_tx(self, writer: bool) -> "SQLiteTx":
+        conn = _connect(self.path)
+        if writer:                          # the checkpointer copies the WAL; this is only a safety net
+            conn.execute(f"PRAGMA wal_autocheckpoint = {WRITER_AUTOCHECKPOINT_PAGES}")
+        return SQLiteTx(conn)
 
     async def close(self) -> None:
         for t in (self._writer, self._reader):
@@ -3450,8 +3484,10 @@ class Store:
 
 
 def open_sync(path: str) -> "SQLiteTx":
-    """The file with the schema applied, outside the loop: for the command line (token, check) and
-    tests. Each operation commits on its own."""
+    """The file (or the PostgreSQL database) with the schema applied, outside the loop: for the
+    command line (token, check) and tests. Each operation commits on its own."""
+    if is_postgres_url(path):
+        return open_postgres_sync(path)
     conn = _connect(path)
     apply_schema(conn)
     return SQLiteTx(conn)
@@ -3474,11 +3510,37 @@ class SQLiteTx:
 
     __slots__ = ("conn",)
 
+    #: The driver's errors: a rollback after a failure may raise one again, and it is ignored then.
+    errors: tuple[type[BaseException], ...] = (sqlite3.Error,)
+
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn = conn
 
     def close(self) -> None:
         self.conn.close()
+
+    # The edges of a transaction, as the writer thread drives them; the rest of its SQL (SAVEPOINT,
+    # RELEASE, ROLLBACK TO, COMMIT) is the same in both dialects.
+
+    def begin(self) -> None:
+        """Open the group commit's transaction, holding the write lock from its start."""
+        self.conn.execute("BEGIN IMMEDIATE")
+
+    def ready(self) -> None:
+        """Before a reading: nothing to do on a file (a server's connection may need opening again)."""
+
+    def in_transaction(self) -> bool:
+        """Whether the transaction still stands after an error (a full disk rolls it all back)."""
+        return self.conn.in_transaction
+
+    def before_commit(self, changes: list[Effects]) -> None:
+        """Last in the transaction, with the effects of the changes it commits: nothing to tell others
+        on a file (a server's daemons are told here)."""
+
+    @staticmethod
+    def problem(exc: BaseException, otherwise: str | None = None) -> BaseException:
+        """A driver's error as the problem a caller gets (see _db_problem)."""
+        return _db_problem(exc, otherwise)
 
     # Events and timers.
 
@@ -3673,8 +3735,9 @@ class SQLiteTx:
                   limit: int) -> list[Row]:
         """A page of a playbook's runs, newest first, before the cursor's `seq` (None: from the newest)."""
         return self.conn.execute(
-            "SELECT * FROM runs WHERE playbook = ? AND (? IS NULL OR status = ?) AND (? IS NULL OR name = ?)"
-            " AND (? IS NULL OR seq < ?) ORDER BY seq DESC LIMIT ?",
+            "SELECT * FROM runs WHERE playbook = ? AND (CAST(? AS TEXT) IS NULL OR status = ?)"
+            " AND (CAST(? AS TEXT) IS NULL OR name = ?) AND (CAST(? AS BIGINT) IS NULL OR seq < ?)"
+            " ORDER BY seq DESC LIMIT ?",
             (playbook, status, status, function, function, before, before, limit)).fetchall()
 
     def system_calls_in_flight(self) -> list[tuple[str, str, dict[str, Any] | None]]:
@@ -3756,8 +3819,8 @@ class SQLiteTx:
     def playbook_events(self, playbook: str, *, type_: str | None, after: int, limit: int) -> list[Row]:
         """A page of the playbook's own events (of one type, where given), oldest first, after `after`."""
         return self.conn.execute(
-            "SELECT * FROM events WHERE playbook = ? AND run_id IS NULL AND (? IS NULL OR type = ?) AND id > ?"
-            " ORDER BY id LIMIT ?", (playbook, type_, type_, after, limit)).fetchall()
+            "SELECT * FROM events WHERE playbook = ? AND run_id IS NULL AND (CAST(? AS TEXT) IS NULL OR type = ?)"
+            " AND id > ? ORDER BY id LIMIT ?", (playbook, type_, type_, after, limit)).fetchall()
 
     def event(self, playbook: str, event_id: int) -> Row | None:
         """One event of the playbook (its own or one of its runs')."""
@@ -3903,7 +3966,7 @@ class SQLiteTx:
     def run_depth(self, playbook: str, run_id: str) -> int:
         """How many runs stand in the chain of parents from this one up, itself included (64 at most)."""
         row = self.conn.execute(
-            "WITH RECURSIVE up(id, n) AS (SELECT ?, 1 UNION ALL SELECT r.parent, up.n + 1 FROM runs r JOIN up"
+            "WITH RECURSIVE up(id, n) AS (SELECT CAST(? AS TEXT), 1 UNION ALL SELECT r.parent, up.n + 1 FROM runs r JOIN up"
             " ON r.playbook = ? AND r.run_id = up.id WHERE r.parent IS NOT NULL AND up.n < 64) SELECT MAX(n) FROM up",
             (run_id, playbook)).fetchone()
         return row[0] or 1
@@ -4010,7 +4073,8 @@ _STEP_WORKFLOW_CHILD_SQL: Final = _STEP_WORKFLOW_SQL.replace(
     f" AND c.status IN ({_LIVE_SQL})) RETURNING")
 
 
-#: What a change or a reading is handed: the store's operations (SQLiteTx on the embedded file).
+#: What a change or a reading is handed: the store's operations (SQLiteTx on the embedded file,
+#: PostgresTx on a server).
 Tx = SQLiteTx
 
 
@@ -4058,6 +4122,845 @@ _V2_SELECT: Final = (
 
 def timer_key(kind: str, playbook: str, ref: str) -> str:
     return f"{kind}:{playbook}:{ref}"
+
+
+# PostgreSQL.
+#
+# The same store on a database server: `--db postgresql://...`, `database:` in the configuration,
+# or INTERACTIOND_DB. The driver, psycopg 3, comes with `pip install 'interactiond[postgres]'` and
+# is imported only when such a URL is used, so the default install and its start-up stay as they
+# are. There is one set of SQL: PostgresTx inherits every operation of SQLiteTx and overrides only
+# the few whose SQL differs between the dialects; `?` placeholders become psycopg's `%s` once per
+# statement text. The threads are Store's: one writer with group commit (BEGIN, a SAVEPOINT per
+# change, one COMMIT) and one reader, each on its own connection. A lost connection answers its
+# changes `unavailable` and is opened again at the next transaction.
+#
+# Several daemons may share the database; each store is one of them. A third connection enters
+# the daemon in the `daemons` table, beats, and LISTENs: every write transaction NOTIFYs what its
+# changes mean for the others (PostgresTx.before_commit), and their PgBus delivers it as their own
+# effects. The writes of every daemon commit one after another (an advisory lock taken at BEGIN),
+# so what a change reads and guards holds as under SQLite's one writer.
+
+#: The first schema version made on PostgreSQL: the migrations below it are SQLite's only.
+POSTGRES_FIRST_VERSION: Final = 2
+
+#: Each step takes a database made by an earlier version to the next schema_version, in order;
+#: a migration of SQLite's past POSTGRES_FIRST_VERSION has its PostgreSQL step here (tested).
+POSTGRES_MIGRATIONS: Final[tuple[tuple[int, Callable[[Any], None]], ...]] = ()
+
+#: Keys of the transaction-level advisory locks (pg_advisory_xact_lock): writes, and the schema.
+_PG_WRITE_LOCK: Final = 0x69_74_64_77          # "itdw"
+_PG_SCHEMA_LOCK: Final = 0x69_74_64_73         # "itds"
+#: How long a write waits for another daemon's transaction before it answers `unavailable`
+#: (SQLite's busy timeout).
+PG_LOCK_TIMEOUT_MS: Final = 5000
+#: A connection attempt gives up after this many seconds (unless the URL says otherwise).
+PG_CONNECT_TIMEOUT_S: Final = 10
+#: Each daemon on a database beats this often (daemons.seen_at) ...
+DAEMON_BEAT_S: Final = 5.0
+#: ... and is dead once unseen this long: a start takes over its calls in flight.
+DAEMON_LEASE_S: Final = 30.0
+#: The channel of the daemons' notifications (LISTEN/NOTIFY), and the most one carries (the
+#: server's limit is 8000 bytes; larger effects go in several).
+PG_CHANNEL: Final = "interactiond"
+PG_NOTIFY_BYTES: Final = 7000
+#: Milliseconds since the epoch on the database server's clock: one clock for every daemon's lease.
+_PG_NOW_SQL: Final = "CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000 AS BIGINT)"
+
+
+#: The schema, embedded so an installed wheel needs no data file; tests keep it equal to
+#: schema-postgres.sql.
+POSTGRES_SCHEMA_SQL: Final = """\
+-- interactiond's schema in PostgreSQL's dialect: the tables, columns and checks of schema.sql, in
+-- the order their references need, and what several daemons sharing the database keep (daemons,
+-- events.daemon, the manual clock). Applied at every start (idempotent) under an advisory lock;
+-- the schema_version table tells which migrations a database has had. Times are integer
+-- milliseconds since the epoch (UTC), BIGINT; JSON columns hold compact JSON text, as in SQLite.
+-- Text a listing sorts by is COLLATE "C": the same order as SQLite's, whatever the database's
+-- locale. Every state change is one transaction that updates its rows and appends its events
+-- together.
+
+CREATE TABLE IF NOT EXISTS schema_version (
+    one     BOOLEAN PRIMARY KEY DEFAULT TRUE CHECK (one),   -- a single row
+    version INTEGER NOT NULL
+);
+
+CREATE TABLE IF NOT EXISTS playbooks (
+    id            TEXT PRIMARY KEY,                  -- ORG/NAME
+    open_requests INTEGER NOT NULL DEFAULT 0,        -- kept in step with requests.open
+    created_at    BIGINT NOT NULL
+);
+
+-- One row per version; `active` is cleared on every version of a name when it is deleted.
+CREATE TABLE IF NOT EXISTS definitions (
+    playbook   TEXT NOT NULL REFERENCES playbooks(id),
+    type       TEXT COLLATE "C" NOT NULL CHECK (type IN ('interaction', 'workflow')),
+    name       TEXT COLLATE "C" NOT NULL,
+    version    INTEGER NOT NULL,
+    source     TEXT NOT NULL,
+    source_sha TEXT NOT NULL,
+    overview   TEXT NOT NULL,
+    description TEXT,
+    uses       TEXT NOT NULL DEFAULT '[]',           -- JSON: [[type, name], ...] a workflow calls
+    active     INTEGER NOT NULL DEFAULT 1,
+    created_at BIGINT NOT NULL,
+    created_by TEXT NOT NULL,
+    PRIMARY KEY (playbook, type, name, version)
+);
+
+CREATE TABLE IF NOT EXISTS runs (
+    seq          BIGINT GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY,   -- listing order and cursors
+    playbook     TEXT NOT NULL REFERENCES playbooks(id),
+    run_id       TEXT NOT NULL,
+    type         TEXT NOT NULL,
+    name         TEXT NOT NULL,
+    version      INTEGER NOT NULL,
+    input        TEXT NOT NULL,
+    input_sha    TEXT NOT NULL,
+    status       TEXT NOT NULL CHECK (status IN (
+                     'started',                      -- accepted, nothing open yet
+                     'waiting',                      -- started -> waiting: a request is open
+                     'succeeded',                    -- -> answered, delivered, or the tool answered
+                     'invalid_input', 'conflict', 'unavailable',
+                     'rejected',                     -- -> expired, undelivered, cancelled
+                     'failed')),
+    kind         TEXT,
+    output       TEXT,
+    problem      TEXT,
+    tools_called INTEGER NOT NULL DEFAULT 0,         -- a tool call was sent under this run id
+    events       INTEGER NOT NULL DEFAULT 0,         -- per-run event counter (gap-free run_seq)
+    parent       TEXT,                               -- the workflow run that started it
+    state        TEXT,                               -- a workflow's position and data
+    created_at   BIGINT NOT NULL,
+    ended_at     BIGINT,
+    created_by   TEXT NOT NULL,
+    settled_by   TEXT,
+    UNIQUE (playbook, run_id)
+);
+CREATE INDEX IF NOT EXISTS runs_by_status ON runs (playbook, status, seq);
+
+-- One reading per (playbook, server, reading tool, conversation key), shared by every open
+-- request with that key: one read serves them all.
+CREATE TABLE IF NOT EXISTS readings (
+    id           BIGINT GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY,
+    playbook     TEXT NOT NULL,
+    server       TEXT NOT NULL,
+    tool         TEXT NOT NULL,
+    conversation TEXT NOT NULL,
+    since        TEXT NOT NULL DEFAULT '',           -- the newest message id a read listed
+    reads        INTEGER NOT NULL DEFAULT 0,         -- reads since a request last joined
+    wait_ms      BIGINT NOT NULL DEFAULT 5000,
+    UNIQUE (playbook, server, tool, conversation)
+);
+
+-- The open question of a run that asks a person; one per run.
+CREATE TABLE IF NOT EXISTS requests (
+    seq            BIGINT GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY,  -- newest first in the inbox
+    id             TEXT NOT NULL UNIQUE,             -- int_<ULID>, the typed API's id
+    playbook       TEXT NOT NULL,
+    run_id         TEXT NOT NULL,
+    type           TEXT NOT NULL,
+    name           TEXT NOT NULL,
+    version        INTEGER NOT NULL,
+    party          TEXT COLLATE "C" NOT NULL,        -- rendered `to`
+    answerer       TEXT NOT NULL,                    -- rendered `from`, else `to`
+    message        TEXT NOT NULL,
+    answer_schema  TEXT,                             -- as recorded; NULL for a notification
+    server         TEXT,                             -- deliver.server, NULL for the inbox
+    tool           TEXT,
+    status         TEXT NOT NULL CHECK (status IN (
+                       'open',                       -- waiting for an answer or a delivery
+                       'answered',                   -- open -> answered
+                       'notified',                   -- open -> notified (a notification delivered)
+                       'expired',                    -- open -> expired
+                       'undelivered',                -- open -> undelivered (a notification)
+                       'cancelled')),                -- open -> cancelled
+    open           INTEGER NOT NULL DEFAULT 1,       -- 1 while status = 'open'
+    delivery_state TEXT NOT NULL CHECK (delivery_state IN (
+                       'in_inbox', 'to_deliver', 'delivering', 'delivered', 'retrying',
+                       'undelivered', 'cancelling')),
+    attempts       INTEGER NOT NULL DEFAULT 0,
+    asked_at       BIGINT NOT NULL,
+    expires_at     BIGINT NOT NULL,
+    answer         TEXT,
+    answer_id      BIGINT,
+    answered_by    TEXT,
+    answered_at    BIGINT,
+    claimed_for    TEXT,
+    reply_id       TEXT,
+    sent_conversation TEXT,
+    sent_id        TEXT,
+    conversation   TEXT,                             -- the reading key, when replies are read
+    refused_replies INTEGER NOT NULL DEFAULT 0,
+    told           INTEGER NOT NULL DEFAULT 0,
+    deliver_args   TEXT,                             -- rendered once at the run's start
+    attempt_started_at BIGINT,                       -- of the attempt in flight or the last one
+    reading        BIGINT REFERENCES readings(id),   -- the reading it joined, once delivered
+    UNIQUE (playbook, run_id)
+);
+CREATE INDEX IF NOT EXISTS requests_open ON requests (playbook, seq) WHERE open = 1;
+CREATE INDEX IF NOT EXISTS requests_open_party ON requests (playbook, party, seq) WHERE open = 1;
+CREATE INDEX IF NOT EXISTS requests_by_status ON requests (status, seq);
+
+-- Every message id a reading has dealt with (taken, refused or passed over): never twice.
+CREATE TABLE IF NOT EXISTS replies_seen (
+    reading  BIGINT NOT NULL REFERENCES readings(id),
+    reply_id TEXT NOT NULL,
+    PRIMARY KEY (reading, reply_id)
+);
+
+-- Append-only. `id` is monotonic and never reused, and ids commit in increasing order (a write
+-- takes the store's advisory lock first); run events also carry a gap-free run_seq.
+CREATE TABLE IF NOT EXISTS events (
+    id       BIGINT GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY,
+    playbook TEXT NOT NULL,
+    run_id   TEXT,                                   -- NULL for the playbook's own events
+    run_seq  INTEGER,
+    type     TEXT NOT NULL,
+    at       BIGINT NOT NULL,
+    by       TEXT,
+    payload  TEXT NOT NULL,
+    size     INTEGER NOT NULL,
+    daemon   TEXT                                    -- the daemon that wrote it (daemons.id)
+);
+CREATE INDEX IF NOT EXISTS events_by_run ON events (playbook, run_id, id);
+CREATE INDEX IF NOT EXISTS events_by_playbook ON events (playbook, id) WHERE run_id IS NULL;
+
+-- Due times for the timer task: expiries, attempts, lost-attempt checks, reads, waits.
+CREATE TABLE IF NOT EXISTS timers (
+    key    TEXT PRIMARY KEY,                         -- kind:playbook:ref
+    due_at BIGINT NOT NULL
+);
+
+-- API tokens, stored as sha256 hashes of their secrets; also one-time login links and the inbox
+-- sessions they trade for (12 h idle, 7 days at most).
+CREATE TABLE IF NOT EXISTS tokens (
+    id         TEXT PRIMARY KEY,                     -- tok_...
+    hash       TEXT NOT NULL UNIQUE,
+    playbook   TEXT,                                 -- NULL: every playbook
+    role       TEXT NOT NULL CHECK (role IN ('reader', 'writer', 'operator')),
+    name       TEXT,
+    purpose    TEXT NOT NULL DEFAULT 'api' CHECK (purpose IN ('api', 'login', 'session')),
+    created_at BIGINT NOT NULL,
+    revoked_at BIGINT,
+    used_at    BIGINT,                               -- a session's last use (to the minute)
+    expires_at BIGINT                                -- a session's end at the latest
+);
+
+-- Typed-API idempotency keys: a replay returns the first response.
+CREATE TABLE IF NOT EXISTS idempotency (
+    caller     TEXT NOT NULL,
+    key        TEXT NOT NULL,
+    body_sha   TEXT NOT NULL,
+    status     INTEGER NOT NULL,
+    response   TEXT NOT NULL,
+    created_at BIGINT NOT NULL,
+    PRIMARY KEY (caller, key)
+);
+CREATE INDEX IF NOT EXISTS idempotency_by_age ON idempotency (created_at);
+
+-- The daemons serving this database: each registers at its start, beats every few seconds and
+-- leaves at its stop; times are the database server's (one clock for every machine). A daemon
+-- unseen past its lease is dead: a start takes over its calls in flight, never a live one's.
+CREATE TABLE IF NOT EXISTS daemons (
+    id         TEXT PRIMARY KEY,                     -- dmn_<ULID>
+    host       TEXT NOT NULL,
+    pid        INTEGER NOT NULL,
+    started_at BIGINT NOT NULL,
+    seen_at    BIGINT NOT NULL
+);
+
+-- The manual clock's time (--clock manual, for tests and demos), shared: advancing it on any daemon
+-- moves it for all. A single row; the system clock never reads it.
+CREATE TABLE IF NOT EXISTS clock (
+    one    BOOLEAN PRIMARY KEY DEFAULT TRUE CHECK (one),
+    now_ms BIGINT NOT NULL
+);
+"""
+
+
+def is_postgres_url(db: str) -> bool:
+    """Whether `db` names a PostgreSQL database (postgresql://... or postgres://...) rather than a file."""
+    return db.startswith(("postgresql://", "postgres://"))
+
+
+def postgres_url_shown(db: str) -> str:
+    """The URL without its password, to print or log."""
+    parts = urllib.parse.urlsplit(db)
+    if parts.password is None:
+        return db
+    netloc = parts.netloc.replace(":" + parts.password + "@", ":***@", 1)
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+def postgres_database_name(db: str) -> str:
+    """The database's name in the URL (the user's name when it names none, as libpq does), for file names."""
+    parts = urllib.parse.urlsplit(db)
+    name = urllib.parse.unquote(parts.path.lstrip("/")) or parts.username or "postgres"
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+
+
+def db_shown(db: str) -> str:
+    """The database as a message names it: a file's path, or a URL without its password."""
+    return postgres_url_shown(db) if is_postgres_url(db) else db
+
+
+def _psycopg() -> Any:
+    try:
+        import psycopg
+    except ImportError:
+        raise SystemExit("interactiond: a postgresql:// database needs its driver:"
+                         " pip install 'interactiond[postgres]'") from None
+    return psycopg
+
+
+def _postgres_schema_sql() -> str:
+    here = Path(__file__).with_name("schema-postgres.sql")
+    try:
+        return here.read_text()
+    except OSError:
+        return POSTGRES_SCHEMA_SQL
+
+
+class PgRow:
+    """A row as psycopg gives it to the store, read as sqlite3.Row is: by column name or by index,
+    with keys(), and as a mapping by dict()."""
+
+    __slots__ = ("_values", "_names")
+
+    def __init__(self, values: Any, names: dict[str, int]) -> None:
+        self._values = values
+        self._names = names
+
+    def __getitem__(self, key: str | int) -> Any:
+        if isinstance(key, str):
+            return self._values[self._names[key]]
+        return self._values[key]
+
+    def keys(self) -> list[str]:
+        return list(self._names)
+
+    def __iter__(self) -> Any:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PgRow) and self._names == other._names and tuple(self) == tuple(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"PgRow({dict(zip(self._names, self._values))!r})"
+
+
+def _pg_rows(cursor: Any) -> Callable[[Any], PgRow]:
+    """psycopg's row factory for PgRow: the column names are looked up once per result."""
+    names: dict[str, int] = {}
+    for i, col in enumerate(cursor.description or ()):
+        names.setdefault(col.name, i)              # a name twice (a join's *): the first, as sqlite3.Row
+    return lambda values: PgRow(values, names)
+
+
+@functools.lru_cache(maxsize=1024)
+def _pg_sql(sql: str) -> str:
+    """The store's SQL with psycopg's placeholders: `?` as `%s`, a literal `%` doubled. No statement
+    of the store holds a `?` inside a string literal."""
+    return sql.replace("%", "%%").replace("?", "%s")
+
+
+class _PgConn:
+    """A psycopg connection that takes the store's SQL as sqlite3's does: `execute(sql, params)`
+    with `?` placeholders, rows by name or index. Autocommit: the writer opens its transactions
+    itself, and a reading's statements each see what is committed."""
+
+    __slots__ = ("url", "setup", "raw")
+
+    def __init__(self, url: str, setup: tuple[str, ...] = ()) -> None:
+        self.url = url
+        self.setup = setup
+        self.raw: Any = None
+        self.reopen()
+
+    def reopen(self) -> None:
+        """(Re)connect, with the session's settings; the old connection, if any, is dropped."""
+        psycopg = _psycopg()
+        if self.raw is not None:
+            with contextlib.suppress(Exception):
+                self.raw.close()
+            self.raw = None
+        extra: dict[str, Any] = {"application_name": "interactiond"}
+        if "connect_timeout" not in self.url:
+            extra["connect_timeout"] = PG_CONNECT_TIMEOUT_S
+        raw = psycopg.connect(self.url, autocommit=True, row_factory=_pg_rows, **extra)
+        raw.prepared_max = 512                     # every statement of the store stays prepared
+        for sql in self.setup:
+            raw.execute(sql)
+        self.raw = raw
+
+    @property
+    def lost(self) -> bool:
+        return self.raw is None or self.raw.closed or self.raw.broken
+
+    def execute(self, sql: str, params: Any = ()) -> Any:
+        return self.raw.execute(_pg_sql(sql), params)
+
+    def close(self) -> None:
+        if self.raw is not None:
+            self.raw.close()
+
+
+def _pg_problem(exc: BaseException, otherwise: str | None = None) -> BaseException:
+    """A busy, unreachable or full database server as a problem that says so (as _db_problem does
+    for SQLite); any other error as it is (or as a plain failure when `otherwise` describes it)."""
+    psycopg = sys.modules.get("psycopg")
+    if psycopg is not None and isinstance(exc, psycopg.Error):
+        state = exc.sqlstate or ""
+        if state in ("40001", "40P01", "55P03"):   # serialization failure, deadlock, lock timeout
+            return Problem("unavailable", "the database was busy with another daemon's writes past the lock"
+                           " timeout; nothing was written, try again", kind="database_busy")
+        if state == "53100":
+            return Problem("unavailable", "the database server's disk is full; nothing was written", kind="disk_full")
+        if isinstance(exc, psycopg.OperationalError) and (not state or state.startswith(("08", "57P", "53"))):
+            return Problem("unavailable", "the database server could not be reached or dropped the connection;"
+                           " try again", kind="database_unreachable")
+    return Problem("failed", otherwise) if otherwise is not None else exc
+
+
+class PostgresTx(SQLiteTx):
+    """The store's operations on a PostgreSQL connection: SQLiteTx's, but for the few statements
+    whose SQL differs between the dialects, and what several daemons sharing the database need.
+    `daemon` is the id of the daemon whose store it serves (None for the command line)."""
+
+    __slots__ = ("daemon",)
+
+    conn: _PgConn
+
+    def __init__(self, conn: _PgConn, daemon: str | None = None) -> None:
+        super().__init__(conn)  # type: ignore[arg-type]
+        self.daemon = daemon
+
+    @property
+    def errors(self) -> tuple[type[BaseException], ...]:  # type: ignore[override]
+        return (_psycopg().Error,)
+
+    def begin(self) -> None:
+        if self.conn.lost:
+            self.conn.reopen()
+        try:
+            self.conn.execute("BEGIN")
+        except _psycopg().OperationalError:
+            if not self.conn.lost:
+                raise
+            self.conn.reopen()                  # dropped while idle (a restart, a failover): nothing ran yet
+            self.conn.execute("BEGIN")
+        # Event ids come from a sequence when a row is inserted, not when it commits: two
+        # transactions (two daemons, or a daemon and `interactiond token`) could commit ids 8 and
+        # then 7, and a stream or a Last-Event-ID that has passed 8 reads `WHERE id > 8` and never
+        # sees 7. Every write takes this lock first and holds it to its COMMIT, so transactions
+        # take ids and commit one after another. Taken at BEGIN, before any row lock, so it waits
+        # in no cycle with one: it is SQLite's BEGIN IMMEDIATE, for every daemon on the database.
+        try:
+            self.conn.execute("SELECT pg_advisory_xact_lock(?)", (_PG_WRITE_LOCK,))
+        except BaseException:
+            with contextlib.suppress(*self.errors):
+                self.conn.execute("ROLLBACK")
+            raise
+
+    def ready(self) -> None:
+        if self.conn.lost:
+            self.conn.reopen()
+
+    def in_transaction(self) -> bool:
+        pq = _psycopg().pq
+        return self.conn.raw.info.transaction_status in (pq.TransactionStatus.INTRANS, pq.TransactionStatus.INERROR)
+
+    @staticmethod
+    def problem(exc: BaseException, otherwise: str | None = None) -> BaseException:
+        return _pg_problem(exc, otherwise)
+
+    # The statements that differ.
+
+    def append_event(self, fx: Effects | None, playbook: str, run_id: str | None, type_: str, at: int,
+                     by: str | None, payload: dict[str, Any], *, run_seq: int | None = None) -> int:
+        text = dumps(payload)
+        if run_id is not None and run_seq is None:   # one round trip: RETURNING, not a SELECT after
+            run_seq = self.conn.execute("UPDATE runs SET events = events + 1 WHERE playbook = ? AND run_id = ?"
+                                        " RETURNING events", (playbook, run_id)).fetchone()[0]
+        event_id = self.conn.execute(
+            "INSERT INTO events (playbook, run_id, run_seq, type, at, by, payload, size, daemon)"
+            " VALUES (?,?,?,?,?,?,?,?,?) RETURNING id",
+            (playbook, run_id, run_seq, type_, at, by, text, len(text.encode()), self.daemon)).fetchone()[0]
+        if fx is not None:
+            fx.published.append({"id": event_id, "playbook": playbook, "run_id": run_id, "type": type_, "at": at,
+                                 "payload": payload})
+        return event_id
+
+    def list_definitions(self, playbook: str, type_: str | None = None) -> list[Row]:
+        # SQLite takes a bare column from the row of MAX(); PostgreSQL says which row with DISTINCT ON.
+        return self.conn.execute(
+            "SELECT DISTINCT ON (type, name) type, name, version, description FROM definitions"
+            " WHERE playbook = ? AND active = 1 AND (CAST(? AS TEXT) IS NULL OR type = ?)"
+            " ORDER BY type, name, version DESC", (playbook, type_, type_)).fetchall()
+
+    def join_reading(self, seq: int, *, playbook: str, server: str, tool: str, conversation: str,
+                     wait_ms: int) -> Row:
+        reading = self.conn.execute(
+            "INSERT INTO readings (playbook, server, tool, conversation, wait_ms) VALUES (?,?,?,?,?)"
+            " ON CONFLICT (playbook, server, tool, conversation) DO UPDATE SET reads = 0,"
+            " wait_ms = GREATEST(readings.wait_ms, excluded.wait_ms) RETURNING id, wait_ms",
+            (playbook, server, tool, conversation, wait_ms)).fetchone()
+        self.conn.execute("UPDATE requests SET reading = ? WHERE seq = ?", (reading["id"], seq))
+        return reading
+
+    def workflows_calling(self, playbook: str, type_: str, name: str) -> list[Row]:
+        return self.conn.execute(
+            "SELECT name, version FROM definitions d WHERE playbook = ? AND type = 'workflow' AND active = 1"
+            " AND EXISTS (SELECT 1 FROM jsonb_array_elements(d.uses::jsonb) u WHERE u->>0 = ? AND u->>1 = ?)"
+            " ORDER BY name", (playbook, type_, name)).fetchall()
+
+    # Several daemons on one database.
+
+    def before_commit(self, changes: list[Effects]) -> None:
+        """Tell the other daemons what the changes mean for them (due times, wake-ups, new events,
+        invalidated caches): NOTIFY in the changing transaction, so they hear it at the COMMIT, and
+        never of a change rolled back."""
+        if self.daemon is not None:
+            for payload in _bus_payloads(self.daemon, changes):
+                self.conn.execute("SELECT pg_notify(?, ?)", (PG_CHANNEL, payload))
+
+    def definition_keys(self) -> list[tuple[str, str, str]]:
+        """Every (playbook, type, name) that has a definition."""
+        return [(r[0], r[1], r[2]) for r in self.conn.execute("SELECT DISTINCT playbook, type, name FROM definitions")]
+
+    def system_calls_in_flight(self) -> list[tuple[str, str, dict[str, Any] | None]]:
+        """As SQLiteTx's, but only the calls of daemons that are gone: a call that a live daemon sent
+        (by the daemon of its last tool_call_started event) is that daemon's to end."""
+        rows = self.conn.execute(
+            "SELECT r.playbook, r.run_id, e.payload FROM runs r LEFT JOIN LATERAL (SELECT payload, daemon FROM events"
+            " WHERE playbook = r.playbook AND run_id = r.run_id AND type = ? ORDER BY id DESC LIMIT 1) e ON TRUE"
+            " WHERE r.status = ? AND r.tools_called = 1 AND r.type = 'interaction' AND NOT EXISTS (SELECT 1"
+            f" FROM daemons d WHERE d.id = e.daemon AND d.seen_at > {_PG_NOW_SQL} - ?)",
+            (EventType.TOOL_CALL_STARTED.value, RunStatus.STARTED.value, int(DAEMON_LEASE_S * 1000))).fetchall()
+        return [(r["playbook"], r["run_id"], json.loads(r["payload"]) if r["payload"] else None) for r in rows]
+
+    def register_daemon(self, daemon: str, host: str, pid: int) -> None:
+        """Enter a daemon that starts; a daemon of this host whose process is gone (a crash, a kill)
+        leaves now rather than when its lease ends."""
+        for row in self.conn.execute("SELECT id, pid FROM daemons WHERE host = ?", (host,)).fetchall():
+            if row["pid"] != pid and not _process_alive(row["pid"]):
+                self.conn.execute("DELETE FROM daemons WHERE id = ?", (row["id"],))
+        self.conn.execute(f"INSERT INTO daemons (id, host, pid, started_at, seen_at) VALUES (?, ?, ?, {_PG_NOW_SQL},"
+                          f" {_PG_NOW_SQL})", (daemon, host, pid))
+
+    def beat(self, daemon: str) -> bool:
+        """A live daemon's heartbeat; False when its row has gone (it is entered again)."""
+        return self.conn.execute(f"UPDATE daemons SET seen_at = {_PG_NOW_SQL} WHERE id = ?", (daemon,)).rowcount > 0
+
+    def leave(self, daemon: str) -> None:
+        """A daemon that stops: its calls still in flight are the next start's to end."""
+        self.conn.execute("DELETE FROM daemons WHERE id = ?", (daemon,))
+
+    def share_clock(self, now: int) -> int:
+        """Keep the manual clock's time in the database, the later of `now` and the time kept, and tell
+        the other daemons (in this transaction); the time kept."""
+        kept = self.conn.execute("INSERT INTO clock (now_ms) VALUES (?) ON CONFLICT (one) DO UPDATE"
+                                 " SET now_ms = GREATEST(clock.now_ms, excluded.now_ms) RETURNING now_ms",
+                                 (now,)).fetchone()[0]
+        if self.daemon is not None:
+            self.conn.execute("SELECT pg_notify(?, ?)", (PG_CHANNEL, dumps({"d": self.daemon, "x": [["c", kept]]})))
+        return kept
+
+    def clock_kept(self) -> int | None:
+        """The manual clock's time in the database; None before a manual clock kept one."""
+        row = self.conn.execute("SELECT now_ms FROM clock").fetchone()
+        return row[0] if row is not None else None
+
+    def live_daemons(self) -> list[Row]:
+        """The daemons seen within their lease: id, host, pid, started_at, seen_at."""
+        return self.conn.execute(f"SELECT * FROM daemons WHERE seen_at > {_PG_NOW_SQL} - ? ORDER BY started_at, id",
+                                 (int(DAEMON_LEASE_S * 1000),)).fetchall()
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:                                 # another user's process: it exists
+        return True
+    return True
+
+
+def _bus_payloads(daemon: str, changes: list[Effects]) -> list[str]:
+    """The effects of committed changes as NOTIFY payloads of at most PG_NOTIFY_BYTES: JSON
+    {"d": daemon, "x": [item, ...]}, an item being ["t", key, due or null] (a due time), ["w",
+    playbook, run_id] (a wake-up), ["e", id, playbook, run_id, type, at] (an event, without its
+    payload: a stream reads it from the table) or ["i", ...] (an invalidated cache entry)."""
+    items: list[str] = []
+    for fx in changes:
+        items += (dumps(["t", key, due]) for key, due in fx.timers)
+        items += (dumps(["w", *key]) for key in fx.wakes)
+        items += (dumps(["e", e["id"], e["playbook"], e["run_id"], e["type"], e["at"]]) for e in fx.published)
+        items += (dumps(["i", *what]) for what in fx.invalidated)
+    out: list[str] = []
+    head = '{"d":' + dumps(daemon) + ',"x":['
+    chunk: list[str] = []
+    size = len(head) + 2
+    for item in items:
+        n = len(item.encode()) + 1
+        if chunk and size + n > PG_NOTIFY_BYTES:
+            out.append(head + ",".join(chunk) + "]}")
+            chunk, size = [], len(head) + 2
+        chunk.append(item)
+        size += n
+    if chunk:
+        out.append(head + ",".join(chunk) + "]}")
+    return out
+
+
+class PgBus(LocalBus):
+    """LocalBus, told also of other daemons' commits on the database: their notifications (sent in
+    their changing transactions) arrive on the store's listening connection and are delivered here
+    as this daemon's own effects are, so a long poll on one daemon wakes on an answer given on
+    another, a stream rings, a timer set elsewhere is armed here, a definition saved elsewhere is
+    read again. The database stays the truth: a notification only says where to look again."""
+
+    def __init__(self, store: "PostgresStore", clock: Clock) -> None:
+        super().__init__()
+        self.store = store
+        self.clock = clock
+        self._tasks: set[asyncio.Task[Any]] = set()
+        if clock.manual:                       # the manual clock's time lives in the database
+            clock.on_change(self._clock_moved)
+
+    def _clock_moved(self) -> None:
+        """This daemon moved the manual clock: keep the time in the database (in the writer's order,
+        so before the changes the move fires), and the other daemons catch up."""
+        if self.store._writer is None:
+            return                              # not open yet: the open shares the clock
+        now = self.clock.now_ms()
+        fut = self.store.write(lambda tx, fx: tx.share_clock(now))
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception() is None or log.warning(
+            "the manual clock's time could not be kept in the database: %s", f.exception()))
+
+    def remote(self, text: str) -> None:
+        """A notification from the database (on the event loop); this daemon's own are skipped."""
+        try:
+            msg = json.loads(text)
+            if msg.get("d") == self.store.daemon_id:
+                return
+            fx = Effects()
+            for item in msg["x"]:
+                kind = item[0]
+                if kind == "t":
+                    fx.timers.append((item[1], item[2]))
+                elif kind == "w":
+                    fx.wakes.append((item[1], item[2]))
+                elif kind == "e":
+                    fx.published.append({"id": item[1], "playbook": item[2], "run_id": item[3], "type": item[4],
+                                         "at": item[5], "payload": None})
+                elif kind == "i":
+                    fx.invalidated.append(tuple(item[1:]))
+                elif kind == "c" and self.clock.manual:
+                    self.clock.catch_up(item[1])        # type: ignore[attr-defined]
+        except (ValueError, KeyError, IndexError, TypeError):
+            log.warning("a notification on %s could not be read; dropped", PG_CHANNEL)
+            return
+        self.deliver(fx)
+
+    def resync(self) -> None:
+        """The listening connection was lost and opened again, so notifications may have been missed:
+        every due time is loaded again (and the manual clock's time), every cached definition
+        invalidated, every waiter and stream told to look again."""
+        async def again() -> None:
+            timers, names, kept = await self.store.read(
+                lambda tx: (tx.all_timers(), tx.definition_keys(), tx.clock_kept()))
+            if kept is not None and self.clock.manual:
+                self.clock.catch_up(kept)            # type: ignore[attr-defined]
+            fx = Effects()
+            fx.timers.extend(timers)
+            fx.invalidated.extend(("definition", *k) for k in names)
+            fx.wakes.extend(self._waiters)
+            fx.published.append({"id": None, "playbook": None, "run_id": None, "type": None, "at": None,
+                                 "payload": None})
+            self.deliver(fx)
+        if self.stopped:
+            return
+        task = asyncio.ensure_future(again())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+class _PgListener(threading.Thread):
+    """A store's own connection for being one of the database's daemons: it enters the daemon at the
+    store's open, LISTENs to the other daemons' notifications and hands each to the bus, beats every
+    DAEMON_BEAT_S, and removes the daemon at the close. A lost connection is opened again (and the
+    bus told to look at everything again, since notifications went missing meanwhile)."""
+
+    def __init__(self, url: str, daemon: str) -> None:
+        super().__init__(name="interactiond-listener", daemon=True)
+        self.url = url
+        self.daemon_id = daemon
+        self.tx: PostgresTx | None = None
+        self.halt = threading.Event()
+        self.deliver: Callable[[str], None] | None = None      # a notification's payload, to the bus
+        self.lost: Callable[[], None] | None = None            # the connection came back: resync
+        self._wake_r, self._wake_w = os.pipe()
+
+    def register(self) -> None:
+        """Connect, LISTEN and enter the daemon (on the caller's thread, before the store serves)."""
+        self.tx = PostgresTx(_PgConn(self.url, ("SET application_name = 'interactiond-listener'",
+                                                f"LISTEN {PG_CHANNEL}")), self.daemon_id)
+        self.tx.register_daemon(self.daemon_id, _HOST, os.getpid())
+
+    def run(self) -> None:
+        tx = self.tx
+        next_beat = time.monotonic() + DAEMON_BEAT_S
+        failures = 0
+        while not self.halt.is_set():
+            try:
+                if tx.conn.lost:
+                    tx.conn.reopen()                    # LISTENs again (its setup)
+                    if not tx.beat(self.daemon_id):
+                        tx.register_daemon(self.daemon_id, _HOST, os.getpid())
+                    if self.lost is not None:
+                        self.lost()
+                raw = tx.conn.raw
+                ready, _, _ = select.select([raw.fileno(), self._wake_r], [], [],
+                                            max(0.0, next_beat - time.monotonic()))
+                if self.halt.is_set():
+                    break
+                if time.monotonic() >= next_beat:
+                    if not tx.beat(self.daemon_id):
+                        tx.register_daemon(self.daemon_id, _HOST, os.getpid())
+                    next_beat = time.monotonic() + DAEMON_BEAT_S
+                # What arrived (and what a beat's query read meanwhile, kept by psycopg for here).
+                for note in raw.notifies(timeout=0):
+                    if self.deliver is not None:
+                        self.deliver(note.payload)
+                failures = 0
+            except Exception as exc:
+                failures += 1
+                log.warning("daemon %s lost its listening connection (%s); opening it again",
+                            self.daemon_id, _pg_problem(exc))
+                with contextlib.suppress(Exception):
+                    tx.conn.close()
+                tx.conn.raw = None
+                self.halt.wait(min(5.0, 0.1 * 2 ** failures))
+        with contextlib.suppress(Exception):
+            tx.ready()
+            tx.leave(self.daemon_id)
+        tx.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def stop(self) -> None:
+        self.halt.set()
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+
+
+#: This machine's name, as the daemons table records it.
+_HOST: Final = os.uname().nodename
+
+
+def apply_postgres_schema(conn: _PgConn) -> None:
+    """Bring a database to SCHEMA_VERSION, in one transaction under the schema's advisory lock (so
+    daemons starting together migrate once): the migrations it has not had, then the schema itself,
+    which is idempotent, then the version it reached."""
+    raw = conn.raw
+    raw.execute("SET client_min_messages = warning")          # not a notice per table that exists
+    with raw.transaction():
+        raw.execute("SELECT pg_advisory_xact_lock(%s)", (_PG_SCHEMA_LOCK,))
+        version = 0
+        if raw.execute("SELECT to_regclass('schema_version')").fetchone()[0] is not None:
+            row = raw.execute("SELECT version FROM schema_version").fetchone()
+            version = row[0] if row is not None else 0
+            for target, step in POSTGRES_MIGRATIONS:
+                if version < target:
+                    step(conn)
+                    version = target
+        raw.execute(_postgres_schema_sql())
+        raw.execute("INSERT INTO schema_version (version) VALUES (%s) ON CONFLICT (one) DO UPDATE"
+                    " SET version = GREATEST(schema_version.version, excluded.version)",
+                    (max(version, SCHEMA_VERSION),))
+
+
+def open_postgres_sync(url: str) -> PostgresTx:
+    """The database with the schema applied, outside the loop (see open_sync)."""
+    try:
+        conn = _PgConn(url)
+    except _psycopg().OperationalError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise SystemExit(f"interactiond: cannot reach {postgres_url_shown(url)}: {first}") from None
+    try:
+        apply_postgres_schema(conn)
+    except BaseException:
+        conn.close()
+        raise
+    return PostgresTx(conn)
+
+
+class PostgresStore(Store):
+    """The store on a PostgreSQL database: Store's writer and reader threads and group commit, with
+    PostgresTx's operations; no checkpointer (the server keeps its own log). Each store is one
+    daemon of the database, entered in its `daemons` table with a heartbeat (`daemon_id`)."""
+
+    def __init__(self, path: str, on_commit: Callable[[Effects], None] | None = None) -> None:
+        super().__init__(path, on_commit)
+        self.daemon_id = "dmn_" + new_ulid().lower()
+        self._listener: _PgListener | None = None
+        self._bus: PgBus | None = None
+
+    def make_bus(self, clock: Clock) -> LocalBus:
+        """A PgBus: the effects of this daemon's commits, and of the other daemons' on the database."""
+        self._bus = PgBus(self, clock)
+        return self._bus
+
+    async def open(self) -> None:
+        loop = asyncio.get_running_loop()
+        init = await loop.run_in_executor(None, open_postgres_sync, self.path)
+        try:
+            if self._bus is not None and self._bus.clock.manual:     # the later of this clock and the shared one
+                init.daemon = self.daemon_id
+                self._bus.clock.catch_up(init.share_clock(self._bus.clock.now_ms()))  # type: ignore[attr-defined]
+        finally:
+            init.close()
+        self._listener = _PgListener(self.path, self.daemon_id)
+        await loop.run_in_executor(None, self._listener.register)
+        if self._bus is not None:
+            bus = self._bus
+            self._listener.deliver = lambda payload: loop.call_soon_threadsafe(bus.remote, payload)
+            self._listener.lost = lambda: loop.call_soon_threadsafe(bus.resync)
+        self._listener.start()
+        self._writer = _DbThread(lambda: self._connect_tx(True), loop, writer=True,
+                                 sink=lambda fx: self.on_commit and self.on_commit(fx))
+        self._reader = _DbThread(lambda: self._connect_tx(False), loop, writer=False)
+        for t in (self._writer, self._reader):
+            t.start()
+            t.ready.wait()
+            if t.start_error:
+                raise t.start_error
+
+    def _connect_tx(self, writer: bool) -> PostgresTx:
+        setup = (f"SET lock_timeout = {PG_LOCK_TIMEOUT_MS}",) if writer else ()
+        return PostgresTx(_PgConn(self.path, setup), self.daemon_id)
+
+    async def close(self) -> None:
+        await super().close()
+        if self._listener is not None:             # after the writer: the daemon leaves last
+            self._listener.stop()
+            await asyncio.get_running_loop().run_in_executor(None, self._listener.join, 5.0)
+            self._listener = None
+
+    def read_sync(self, query: Callable[[Any], Any]) -> Any:
+        tx = PostgresTx(_PgConn(self.path))
+        try:
+            return query(tx)
+        finally:
+            tx.close()
 
 
 # Tool servers ###################################################################################
@@ -5927,7 +6830,7 @@ class Engine(_EngineDefinitions, _EngineRuns, _EngineSystemCalls, _EngineInbox, 
         self.clock = clock
         self.config = config
         self.open_limit = config.open_requests
-        self.bus = LocalBus()
+        self.bus = store.make_bus(clock)      # LocalBus; on PostgreSQL, a PgBus that hears other daemons too
         store.on_commit = self.bus.deliver
         self.wheel = TimerWheel(clock, self._fire)
         self.bus.on_timer(lambda key, due: self.wheel.cancel(key) if due is None else self.wheel.set(key, due))
@@ -9588,6 +10491,7 @@ def mount_web(app: web.Application) -> None:
 # `get`, `wait`, `cancel`, `inbox`, `answer`, `runs` and `definitions` are thin clients of the HTTP
 # API. Files beside the database (mode 0600): `.lock` (the engine's OS lock), `.token` (the
 # operator token the first start made) and `.url` (where the running engine listens).
+# For a PostgreSQL database they are interactiond-NAME.token and so on, in the working directory.
 
 def build_app(engine: Engine, *, manage_engine: bool = True, hosts: Iterable[str] = (),
               access_log: bool = False) -> web.Application:
@@ -9619,6 +10523,8 @@ def build_app(engine: Engine, *, manage_engine: bool = True, hosts: Iterable[str
 
 
 def _beside(db: str, suffix: str) -> Path:
+    if is_postgres_url(db):         # no file to stand beside: the working directory, by the database's name
+        return Path(f"interactiond-{postgres_database_name(db)}{suffix}")
     return Path(db + suffix)
 
 
@@ -9695,7 +10601,8 @@ async def _serve(args: Any, config: Config,
     port = args.port if args.port is not None else config.port
     lock = EngineLock(db)
     if not lock.acquire():
-        print(f"interactiond: {db} is already served by process {lock.holder()}; stop it first", file=sys.stderr)
+        print(f"interactiond: {db_shown(db)} is already served by process {lock.holder()}; stop it first",
+              file=sys.stderr)
         return 1
     try:
         secret = ensure_operator_token(db)
@@ -9719,7 +10626,7 @@ async def _serve(args: Any, config: Config,
         bound = runner.addresses[0][1] if runner.addresses else port
         url = f"http://{host}:{bound}"
         _write_private(_beside(db, ".url"), url + "\n")
-        print(f"interactiond {__version__} serving {db} at {url}", flush=True)
+        print(f"interactiond {__version__} serving {db_shown(db)} at {url}", flush=True)
         print(f"inbox: {url}/login?token={login}", flush=True)
         print(f"operator token: {_beside(db, '.token')}", flush=True)
         stop = asyncio.Event()
@@ -9795,7 +10702,7 @@ async def _stdio_front(db: str, playbook: str | None) -> int:
         url = _beside(db, ".url").read_text().strip()
         token = _beside(db, ".token").read_text().strip()
     except OSError:
-        print(f"interactiond: {db} is served by another process, which publishes no URL (start it with serve)",
+        print(f"interactiond: {db_shown(db)} is served by another process, which publishes no URL (start it with serve)",
               file=sys.stderr)
         return 1
     async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=httpx2.Timeout(90)) as http:
@@ -10475,8 +11382,9 @@ def build_parser() -> Any:
     def command(name: str) -> Any:
         p = sub.add_parser(name, help=helps[name], description=helps[name] + ".", formatter_class=Help,
                            epilog=EXIT_CODES)
-        p.add_argument("--db", metavar="PATH", help="the SQLite file (env: INTERACTIOND_DB; else the configuration's"
-                                                    " database:, else ./interactiond.db)")
+        p.add_argument("--db", metavar="PATH", help="the SQLite file, or a PostgreSQL database as postgresql://USER@HOST/NAME"
+                                                    " (env: INTERACTIOND_DB; else the configuration's database:, else"
+                                                    " ./interactiond.db)")
         p.add_argument("--config", metavar="PATH", help="the operator configuration, YAML (env: INTERACTIOND_CONFIG)")
         return p
 

@@ -1,13 +1,79 @@
-"""Shared pieces for the daemon's tests: a real app on a temporary file, on the manual clock."""
+"""Shared pieces for the daemon's tests: a real app on a temporary database (an SQLite file, or a
+fresh PostgreSQL database), on the manual clock."""
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import secrets
+import urllib.parse
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Iterator
 
 import interactiond as itd
 
 START_MS = 1_800_000_000_000          # 2027-01-15T08:00:00Z: far from any real date
+
+#: The backends a test can run on; the `db` fixture (conftest.py) runs a test once on each.
+BACKENDS = ("sqlite", "postgres")
+#: The PostgreSQL server the tests make their databases on (default: the local unix socket).
+PG_DSN = os.environ.get("INTERACTIOND_TEST_PG_DSN", "postgresql:///postgres")
+#: Set in CI: a test on PostgreSQL fails, rather than skips, when no server is reachable.
+REQUIRE_POSTGRES = os.environ.get("INTERACTIOND_REQUIRE_POSTGRES") == "1"
+
+_pg_unreachable: list[str] = []          # why the server could not be reached, once known
+
+
+def _pg_admin() -> Any:
+    import psycopg
+
+    return psycopg.connect(PG_DSN, autocommit=True, connect_timeout=5)
+
+
+def postgres_or_skip() -> None:
+    """Skip the test (fail it, in CI) when there is no PostgreSQL server to test on."""
+    import pytest
+
+    if not _pg_unreachable:
+        try:
+            import psycopg  # noqa: F401
+
+            _pg_admin().close()
+            _pg_unreachable.append("")
+        except Exception as exc:            # the driver missing, or the server
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            _pg_unreachable.append(f"no PostgreSQL server at {itd.postgres_url_shown(PG_DSN)}"
+                                   f" (INTERACTIOND_TEST_PG_DSN names it): {first}")
+    if _pg_unreachable[0]:
+        if REQUIRE_POSTGRES:
+            pytest.fail(_pg_unreachable[0] + " and INTERACTIOND_REQUIRE_POSTGRES=1")
+        pytest.skip(_pg_unreachable[0])
+
+
+@contextlib.contextmanager
+def fresh_postgres() -> Iterator[str]:
+    """A new, empty database on the test server (its URL), dropped after."""
+    postgres_or_skip()
+    name = "itd_test_" + secrets.token_hex(6)
+    admin = _pg_admin()
+    try:
+        admin.execute(f"CREATE DATABASE {name}")
+        parts = urllib.parse.urlsplit(PG_DSN)      # (urlunsplit drops the empty host of postgresql:///x)
+        yield f"{parts.scheme}://{parts.netloc}/{name}" + (f"?{parts.query}" if parts.query else "")
+    finally:
+        admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        admin.close()
+
+
+@contextlib.contextmanager
+def database(backend: str, tmp_path: Path, name: str = "t.db") -> Iterator[str]:
+    """Where a daemon keeps its data on `backend`: a file under tmp_path, or a fresh PostgreSQL database."""
+    if backend == "postgres":
+        with fresh_postgres() as url:
+            yield url
+    else:
+        yield str(tmp_path / name)
 
 APPROVAL = """---
 description: Asks a brief's owner to approve it

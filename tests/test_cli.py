@@ -158,3 +158,49 @@ def test_load_config_reads_the_example_and_names_every_problem(tmp_path):
                  "playbooks.acme/ops.servers[1]", "playbooks.acme/ops.other", "playbooks.Bad", "nope"):
         assert any(p.startswith(path + ":") for p in problems), (path, problems)
     assert not any(p.startswith("servers.ok") for p in problems)
+
+
+def test_serve_and_token_commands_on_postgres_through_the_environment(tmp_path):
+    from daemon_kit import fresh_postgres
+
+    with fresh_postgres() as url:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "INTERACTIOND_DB": url}
+        name = url.rsplit("/", 1)[1]
+        proc = subprocess.Popen([*EXE, "serve", "--port", "0", "--clock", "manual", "--host", "127.0.0.1"],
+                                cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        try:
+            first = proc.stdout.readline()
+            assert f"serving {url} at http://" in first, first + proc.stderr.read() if proc.poll() else first
+            token_file = tmp_path / f"interactiond-{name}.token"
+            assert token_file.stat().st_mode & 0o777 == 0o600 and not list(tmp_path.glob("*.db*"))
+            # The client commands find the daemon by the database's name, as beside an SQLite file.
+            run = subprocess.run([*EXE, "run", "interaction", "ask-text", "--input",
+                                  json.dumps({"prompt": "Name it", "to": "bo"})],
+                                 cwd=tmp_path, capture_output=True, text=True, timeout=60, env=env)
+            assert run.returncode == 0, run.stderr
+            inbox = subprocess.run([*EXE, "inbox", "--to", "bo", "--db", url], cwd=tmp_path, capture_output=True,
+                                   text=True, timeout=60, env={**env, "INTERACTIOND_DB": ""})
+            assert [r["run_id"] for r in json.loads(inbox.stdout)["data"]] == [json.loads(run.stdout)["run_id"]]
+            created = subprocess.run([*EXE, "token", "create", "--role", "reader", "--playbook", "local/default"],
+                                     cwd=tmp_path, capture_output=True, text=True, timeout=60, env=env)
+            assert created.returncode == 0 and created.stdout.startswith("tok_"), created.stderr
+            listed = subprocess.run([*EXE, "token", "list"], cwd=tmp_path, capture_output=True, text=True,
+                                    timeout=60, env=env).stdout
+            assert created.stdout.split()[0] in listed
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0
+
+
+def test_a_postgres_url_without_its_driver_or_its_server_is_one_line(tmp_path):
+    unreachable = cli("token", "list", "--db", "postgresql://itd:s3cret@127.0.0.1:1/itd", cwd=tmp_path, check=False)
+    assert unreachable.returncode == 1 and unreachable.stderr.count("\n") == 1, unreachable.stderr
+    assert "cannot reach postgresql://itd:***@127.0.0.1:1/itd" in unreachable.stderr
+    assert "s3cret" not in unreachable.stderr and "Traceback" not in unreachable.stderr
+    # Without psycopg installed (the default install), the same command says how to get it.
+    code = ("import sys; sys.modules['psycopg'] = None; import interactiond;"
+            " sys.exit(interactiond.main(['token', 'list', '--db', 'postgresql:///itd']))")
+    missing = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert missing.returncode == 1 and "pip install 'interactiond[postgres]'" in missing.stderr
+    assert missing.stderr.count("\n") == 1 and "Traceback" not in missing.stderr, missing.stderr

@@ -74,12 +74,12 @@ The release went out.
 
 
 @pytest.fixture
-async def d(tmp_path, aiohttp_client):
+async def d(db, tmp_path, aiohttp_client):
     chat_db = str(tmp_path / "chat.db")
     config = itd.Config(servers={"chat": itd.ServerConfig(
         "chat", command=(sys.executable, str(ROOT / "examples" / "chat_server.py"), "serve", "--db", chat_db))},
         playbooks={"local/default": ("chat",)})
-    daemon = await start_daemon(aiohttp_client, str(tmp_path / "t.db"), config=config)
+    daemon = await start_daemon(aiohttp_client, db, config=config)
     daemon.chat = chat_db
     daemon.config = config
     return daemon
@@ -309,7 +309,7 @@ async def test_cancel_while_delivered(d):
     assert (await d.call("GET", f"/runs/{run_id}"))[1]["kind"] == "cancelled"
 
 
-async def test_http_429_retry_after_reaches_the_schedule(tmp_path, aiohttp_client):
+async def test_http_429_retry_after_reaches_the_schedule(db, aiohttp_client):
     """A tool server over streamable HTTP answering 429 with Retry-After: 2 is retried 2 s later."""
     from test_tool_servers import FLAKY, HttpServer
     server = HttpServer(FLAKY, "--http-429", "2")   # discover, then initialize
@@ -317,7 +317,7 @@ async def test_http_429_retry_after_reaches_the_schedule(tmp_path, aiohttp_clien
         url = server.url()
         config = itd.Config(servers={"web": itd.ServerConfig("web", url=url, transport="http")},
                             playbooks={"local/default": ("web",)})
-        d = await start_daemon(aiohttp_client, str(tmp_path / "t.db"), config=config)
+        d = await start_daemon(aiohttp_client, db, config=config)
         source = NOTIFY_DOC.replace("server: chat", "server: web").replace("tool: post_message", "tool: echo") \
             .replace("with: { channel: '{{ to }}', text: '{{ message }}' }", "with: { text: '{{ message }}' }")
         run_id = await start(d, "note", source, {"owner": "ana"})

@@ -10,8 +10,8 @@ from daemon_kit import APPROVAL, NOTIFY, START_MS, start_daemon
 
 
 @pytest.fixture
-async def d(tmp_path, aiohttp_client):
-    return await start_daemon(aiohttp_client, str(tmp_path / "t.db"))
+async def d(db, aiohttp_client):
+    return await start_daemon(aiohttp_client, db)
 
 
 INPUT = {"owner": "ana", "review": "Clear goals; budget missing."}
@@ -162,8 +162,8 @@ async def test_notification_succeeds_at_once(d):
     assert status == 409 and body["kind"] == "notification"
 
 
-async def test_open_request_limit(tmp_path, aiohttp_client):
-    d = await start_daemon(aiohttp_client, str(tmp_path / "t.db"),
+async def test_open_request_limit(db, aiohttp_client):
+    d = await start_daemon(aiohttp_client, db,
                            config=itd.Config(open_requests=2, playbooks={"local/default": ()}))
     await d.define("approve", APPROVAL)
     for _ in range(2):
@@ -283,8 +283,7 @@ async def test_wait_is_woken_by_the_answer(d):
     assert loop.time() - t0 < 5
 
 
-async def test_restart_keeps_requests_and_their_expiry(tmp_path, aiohttp_client):
-    db = str(tmp_path / "t.db")
+async def test_restart_keeps_requests_and_their_expiry(db, aiohttp_client):
     d = await start_daemon(aiohttp_client, db)
     await d.define("approve", APPROVAL)
     _, r1 = await d.run("approve", INPUT)

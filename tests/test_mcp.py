@@ -19,8 +19,8 @@ INPUT = {"owner": "ana", "review": "Looks complete."}
 
 
 @pytest.fixture
-async def d(tmp_path, aiohttp_client):
-    return await start_daemon(aiohttp_client, str(tmp_path / "t.db"))
+async def d(db, aiohttp_client):
+    return await start_daemon(aiohttp_client, db)
 
 
 @contextlib.asynccontextmanager
@@ -149,22 +149,20 @@ async def test_wait_run_returns_the_run_as_it_stands_and_reports_progress(d):
         assert 4 <= waited <= total <= 7 and "waiting" in message
 
 
-def _stdio_params(db: str, *extra: str) -> StdioServerParameters:
+def _stdio_params(db: str, cwd, *extra: str) -> StdioServerParameters:
     return StdioServerParameters(command=sys.executable, args=["-m", "interactiond", "stdio", "--db", db, *extra],
-                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                 env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=str(cwd))
 
 
-async def test_stdio_as_a_desktop_agent_starts_it(tmp_path):
-    db = str(tmp_path / "s.db")
-    async with Client(_stdio_params(db), read_timeout_seconds=30) as c:
+async def test_stdio_as_a_desktop_agent_starts_it(db, tmp_path):
+    async with Client(_stdio_params(db, tmp_path), read_timeout_seconds=30) as c:
         tools = {t.name for t in (await c.list_tools()).tools}
         assert "answer_interaction" in tools
         await inbox_life(c)
 
 
-async def test_stdio_scoped_to_a_playbook(tmp_path):
-    db = str(tmp_path / "s.db")
-    async with Client(_stdio_params(db, "--playbook", "local/default"), read_timeout_seconds=30) as c:
+async def test_stdio_scoped_to_a_playbook(db, tmp_path):
+    async with Client(_stdio_params(db, tmp_path, "--playbook", "local/default"), read_timeout_seconds=30) as c:
         tools = {t.name: t for t in (await c.list_tools()).tools}
         assert "playbook" not in tools["run_definition"].input_schema["properties"]
         await inbox_life(c)

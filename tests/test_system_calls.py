@@ -26,7 +26,7 @@ def call_doc(tool: str, with_: str = "{}", read: str | None = None, output: str 
 
 
 @pytest.fixture
-async def d(tmp_path, aiohttp_client):
+async def d(db, tmp_path, aiohttp_client):
     log = tmp_path / "calls.jsonl"
     servers = {
         "flaky": itd.ServerConfig("flaky", command=(sys.executable, FLAKY, "--calls-log", str(log)),
@@ -38,7 +38,7 @@ async def d(tmp_path, aiohttp_client):
     }
     config = itd.Config(servers=servers, playbooks={"local/default": ("flaky", "quiet", "limited", "ghost"),
                                                     "acme/other": ()})
-    daemon = await start_daemon(aiohttp_client, str(tmp_path / "t.db"), config=config)
+    daemon = await start_daemon(aiohttp_client, db, config=config)
     daemon.calls_log = log
     return daemon
 

@@ -18,8 +18,8 @@ OPTIONS = [{"id": "opt_a", "label": "Ship it"}, {"id": "opt_b", "label": "Hold i
 
 
 @pytest.fixture
-async def d(tmp_path, aiohttp_client):
-    return await start_daemon(aiohttp_client, str(tmp_path / "t.db"))
+async def d(db, aiohttp_client):
+    return await start_daemon(aiohttp_client, db)
 
 
 async def ask(d: Any, kind: str, playbook: str | None = None, **extra: Any) -> dict[str, Any]:
@@ -523,9 +523,8 @@ async def test_a_stalled_consumer_is_dropped_and_resumes(d, stalled_writes, monk
 # -- the client against the live app ------------------------------------------------------------
 
 @pytest.fixture
-async def live(tmp_path, aiohttp_server):
+async def live(db, aiohttp_server):
     """A real port: the app, the engine on the manual clock, tokens, and what a test middleware saw."""
-    db = str(tmp_path / "live.db")
     tokens = make_tokens(db)
     engine = itd.Engine(itd.Store(db), itd.ManualClock(START_MS),
                         itd.Config(playbooks={"local/default": (), "acme/other": ()}))

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import sqlite3
 import sys
 from pathlib import Path
 
@@ -52,17 +51,17 @@ def workflow(name: str, body: str) -> str:
 
 
 @pytest.fixture
-async def d(tmp_path, aiohttp_client):
-    return await start_daemon(aiohttp_client, str(tmp_path / "t.db"))
+async def d(db, aiohttp_client):
+    return await start_daemon(aiohttp_client, db)
 
 
 @pytest.fixture
-async def sd(tmp_path, aiohttp_client):
+async def sd(db, tmp_path, aiohttp_client):
     """A daemon whose playbook may use the flaky tool server; `calls()` lists the tools it called."""
     log = tmp_path / "calls.jsonl"
     servers = {"flaky": itd.ServerConfig("flaky", command=(sys.executable, FLAKY, "--calls-log", str(log)))}
     config = itd.Config(servers=servers, playbooks={"local/default": ("flaky",), "acme/other": ()})
-    daemon = await start_daemon(aiohttp_client, str(tmp_path / "t.db"), config=config)
+    daemon = await start_daemon(aiohttp_client, db, config=config)
     daemon.calls = lambda: [json.loads(x)["tool"] for x in log.read_text().splitlines()] if log.exists() else []
     return daemon
 
@@ -257,8 +256,7 @@ async def test_retries_used_up_raise_the_last_error(sd):
 
 # -- durability ------------------------------------------------------------------------------------
 
-async def test_restart_while_waiting_on_a_person(tmp_path, aiohttp_client):
-    db = str(tmp_path / "t.db")
+async def test_restart_while_waiting_on_a_person(db, aiohttp_client):
     d1 = await start_daemon(aiohttp_client, db)
     await d1.define("approve-campaign-brief", APPROVAL)
     await define_wf(d1, "brief-approval", SEED)
@@ -278,8 +276,7 @@ async def test_restart_while_waiting_on_a_person(tmp_path, aiohttp_client):
     assert got["status"] == "succeeded" and got["output"] == {"verdict": "approve", "note": "Fine."}, got
 
 
-async def test_a_child_that_ended_before_its_workflow_moved_is_picked_up_at_restart(tmp_path, aiohttp_client):
-    db = str(tmp_path / "t.db")
+async def test_a_child_that_ended_before_its_workflow_moved_is_picked_up_at_restart(db, aiohttp_client):
     d1 = await start_daemon(aiohttp_client, db)
     await d1.define("approve-campaign-brief", APPROVAL)
     await define_wf(d1, "brief-approval", SEED)
@@ -294,10 +291,10 @@ async def test_a_child_that_ended_before_its_workflow_moved_is_picked_up_at_rest
     assert (await get_run(d1, run["run_id"]))["status"] == "waiting"
     now = d1.clock.now_ms()
     await d1.client.close()
-    conn = sqlite3.connect(db)
-    due = conn.execute("SELECT due_at FROM timers WHERE key = ?", (f"workflow:local/default:{run['run_id']}",)).fetchone()
-    conn.close()
-    assert due is not None and due[0] <= now        # written with the child's ending
+    tx = itd.open_sync(db)
+    due = tx.timer_due(f"workflow:local/default:{run['run_id']}")
+    tx.close()
+    assert due is not None and due <= now           # written with the child's ending
 
     d2 = await start_daemon(aiohttp_client, db, clock=itd.ManualClock(now), tokens=d1.tokens)
     await d2.advance("PT0S")
@@ -305,8 +302,7 @@ async def test_a_child_that_ended_before_its_workflow_moved_is_picked_up_at_rest
     assert got["status"] == "succeeded" and got["output"] == {"verdict": "approve"}, got
 
 
-async def test_an_expiry_while_the_daemon_was_down_takes_the_catch(tmp_path, aiohttp_client):
-    db = str(tmp_path / "t.db")
+async def test_an_expiry_while_the_daemon_was_down_takes_the_catch(db, aiohttp_client):
     d1 = await start_daemon(aiohttp_client, db)
     await d1.define("approve-campaign-brief", APPROVAL)
     await define_wf(d1, "brief-approval", SEED)

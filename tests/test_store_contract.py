@@ -1,0 +1,488 @@
+"""The store's contract, run on every backend (an SQLite file and a fresh PostgreSQL database, by
+the `db` fixture): each operation does the same on both; each state change is guarded by the
+states it may leave, and a move the transition tables refuse writes nothing and says so."""
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+import interactiond as itd
+from interactiond import RunStatus as S
+
+PB = "local/default"
+NOW = 1_767_225_600_000
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def tx(db):
+    tx = itd.open_sync(db)
+    tx.ensure_playbook(PB, now=NOW)
+    yield tx
+    tx.close()
+
+
+# Definitions, runs and requests.
+
+
+def _run_with_request(tx, run_id: str, *, deliver: bool = False, notified: bool = False) -> None:
+    tx.insert_run(playbook=PB, run_id=run_id, type_="interaction", name="approve", version=1, input_text="{}",
+                  input_sha="x", parent=None, now=NOW, by="tok_1")
+    if not notified:
+        assert tx.take_request_slot(PB, 10)
+    tx.open_request(request_id=f"int_{run_id}", playbook=PB, run_id=run_id, type_="interaction", name="approve",
+                    version=1, party="ann", answerer="ann", message="ok?",
+                    answer_schema=None if notified else '{"type":"object"}',
+                    server="chat" if deliver else None, tool="send" if deliver else None,
+                    delivery=itd.DeliveryState.TO_DELIVER if deliver else itd.DeliveryState.IN_INBOX,
+                    asked_at=NOW, expires_at=NOW + 60_000, deliver_args="{}" if deliver else None, notified=notified)
+    fx = itd.Effects()
+    tx.set_timer(fx, itd.timer_key("expire", PB, run_id), NOW + 60_000)
+
+
+def _open_count(tx) -> int:
+    return tx.conn.execute("SELECT open_requests FROM playbooks WHERE id = ?", (PB,)).fetchone()[0]
+
+
+def test_a_request_closes_once(tx):
+    _run_with_request(tx, "r1")
+    assert tx.run(PB, "r1")["status"] == "waiting" and _open_count(tx) == 1
+    fx = itd.Effects()
+    closed = tx.close_request(fx, PB, "r1", itd.ENDINGS["expired"])
+    assert closed["status"] == "expired" and closed["open"] == 0
+    assert _open_count(tx) == 0
+    assert tx.conn.execute("SELECT COUNT(*) FROM timers").fetchone()[0] == 0
+    assert (itd.timer_key("expire", PB, "r1"), None) in fx.timers
+    # A closed request leaves no state a closing may leave: nothing moves, the counter stays.
+    for name in ("answered", "cancelled", "expired"):
+        assert tx.close_request(itd.Effects(), PB, "r1", itd.ENDINGS[name]) is None
+    assert tx.conn.execute("SELECT status FROM requests WHERE run_id = 'r1'").fetchone()[0] == "expired"
+    assert _open_count(tx) == 0
+    assert tx.close_request(itd.Effects(), PB, "no-such-run", itd.ENDINGS["cancelled"]) is None
+
+
+def test_a_notification_for_the_inbox_is_notified_at_once_and_leaves_the_run_started(tx):
+    _run_with_request(tx, "n1", notified=True)
+    req = tx.conn.execute("SELECT status, open FROM requests WHERE run_id = 'n1'").fetchone()
+    assert (req["status"], req["open"]) == ("notified", 0)
+    assert tx.run(PB, "n1")["status"] == "started"
+    assert tx.close_request(itd.Effects(), PB, "n1", itd.ENDINGS["cancelled"]) is None
+
+
+def test_a_request_opens_only_for_a_started_run(tx):
+    _run_with_request(tx, "r1")
+    tx.end_run(itd.Effects(), PB, "r1", itd.RunStatus.REJECTED, now=NOW, by="tok_1", kind="cancelled")
+    tx.conn.execute("DELETE FROM requests WHERE run_id = 'r1'")
+    with pytest.raises(itd.Problem) as info:
+        tx.open_request(request_id="int_again", playbook=PB, run_id="r1", type_="interaction", name="approve",
+                        version=1, party="ann", answerer="ann", message="ok?", answer_schema="{}", server=None,
+                        tool=None, delivery=itd.DeliveryState.IN_INBOX, asked_at=NOW, expires_at=NOW + 1,
+                        deliver_args=None)
+    assert info.value.name == "conflict"
+    assert tx.run(PB, "r1")["status"] == "rejected"
+
+
+def test_cancel_moves_only_an_attempt_in_flight(tx):
+    _run_with_request(tx, "d1", deliver=True)
+    assert not tx.cancel_delivery(PB, "d1")                       # to_deliver: nothing in flight
+    tx.conn.execute("UPDATE requests SET delivery_state = 'delivering' WHERE run_id = 'd1'")
+    assert tx.cancel_delivery(PB, "d1")
+    assert tx.conn.execute("SELECT delivery_state FROM requests WHERE run_id = 'd1'").fetchone()[0] == "cancelling"
+    assert not tx.cancel_delivery(PB, "d1")                       # cancelling moves no more
+    assert not tx.cancel_delivery(PB, "no-such-run")
+
+
+def test_request_slots_stop_at_the_limit(tx):
+    assert tx.take_request_slot(PB, 2) and tx.take_request_slot(PB, 2)
+    assert not tx.take_request_slot(PB, 2)
+    assert _open_count(tx) == 2
+    tx.recount_open_requests()                                    # the counter is a cache of requests.open
+    assert _open_count(tx) == 0
+
+
+def test_a_definition_keeps_its_version_for_the_same_text(tx):
+    save = dict(playbook=PB, type_="interaction", name="approve", overview="o", description=None, uses=[],
+                now=NOW, by="tok_1")
+    assert tx.save_definition(source="a", sha="sha-a", **save) == (1, True)
+    assert tx.save_definition(source="a", sha="sha-a", **save) == (1, False)
+    assert tx.save_definition(source="b", sha="sha-b", **save) == (2, True)
+    assert tx.definition(PB, "interaction", "approve")["version"] == 2
+    assert not tx.definition(PB, "interaction", "approve", 1)["active"]
+    assert tx.deactivate_definition(PB, "interaction", "approve")
+    assert not tx.deactivate_definition(PB, "interaction", "approve")
+    assert tx.definition(PB, "interaction", "approve") is None
+    assert tx.save_definition(source="b", sha="sha-b", **save) == (3, True)   # deleted: saved again, anew
+    assert [r["version"] for r in tx.list_definitions(PB)] == [3]
+
+
+def test_runs_are_listed_newest_first_and_paged_by_seq(tx):
+    for i in range(3):
+        tx.insert_run(playbook=PB, run_id=f"r{i}", type_="interaction", name="approve", version=1, input_text="{}",
+                      input_sha="x", parent=None, now=NOW, by="tok_1", tools_called=i == 1)
+    rows = tx.list_runs(PB, status=None, function=None, before=None, limit=2)
+    assert [r["run_id"] for r in rows] == ["r2", "r1"]
+    assert [r["run_id"] for r in tx.list_runs(PB, status="started", function="approve", before=rows[-1]["seq"],
+                                               limit=2)] == ["r0"]
+    assert tx.run(PB, "r1")["tools_called"] == 1 and tx.run(PB, "r0")["tools_called"] == 0
+    assert tx.run(PB, "r9") is None
+
+
+# Workflows, tokens and sessions.
+
+
+def _workflow(tx, run_id, parent=None, state='{"stack": []}'):
+    return tx.insert_run(playbook=PB, run_id=run_id, type_="workflow", name="flow", version=1, input_text="{}",
+                                  input_sha="sha", parent=parent, state=state, now=1, by="tok_x")
+
+
+def _end(tx, run_id):
+    tx.end_run(itd.Effects(), PB, run_id, S.REJECTED, now=2, by="tok_x", kind="cancelled",
+               problem=itd.ending_problem(S.REJECTED, "cancelled", "cancelled"))
+
+
+def test_a_workflow_run_is_inserted_once(tx):
+    assert _workflow(tx, "r1") is True
+    assert _workflow(tx, "r1", state='{"other": 1}') is False        # taken: nothing written
+    row = tx.run(PB, "r1")
+    assert (row["type"], row["status"], row["state"]) == ("workflow", "started", '{"stack": []}')
+    assert tx.run(PB, "nope") is None
+
+
+def test_run_depth_counts_the_chain_of_parents(tx):
+    _workflow(tx, "a")
+    _workflow(tx, "b", parent="a")
+    _workflow(tx, "c", parent="b")
+    assert [tx.run_depth(PB, r) for r in ("a", "b", "c")] == [1, 2, 3]
+
+
+def test_a_step_is_guarded_by_the_state_it_read(tx):
+    _workflow(tx, "r1", state="s0")
+    assert tx.step_workflow(PB, "r1", read="s0", state="s1", status=S.WAITING) is True
+    assert (tx.run(PB, "r1")["state"], tx.run(PB, "r1")["status"]) == ("s1", "waiting")
+    # A second step computed from the old state moved nothing.
+    assert tx.step_workflow(PB, "r1", read="s0", state="s2", status=S.STARTED) is False
+    assert tx.run(PB, "r1")["state"] == "s1"
+    # An ended run takes no step, even from the state it holds.
+    _end(tx, "r1")
+    assert tx.step_workflow(PB, "r1", read="s1", state="s3", status=S.STARTED) is False
+    assert tx.run(PB, "r1")["state"] == "s1"
+
+
+def test_a_step_that_saw_its_child_live_wants_it_live_still(tx):
+    _workflow(tx, "parent", state="s0")
+    _workflow(tx, "child", parent="parent")
+    assert tx.step_workflow(PB, "parent", read="s0", state="s1", status=S.WAITING, live_child="child") is True
+    _end(tx, "child")
+    assert tx.step_workflow(PB, "parent", read="s1", state="s2", status=S.WAITING, live_child="child") is False
+    assert tx.run(PB, "parent")["state"] == "s1"
+    assert tx.step_workflow(PB, "parent", read="s1", state="s2", status=S.STARTED) is True
+
+
+def test_only_a_live_workflow_or_request_child_is_cancelled(tx):
+    _workflow(tx, "wf")
+    assert tx.child_to_cancel(PB, "wf")["run_id"] == "wf"
+    # A run without a request (a system call in flight) ends alone.
+    tx.conn.execute("INSERT INTO runs (playbook, run_id, type, name, version, input, input_sha, status, created_at,"
+               " created_by) VALUES (?, 'sys', 'interaction', 'call', 1, '{}', 'sha', 'started', 1, 'tok_x')", (PB,))
+    assert tx.child_to_cancel(PB, "sys") is None
+    _end(tx, "wf")
+    assert tx.child_to_cancel(PB, "wf") is None
+    assert tx.child_to_cancel(PB, "missing") is None
+
+
+def test_a_login_link_is_spent_once_and_a_session_ends_once(tx):
+    _, link = itd.create_token(tx, "writer", PB, "inbox login", purpose="login", now=10)
+    digest = itd.sha256_hex(link)
+    assert tx.token_known(digest) and tx.caller_token(digest) is None     # a link is no caller
+    row = tx.spend_login(digest, 20)
+    assert (row["role"], row["playbook"]) == ("writer", PB)
+    assert tx.spend_login(digest, 30) is None and not tx.token_known(digest)
+    _, session = itd.create_token(tx, "writer", PB, "inbox session", purpose="session", now=20)
+    sdigest = itd.sha256_hex(session)
+    assert tx.caller_token(sdigest)["used_at"] == 20
+    assert tx.touch_session(tx.caller_token(sdigest)["id"], 80) is True
+    assert tx.touch_session(tx.caller_token(sdigest)["id"], 50) is False    # an earlier use never goes back
+    assert tx.caller_token(sdigest)["used_at"] == 80
+    assert tx.end_session(sdigest, 90) is True
+    assert tx.end_session(sdigest, 95) is False and tx.caller_token(sdigest) is None
+
+
+def test_tokens_are_revoked_once_and_login_links_all_together(tx):
+    token_id, secret = itd.create_token(tx, "reader", PB, "ci", now=1)
+    _, l1 = itd.create_token(tx, "operator", None, "inbox login", purpose="login", now=2)
+    _, l2 = itd.create_token(tx, "operator", None, "inbox login", purpose="login", now=3)
+    assert [r["id"] for r in tx.listed_tokens()] == [token_id]             # login links are not listed
+    assert tx.revoke_logins(4) == 2 and tx.revoke_logins(5) == 0
+    assert not tx.token_known(itd.sha256_hex(l1)) and not tx.token_known(itd.sha256_hex(l2))
+    assert tx.revoke_token(token_id, 6) is True
+    assert tx.revoke_token(token_id, 7) is False
+    assert tx.listed_tokens()[0]["revoked_at"] == 6 and not tx.token_known(itd.sha256_hex(secret))
+
+
+# Events, timers, readings and the rest of the operations, on each backend.
+
+
+def test_events_take_increasing_ids_and_a_gap_free_run_seq(tx):
+    _workflow(tx, "r1")
+    fx = itd.Effects()
+    ids = [tx.append_event(fx, PB, "r1", "step", NOW + i, "tok_x", {"i": i}) for i in range(3)]
+    own = tx.append_event(fx, PB, None, "definition_saved", NOW, "tok_x", {"name": "x"})
+    assert ids == sorted(ids) and own > ids[-1] and tx.last_event_id() == own
+    assert [e["id"] for e in fx.published] == [*ids, own] and fx.published[0]["payload"] == {"i": 0}
+    rows = tx.run_events(PB, "r1", after=0, limit=10)
+    assert [(r["run_seq"], r["type"]) for r in rows] == [(1, "step"), (2, "step"), (3, "step")]
+    assert tx.run(PB, "r1")["events"] == 3
+    _end(tx, "r1")                                # the ending counts its own run_seq
+    assert tx.run_events(PB, "r1", after=ids[-1], limit=10)[-1]["run_seq"] == 4
+    assert [r["id"] for r in tx.run_events(PB, "r1", after=ids[0], limit=1)] == [ids[1]]
+    assert [r["id"] for r in tx.playbook_events(PB, type_=None, after=0, limit=10)] == [own]
+    assert tx.playbook_events(PB, type_="other", after=0, limit=10) == []
+    after = tx.events_after(ids[0], types=["step", "definition_saved"], playbooks=[PB], limit=10)
+    assert [r["id"] for r in after] == [ids[1], ids[2], own]
+    assert tx.event(PB, own)["payload"] == '{"name":"x"}' and tx.event("acme/other", own) is None
+
+
+def test_a_timer_is_set_moved_taken_once_and_dropped(tx):
+    fx = itd.Effects()
+    tx.set_timer(fx, "expire:x:r1", NOW + 10)
+    tx.set_timer(fx, "expire:x:r1", NOW + 20)                 # set again: moved, not doubled
+    tx.set_timer(fx, "attempt:x:r2", NOW + 5)
+    assert tx.timer_due("expire:x:r1") == NOW + 20 and tx.timer_due("nope") is None
+    assert sorted(tx.all_timers()) == [("attempt:x:r2", NOW + 5), ("expire:x:r1", NOW + 20)]
+    assert not tx.take_timer(fx, "expire:x:r1", NOW + 19)     # not due yet
+    assert tx.take_timer(fx, "expire:x:r1", NOW + 20)
+    assert not tx.take_timer(fx, "expire:x:r1", NOW + 99)     # once
+    tx.drop_timer(fx, "attempt:x:r2")
+    assert tx.all_timers() == []
+    assert fx.timers[-1] == ("attempt:x:r2", None) and ("expire:x:r1", NOW + 20) in fx.timers
+
+
+def test_a_reading_is_shared_keeps_the_longest_wait_and_sees_a_reply_once(tx):
+    _run_with_request(tx, "d1", deliver=True)
+    _run_with_request(tx, "d2", deliver=True)
+    seq1, seq2 = tx.request(PB, "d1")["seq"], tx.request(PB, "d2")["seq"]
+    first = tx.join_reading(seq1, playbook=PB, server="chat", tool="read", conversation="c1", wait_ms=3000)
+    assert tx.count_read(first["id"])["reads"] == 1
+    again = tx.join_reading(seq2, playbook=PB, server="chat", tool="read", conversation="c1", wait_ms=1000)
+    assert again["id"] == first["id"] and again["wait_ms"] == 3000     # the longer wait stays
+    assert tx.reading(first["id"])["reads"] == 0                       # a join restarts the gaps
+    assert tx.join_reading(seq2, playbook=PB, server="chat", tool="read", conversation="c1",
+                           wait_ms=9000)["wait_ms"] == 9000
+    assert [r["run_id"] for r in tx.reading_requests(first["id"])] == ["d1", "d2"]
+    assert tx.see_reply(first["id"], "m1") and not tx.see_reply(first["id"], "m1")
+    tx.read_up_to(first["id"], "m1")
+    assert tx.reading(first["id"])["since"] == "m1" and tx.reading_waited_on(first["id"])
+    assert tx.sent_ids(first["id"]) == []
+    for run_id in ("d1", "d2"):
+        tx.close_request(itd.Effects(), PB, run_id, itd.ENDINGS["cancelled"])
+    assert not tx.reading_waited_on(first["id"])
+
+
+def test_an_attempt_begins_ends_and_fails_guarded_by_its_number(tx):
+    _run_with_request(tx, "d1", deliver=True)
+    row = tx.begin_attempt(PB, "d1", now=NOW)
+    assert (row["delivery_state"], row["attempts"], row["attempt_started_at"]) == ("delivering", 1, NOW)
+    assert tx.begin_attempt(PB, "d1", now=NOW) is None                 # one in flight at a time
+    assert not tx.end_attempt(row["seq"], 2, itd.DeliveryState.DELIVERED, sent_id="s")   # not that attempt
+    assert tx.fail_attempt(row["seq"], spent=False)
+    assert tx.request_by_seq(row["seq"])["delivery_state"] == "retrying"
+    row = tx.begin_attempt(PB, "d1", now=NOW + 1)
+    assert tx.end_attempt(row["seq"], 2, itd.DeliveryState.DELIVERED, sent_conversation="c", sent_id="s",
+                          conversation="c")
+    assert tx.request(PB, "d1")["delivery_state"] == "delivered" and not tx.fail_attempt(row["seq"], spent=True)
+
+
+def test_an_answer_is_recorded_once_on_an_open_request(tx):
+    _run_with_request(tx, "r1")
+    req = tx.request(PB, "r1")
+    fx = itd.Effects()
+    tx.record_answer(fx, req, {"verdict": "approve"}, by="tok_1", now=NOW + 5, reply_id="m9")
+    row = tx.request(PB, "r1")
+    assert (row["answer"], row["answered_by"], row["reply_id"]) == ('{"verdict":"approve"}', "tok_1", "m9")
+    assert tx.event(PB, row["answer_id"])["type"] == "request_answered"
+    assert [v["run_id"] for v in tx.interactions([PB], ["open"], run_id=None, before=None, limit=5)] == ["r1"]
+    tx.close_request(fx, PB, "r1", itd.ENDINGS["answered"])
+    with pytest.raises(itd.Problem) as info:
+        tx.record_answer(itd.Effects(), req, {"verdict": "revise"}, by="tok_2", now=NOW + 6)
+    assert info.value.name == "not_open"
+    assert tx.interactions([PB], ["open"], run_id=None, before=None, limit=5) == []
+    v2 = tx.interaction(req["id"])
+    assert v2["status"] == "answered" and v2["run_input"] == "{}"
+
+
+def test_listings_sort_as_sqlite_does(tx):
+    save = dict(playbook=PB, type_="interaction", overview="o", uses=[], now=NOW, by="tok_1")
+    for name in ("b-x", "a_y", "B", "ab"):
+        tx.save_definition(name=name, source=name, sha=name, description=f"{name} 1", **save)
+    tx.save_definition(name="ab", source="ab2", sha="ab2", description="ab 2", **save)
+    listed = [(r["name"], r["version"], r["description"]) for r in tx.list_definitions(PB, "interaction")]
+    assert listed == [("B", 1, "B 1"), ("a_y", 1, "a_y 1"), ("ab", 2, "ab 2"), ("b-x", 1, "b-x 1")]
+    assert tx.list_definitions(PB, "workflow") == [] and len(tx.list_definitions(PB)) == 4
+    assert tx.defined_names(PB) == {("interaction", n) for n in ("b-x", "a_y", "B", "ab")}
+    assert tx.definition_source(PB, "interaction", "ab", 1) == "ab"
+    for party in ("bob", "Ann", "ann"):
+        _run_with_request(tx, f"r-{party}")
+        tx.conn.execute("UPDATE requests SET party = ? WHERE run_id = ?", (party, f"r-{party}"))
+    assert [(r["party"], r["n"]) for r in tx.open_counts_by_party(PB)] == [("Ann", 1), ("ann", 1), ("bob", 1)]
+
+
+def test_workflows_calling_a_definition_are_found_by_their_uses(tx):
+    save = dict(playbook=PB, type_="workflow", overview="o", description=None, now=NOW, by="tok_1")
+    tx.save_definition(name="flow-b", source="b", sha="b", uses=[["interaction", "approve"]], **save)
+    tx.save_definition(name="flow-a", source="a", sha="a", uses=[["workflow", "x"], ["interaction", "approve"]],
+                       **save)
+    tx.save_definition(name="flow-c", source="c", sha="c", uses=[["workflow", "approve"]], **save)
+    assert [(r["name"], r["version"]) for r in tx.workflows_calling(PB, "interaction", "approve")] == [
+        ("flow-a", 1), ("flow-b", 1)]
+    tx.deactivate_definition(PB, "workflow", "flow-a")
+    assert [r["name"] for r in tx.workflows_calling(PB, "interaction", "approve")] == ["flow-b"]
+
+
+def test_prune_drops_old_keys_and_ended_sessions(tx):
+    keep = int(itd.IDEMPOTENCY_KEEP.total_seconds() * 1000)
+    tx.remember_response(caller="tok_1", key="k1", body_sha="s", response={"ok": 1}, now=NOW)
+    tx.remember_response(caller="tok_1", key="k2", body_sha="s", response={"ok": 2}, now=NOW + keep)
+    _, session = itd.create_token(tx, "writer", PB, "inbox session", purpose="session", now=NOW)
+    assert tx.idempotent_response("tok_1", "k1")["response"] == '{"ok":1}'
+    assert tx.prune(now=NOW + keep) == (1, 1)                  # the session was idle past 12 h
+    assert tx.idempotent_response("tok_1", "k1") is None and tx.idempotent_response("tok_1", "k2")
+    assert tx.caller_token(itd.sha256_hex(session)) is None
+
+
+def test_rows_are_read_by_name_and_by_index(tx):
+    _workflow(tx, "r1")
+    row = tx.run(PB, "r1")
+    assert row["run_id"] == row[list(row.keys()).index("run_id")] == "r1"
+    assert dict(row)["status"] == "started" and len(dict(row)) == len(row.keys())
+    assert tx.conn.execute("SELECT COUNT(*) FROM runs").fetchone()[0] == 1
+
+
+# The store's threads: group commit, effects after the commit, failures.
+
+
+async def test_a_failing_change_rolls_back_alone_and_effects_follow_the_commit(db):
+    store = itd.Store(db)
+    assert isinstance(store, itd.PostgresStore) == itd.is_postgres_url(db)
+    seen: list[itd.Effects] = []
+    store.on_commit = seen.append
+    await store.open()
+    try:
+        await store.write(lambda tx, fx: tx.ensure_playbook(PB, now=NOW))
+
+        def good(name):
+            def change(tx, fx):
+                tx.set_timer(fx, f"expire:{PB}:{name}", NOW)
+                return name
+            return change
+
+        def bad(tx, fx):
+            tx.set_timer(fx, f"expire:{PB}:bad", NOW)
+            tx.conn.execute("INSERT INTO playbooks (id, created_at) VALUES (?, 0)", (PB,))   # taken: fails
+
+        results = await asyncio.gather(store.write(good("a")), store.write(bad), store.write(good("b")),
+                                       return_exceptions=True)
+        assert results[0] == "a" and results[2] == "b" and isinstance(results[1], Exception)
+        keys = await store.read(lambda tx: sorted(k for k, _ in tx.all_timers()))
+        assert keys == [f"expire:{PB}:a", f"expire:{PB}:b"]
+        assert [fx.timers for fx in seen[-2:]] == [[(f"expire:{PB}:a", NOW)], [(f"expire:{PB}:b", NOW)]]
+        with pytest.raises(itd.Problem) as info:                # a Problem raised in a change comes back as it is
+            await store.write(lambda tx, fx: tx.end_run(fx, PB, "nope", S.SUCCEEDED, now=NOW, by="x"))
+        assert info.value.name == "conflict"
+    finally:
+        await store.close()
+
+
+def test_the_schema_is_applied_once_and_again_without_change(db):
+    for _ in range(2):
+        tx = itd.open_sync(db)
+        tx.ensure_playbook(PB, now=NOW)
+        assert [r["id"] for r in tx.conn.execute("SELECT id FROM playbooks").fetchall()] == [PB]
+        tx.close()
+
+
+# PostgreSQL's own.
+
+
+def test_embedded_postgres_schema_equals_the_file():
+    assert itd.POSTGRES_SCHEMA_SQL == (ROOT / "schema-postgres.sql").read_text()
+
+
+def test_every_migration_since_postgres_has_a_postgres_step():
+    sqlite_steps = {v for v, _ in itd.MIGRATIONS if v > itd.POSTGRES_FIRST_VERSION}
+    assert sqlite_steps == {v for v, _ in itd.POSTGRES_MIGRATIONS}
+    assert itd.POSTGRES_FIRST_VERSION <= itd.SCHEMA_VERSION
+
+
+def test_placeholders_become_psycopgs_once_per_statement():
+    assert itd._pg_sql("SELECT ? WHERE x LIKE '5%' AND y = ?") == "SELECT %s WHERE x LIKE '5%%' AND y = %s"
+    assert itd._pg_sql("SELECT ? WHERE x LIKE '5%' AND y = ?") is itd._pg_sql("SELECT ? WHERE x LIKE '5%' AND y = ?")
+
+
+def test_a_postgres_url_is_shown_without_its_password():
+    assert itd.postgres_url_shown("postgresql://ann:s3cret@db:5432/itd") == "postgresql://ann:***@db:5432/itd"
+    assert itd.postgres_url_shown("postgresql:///itd") == "postgresql:///itd"
+    assert not itd.is_postgres_url("interactiond.db") and itd.is_postgres_url("postgres://h/d")
+
+
+@pytest.fixture
+def pg_url():
+    from daemon_kit import fresh_postgres
+
+    with fresh_postgres() as url:
+        yield url
+
+
+def test_a_postgres_database_records_its_schema_version(pg_url):
+    tx = itd.open_sync(pg_url)
+    try:
+        assert tx.conn.execute("SELECT version FROM schema_version").fetchall()[0][0] == itd.SCHEMA_VERSION
+    finally:
+        tx.close()
+
+
+async def test_a_write_held_up_past_the_lock_timeout_is_unavailable_and_writes_nothing(pg_url, monkeypatch):
+    import psycopg
+
+    monkeypatch.setattr(itd, "PG_LOCK_TIMEOUT_MS", 200)
+    store = itd.Store(pg_url)
+    await store.open()
+    other = psycopg.connect(pg_url, autocommit=True)
+    try:
+        with other.transaction():            # another daemon's write transaction, long
+            other.execute("SELECT pg_advisory_xact_lock(%s)", (itd._PG_WRITE_LOCK,))
+            with pytest.raises(itd.Problem) as info:
+                await store.write(lambda tx, fx: tx.ensure_playbook(PB, now=NOW))
+        assert (info.value.name, info.value.status, info.value.kind) == ("unavailable", 503, "database_busy")
+        assert await store.read(lambda tx: tx.conn.execute("SELECT COUNT(*) FROM playbooks").fetchone()[0]) == 0
+        await store.write(lambda tx, fx: tx.ensure_playbook(PB, now=NOW))      # the lock gone: written
+        assert await store.read(lambda tx: tx.conn.execute("SELECT COUNT(*) FROM playbooks").fetchone()[0]) == 1
+    finally:
+        other.close()
+        await store.close()
+
+
+async def test_a_lost_connection_is_opened_again(pg_url):
+    import psycopg
+
+    store = itd.Store(pg_url)
+    await store.open()
+    admin = psycopg.connect(pg_url, autocommit=True)
+    try:
+        await store.write(lambda tx, fx: tx.ensure_playbook(PB, now=NOW))
+        # The server drops both of the store's connections (a restart, a failover, an idle cut).
+        killed = admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname ="
+                               " current_database() AND pid <> pg_backend_pid() AND application_name = 'interactiond'"
+                               ).fetchall()
+        assert len(killed) == 2
+        # A write finds out at BEGIN, before anything of it ran, and opens the connection again.
+        await store.write(lambda tx, fx: tx.ensure_playbook("acme/other", now=NOW))
+        # A reading that finds its connection gone answers unavailable; the next one reads again.
+        with pytest.raises(itd.Problem) as info:
+            await store.read(lambda tx: tx.conn.execute("SELECT COUNT(*) FROM playbooks").fetchone()[0])
+        assert (info.value.status, info.value.kind) == (503, "database_unreachable")
+        assert await store.read(lambda tx: tx.conn.execute("SELECT COUNT(*) FROM playbooks").fetchone()[0]) == 2
+    finally:
+        admin.close()
+        await store.close()
