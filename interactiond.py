@@ -3493,6 +3493,9 @@ def open_sync(path: str) -> "SQLiteTx":
     return SQLiteTx(conn)
 
 
+#: What a database failure raises below the store, for the command line to say in one line.
+STORE_ERRORS: Final = (sqlite3.Error,)
+
 #: A row as the store gives it: read by column name (`row["status"]`), whatever the backend.
 Row = Mapping[str, Any]
 
@@ -11505,7 +11508,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interactiond: interrupted", file=sys.stderr)
         return 130
-    except (OSError, sqlite3.Error) as exc:         # a file or the database, as the system said it
+    except (OSError, *STORE_ERRORS) as exc:         # a file or the database, as the system said it
         print(f"interactiond: {getattr(exc, 'filename', None) or 'the database'}: "
               f"{getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
         return EXIT_REFUSED
