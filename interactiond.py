@@ -5725,8 +5725,19 @@ def rerun_check(row: Row, type_: str, name: str, input_sha: str) -> dict[str, An
     return run_object(row)
 
 
-class _EngineDefinitions:
-    """Saving, reading, listing and deactivating definitions (a part of Engine)."""
+class Definitions:
+    """Saving, reading, listing and deactivating definitions, and the cache of their parsed documents.
+
+    `kinds` is the engine's registry of run kinds (filled once the engine is built): a definition
+    of such a type is parsed, checked and described by its kind.
+    """
+
+    def __init__(self, store: Store, clock: Clock, kinds: dict[str, RunKind]) -> None:
+        self.store = store
+        self.clock = clock
+        self.kinds = kinds
+        self._docs: OrderedDict[tuple[str, str, str, int], Any] = OrderedDict()
+        self._current: dict[tuple[str, str, str], tuple[int, Any] | None] = {}
 
     # -- definitions ----------------------------------------------------------------------------
 
@@ -5856,8 +5867,22 @@ class _EngineDefinitions:
             raise not_found(f"no active {type_} named {name!r} in this playbook")
         return {"playbook": playbook, "type": type_, "name": name, "active": False}
 
-class _EngineRuns:
-    """Starting runs, reading, waiting for and cancelling them (a part of Engine)."""
+class Runs:
+    """Starting runs, reading, waiting for and cancelling them.
+
+    A system call is run by `system_calls`; a run of a registered kind (`kinds`) by its kind.
+    """
+
+    def __init__(self, store: Store, clock: Clock, bus: LocalBus, definitions: Definitions,
+                 system_calls: SystemCalls, kinds: dict[str, RunKind], open_limit: int) -> None:
+        self.store = store
+        self.clock = clock
+        self.bus = bus
+        self.definitions = definitions
+        self.system_calls = system_calls
+        self.kinds = kinds
+        self.open_limit = open_limit
+        self._stopping = False                # shutdown: long polls answer at once (set by Engine)
 
     # -- runs -----------------------------------------------------------------------------------
 
@@ -5928,7 +5953,7 @@ class _EngineRuns:
         `parent` is the workflow run that starts this one as a step; its ending wakes that run.
         """
         caller.require(Role.WRITER)
-        self._check_def_name(type_, name)
+        self.definitions._check_def_name(type_, name)
         if run_id is not None and (not isinstance(run_id, str) or not RUN_ID_RE.fullmatch(run_id)):
             raise Problem("invalid_request", "run_id is 1 to 128 of A-Z a-z 0-9 _ . : -",
                           errors=[{"pointer": "/run_id", "message": "1 to 128 of A-Z a-z 0-9 _ . : -"}])
@@ -5936,7 +5961,7 @@ class _EngineRuns:
         input_text = dumps(input_)                      # once: for the bound and for the row
         if len(input_text.encode()) > MAX_BODY_BYTES or json_depth(input_) > MAX_JSON_DEPTH:
             raise Problem("too_large", "the input is too large or too deep")
-        version, doc = await self.document(playbook, type_, name)
+        version, doc = await self.definitions.document(playbook, type_, name)
         run_id = run_id or new_run_id()  # known before rendering: deliver.with may read it
         input_sha = sha256_hex(json.dumps(input_, sort_keys=True, separators=(",", ":"), ensure_ascii=False))
         now = self.clock.now_ms()
@@ -5946,8 +5971,8 @@ class _EngineRuns:
             return await self.kinds[type_].start(caller, playbook, name, version, doc, input_, run_id, input_text,
                                                  input_sha, parent)
         if doc.shape is Shape.SYSTEM:
-            return await self._run_system(caller, playbook, type_, name, version, doc, input_, run_id,
-                                          input_text, input_sha, parent=parent)
+            return await self.system_calls._run_system(caller, playbook, type_, name, version, doc, input_, run_id,
+                                                       input_text, input_sha, parent=parent)
         else:
             try:
                 prepared = self._prepare_request(doc, input_, now)
@@ -5958,9 +5983,9 @@ class _EngineRuns:
             except Problem as exc:
                 ending = exc
             if doc.deliver is not None and ending is None:
-                ending = self._check_offered(playbook, doc.deliver.server,
-                                             [doc.deliver.tool] + ([doc.replies.tool] if doc.replies else [])
-                                             + ([doc.replies.tell.tool] if doc.replies and doc.replies.tell else []))
+                ending = self.system_calls._check_offered(playbook, doc.deliver.server,
+                                                          [doc.deliver.tool] + ([doc.replies.tool] if doc.replies else [])
+                                                          + ([doc.replies.tell.tool] if doc.replies and doc.replies.tell else []))
         limit = self.open_limit
 
         def change(tx: Tx, fx: Effects) -> tuple[dict[str, Any], bool]:
@@ -6079,8 +6104,15 @@ class _EngineRuns:
         return _page([run_object(r) for r in rows[:n]], rows, n, lambda: [rows[n - 1]["seq"]])
 
 
-class _EngineSystemCalls:
-    """The tool servers as a playbook sees them, and functions that ask a system (a part of Engine)."""
+class SystemCalls:
+    """The tool servers as a playbook sees them (`config.playbooks` says which it may use), one tool
+    called at once (execute), and functions that ask a system."""
+
+    def __init__(self, store: Store, clock: Clock, tools: ToolServers, config: Config) -> None:
+        self.store = store
+        self.clock = clock
+        self.tools = tools
+        self.config = config
 
     # -- tool servers ---------------------------------------------------------------------------
 
@@ -6305,8 +6337,15 @@ class IdempotencyKey:
     response: Callable[[Row], dict[str, Any]]       # what a new answer keeps under it, from the closed request
 
 
-class _EngineInbox:
-    """Open requests, their answers, and the events of runs and playbooks (a part of Engine)."""
+class Inbox:
+    """Open requests, their answers, and the events of runs and playbooks. An answer is checked and
+    kept as scrubbed by `tools.scrub`; a run's events are listed once `runs` finds the run."""
+
+    def __init__(self, store: Store, clock: Clock, tools: ToolServers, runs: Runs) -> None:
+        self.store = store
+        self.clock = clock
+        self.tools = tools
+        self.runs = runs
 
     # -- the inbox ------------------------------------------------------------------------------
 
@@ -6423,7 +6462,7 @@ class _EngineInbox:
                               cursor: str | None = None) -> dict[str, Any]:
         n = check_limit(limit)
         after = decode_cursor(cursor)[0] if cursor else 0
-        await self.get_run(caller, playbook, run_id)
+        await self.runs.get_run(caller, playbook, run_id)
         rows = await self.store.read(lambda tx: tx.run_events(playbook, run_id, after=after, limit=n + 1))
         return _page([event_object(r) for r in rows[:n]], rows, n, lambda: [rows[n - 1]["id"]])
 
@@ -6442,8 +6481,18 @@ class _EngineInbox:
         return event_object(row, whole=True)
 
 
-class _EngineDeliveries:
-    """Sending requests through a tool: attempts, retries, lost attempts (a part of Engine)."""
+class Deliveries:
+    """Sending requests through a tool: attempts, retries, lost attempts. A delivered question whose
+    replies are read joins its conversation's reading (`readings`)."""
+
+    def __init__(self, store: Store, clock: Clock, tools: ToolServers, definitions: Definitions,
+                 readings: Readings) -> None:
+        self.store = store
+        self.clock = clock
+        self.tools = tools
+        self.definitions = definitions
+        self.readings = readings
+        self._inflight: set[tuple[str, str]] = set()     # attempts running in this process
 
     # -- delivery -------------------------------------------------------------------------------
     #
@@ -6451,9 +6500,6 @@ class _EngineDeliveries:
     # (size and digest of the arguments) and arms a `lost` timer a minute ahead; the second records
     # how it ended and schedules what follows. A restart between the two leaves the `lost` timer,
     # which counts the attempt as failed and schedules the next. No transaction spans the call.
-
-    async def _request_doc(self, req: Row) -> Any:
-        return (await self.document(req["playbook"], req["type"], req["name"], req["version"]))[1]
 
     async def _attempt(self, playbook: str, run_id: str, key: str) -> None:
         now = self.clock.now_ms()
@@ -6509,7 +6555,7 @@ class _EngineDeliveries:
 
     async def _end_attempt(self, req: Row, outcome: dict[str, Any]) -> None:
         playbook, run_id = req["playbook"], req["run_id"]
-        doc = await self._request_doc(req)
+        _, doc = await self.definitions.document(playbook, req["type"], req["name"], req["version"])
         now = self.clock.now_ms()
         sent_conv = sent_id = conversation = None
         if outcome.get("ok") and doc.deliver.sent is not None:
@@ -6557,7 +6603,7 @@ class _EngineDeliveries:
                     tx.close_request(fx, playbook, run_id, ENDINGS["notified"])
                     tx.end_run(fx, playbook, run_id, RunStatus.SUCCEEDED, now=now, by="interactiond", output={})
                 elif conversation is not None:
-                    self._join_reading(tx, fx, row, doc, conversation, now)
+                    self.readings._join_reading(tx, fx, row, doc, conversation, now)
                 return
             self._after_failed_attempt(tx, fx, row, now, outcome.get("retry_after_ms"),
                                        spent="refused" in outcome)
@@ -6604,8 +6650,19 @@ class _EngineDeliveries:
         await self.store.write(change)
 
 
-class _EngineReadings:
-    """Reading replies in conversations and taking answers from them (a part of Engine)."""
+class Readings:
+    """Reading replies in conversations and taking answers from them: an answer found is recorded
+    as `inbox` records any answer."""
+
+    def __init__(self, store: Store, clock: Clock, tools: ToolServers, definitions: Definitions,
+                 inbox: Inbox) -> None:
+        self.store = store
+        self.clock = clock
+        self.tools = tools
+        self.definitions = definitions
+        self.inbox = inbox
+        #: `observe("read", playbook, ok or why it failed)` after each read (Engine.observe sets it).
+        self.observe: Callable[[str, str, str], None] | None = None
 
     # -- reading replies --------------------------------------------------------------------------
     #
@@ -6647,7 +6704,7 @@ class _EngineReadings:
         for r in reqs:
             key_ = (r["playbook"], r["type"], r["name"], r["version"])
             if key_ not in docs:
-                docs[key_] = await self._request_doc(r)
+                docs[key_] = (await self.definitions.document(*key_))[1]
         doc = docs[(oldest["playbook"], oldest["type"], oldest["name"], oldest["version"])]
         replies = doc.replies
         ctx = {"to": oldest["party"], "sent": {"conversation": oldest["sent_conversation"], "id": oldest["sent_id"]},
@@ -6713,7 +6770,7 @@ class _EngineReadings:
             key = (req["playbook"], req["type"], req["name"], req["version"])
             if key not in docs:
                 source = tx.definition_source(*key)
-                docs[key] = self.parsed(*key, source) if source is not None else None
+                docs[key] = self.definitions.parsed(*key, source) if source is not None else None
             return docs[key]
 
         playbook = reading["playbook"]
@@ -6770,7 +6827,7 @@ class _EngineReadings:
                              ("Your reply could not be taken: " + "; ".join(reasons) + ". " + how).strip())
                 continue
             taken += 1
-            self._record_answer(tx, fx, target, answer, None, f"playbook:{playbook}", now, reply_id=m["id"])
+            self.inbox._record_answer(tx, fx, target, answer, None, f"playbook:{playbook}", now, reply_id=m["id"])
         tx.read_up_to(reading["id"], since)
         if counted:
             tx.append_event(fx, playbook, None, "replies_read", now, "interactiond",
@@ -6787,7 +6844,7 @@ class _EngineReadings:
             tellings.append((req, telling))
 
     async def _tell(self, req: Row, telling: str) -> None:
-        doc = await self._request_doc(req)
+        _, doc = await self.definitions.document(req["playbook"], req["type"], req["name"], req["version"])
         tell = doc.replies.tell
         playbook = req["playbook"]
         base = {"server": req["server"], "tool": tell.tool, "run_id": req["run_id"]}
@@ -6820,39 +6877,79 @@ class _EngineReadings:
                                                           {**base, **outcome}))
 
 
-class Engine(_EngineDefinitions, _EngineRuns, _EngineSystemCalls, _EngineInbox, _EngineDeliveries,
-             _EngineReadings):
+class Engine:
     """Every operation of the product, over one store, one clock and one timer task.
 
-    The operations live in the parts above, one class per area; this class holds what they share
-    (the store, the clock, the timer wheel, waiters, caches and tool sessions) and the life cycle.
+    The operations live in the parts above, one class per area, each built here with only what it
+    uses; this class builds them, owns the life cycle (start, stop, settle, advance) and the timer
+    task's dispatch, and answers the operations the sections below call by handing each to its part.
     """
 
     def __init__(self, store: Store, clock: Clock, config: Config) -> None:
         self.store = store
         self.clock = clock
         self.config = config
-        self.open_limit = config.open_requests
         self.bus = store.make_bus(clock)      # LocalBus; on PostgreSQL, a PgBus that hears other daemons too
         store.on_commit = self.bus.deliver
         self.wheel = TimerWheel(clock, self._fire)
         self.bus.on_timer(lambda key, due: self.wheel.cancel(key) if due is None else self.wheel.set(key, due))
         self.bus.on_invalidate(self._invalidate)
-        self._docs: OrderedDict[tuple[str, str, str, int], Any] = OrderedDict()
-        self._current: dict[tuple[str, str, str], tuple[int, Any] | None] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._timer_task: asyncio.Task[None] | None = None
-        self._inflight: set[tuple[str, str]] = set()
-        self._stopping = False                # shutdown: long polls answer at once
-        #: Timer kinds of the sections below the engine, kept in memory only (the MCP sessions' idle check).
-        self.timer_kinds: dict[str, Callable[[str], Any]] = {}
+        #: What fires a timer, by the kind its key starts with (see on_timer).
+        self._timers: dict[str, tuple[Callable[[str, str, str], Any], bool]] = {}
         self.playbooks: set[str] = set(config.playbooks)
         self.tools = ToolServers(config)
-        #: The run kinds of the sections below (Workflows), each made with this engine.
-        self.kinds: dict[str, RunKind] = {type_: make(self) for type_, make in RUN_KINDS.items()}
-        #: `observe(what, playbook, label)` of what the events do not tell: a run started (label: its
-        #: type), a read of replies done (label: ok or why it failed). The metrics set it.
-        self.observe: Callable[[str, str, str], None] | None = None
+        #: The run kinds of the sections below (Workflows), each made with this engine once its parts exist.
+        self.kinds: dict[str, RunKind] = {}
+
+        # The parts; each calls only parts built before it.
+        self.definitions = Definitions(store, clock, self.kinds)
+        self.system_calls = SystemCalls(store, clock, self.tools, config)
+        self.runs = Runs(store, clock, self.bus, self.definitions, self.system_calls, self.kinds, config.open_requests)
+        self.inbox = Inbox(store, clock, self.tools, self.runs)
+        self.readings = Readings(store, clock, self.tools, self.definitions, self.inbox)
+        self.deliveries = Deliveries(store, clock, self.tools, self.definitions, self.readings)
+
+        # The operations the sections below call, each answered by the part that owns it.
+        self.document = self.definitions.document
+        self.create_definition = self.definitions.create_definition
+        self.get_definition = self.definitions.get_definition
+        self.list_definitions = self.definitions.list_definitions
+        self.delete_definition = self.definitions.delete_definition
+        self.get_run = self.runs.get_run
+        self.wait_run = self.runs.wait_run
+        self.cancel_run = self.runs.cancel_run
+        self.cancel_in = self.runs.cancel_in
+        self.list_runs = self.runs.list_runs
+        self.search = self.system_calls.search
+        self.introspect = self.system_calls.introspect
+        self.execute_tool = self.system_calls.execute_tool
+        self.list_interactions = self.inbox.list_interactions
+        self.answer_interaction = self.inbox.answer_interaction
+        self.replayed = self.inbox.replayed
+        self.list_run_events = self.inbox.list_run_events
+        self.list_playbook_events = self.inbox.list_playbook_events
+        self.get_event = self.inbox.get_event
+
+        self.kinds.update((type_, make(self)) for type_, make in RUN_KINDS.items())
+        self.on_timer("expire", self._expire)
+        self.on_timer("attempt", self.deliveries._attempt, side=True)
+        self.on_timer("lost", self.deliveries._lost)
+        self.on_timer("read", lambda playbook, ref, key: self.readings._read(playbook, int(ref), key), side=True)
+        self.on_timer("prune", lambda playbook, ref, key: self._prune(key))
+        for type_, kind in self.kinds.items():    # e.g. a workflow run to move on (started, woken, or due)
+            self.on_timer(type_, lambda playbook, ref, key, kind=kind: kind.on_timer(playbook, ref), side=True)
+
+    @property
+    def observe(self) -> Callable[[str, str, str], None] | None:
+        """`observe(what, playbook, label)` of what the events do not tell: a run started (label: its
+        type), a read of replies done (label: ok or why it failed). The metrics set it."""
+        return self.readings.observe
+
+    @observe.setter
+    def observe(self, fn: Callable[[str, str, str], None] | None) -> None:
+        self.readings.observe = fn
 
     # -- life ---------------------------------------------------------------------------------
 
@@ -6871,7 +6968,7 @@ class Engine(_EngineDefinitions, _EngineRuns, _EngineSystemCalls, _EngineInbox, 
             # read-only tool's run is unfinished, any other tool may have acted (effect_unknown).
             for playbook, run_id, started in tx.system_calls_in_flight():
                 read_only = bool(started and started.get("read_only"))
-                problem = self._unfinished(read_only, "lost", "the daemon stopped while the call was in flight")
+                problem = self.system_calls._unfinished(read_only, "lost", "the daemon stopped while the call was in flight")
                 tx.end_run(fx, playbook, run_id, _status_of(problem), now=now, by="interactiond",
                            kind=problem.kind, problem=problem)
             # Recount open requests: the counter is a cache of requests.open.
@@ -6885,11 +6982,11 @@ class Engine(_EngineDefinitions, _EngineRuns, _EngineSystemCalls, _EngineInbox, 
 
     def end_waits(self) -> None:
         """At shutdown: every long poll answers now with its run as it stands, and none waits again."""
-        self._stopping = True
+        self.runs._stopping = True
         self.bus.end_waits()
 
     async def stop(self) -> None:
-        self._stopping = True
+        self.runs._stopping = True
         if self._timer_task is not None:
             self._timer_task.cancel()
             await asyncio.gather(self._timer_task, return_exceptions=True)
@@ -6939,7 +7036,7 @@ class Engine(_EngineDefinitions, _EngineRuns, _EngineSystemCalls, _EngineInbox, 
     def _invalidate(self, what: tuple[str, ...]) -> None:
         """A cached thing changed (told by the bus): a definition's current version is read again."""
         if what[0] == "definition":
-            self._current.pop(what[1:], None)
+            self.definitions._current.pop(what[1:], None)
 
     def subscribe(self) -> asyncio.Queue[dict[str, Any]]:
         return self.bus.subscribe()
@@ -6949,8 +7046,8 @@ class Engine(_EngineDefinitions, _EngineRuns, _EngineSystemCalls, _EngineInbox, 
 
     async def run_definition(self, caller: Caller, playbook: str, type_: str, name: str, input_: Any = None,
                              run_id: str | None = None, *, parent: str | None = None) -> tuple[dict[str, Any], bool]:
-        """Start a run (see _EngineRuns.run_definition), told to `observe` when this call started it."""
-        run, fresh = await super().run_definition(caller, playbook, type_, name, input_, run_id, parent=parent)
+        """Start a run (see Runs.run_definition), told to `observe` when this call started it."""
+        run, fresh = await self.runs.run_definition(caller, playbook, type_, name, input_, run_id, parent=parent)
         if fresh and self.observe is not None:
             self.observe("run_started", playbook, type_)
         return run, fresh
@@ -6966,26 +7063,24 @@ class Engine(_EngineDefinitions, _EngineRuns, _EngineSystemCalls, _EngineInbox, 
 
     # -- timers ---------------------------------------------------------------------------------
 
+    def on_timer(self, kind: str, handler: Callable[[str, str, str], Any], *, side: bool = False) -> None:
+        """Fire timers whose key is `kind:<playbook>:<ref>` with `await handler(playbook, ref, key)`:
+        within the firing, or with `side` as a task of its own (one that calls a tool, or may take
+        long). The engine's own kinds and the run kinds register here as it is built; a section below
+        registers its own (the MCP sessions' idle check, `mcp`), kept in memory only."""
+        self._timers[kind] = (handler, side)
+
     async def _fire(self, keys: list[str]) -> None:
         jobs = []
         for key in keys:
             kind, playbook, ref = key.split(":", 2)
-            if kind == "expire":
-                jobs.append(self._expire(playbook, ref, key))
-            elif kind == "attempt":
-                self.spawn(self._attempt(playbook, ref, key), f"attempt {ref}")
-            elif kind == "lost":
-                jobs.append(self._lost(playbook, ref, key))
-            elif kind == "read":
-                self.spawn(self._read(playbook, int(ref), key), f"read {ref}")
-            elif kind in self.kinds:        # e.g. a workflow run to move on (started, woken, or due)
-                self.spawn(self.kinds[kind].on_timer(playbook, ref), f"{kind} {ref}")
-            elif kind == "prune":
-                jobs.append(self._prune(key))
-            elif kind in self.timer_kinds:
-                jobs.append(self.timer_kinds[kind](key))
-            else:
+            handler, side = self._timers.get(kind, (None, False))
+            if handler is None:
                 log.warning("timer of unknown kind %s dropped", kind)
+            elif side:
+                self.spawn(handler(playbook, ref, key), f"{kind} {ref}")
+            else:
+                jobs.append(handler(playbook, ref, key))
         if jobs:
             await asyncio.gather(*jobs, return_exceptions=True)
 
@@ -9405,7 +9500,7 @@ class McpSessions:
         self.armed: int | None = None
         self.uses = 0
         self.idle_ms = int(MCP_SESSION_IDLE.total_seconds() * 1000)
-        engine.timer_kinds["mcp"] = self.sweep
+        engine.on_timer("mcp", lambda playbook, ref, key: self.sweep(key))
 
     def owned(self, sid: str, caller: Caller) -> McpSession | None:
         """The session `sid` of this caller; 404 when another token owns it."""
