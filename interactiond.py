@@ -23,7 +23,10 @@ The module reads top to bottom, each section using only those above it:
     Store                     the schema and migrations, one writer with group commit, a reader, and
                               SQLiteTx: every SQL statement, as named, guarded operations
     Tool servers              MCP client sessions, one owner task per server
-    Engine                    runs, requests, deliveries, readings, the timer task
+    Engine                    the timer task and six parts - Definitions, Runs, SystemCalls,
+                              Inbox, Deliveries, Readings - each built with only what it uses,
+                              behind Engine: it builds them, starts and stops, fires the timers
+                              and answers every operation the sections below call
     Workflows                 the workflow language, its checker and its step-by-step executor
     HTTP API                  aiohttp routes, problem+json, auth, OpenAPI
     MCP server                the same operations as MCP tools over three transports
@@ -41,6 +44,14 @@ How to change it:
                               the INSERT in SQLiteTx.insert_run, and one line in run_object
     a state change            an operation of SQLiteTx: one UPDATE guarded by the states it may
                               leave (allowed_from), whose empty RETURNING means "not allowed"
+    an engine operation       a method of the part whose area it is, given in its __init__ only
+                              what it uses (a part it calls is built before it and passed in);
+                              if a section below calls it, one line in Engine.__init__ hands it on
+    a timer                   a key `kind:<playbook>:<ref>` set inside a change (tx.set_timer),
+                              and one Engine.on_timer(kind, handler) saying what fires it
+    a kind of run             a RunKind registered in RUN_KINDS (as Workflows does)
+    a problem type            one entry of PROBLEM_TYPES, and its name in README.md (the tests
+                              check every name the module raises is in both)
 """
 
 from __future__ import annotations
@@ -5361,12 +5372,25 @@ class ToolServers:
 
 # Engine #########################################################################################
 #
-# Theory of operation. Every operation of the product is one method of `Engine`; the HTTP routes
-# and the MCP tools are thin adapters over them. A method does its pure work on the event loop
-# (parse, validate, render), then hands the store ONE change that re-reads what it depends on,
-# guards every transition in SQL (`UPDATE ... WHERE status = 'open'`), writes the rows and appends
-# the events together. What the change means in memory - a timer to arm, a waiter to wake, an event
-# to stream - is applied after the commit (see Effects).
+# Theory of operation. Every operation of the product is one method of a part of the engine, and
+# `Engine` answers it; the HTTP routes and the MCP tools are thin adapters over them. The parts,
+# each built with only what it uses and calling only parts built before it:
+#
+#     Definitions    saving and reading definitions; the cache of parsed documents
+#     SystemCalls    the tool servers a playbook sees; execute; functions that ask a system
+#     Runs           starting, waiting for, cancelling and listing runs (Definitions, SystemCalls)
+#     Inbox          open requests, answers, events (Runs)
+#     Readings       reading replies in conversations, taking answers from them (Definitions, Inbox)
+#     Deliveries     attempts to send a request through a tool (Definitions, Readings)
+#
+# `Engine` builds them, owns the life cycle and the timer task, and routes each due timer by the
+# kind its key starts with to the handler registered with `on_timer`.
+#
+# A method does its pure work on the event loop (parse, validate, render), then hands the store
+# ONE change that re-reads what it depends on, guards every transition in SQL (`UPDATE ... WHERE
+# status = 'open'`), writes the rows and appends the events together. What the change means in
+# memory - a timer to arm, a waiter to wake, an event to stream - is applied after the commit (see
+# Effects).
 #
 # Time: one `TimerWheel` task sleeps until the earliest due time and is woken when an earlier one
 # is added or the manual clock moves. The due times live in the `timers` table, so a restart loads
