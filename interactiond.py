@@ -6129,8 +6129,8 @@ class Runs:
 
 
 class SystemCalls:
-    """The tool servers as a playbook sees them (`config.playbooks` says which it may use), one tool
-    called at once (execute), and functions that ask a system."""
+    """The tool servers as a playbook sees them (`config.playbooks` says which it may use), a tool
+    called directly (execute), and functions that ask a system."""
 
     def __init__(self, store: Store, clock: Clock, tools: ToolServers, config: Config) -> None:
         self.store = store
@@ -6927,7 +6927,7 @@ class Engine:
         #: The run kinds of the sections below (Workflows), each made with this engine once its parts exist.
         self.kinds: dict[str, RunKind] = {}
 
-        # The parts; each calls only parts built before it.
+        # The parts; each calls only parts built before it (and the run kinds, made last).
         self.definitions = Definitions(store, clock, self.kinds)
         self.system_calls = SystemCalls(store, clock, self.tools, config)
         self.runs = Runs(store, clock, self.bus, self.definitions, self.system_calls, self.kinds, config.open_requests)
