@@ -301,6 +301,7 @@ PROBLEM_TYPES: Final[dict[str, tuple[int, str, str]]] = {
     "unavailable": (503, "Unavailable", "A tool server or a limit of the daemon stopped the run before anything was sent; it may be run again."),
     "unanswered": (410, "Unanswered", "Nobody answered the request before it expired, or a notification could not be delivered."),
     "cancelled": (410, "Cancelled", "The run was cancelled."),
+    "declined": (410, "Declined", "The person asked to approve a tool call refused it; the tool was not called. The note, if any, is in the detail."),
     "failed": (500, "Failed", "The daemon itself broke down while running."),
     "timeout": (408, "Timeout", "A workflow task ran out of time."),
     "idempotency_key_required": (400, "Idempotency key required", "Responding on the typed API needs an Idempotency-Key header, so that a retried request cannot answer twice."),
@@ -466,6 +467,8 @@ class EventType(str, enum.Enum):
     TOOL_CALL_STARTED = "tool_call_started"
     TOOL_CALL_ANSWERED = "tool_call_answered"
     TOOL_CALL_FAILED = "tool_call_failed"
+    APPROVAL_REQUESTED = "approval_requested"              # a call waits for a person's approval
+    APPROVAL_ANSWERED = "approval_answered"                # approved (the call follows) or refused
     TASK_STARTED = "task_started"
     TASK_COMPLETED = "task_completed"
     TASK_FAULTED = "task_faulted"
@@ -557,6 +560,7 @@ ENDINGS: Final[dict[str, Ending]] = {e.name: e for e in (
     Ending("expired",          _S.REJECTED,   "expired",          _R.EXPIRED,    "unanswered",       410, "expired",   "interaction.expired",    410),
     Ending("undelivered",      _S.REJECTED,   "undelivered",      _R.UNDELIVERED, "unanswered",      410, "expired",   None,                     410),
     Ending("cancelled",        _S.REJECTED,   "cancelled",        _R.CANCELLED,  "cancelled",        410, "cancelled", "interaction.cancelled",  410),
+    Ending("declined",         _S.REJECTED,   "declined",         _R.ANSWERED,   "declined",         410, "answered",  None,                     410),
     Ending("failed",           _S.FAILED,     None,               None,          "failed",           500, None,        None,                     500),
 )}
 del _S, _R
@@ -819,6 +823,62 @@ def json_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> int:
 
 def has_control_char(text: str) -> bool:
     return any(ord(c) < 32 or 0x7F <= ord(c) < 0xA0 for c in text)
+
+
+def _same_json(a: Any, b: Any) -> bool:
+    """JSON equality: true is not 1, and 1 is 1.0."""
+    if isinstance(a, bool) or isinstance(b, bool) or a is None or b is None:
+        return type(a) is type(b) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_json(v, b[k]) for k, v in a.items())
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same_json(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def json_patch(before: Any, after: Any, at: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
+    """The RFC 6902 JSON Patch that turns `before` into `after`: `add`, `remove` and `replace` at the
+    deepest place each difference stands (a list of another length is replaced whole)."""
+    if _same_json(before, after):
+        return []
+    if isinstance(before, dict) and isinstance(after, dict):
+        ops: list[dict[str, Any]] = []
+        for k in before:
+            if k not in after:
+                ops.append({"op": "remove", "path": pointer_join(at + (k,))})
+        for k, v in after.items():
+            if k not in before:
+                ops.append({"op": "add", "path": pointer_join(at + (k,)), "value": v})
+            else:
+                ops += json_patch(before[k], v, at + (k,))
+        return ops
+    if isinstance(before, list) and isinstance(after, list) and len(before) == len(after):
+        return [op for i, (x, y) in enumerate(zip(before, after)) for op in json_patch(x, y, at + (i,))]
+    return [{"op": "replace", "path": pointer_join(at), "value": after}]
+
+
+def json_patch_apply(doc: Any, ops: list[dict[str, Any]]) -> Any:
+    """`doc` with the `add`, `remove` and `replace` operations of a patch `json_patch` made applied
+    (to a copy); LookupError where an operation's place is not there."""
+    doc = json.loads(dumps(doc))
+    for op in ops:
+        parts = pointer_parse(op["path"])
+        if not parts:
+            doc = op.get("value")
+            continue
+        parent = pointer_get(doc, parts[:-1])
+        key: Any = parts[-1]
+        if isinstance(parent, list):
+            key = int(key)
+        elif not isinstance(parent, dict):
+            raise LookupError(f"nothing holds {op['path']}")
+        if op["op"] == "remove":
+            del parent[key]
+        else:
+            parent[key] = op["value"]
+    return doc
 
 
 # The clock. Every schedule of the product reads one clock object; `ManualClock` stands still
@@ -1941,6 +2001,39 @@ class RepliesSpec:
     tell: TellSpec | None
 
 
+@dataclass(frozen=True, slots=True)
+class ApproveSpec:
+    """A call that waits for a person's approval: whom to ask, how long, and what they may change."""
+
+    to: Template
+    expires: timedelta
+    edit: tuple[str, ...]       # JSON Pointers into the arguments; nothing is editable without them
+
+
+#: What an approval takes (SPEC section 20): the verdict, the arguments as the approver leaves them
+#: (changed only at the editable places; left out, the proposed ones), and a note.
+APPROVAL_ANSWER_SCHEMA: Final[dict[str, Any]] = {
+    "type": "object", "required": ["approved"], "additionalProperties": False, "properties": {
+        "approved": {"type": "boolean", "description": "Whether the call may go ahead"},
+        "arguments": {"type": "object", "description": "The arguments to call with, changed only where the approver may"},
+        "note": {"type": "string", "maxLength": 2000, "description": "Why, in the approver's words"}}}
+
+
+class ApprovalRule(ReplyRule):
+    """The reply rule of a delivered approval: `approve [note]` or `reject [note]`."""
+
+    def apply(self, text: str) -> tuple[dict[str, Any] | None, list[str]]:  # type: ignore[override]
+        answer, reasons = super().apply(text)
+        if answer is None:
+            return None, reasons
+        return {**answer, "approved": answer["approved"] == "approve"}, []
+
+
+APPROVAL_RULE: Final = ApprovalRule({
+    "approved": RulePart("word", {"approve": ("approved", "yes", "ok"), "reject": ("rejected", "refuse", "no")}),
+    "note": RulePart("rest")})
+
+
 @dataclass(frozen=True)
 class FunctionDoc:
     """A checked function document, its templates compiled."""
@@ -1960,6 +2053,9 @@ class FunctionDoc:
     replies: RepliesSpec | None
     reply_rule: ReplyRule | None    # the rule in force: written, or made from output.schema
     overview: str = ""
+    #: A call's approval gate; its deliver and replies stand in `deliver` and `replies`, the message
+    #: it shows in `message`, and its reply rule is APPROVAL_RULE.
+    approve: ApproveSpec | None = None
 
     @property
     def is_notification(self) -> bool:
@@ -2205,6 +2301,24 @@ class _Reader:
         return value
 
 
+class _Within(_Reader):
+    """A reader of a block nested under `prefix` (`approve`): the block readers written for the top
+    level (`_read_deliver`, `_read_replies`) report their fields and lines below it."""
+
+    def __init__(self, outer: _Reader, prefix: tuple[Any, ...]) -> None:
+        self.where, self.problems, self.prefix = outer.where, outer.problems, prefix
+
+    def line(self, path: tuple[Any, ...]) -> int:
+        return super().line(self.prefix + path)
+
+    def text_line(self, path: tuple[Any, ...]) -> int:
+        return super().text_line(self.prefix + path)
+
+    def add(self, path: tuple[Any, ...], message: str, line: int | None = None) -> None:
+        self.problems.append({"line": line or self.line(path), "field": ".".join(map(str, self.prefix + path)),
+                              "message": message})
+
+
 def _text_line(node: Any) -> int:
     block = isinstance(node, yaml.ScalarNode) and node.style in ("|", ">")
     return node.start_mark.line + _FRONT_OFFSET + (1 if block else 0)
@@ -2262,7 +2376,8 @@ def _compose(r: _Reader, text: str) -> dict[str, Any]:
 
 # The save-time rules.
 
-_FIELDS: Final = ("description", "call", "to", "from", "expires", "deliver", "replies", "input", "output", "reply")
+_FIELDS: Final = ("description", "call", "approve", "to", "from", "expires", "deliver", "replies", "input", "output",
+                  "reply")
 _NOT_WITH_CALL: Final = ("to", "from", "expires", "deliver", "replies", "reply")
 _SERVER_RULE: Final = "1 to 32 lowercase letters, digits and hyphens, starting with a letter"
 _TOOL_RULE: Final = "1 to 128 letters, digits, underscores, hyphens and dots"
@@ -2293,12 +2408,18 @@ def _check(r: _Reader, source: str, data: dict[str, Any], body: str, body_line: 
     input_schema = _schema_block(r, data, "input")
     output_schema = _schema_block(r, data, "output")
     to = from_ = message = expires = None
-    call = deliver = replies = None
+    call = deliver = replies = approve = None
+    if "approve" in data and shape is not Shape.SYSTEM:
+        r.add(("approve",), "approve gates a call of a tool: only a function with call has it")
     if shape is Shape.SYSTEM:
         for key in _NOT_WITH_CALL:
             if key in data:
                 r.add((key,), f"a function with call asks a system, so it has no {key}")
-        if body.strip():
+        if "approve" in data:          # the body is the message the approver reads
+            approve, deliver, replies = _read_approve(r, data, input_schema)
+            if body.strip():
+                message = r.template(("body",), body, PLACES["message"], input_schema, line=body_line)
+        elif body.strip():
             r.add(("body",), "a function with call sends no message: leave the body after the front matter empty",
                   line=body_line)
         if "output" not in data:
@@ -2328,7 +2449,8 @@ def _check(r: _Reader, source: str, data: dict[str, Any], body: str, body_line: 
     return FunctionDoc(
         source=source, shape=shape, description=description, to=to, from_=from_, message=message,
         expires=expires, expires_text=data.get("expires"), input_schema=input_schema,
-        output_schema=output_schema, call=call, deliver=deliver, replies=replies, reply_rule=rule)
+        output_schema=output_schema, call=call, deliver=deliver, replies=replies,
+        reply_rule=APPROVAL_RULE if approve is not None and replies is not None else rule, approve=approve)
 
 
 def _description(r: _Reader, data: dict[str, Any]) -> str | None:
@@ -2361,6 +2483,63 @@ def _read_call(r: _Reader, value: Any, input_schema: Any) -> CallSpec | None:
         return None
     reads_input = any("input" in t.roots for t in _templates_in(with_))
     return CallSpec(server, tool, with_, read, reads_input)
+
+
+def _read_approve(r: _Reader, data: dict[str, Any],
+                  input_schema: Any) -> tuple[ApproveSpec | None, DeliverSpec | None, RepliesSpec | None]:
+    """The approval gate of a call: `to`, `expires`, `edit`, and optionally `deliver` and `replies`
+    as an interaction has them (the replies read by APPROVAL_RULE)."""
+    path = ("approve",)
+    block = r.mapping(path, data["approve"], ("to", "expires", "edit", "deliver", "replies"), ("to", "expires"))
+    if block is None:
+        return None, None, None
+    to = r.template(path + ("to",), block["to"], PLACES["party"], input_schema) if "to" in block else None
+    expires = (r.duration(path + ("expires",), block["expires"], EXPIRES_MIN, EXPIRES_MAX,
+                          "PT1M to P30D (1 minute to 30 days)") if "expires" in block else None)
+    with_ = data["call"].get("with") if isinstance(data.get("call"), dict) else None
+    edit = _read_edit(r, path + ("edit",), block.get("edit", []), with_)
+    within = _Within(r, path)
+    deliver = _read_deliver(within, block["deliver"], input_schema) if "deliver" in block else None
+    replies = None
+    if "replies" in block:
+        shown = {"replies": block["replies"], "output": True, **({"deliver": block["deliver"]} if "deliver" in block else {})}
+        replies = _read_replies(within, shown, deliver, APPROVAL_ANSWER_SCHEMA, APPROVAL_RULE)
+    if to is None or expires is None or edit is None:
+        return None, None, None
+    return ApproveSpec(to, expires, edit), deliver, replies
+
+
+def _read_edit(r: _Reader, path: tuple[Any, ...], value: Any, with_: Any) -> tuple[str, ...] | None:
+    """The pointers an approver may change: each into the arguments `with` writes, where they can be
+    followed (a template's value is known only when it renders)."""
+    if not isinstance(value, list):
+        r.add(path, "is a list of JSON Pointers into the call's arguments, such as [/service, /force]")
+        return None
+    before = len(r.problems)
+    for i, item in enumerate(value):
+        if not isinstance(item, str):
+            r.add(path + (i,), "is a JSON Pointer into the call's arguments, such as /service")
+        elif item == "":
+            r.add(path + (i,), "the empty pointer would let the approver change every argument: list each one")
+        elif r.pointer(path + (i,), item) is None:
+            pass
+        elif value.index(item) != i:
+            r.add(path + (i,), f"{item} is listed twice")
+        else:
+            pointer = item
+            cur = with_
+            for part in pointer_parse(pointer):
+                if isinstance(cur, dict):
+                    if part not in cur:
+                        r.add(path + (i,), f"call.with writes no {pointer}: the approver may change only the "
+                                           "arguments the call sends (write a default there to offer one)")
+                        break
+                    cur = cur[part]
+                elif isinstance(cur, list) and re.fullmatch(r"0|[1-9][0-9]*", part) and int(part) < len(cur):
+                    cur = cur[int(part)]
+                else:
+                    break                   # a template's value, or a scalar: known when the call renders
+    return tuple(value) if len(r.problems) == before else None
 
 
 def _read_deliver(r: _Reader, value: Any, input_schema: Any) -> DeliverSpec | None:
@@ -2649,7 +2828,21 @@ def _system_overview(doc: FunctionDoc) -> list[str]:
         "**What it sends:**\n" + _schema_words(doc.input_schema, "Arguments that read no input.",
                                                "An input whose fields the schema does not list"),
         f"**What it reads:** {where}.\n" + _schema_words(doc.output_schema, "", "A value of any shape"),
-    ]
+    ] + (_approve_overview(doc) if doc.approve is not None else [])
+
+
+def _approve_overview(doc: FunctionDoc) -> list[str]:
+    gate = doc.approve
+    assert gate is not None
+    edit = (f"they may change {', '.join(f'`{p}`' for p in gate.edit)} before approving"
+            if gate.edit else "they approve or refuse the arguments as they are")
+    where = (f" The question is sent with the tool `{doc.deliver.tool}` of `{doc.deliver.server}`." if doc.deliver else "")
+    out = [f"**Who approves:** each call first waits for {template_words(gate.to.source)} to approve it, at most "
+           f"{duration_words(gate.expires)}; {edit}. A refusal ends the run declined, no answer in time ends it "
+           f"unanswered, and the tool is not called.{where}"]
+    if doc.replies is not None:
+        out.append(f"**Replies:** read with the tool `{doc.replies.tool}`. {APPROVAL_RULE.describe()}")
+    return out
 
 
 def _person_overview(doc: FunctionDoc) -> list[str]:
@@ -2727,6 +2920,17 @@ class ServerConfig:
     headers: dict[str, str] = field(default_factory=dict)
     tools: tuple[str, ...] | None = None        # the operator's allow-list; None allows every tool
     record_content: bool = True
+    approve: ApprovalPolicy | None = None       # calls of these tools wait for a person's approval
+
+
+@dataclass(frozen=True)
+class ApprovalPolicy:
+    """`servers.NAME.approve`: every call of these tools - from a function or `execute` - waits for
+    `to` to approve it, at most `expires`."""
+
+    tools: tuple[str, ...]
+    to: str
+    expires: timedelta = timedelta(days=1)
 
 
 @dataclass(frozen=True)
@@ -2770,7 +2974,7 @@ def _read_server(name: Any, s: Any, problems: list[str]) -> ServerConfig | None:
     if not isinstance(s, dict):
         problems.append(f"{where}: a mapping with command or url")
         return None
-    allowed = {"command", "url", "transport", "env", "headers", "tools", "record_content"}
+    allowed = {"command", "url", "transport", "env", "headers", "tools", "record_content", "approve"}
     problems += [f"{where}.{k}: unknown key" for k in s if k not in allowed]
     command, url = s.get("command"), s.get("url")
     if (command is None) == (url is None):
@@ -2798,9 +3002,35 @@ def _read_server(name: Any, s: Any, problems: list[str]) -> ServerConfig | None:
     record = s.get("record_content", True)
     if not isinstance(record, bool):
         problems.append(f"{where}.record_content: true or false")
+    approve = _read_policy(where + ".approve", s["approve"], problems) if "approve" in s else None
     return ServerConfig(name, tuple(command) if isinstance(command, list) else None,
                         url if isinstance(url, str) else None, transport, maps["env"], maps["headers"],
-                        tuple(tools) if tools is not None else None, bool(record))
+                        tuple(tools) if tools is not None else None, bool(record), approve)
+
+
+def _read_policy(where: str, a: Any, problems: list[str]) -> ApprovalPolicy | None:
+    """`servers.NAME.approve: {tools: [...], to: PERSON, expires: PT1H}` (expires: P1D when left out)."""
+    if not isinstance(a, dict):
+        problems.append(f"{where}: a mapping with tools, to and expires")
+        return None
+    count = len(problems)
+    problems += [f"{where}.{k}: unknown key" for k in a if k not in ("tools", "to", "expires")]
+    tools = a.get("tools")
+    if not isinstance(tools, list) or not tools or not all(isinstance(t, str) and TOOL_RE.fullmatch(t) for t in tools):
+        problems.append(f"{where}.tools: a list of the tool names whose calls wait for approval")
+    to = a.get("to")
+    if not isinstance(to, str) or not to.strip() or has_control_char(to) or len(to.encode()) > MAX_PARTY_BYTES:
+        problems.append(f"{where}.to: the person who approves, as requests name them (at most {MAX_PARTY_BYTES} bytes)")
+    expires = timedelta(days=1)
+    try:
+        expires = parse_duration(a.get("expires", "P1D"))
+        if not EXPIRES_MIN <= expires <= EXPIRES_MAX:
+            raise ValueError("it lies between PT1M and P30D")
+    except ValueError as exc:
+        problems.append(f"{where}.expires: an ISO 8601 duration, PT1M to P30D ({exc})")
+    if len(problems) > count:
+        return None
+    return ApprovalPolicy(tuple(tools), to.strip(), expires)
 
 
 def _read_playbook(pb: Any, p: Any, raw_servers: dict[Any, Any], problems: list[str]) -> tuple[str, ...] | None:
@@ -2903,7 +3133,7 @@ def load_config(path: str | None, environ: dict[str, str] | None = None) -> Conf
 # The end of this section runs the same store, threads and SQL on a PostgreSQL server.
 
 #: PRAGMA user_version of a file this version made; an earlier one is migrated at open (MIGRATIONS).
-SCHEMA_VERSION: Final = 2
+SCHEMA_VERSION: Final = 3
 
 
 #: The schema, embedded so an installed wheel needs no data file; tests keep it equal to schema.sql.
@@ -3010,6 +3240,7 @@ CREATE TABLE IF NOT EXISTS requests (
     deliver_args   TEXT,                             -- rendered once at the run's start
     attempt_started_at INTEGER,                      -- of the attempt in flight or the last one
     reading        INTEGER REFERENCES readings(id),  -- the reading it joined, once delivered
+    approval       TEXT,                             -- a call's approval gate (JSON); NULL for a question
     UNIQUE (playbook, run_id)
 );
 CREATE INDEX IF NOT EXISTS requests_open ON requests (playbook, seq) WHERE open = 1;
@@ -3104,9 +3335,15 @@ def _migrate_to_2(conn: sqlite3.Connection) -> None:
                  (int(INBOX_SESSION_MAX.total_seconds() * 1000),))
 
 
+def _migrate_to_3(conn: sqlite3.Connection) -> None:
+    """Approval gates on tool calls: a request may carry one (`requests.approval`)."""
+    conn.execute("ALTER TABLE requests ADD COLUMN approval TEXT")
+
+
 #: Each step takes a file made by an earlier version to the next PRAGMA user_version, in order.
 MIGRATIONS: Final[tuple[tuple[int, Callable[[sqlite3.Connection], None]], ...]] = (
     (2, _migrate_to_2),
+    (3, _migrate_to_3),
 )
 
 
@@ -3760,12 +3997,29 @@ class SQLiteTx:
         conn = self.conn
         out = []
         for run in conn.execute("SELECT playbook, run_id FROM runs WHERE status = ? AND tools_called = 1"
-                                " AND type = 'interaction'", (RunStatus.STARTED.value,)).fetchall():
+                                " AND type IN ('interaction', 'execute')", (RunStatus.STARTED.value,)).fetchall():
             started = conn.execute("SELECT payload FROM events WHERE playbook = ? AND run_id = ?"
                                    " AND type = ? ORDER BY id DESC LIMIT 1",
                                    (run["playbook"], run["run_id"], EventType.TOOL_CALL_STARTED.value)).fetchone()
             out.append((run["playbook"], run["run_id"], json.loads(started["payload"]) if started else None))
         return out
+
+    def set_approval(self, playbook: str, run_id: str, approval: str) -> None:
+        """Write the approval gate a run's request carries (JSON): the call proposed, as the request
+        opens; then the arguments approved, in the transaction of the answer."""
+        self.conn.execute("UPDATE requests SET approval = ? WHERE playbook = ? AND run_id = ?",
+                          (approval, playbook, run_id))
+
+    def resume_run(self, playbook: str, run_id: str) -> None:
+        """A run waiting for its approval goes back to started, its call to follow (guarded, else `conflict`)."""
+        if not self.conn.execute("UPDATE runs SET status = ? WHERE playbook = ? AND run_id = ? AND status = ?",
+                                 (RunStatus.STARTED.value, playbook, run_id, RunStatus.WAITING.value)).rowcount:
+            raise Problem("conflict", "the run is not waiting for an approval")
+
+    def begin_call(self, playbook: str, run_id: str) -> bool:
+        """Mark a started run's tool as called, once (guarded): False when the run has ended or called it."""
+        return self.conn.execute("UPDATE runs SET tools_called = 1 WHERE playbook = ? AND run_id = ? AND status = ?"
+                                 " AND tools_called = 0", (playbook, run_id, RunStatus.STARTED.value)).rowcount > 0
 
     def recount_open_requests(self) -> None:
         """Set every playbook's open-request counter (a cache of requests.open) from the requests."""
@@ -4160,7 +4414,14 @@ POSTGRES_FIRST_VERSION: Final = 2
 
 #: Each step takes a database made by an earlier version to the next schema_version, in order;
 #: a migration of SQLite's past POSTGRES_FIRST_VERSION has its PostgreSQL step here (tested).
-POSTGRES_MIGRATIONS: Final[tuple[tuple[int, Callable[[Any], None]], ...]] = ()
+def _pg_migrate_to_3(conn: Any) -> None:
+    """As _migrate_to_3: a request may carry an approval gate."""
+    conn.execute("ALTER TABLE requests ADD COLUMN IF NOT EXISTS approval TEXT")
+
+
+POSTGRES_MIGRATIONS: Final[tuple[tuple[int, Callable[[Any], None]], ...]] = (
+    (3, _pg_migrate_to_3),
+)
 
 #: Keys of the transaction-level advisory locks (pg_advisory_xact_lock): writes, and the schema.
 _PG_WRITE_LOCK: Final = 0x69_74_64_77          # "itdw"
@@ -4310,6 +4571,7 @@ CREATE TABLE IF NOT EXISTS requests (
     deliver_args   TEXT,                             -- rendered once at the run's start
     attempt_started_at BIGINT,                       -- of the attempt in flight or the last one
     reading        BIGINT REFERENCES readings(id),   -- the reading it joined, once delivered
+    approval       TEXT,                             -- a call's approval gate (JSON); NULL for a question
     UNIQUE (playbook, run_id)
 );
 CREATE INDEX IF NOT EXISTS requests_open ON requests (playbook, seq) WHERE open = 1;
@@ -4654,7 +4916,7 @@ class PostgresTx(SQLiteTx):
         rows = self.conn.execute(
             "SELECT r.playbook, r.run_id, e.payload FROM runs r LEFT JOIN LATERAL (SELECT payload, daemon FROM events"
             " WHERE playbook = r.playbook AND run_id = r.run_id AND type = ? ORDER BY id DESC LIMIT 1) e ON TRUE"
-            " WHERE r.status = ? AND r.tools_called = 1 AND r.type = 'interaction' AND NOT EXISTS (SELECT 1"
+            " WHERE r.status = ? AND r.tools_called = 1 AND r.type IN ('interaction', 'execute') AND NOT EXISTS (SELECT 1"
             f" FROM daemons d WHERE d.id = e.daemon AND d.seen_at > {_PG_NOW_SQL} - ?)",
             (EventType.TOOL_CALL_STARTED.value, RunStatus.STARTED.value, int(DAEMON_LEASE_S * 1000))).fetchall()
         return [(r["playbook"], r["run_id"], json.loads(r["payload"]) if r["payload"] else None) for r in rows]
@@ -5458,6 +5720,7 @@ def request_object(row: Row) -> dict[str, Any]:
         "answer_schema": _listed_schema(row["answer_schema"]) if row["answer_schema"] is not None else None,
         "conversation": row["conversation"], "answerer": row["answerer"],
         "refused_replies": row["refused_replies"],
+        "approval": _approval_shown(row["approval"]) if row["approval"] is not None else None,
     }
 
 
@@ -6137,6 +6400,7 @@ class SystemCalls:
         self.clock = clock
         self.tools = tools
         self.config = config
+        self.approvals: Approvals         # the approval gate, given by the engine once it is built
 
     # -- tool servers ---------------------------------------------------------------------------
 
@@ -6192,8 +6456,9 @@ class SystemCalls:
                 "annotations": t.annotations.model_dump(mode="json", by_alias=True, exclude_none=True) if t.annotations else None}
 
     async def execute_tool(self, caller: Caller, playbook: str, server: str, tool: str,
-                      arguments: dict[str, Any]) -> dict[str, Any]:
-        """Call one tool once and return its answer; the call is a playbook event."""
+                      arguments: dict[str, Any], approve: Any = None) -> dict[str, Any]:
+        """Call one tool once and return its answer; the call is a playbook event. A gated call (the
+        operator's gate on the tool, or `approve`) returns the started run that waits for approval."""
         caller.require(Role.WRITER)
         if not isinstance(arguments, dict):
             raise Problem("invalid_request", "arguments is an object", errors=[{"pointer": "/arguments", "message": "an object"}])
@@ -6204,6 +6469,9 @@ class SystemCalls:
         if errors:
             raise ending_problem(RunStatus.CONFLICT, "unworkable", f"the arguments do not match the input schema of {tool}",
                                  errors=errors)
+        if approve is not None or self.approvals.policy(server, tool) is not None:
+            return await self.approvals.ask_execute(caller, playbook, server, tool, arguments, session.read_only(tool),
+                                                    t.input_schema or {"type": "object"}, approve)
         now = self.clock.now_ms()
         record: dict[str, Any] = {"server": server, "tool": tool, "arguments": self.tools.record(server, arguments),
                                   "arguments_size": json_size(arguments)}
@@ -6262,6 +6530,10 @@ class SystemCalls:
             except asyncio.TimeoutError:
                 ending = ending_problem(RunStatus.UNAVAILABLE, "tool_server_failed",
                                         f"the tool server {call.server!r} did not open in time; call search to see its state")
+        if ending is None and (doc.approve is not None or self.approvals.policy(call.server, call.tool) is not None):
+            return await self.approvals.ask_function(caller, playbook, type_, name, version, doc, input_, run_id, input_text,
+                                                     input_sha, parent, arguments, session.read_only(call.tool),
+                                                     tool.input_schema or {"type": "object"})
         started = {"server": call.server, "tool": call.tool,
                    "read_only": session.read_only(call.tool) if session is not None else None,
                    "arguments": self.tools.record(call.server, arguments) if ending is None else None,
@@ -6370,6 +6642,7 @@ class Inbox:
         self.clock = clock
         self.tools = tools
         self.runs = runs
+        self.approvals: Approvals         # the approval gate, given by the engine once it is built
 
     # -- the inbox ------------------------------------------------------------------------------
 
@@ -6456,6 +6729,8 @@ class Inbox:
         """The one fact of an answer: request_answered, the request closed, the run succeeded.
 
         Returns the closed request's row (its answer columns filled)."""
+        if row["approval"] is not None:        # an approval: its call follows, or the run ends declined
+            return self.approvals.answered(tx, fx, row, answer, claimed_for, by, now, reply_id=reply_id)
         playbook, run_id = row["playbook"], row["run_id"]
         tx.record_answer(fx, row, answer, by=by, now=now, claimed_for=claimed_for, reply_id=reply_id)
         closed = tx.close_request(fx, playbook, run_id, ENDINGS["answered"])
@@ -6901,6 +7176,364 @@ class Readings:
                                                           {**base, **outcome}))
 
 
+def _approval_shown(text: str) -> dict[str, Any]:
+    """The gate of an approval request as listings show it: the call proposed, and what may change."""
+    gate = json.loads(text)
+    return {"server": gate["server"], "tool": gate["tool"], "read_only": gate["read_only"],
+            "arguments": gate["arguments"], "edit": gate["edit"]}
+
+
+class Approvals:
+    """The approval gate on a system call (SPEC section 20): a part of the engine, made with what it uses.
+
+    A gated call is a run whose request is the approval. The run renders and checks its arguments as
+    any call does (unworkable as ever when they do not fit the tool), then ONE transaction inserts the
+    run, opens its request - answer schema APPROVAL_ANSWER_SCHEMA, the gate on it (`requests.approval`:
+    the call proposed, the arguments shown and kept, what may change, the tool's input schema) - and
+    records `approval_requested`. The answer (answer_interaction, or a reply read by APPROVAL_RULE) is
+    checked against the gate and, in the answer's own transaction, records `approval_answered` with
+    its patch, then either ends the run declined, or keeps the approved arguments on the gate, puts
+    the run back to started and arms a `call` timer. The call follows on the timer task as a
+    function's call does: `tool_call_started` (the run's tool marked called, once) before it is sent,
+    its answer or failure after. A restart before the timer fires makes the call then; a call cut off
+    in flight ends its run as any cut-off call does (Engine.start).
+    """
+
+    def __init__(self, *, store: Store, clock: Clock, tools: ToolServers, config: Config,
+                 open_limit: Callable[[], int], spawn: Callable[[Any, str], Any],
+                 document: Callable[..., Any], offered_tool: Callable[..., Any],
+                 check_offered: Callable[..., Problem | None], render_party: Callable[..., str],
+                 deliver_args: Callable[..., Any], unfinished: Callable[..., Problem],
+                 unusable: Callable[..., Problem]) -> None:
+        self.store, self.clock, self.tools, self.config = store, clock, tools, config
+        self.open_limit, self.spawn, self.document = open_limit, spawn, document
+        self.offered_tool, self.check_offered = offered_tool, check_offered
+        self.render_party, self.deliver_args = render_party, deliver_args
+        self.unfinished, self.unusable = unfinished, unusable
+
+    def policy(self, server: str, tool: str) -> ApprovalPolicy | None:
+        """The operator's gate on this tool (`servers.NAME.approve`), if any."""
+        sc = self.config.servers.get(server)
+        policy = sc.approve if sc is not None else None
+        return policy if policy is not None and tool in policy.tools else None
+
+    # -- asking ---------------------------------------------------------------------------------
+
+    async def ask_function(self, caller: Caller, playbook: str, type_: str, name: str, version: int, doc: Any,
+                           input_: Any, run_id: str, input_text: str, input_sha: str, parent: str | None,
+                           arguments: Any, read_only: bool, schema: Any) -> tuple[dict[str, Any], bool]:
+        """A run of a function whose call waits for approval: the run and its request, or its ending."""
+        call, gate, policy = doc.call, doc.approve, self.policy(doc.call.server, doc.call.tool)
+        now = self.clock.now_ms()
+        ending: Problem | None = None
+        prepared: dict[str, Any] = {}
+        ctx = base_context(now, input=input_)
+        try:
+            party = policy.to if policy is not None else self.render_party(gate.to, ctx, "approve.to")
+            message = (doc.message.render_text(ctx) if doc.message is not None else
+                       f"The function **{name}** asks to call **{call.tool}** on the tool server **{call.server}**."
+                       " Approve the call, or reject it.")
+            expires = policy.expires if policy is not None else gate.expires
+            prepared = {"party": party, "answerer": party, "message": message,
+                        "expires_at": now + int(expires.total_seconds() * 1000),
+                        "request_id": "int_" + new_ulid(), "answer_schema": APPROVAL_ANSWER_SCHEMA}
+            if len(message.encode()) > MAX_MESSAGE_BYTES:
+                raise ending_problem(RunStatus.CONFLICT, "unworkable", f"the message is longer than {MAX_MESSAGE_BYTES // KIB} KiB")
+            if doc.deliver is not None:
+                prepared["deliver_args"] = self.deliver_args(doc, name, run_id, input_, prepared, now)
+                ending = self.check_offered(playbook, doc.deliver.server,
+                                            [doc.deliver.tool] + ([doc.replies.tool] if doc.replies else [])
+                                            + ([doc.replies.tell.tool] if doc.replies and doc.replies.tell else []))
+        except RenderError as exc:
+            ending = (ending_problem(RunStatus.INVALID_INPUT, None, str(exc), errors=[{"pointer": "/input", "message": str(exc)}])
+                      if exc.kind == "undefined" else ending_problem(RunStatus.CONFLICT, "unworkable", str(exc)))
+        except Problem as exc:
+            ending = exc
+        edit = list(gate.edit) if gate is not None else []
+        return await self._ask(caller, playbook, run_id, type_, name, version, input_text, input_sha, parent,
+                               doc.deliver, prepared, self._gate(call.server, call.tool, read_only, arguments, edit, schema),
+                               ending)
+
+    async def ask_execute(self, caller: Caller, playbook: str, server: str, tool: str, arguments: dict[str, Any],
+                          read_only: bool, schema: Any, approve: Any) -> dict[str, Any]:
+        """`execute` of a gated tool (the operator's gate, or `approve` given): the started run to wait on."""
+        policy = self.policy(server, tool)
+        to, expires, edit = self._execute_gate(approve, arguments, needs_to=policy is None)
+        if policy is not None:
+            to, expires = policy.to, policy.expires
+        now = self.clock.now_ms()
+        input_ = {"server": server, "tool": tool, "arguments": self.tools.record(server, arguments)}
+        input_text = dumps(input_)
+        kind = "may only read" if read_only else "may change something"
+        prepared = {"party": to, "answerer": to, "request_id": "int_" + new_ulid(),
+                    "expires_at": now + int(expires.total_seconds() * 1000), "answer_schema": APPROVAL_ANSWER_SCHEMA,
+                    "message": f"A call of **{tool}** on the tool server **{server}** (it {kind}) waits for approval."
+                               " Approve the call, or reject it."}
+        run, _ = await self._ask(caller, playbook, new_run_id(), "execute", f"{server}/{tool}", 0, input_text,
+                                 sha256_hex(input_text), None, None, prepared,
+                                 self._gate(server, tool, read_only, arguments, edit, schema), None)
+        return run
+
+    def _gate(self, server: str, tool: str, read_only: bool, arguments: Any, edit: list[str],
+              schema: Any) -> dict[str, Any]:
+        """What the request carries: the call, the arguments as shown (scrubbed) and as sent, what
+        may change, and the tool's input schema an edit is checked against."""
+        return {"server": server, "tool": tool, "read_only": read_only, "arguments": self.tools.scrub(arguments),
+                "proposed": arguments, "edit": edit, "schema": schema}
+
+    @staticmethod
+    def _execute_gate(approve: Any, arguments: dict[str, Any],
+                      needs_to: bool) -> tuple[str, timedelta, list[str]]:
+        """`execute`'s own `approve: {to, expires, edit}`: checked, with P1D when expires is left out."""
+        if approve is None:
+            approve = {}
+        if not isinstance(approve, dict):
+            raise Problem("invalid_request", "approve is an object: {to, expires, edit}",
+                          errors=[{"pointer": "/approve", "message": "an object: {to, expires, edit}"}])
+        errors = [{"pointer": f"/approve/{k}", "message": "not a key of approve (to, expires, edit)"}
+                  for k in approve if k not in ("to", "expires", "edit")]
+        to = approve.get("to")
+        if to is None and needs_to:
+            errors.append({"pointer": "/approve/to", "message": "required: the person who approves the call"})
+        elif to is not None and (not isinstance(to, str) or not to.strip() or has_control_char(to)
+                                 or len(to.encode()) > MAX_PARTY_BYTES):
+            errors.append({"pointer": "/approve/to", "message": f"a name of at most {MAX_PARTY_BYTES} bytes"})
+        expires = timedelta(days=1)
+        try:
+            expires = parse_duration(approve.get("expires", "P1D"))
+            if not EXPIRES_MIN <= expires <= EXPIRES_MAX:
+                raise ValueError("it lies between PT1M and P30D")
+        except ValueError as exc:
+            errors.append({"pointer": "/approve/expires", "message": str(exc)})
+        edit = approve.get("edit", [])
+        if not isinstance(edit, list):
+            errors.append({"pointer": "/approve/edit", "message": "a list of JSON Pointers into the arguments"})
+            edit = []
+        for i, p in enumerate(edit):
+            try:
+                if not isinstance(p, str) or p == "":
+                    raise ValueError("a JSON Pointer to one argument, such as /service")
+                pointer_get(arguments, p)
+            except (ValueError, LookupError) as exc:
+                errors.append({"pointer": f"/approve/edit/{i}", "message": str(exc) if isinstance(exc, ValueError)
+                               else f"the arguments hold nothing at {p}"})
+        if errors:
+            raise Problem("invalid_request", "approve is not valid", errors=errors)
+        return (to or "").strip(), expires, list(dict.fromkeys(edit))
+
+    async def _ask(self, caller: Caller, playbook: str, run_id: str, type_: str, name: str, version: int,
+                   input_text: str, input_sha: str, parent: str | None, deliver: DeliverSpec | None,
+                   prepared: dict[str, Any], gate: dict[str, Any], ending: Problem | None) -> tuple[dict[str, Any], bool]:
+        now = self.clock.now_ms()
+        limit = self.open_limit()
+        server = gate["server"]
+        requested = {"server": server, "tool": gate["tool"], "read_only": gate["read_only"],
+                     "arguments": self.tools.record(server, gate["proposed"]),
+                     "arguments_size": json_size(gate["proposed"]), "arguments_sha256": sha256_hex(dumps(gate["proposed"])),
+                     "edit": gate["edit"], "to": prepared.get("party"), "expires_at": fmt_time(prepared.get("expires_at"))}
+
+        def change(tx: Tx, fx: Effects) -> tuple[dict[str, Any], bool]:
+            row = tx.run(playbook, run_id)
+            if row is not None:
+                return rerun_check(row, type_, name, input_sha), False
+            tx.insert_run(playbook=playbook, run_id=run_id, type_=type_, name=name, version=version,
+                          input_text=input_text, input_sha=input_sha, parent=parent, now=now, by=caller.id)
+            end = ending
+            if end is None and not tx.take_request_slot(playbook, limit):
+                end = ending_problem(RunStatus.UNAVAILABLE, "requests_full",
+                                     f"the playbook already has {limit} open requests; answer or cancel some first")
+            if end is not None:
+                tx.end_run(fx, playbook, run_id, _status_of(end), now=now, by=caller.id, kind=end.kind, problem=end)
+                return run_object(tx.run(playbook, run_id)), True
+            tx.append_event(fx, playbook, run_id, "approval_requested", now, caller.id, requested)
+            tx.open_request(request_id=prepared["request_id"], playbook=playbook, run_id=run_id, type_=type_, name=name,
+                            version=version, party=prepared["party"], answerer=prepared["answerer"],
+                            message=prepared["message"], answer_schema=dumps(APPROVAL_ANSWER_SCHEMA),
+                            server=deliver.server if deliver else None, tool=deliver.tool if deliver else None,
+                            delivery=DeliveryState.IN_INBOX if deliver is None else DeliveryState.TO_DELIVER,
+                            asked_at=now, expires_at=prepared["expires_at"],
+                            deliver_args=dumps(prepared["deliver_args"]) if deliver else None)
+            tx.set_approval(playbook, run_id, dumps(gate))
+            tx.append_event(fx, playbook, run_id, "interaction_requested", now, caller.id, {
+                "delivery": {"server": deliver.server, "tool": deliver.tool} if deliver else None,
+                "to": prepared["party"], "from": prepared["answerer"],
+                "message_size": len(prepared["message"].encode()), "takes_answer": True,
+                "expires_at": fmt_time(prepared["expires_at"])})
+            tx.set_timer(fx, timer_key("expire", playbook, run_id), prepared["expires_at"])
+            if deliver is not None:
+                tx.set_timer(fx, timer_key("attempt", playbook, run_id), now)
+            return dict(run_object(tx.run(playbook, run_id)), status=RunStatus.STARTED.value), True
+        return await self.store.write(change)
+
+    # -- the answer -----------------------------------------------------------------------------
+
+    def answered(self, tx: Tx, fx: Effects, row: Row, answer: Any, claimed_for: str | None, by: str, now: int,
+                 reply_id: str | None = None) -> Row:
+        """Inside the answer's change: take an approval's answer (it passed the answer schema). A change
+        outside `edit`, or arguments the tool's schema refuses, is `invalid_input` and writes nothing."""
+        playbook, run_id = row["playbook"], row["run_id"]
+        gate = json.loads(row["approval"])
+        approved = answer.get("approved") is True
+        patch: list[dict[str, Any]] = []
+        arguments = None
+        if approved:
+            patch, arguments = self._approved(gate, answer)
+        tx.record_answer(fx, row, answer, by=by, now=now, claimed_for=claimed_for, reply_id=reply_id)
+        closed = tx.close_request(fx, playbook, run_id, ENDINGS["answered"])
+        note = answer.get("note")
+        tx.append_event(fx, playbook, run_id, "approval_answered", now, by, {
+            "approved": approved, "by": by, "patch": self.tools.record(gate["server"], patch), "note": note})
+        if approved:
+            tx.set_approval(playbook, run_id, dumps({**gate, "approved": arguments}))
+            tx.resume_run(playbook, run_id)
+            tx.set_timer(fx, timer_key("call", playbook, run_id), now)
+        else:
+            detail = f"{by} refused the call of {gate['tool']} on {gate['server']}" + (f": {note}" if note else "")
+            tx.end_run(fx, playbook, run_id, RunStatus.REJECTED, now=now, by=by, kind="declined",
+                       problem=ending_problem(RunStatus.REJECTED, "declined", detail))
+        return closed
+
+    @staticmethod
+    def _approved(gate: dict[str, Any], answer: dict[str, Any]) -> tuple[list[dict[str, Any]], Any]:
+        """The patch an approval's arguments make to the ones shown, and the arguments to send: the
+        proposed ones with that patch (a scrubbed value left as shown is sent as it was)."""
+        edit = gate["edit"]
+        patch = json_patch(gate["arguments"], answer.get("arguments", gate["arguments"]))
+        may = f"the approver may change only {', '.join(edit)}" if edit else "the approver may change no argument"
+        errors = [{"pointer": "/answer/arguments" + op["path"], "message": f"this argument may not be changed: {may}"}
+                  for op in patch if not any(op["path"] == e or op["path"].startswith(e + "/") for e in edit)]
+        if errors:
+            raise ending_problem(RunStatus.INVALID_INPUT, None, "the answer changes arguments it may not change",
+                                 errors=errors)
+        try:
+            arguments = json_patch_apply(gate["proposed"], patch)
+        except (LookupError, ValueError, IndexError) as exc:
+            raise ending_problem(RunStatus.INVALID_INPUT, None, f"the changed arguments cannot be applied: {exc}",
+                                 errors=[{"pointer": "/answer/arguments", "message": str(exc)}]) from None
+        errors = schema_errors(compile_schema(gate["schema"]), arguments, "/answer/arguments")
+        if errors:
+            raise ending_problem(RunStatus.INVALID_INPUT, None,
+                                 f"the changed arguments do not match the input schema of {gate['tool']}", errors=errors)
+        if json_size(arguments) > MAX_ARGUMENTS_BYTES:
+            raise ending_problem(RunStatus.INVALID_INPUT, None, f"the arguments pass {MAX_ARGUMENTS_BYTES // KIB} KiB",
+                                 errors=[{"pointer": "/answer/arguments", "message": "too large"}])
+        return patch, arguments
+
+    # -- the call -------------------------------------------------------------------------------
+
+    async def on_timer(self, key: str) -> None:
+        """A `call` timer is due: the approved call runs as a side task (the timer task waits on no tool)."""
+        _, playbook, run_id = key.split(":", 2)
+        self.spawn(self._call(playbook, run_id, key), f"call {run_id}")
+
+    async def _call(self, playbook: str, run_id: str, key: str) -> None:
+        now = self.clock.now_ms()
+
+        def load(tx: Tx) -> tuple[Row, Row | None] | None:
+            due = tx.timer_due(key)
+            return None if due is None or due > now else (tx.run(playbook, run_id), tx.request(playbook, run_id))
+        loaded = await self.store.read(load)
+        if loaded is None:
+            return
+        run, req = loaded
+        gate = json.loads(req["approval"]) if req is not None and req["approval"] is not None else {}
+        if run is None or run["status"] != RunStatus.STARTED.value or "approved" not in gate:
+            await self.store.write(lambda tx, fx: tx.take_timer(fx, key, now))     # cancelled meanwhile
+            return
+        server, tool, arguments = gate["server"], gate["tool"], gate["approved"]
+        by = req["answered_by"] or "interactiond"
+        ending: Problem | None = None
+        session: ToolSession | None = None
+        doc = None
+        try:
+            if run["type"] != "execute":           # a function's run: its read and output schema
+                doc = (await self.document(playbook, run["type"], run["name"], run["version"]))[1]
+            session, _ = await asyncio.wait_for(self.offered_tool(playbook, server, tool),
+                                                OPEN_TIMEOUT_S + LIST_TIMEOUT_S + 1)
+        except Problem as exc:
+            ending = exc
+        except asyncio.TimeoutError:
+            ending = ending_problem(RunStatus.UNAVAILABLE, "tool_server_failed",
+                                    f"the tool server {server!r} did not open in time; call search to see its state")
+        read_only = session.read_only(tool) if session is not None else bool(gate["read_only"])
+        started = {"server": server, "tool": tool, "read_only": read_only,
+                   "arguments": self.tools.record(server, arguments), "arguments_size": json_size(arguments),
+                   "arguments_sha256": sha256_hex(dumps(arguments))}
+
+        def begin(tx: Tx, fx: Effects) -> bool:
+            if not tx.take_timer(fx, key, now):
+                return False
+            if ending is not None:                  # nothing was sent
+                live = tx.run(playbook, run_id)
+                if live is not None and not RunStatus(live["status"]).ended:
+                    tx.end_run(fx, playbook, run_id, _status_of(ending), now=now, by=by, kind=ending.kind,
+                               problem=ending)
+                return False
+            if not tx.begin_call(playbook, run_id):
+                return False
+            tx.append_event(fx, playbook, run_id, "tool_call_started", now, by, started)
+            return True
+        if not await self.store.write(begin):
+            return
+        assert session is not None
+        answered: dict[str, Any] | None = None
+        failed: dict[str, Any] = {}
+        output: Any = None
+        try:
+            result = await session.call(tool, arguments, CALL_TIMEOUT_S)
+        except ToolFailure as exc:
+            refused = exc.because == "arguments_refused"
+            failed = {"because": exc.because if refused else "server_failed", "message": self.tools.scrub(exc.message)}
+            ending = (ending_problem(RunStatus.CONFLICT, "unworkable", f"the tool refused the arguments: {exc.message}",
+                                     extra={"because": "arguments_refused"}) if refused
+                      else self.unfinished(read_only, "server_failed", exc.message))
+        else:
+            answered = {"is_error": bool(result.is_error), "result": self.tools.record(server, result_wire(result)),
+                        "result_size": json_size(result_wire(result))}
+            output, ending = self._outcome(doc, server, tool, read_only, result)
+        end_now = self.clock.now_ms()
+
+        def finish(tx: Tx, fx: Effects) -> None:
+            if answered is not None:
+                tx.append_event(fx, playbook, run_id, "tool_call_answered", end_now, by, answered)
+            else:
+                tx.append_event(fx, playbook, run_id, "tool_call_failed", end_now, by, failed)
+            live = tx.run(playbook, run_id)
+            if live is None or RunStatus(live["status"]).ended:
+                return                              # cancelled while the call was in flight
+            if ending is None:
+                tx.end_run(fx, playbook, run_id, RunStatus.SUCCEEDED, now=end_now, by=by, output=output)
+            else:
+                tx.end_run(fx, playbook, run_id, _status_of(ending), now=end_now, by=by, kind=ending.kind,
+                           problem=ending)
+        await self.store.write(finish)
+
+    def _outcome(self, doc: Any, server: str, tool: str, read_only: bool, result: Any) -> tuple[Any, Problem | None]:
+        """A run's output from the tool's result, or its ending: a function's as _run_system reads it
+        (`read`, output.schema); an `execute` run's is what execute answers."""
+        has, answer = result_answer(result)
+        if doc is None:
+            output: Any = {"server": server, "tool": tool, "is_error": bool(result.is_error),
+                           "answer": answer if has else None, "structured_content": result.structured_content,
+                           "content": [b.model_dump(mode="json", by_alias=True, exclude_none=True)
+                                       for b in result.content or ()]}
+        elif result.is_error:
+            return None, self.unfinished(read_only, "tool_error", _result_text(result))
+        elif not has:
+            return None, self.unusable(read_only, "the tool's answer holds nothing to read")
+        else:
+            try:
+                output = pointer_get(answer, doc.call.read) if doc.call.read else answer
+            except LookupError:
+                return None, self.unusable(read_only, f"the tool's answer holds nothing at {doc.call.read}")
+        if json_depth(output) > MAX_JSON_DEPTH or json_size(output) > MAX_OUTPUT_BYTES:
+            return None, self.unusable(read_only, "the answer is more than a run may record (1 MiB)")
+        errors = schema_errors(doc.output_validator, output, "/output") if doc is not None and doc.output_validator else []
+        if errors:
+            return None, self.unusable(read_only, "the tool's answer does not match output.schema", errors=errors)
+        return output, None
+
+
 class Engine:
     """Every operation of the product, over one store, one clock and one timer task.
 
@@ -6934,6 +7567,13 @@ class Engine:
         self.inbox = Inbox(store, clock, self.tools, self.runs)
         self.readings = Readings(store, clock, self.tools, self.definitions, self.inbox)
         self.deliveries = Deliveries(store, clock, self.tools, self.definitions, self.readings)
+        #: The approval gate on calls (SPEC section 20); its `call` timers make the approved calls.
+        self.approvals = Approvals(
+            store=store, clock=clock, tools=self.tools, config=config, open_limit=lambda: self.runs.open_limit,
+            spawn=self.spawn, document=self.definitions.document, offered_tool=self.system_calls._offered_tool,
+            check_offered=self.system_calls._check_offered, render_party=Runs._render_party,
+            deliver_args=Runs._deliver_args, unfinished=SystemCalls._unfinished, unusable=SystemCalls._unusable)
+        self.system_calls.approvals = self.inbox.approvals = self.approvals
 
         # The operations the sections below call, each answered by the part that owns it.
         self.document = self.definitions.document
@@ -6961,6 +7601,7 @@ class Engine:
         self.on_timer("attempt", self.deliveries._attempt, side=True)
         self.on_timer("lost", self.deliveries._lost)
         self.on_timer("read", lambda playbook, ref, key: self.readings._read(playbook, int(ref), key), side=True)
+        self.on_timer("call", lambda playbook, ref, key: self.approvals.on_timer(key))
         self.on_timer("prune", lambda playbook, ref, key: self._prune(key))
         for type_, kind in self.kinds.items():    # e.g. a workflow run to move on (started, woken, or due)
             self.on_timer(type_, lambda playbook, ref, key, kind=kind: kind.on_timer(playbook, ref), side=True)
@@ -8728,7 +9369,9 @@ async def h_execute(request: web.Request) -> web.Response:
     body = await _json_body(request)
     engine = request.app[ENGINE_KEY]
     m = request.match_info
-    return _json(await engine.execute_tool(_caller(request), _pb(request), m["server"], m["tool"], body.get("arguments", {})))
+    out = await engine.execute_tool(_caller(request), _pb(request), m["server"], m["tool"], body.get("arguments", {}),
+                                    body.get("approve"))
+    return _run_response(out) if "run_id" in out else _json(out)      # a gated call: the run that waits
 
 
 async def h_clock(request: web.Request) -> web.Response:
@@ -8917,6 +9560,9 @@ _DEF_BODY: Final = {"type": "object", "required": ["name", "source"], "propertie
 _RUN_BODY: Final = {"type": "object", "required": ["name"], "properties": {
     "type": {"type": "string", "enum": ["interaction", "workflow"]}, "name": {"type": "string"},
     "input": {}, "run_id": {"type": "string"}}}
+_APPROVE_BODY: Final = {"type": "object", "description": "Have a person approve the call first (202 and the run)",
+                        "properties": {"to": {"type": "string"}, "expires": {"type": "string"},
+                                       "edit": {"type": "array", "items": {"type": "string"}}}}
 _ANSWER_BODY: Final = {"type": "object", "required": ["answer"], "properties": {
     "answer": {}, "claimed_for": {"type": "string", "maxLength": 256}}}
 
@@ -8945,7 +9591,7 @@ ROUTES: Final[list[Route]] = [
     Route("GET", PB + "/tools", h_search, "search", query=("query",)),
     Route("GET", PB + "/tools/{server}/{tool}", h_introspect, "introspect"),
     Route("POST", PB + "/tools/{server}/{tool}", h_execute, "execute", Role.WRITER,
-          {"type": "object", "properties": {"arguments": {"type": "object"}}}),
+          {"type": "object", "properties": {"arguments": {"type": "object"}, "approve": _APPROVE_BODY}}),
     Route("GET", "/metrics", h_metrics, "The daemon's metrics, in Prometheus text format (operator token, or none"
           " from this machine when the configuration opens it)", Role.OPERATOR, public=True, media="text/plain"),
 ]
@@ -8966,6 +9612,9 @@ def openapi_spec() -> dict[str, Any]:
                                             "200": {"description": "OK", "content": {r.media: {"schema": {}}}}}}
         if r.handler is h_create_definition:
             op["responses"]["201"] = {"description": "A new version", "content": {"application/json": {"schema": {}}}}
+        if r.handler is h_execute:
+            op["responses"]["202"] = {"description": "A gated call: the run that waits for its approval",
+                                      "content": {"application/json": {"schema": run}}}
         if r.handler in (h_run_definition, h_wait_run):
             # The run object whatever its ending, its status telling the ending; a problem alone
             # is about the call itself (SPEC section 6).
@@ -9226,7 +9875,8 @@ async def _t_introspect(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any
 
 
 async def _t_execute(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
-    return await e.execute_tool(c, pb, a["server"], a["tool"], a.get("arguments") or {})
+    out = await e.execute_tool(c, pb, a["server"], a["tool"], a.get("arguments") or {}, a.get("approve"))
+    return _run_result(out) if "run_id" in out else out     # a gated call: the run that waits
 
 
 async def _t_ask(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
@@ -9313,7 +9963,15 @@ MCP_TOOLS: Final[list[McpTool]] = [
             "Call one tool once with the given arguments and return its answer (recorded as a playbook event). "
             "Use it to learn what a tool returns before writing a function's read or sent pointers.",
             {"server": _p("string", "The server, as search names it."), "tool": _p("string", "The tool's name."),
-             "arguments": _p("object", "The tool's arguments, as its input schema names them.")},
+             "arguments": _p("object", "The tool's arguments, as its input schema names them."),
+             "approve": {"type": "object", "additionalProperties": False,
+                         "description": "Have a person approve the call first: the started run comes back; "
+                                        "call wait_run for the tool's answer. A tool the operator gates waits "
+                                        "for approval anyway.",
+                         "properties": {"to": _p("string", "Who approves."),
+                                        "expires": _p("string", "ISO 8601 duration, PT1M to P30D; P1D when left out."),
+                                        "edit": {"type": "array", "items": {"type": "string"},
+                                                 "description": "JSON Pointers of the arguments the approver may change."}}}},
             ("server", "tool"), _t_execute),
     McpTool("ask",
             "Ask a person a typed question without writing a document: approval (yes/no with a comment), text, "
@@ -11939,7 +12597,7 @@ function requestEl(req, shown) {
   const n = ++S.seq, hid = `req-${n}`;
   const msg = h("div", {class: "msg"});
   msg.innerHTML = shown.html || "";             // rendered by the daemon with raw HTML off
-  const form = req.takes_answer ? formEl(req, shown.form, n)
+  const form = req.approval ? approvalEl(req, n) : req.takes_answer ? formEl(req, shown.form, n)
                                 : h("p", {class: "muted"}, "A notification: there is nothing to answer.");
   const delivery = req.delivery ? ` · sent with ${req.delivery.server}/${req.delivery.tool} (${req.delivery_state})` : "";
   return h("li", {class: "req", "data-run-id": req.run_id},
@@ -11979,6 +12637,110 @@ function formEl(req, form, n) {
     submitAnswer(req, form, f, fields, formErr, ev.submitter);
   });
   return f;
+}
+
+// An approval of a tool call: its arguments as a table, the ones the approver may change as fields,
+// then Approve or Reject with an optional note. Errors come back at /answer/arguments/... pointers.
+function approvalEl(req, n) {
+  const a = req.approval, fields = [], rows = [];
+  const f = h("form", {class: "answer approval", novalidate: true, "aria-label": `Approve: ${req.name}`});
+  const formErr = h("p", {class: "err", id: `fe-${n}`, "aria-live": "polite"});
+  const esc = (k) => String(k).replace(/~/g, "~0").replace(/\//g, "~1");
+  const walk = (value, ptr) => {
+    if (value && typeof value === "object" && a.edit.some(e => e.startsWith(ptr + "/"))) {
+      for (const [k, v] of Object.entries(value)) walk(v, `${ptr}/${esc(k)}`);
+    } else rows.push([ptr, value]);
+  };
+  walk(a.arguments, "");
+  const body = rows.map(([ptr, value], i) => {
+    const id = `ap-${n}-${i}`, name = ptr.slice(1).replace(/~1/g, "/").replace(/~0/g, "~") || "(all)";
+    if (!a.edit.includes(ptr)) {
+      return h("tr", {}, h("th", {scope: "row"}, h("code", {}, name)),
+        h("td", {}, typeof value === "string" ? value : JSON.stringify(value)));
+    }
+    const err = h("p", {class: "err", id: `${id}-err`});
+    let control, kind;
+    if (typeof value === "boolean") {
+      kind = "boolean";
+      control = h("select", {id, "aria-describedby": `${id}-err`},
+        h("option", {value: "true", selected: value}, "true"), h("option", {value: "false", selected: !value}, "false"));
+    } else if (typeof value === "number") {
+      kind = "number";
+      control = h("input", {id, type: "number", step: "any", value: String(value), "aria-describedby": `${id}-err`});
+    } else if (typeof value === "string") {
+      kind = "text";
+      control = h("input", {id, type: "text", value, "aria-describedby": `${id}-err`});
+    } else {
+      kind = "json";
+      control = h("textarea", {id, rows: 3, class: "json", spellcheck: "false", "aria-describedby": `${id}-err`},
+        JSON.stringify(value === undefined ? null : value, null, 2));
+    }
+    const cell = h("td", {}, control, err);
+    fields.push({fd: {pointer: `/arguments${ptr}`, arg: ptr, kind}, err, control, box: cell});
+    return h("tr", {}, h("th", {scope: "row"}, h("label", {for: id}, h("code", {}, name), " (may change)")), cell);
+  });
+  const noteId = `ap-${n}-note`, noteErr = h("p", {class: "err", id: `${noteId}-err`});
+  const note = h("textarea", {id: noteId, rows: 2, maxlength: 2000, "aria-describedby": `${noteId}-err`});
+  const noteBox = h("div", {class: "field"}, h("label", {for: noteId}, "Note (optional)"), note, noteErr);
+  fields.push({fd: {pointer: "/note"}, err: noteErr, control: note, box: noteBox});
+  // The first submit button is a form's default: a disabled one keeps Enter in a field from deciding.
+  f.append(h("button", {type: "submit", disabled: true, hidden: true, tabindex: "-1", "aria-hidden": "true"}));
+  f.append(
+    h("p", {class: "meta"}, "Calls ", h("strong", {}, a.tool), " on ", h("strong", {}, a.server), " · ",
+      a.read_only ? "read-only" : "may change something"),
+    rows.length ? h("div", {class: "wide"}, h("table", {class: "arguments"},
+      h("thead", {}, h("tr", {}, h("th", {scope: "col"}, "Argument"), h("th", {scope: "col"}, "Value"))),
+      h("tbody", {}, body)))
+      : h("p", {class: "muted"}, "The call takes no arguments."),
+    noteBox,
+    h("div", {class: "choice"}, h("button", {type: "submit", class: "primary", value: "approve"}, "Approve"),
+      h("button", {type: "submit", value: "reject"}, "Reject")),
+    formErr);
+  f.addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    if (ev.submitter && ev.submitter.value) submitApproval(req, f, fields, formErr, ev.submitter.value === "approve");
+  });
+  return f;
+}
+
+async function submitApproval(req, f, fields, formErr, approved) {
+  clearErrors(fields, formErr);
+  const answer = {approved}, args = JSON.parse(JSON.stringify(req.approval.arguments));
+  let first = null, edited = false;
+  for (const x of fields) {
+    const {arg, kind} = x.fd;
+    if (arg === undefined) continue;
+    let v = x.control.value;
+    if (kind === "boolean") v = v === "true";
+    else if (kind === "number") {
+      if (v.trim() === "" || Number.isNaN(Number(v))) { first = first || placeError(fields, formErr, `/answer${x.fd.pointer}`, "Write a number."); continue; }
+      v = Number(v);
+    } else if (kind === "json") {
+      try { v = JSON.parse(v); } catch (e) { first = first || placeError(fields, formErr, `/answer${x.fd.pointer}`, `Not JSON: ${e.message}`); continue; }
+    }
+    edited = true;
+    if (arg === "") { Object.keys(args).forEach(k => delete args[k]); Object.assign(args, v); continue; }
+    const parts = arg.split("/").slice(1).map(p => p.replace(/~1/g, "/").replace(/~0/g, "~"));
+    let cur = args;
+    for (const p of parts.slice(0, -1)) cur = cur[p];
+    cur[parts[parts.length - 1]] = v;
+  }
+  if (first) { first.control.focus(); return; }
+  if (approved && edited) answer.arguments = args;
+  const note = fields.find(x => x.fd.pointer === "/note").control.value.trim();
+  if (note) answer.note = note;
+  const buttons = [...f.querySelectorAll("button:not([hidden])")];
+  buttons.forEach(b => { b.disabled = true; });
+  f.setAttribute("aria-busy", "true");
+  const r = await api("POST", `${base()}/runs/${enc(req.run_id)}/answer`, {answer});
+  f.removeAttribute("aria-busy");
+  buttons.forEach(b => { b.disabled = false; });
+  if (r.ok) return answered(req);
+  const errors = r.body && Array.isArray(r.body.errors) ? r.body.errors : [];
+  for (const e of errors) first = placeError(fields, formErr, e.pointer, e.message) || first;
+  if (!errors.length) formErr.textContent = problemText(r.body);
+  if (first) first.control.focus();
+  if ([404, 409, 410].includes(r.status)) refresh();
 }
 
 function fieldEl(fd, key, fields) {

@@ -100,6 +100,7 @@ CREATE TABLE IF NOT EXISTS requests (
     deliver_args   TEXT,                             -- rendered once at the run's start
     attempt_started_at INTEGER,                      -- of the attempt in flight or the last one
     reading        INTEGER REFERENCES readings(id),  -- the reading it joined, once delivered
+    approval       TEXT,                             -- a call's approval gate (JSON); NULL for a question
     UNIQUE (playbook, run_id)
 );
 CREATE INDEX IF NOT EXISTS requests_open ON requests (playbook, seq) WHERE open = 1;
