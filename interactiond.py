@@ -9055,6 +9055,9 @@ def openapi_spec() -> dict[str, Any]:
                                             "200": {"description": "OK", "content": {r.media: {"schema": {}}}}}}
         if r.handler is h_create_definition:
             op["responses"]["201"] = {"description": "A new version", "content": {"application/json": {"schema": {}}}}
+        if r.handler is h_create_link:
+            op["responses"]["201"] = {"description": "The link: {url, for, playbook, expires_at}",
+                                      "content": {"application/json": {"schema": {}}}}
         if r.handler in (h_run_definition, h_wait_run):
             # The run object whatever its ending, its status telling the ending; a problem alone
             # is about the call itself (SPEC section 6).
@@ -11830,6 +11833,7 @@ _REDACT: Final = (
     (re.compile(r"(?i)\b(token|session_id|mcp-session-id|interactiond_session)" + _SEP + r"[A-Za-z0-9_.~%-]+"),
      r"\1\2[redacted]"),
     (re.compile(r"\bitd_[A-Za-z0-9_-]+"), "itd_[redacted]"),
+    (re.compile(r"/a/(int_[0-9A-Za-z]{1,64})\.[A-Za-z0-9_-]+"), r"/a/\1.[redacted]"),       # an answer link
     (re.compile(r"(?i)\b[0-9a-f]{8}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{12}\b"), "[session id]"),
 )
 #: Loggers that speak of each request or session at INFO; quiet below WARNING.
