@@ -12596,7 +12596,7 @@ function requestEl(req, shown) {
       h("p", {class: "meta"}, "asked ", relTime(req.asked_at), " · ",
         req.expires_at ? ["expires ", relTime(req.expires_at)] : "never expires", delivery,
         person ? null : [" · ", h("a", {href: `#/runs/${enc(req.run_id)}`}, "History")],
-        req.answer_url && !person ? [" · ", h("a", {href: req.answer_url, class: "answer-link",
+        req.answer_url && !person ? [" · ", h("a", {href: req.answer_url, class: "answer-link", target: "_blank", rel: "noreferrer",
           title: `The link ${req.to} answers on without signing in; copy it to send it`}, "Answer link")] : null),
       msg, form));
 }

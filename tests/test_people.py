@@ -303,6 +303,11 @@ async def test_a_tampered_or_foreign_link_is_a_plain_404(d):
 
 
 async def test_after_the_end_the_link_says_how_it_ended(d):
+    answered = await ask(d, "bob")
+    answered_link = path_of(await answer_url(d, answered))
+    assert (await d.call("POST", f"/runs/{answered}/answer", {"answer": {"verdict": "approve"}}, role="writer"))[0] == 200
+    shown = await (await d.client.get(answered_link)).text()
+    assert "Answered by <strong>writer (an API token)</strong> on 2027-01-15 08:00 UTC" in shown
     run_id = await ask(d, "ana")
     link = path_of(await answer_url(d, run_id))
     await d.advance("P3D")
