@@ -65,6 +65,7 @@ import fcntl
 import functools
 import hashlib
 import heapq
+import hmac
 import http.client
 import json
 import logging
@@ -87,6 +88,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from decimal import Decimal
+from html import escape as _esc
 from pathlib import Path
 from typing import Any, Callable, Final, Iterable, Protocol
 
@@ -240,6 +242,12 @@ MCP_SESSION_IDLE: Final = timedelta(minutes=10)
 INBOX_SESSION_IDLE: Final = timedelta(hours=12)
 INBOX_SESSION_MAX: Final = timedelta(days=7)
 INBOX_SESSION_TOUCH: Final = timedelta(minutes=1)
+#: A sign-in link made with `interactiond link` or POST .../links works once, until this long
+#: after it was made unless it says otherwise (at most LOGIN_LINK_MAX). The one a start prints is
+#: named START_LOGIN_NAME: the next start revokes it (a person's links stand).
+LOGIN_LINK_DEFAULT: Final = timedelta(days=7)
+LOGIN_LINK_MAX: Final = timedelta(days=30)
+START_LOGIN_NAME: Final = "inbox login"
 #: The pruning pass on the timer task: typed-API idempotency keys older than this go, and so do
 #: ended inbox sessions and spent login links; it runs this often (the first a minute after start).
 IDEMPOTENCY_KEEP: Final = timedelta(hours=24)
@@ -1333,14 +1341,17 @@ class Place:
 
 
 _RUN_NAMES: Final = frozenset({"input", "today", "now"})
+#: The request's own link (SPEC 18), for the message and the sending tool's arguments.
+_REQUEST_NAMES: Final = frozenset({"request.answer_url"})
 _SENT_NAMES: Final = frozenset({"to", "sent.conversation", "sent.id"})
 
 #: The names each place of a document reads (the behaviour reference's table).
 PLACES: Final[dict[str, Place]] = {
     "party": Place(_RUN_NAMES, text=True),
-    "message": Place(_RUN_NAMES, text=True),
+    "message": Place(_RUN_NAMES | _REQUEST_NAMES, text=True),
     "call.with": Place(_RUN_NAMES),
-    "deliver.with": Place(_RUN_NAMES | {"to", "message", "run_id", "function", "expires_at", "answer_schema"}),
+    "deliver.with": Place(_RUN_NAMES | _REQUEST_NAMES | {"to", "message", "run_id", "function", "expires_at",
+                                                         "answer_schema"}),
     "replies.conversation": Place(_SENT_NAMES, text=True),
     "replies.with": Place(_SENT_NAMES | {"conversation", "since"}),
     "tell.with": Place(_SENT_NAMES | {"message"}),
@@ -2943,10 +2954,20 @@ class Config:
     playbooks: dict[str, tuple[str, ...]] = field(default_factory=lambda: {DEFAULT_PLAYBOOK: ()})
     source: str | None = None
     metrics_open_on_loopback: bool = False      # GET /metrics without a token from this machine
+    public_url: str | None = None               # the base of answer and sign-in links
+
+    @property
+    def links_base(self) -> str:
+        """Where answer and sign-in links point: public_url, else the listen address (a serving daemon
+        puts the port it bound in its place)."""
+        if self.public_url:
+            return self.public_url
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"http://{'[' + host + ']' if ':' in host else host}:{self.port}"
 
 
 #: The keys of a configuration file (and how `check` tells one from a workflow).
-CONFIG_KEYS: Final = ("listen", "database", "open_requests", "servers", "playbooks", "metrics")
+CONFIG_KEYS: Final = ("listen", "database", "open_requests", "servers", "playbooks", "metrics", "public_url")
 
 
 class ConfigError(Exception):
@@ -3105,10 +3126,16 @@ def load_config(path: str | None, environ: dict[str, str] | None = None) -> Conf
     problems += [f"metrics.{k}: unknown key" for k in metrics if k != "open_on_loopback"]
     if not isinstance(metrics.get("open_on_loopback", False), bool):
         problems.append("metrics.open_on_loopback: true or false")
+    public_url = raw.get("public_url")
+    if public_url is not None and not (isinstance(public_url, str) and re.fullmatch(r"https?://[^/\s?#]+(/[^\s?#]*)?", public_url)):
+        problems.append("public_url: an http:// or https:// URL people reach the daemon at, e.g."
+                        " https://inbox.example.org (no query or fragment)")
+        public_url = None
     if problems:
         raise ConfigError(problems)
     return Config(host, port, database, open_requests, servers, playbooks, path,
-                  metrics_open_on_loopback=metrics.get("open_on_loopback") is True)
+                  metrics_open_on_loopback=metrics.get("open_on_loopback") is True,
+                  public_url=public_url.rstrip("/") if public_url else None)
 
 
 # Store ##########################################################################################
@@ -3133,7 +3160,7 @@ def load_config(path: str | None, environ: dict[str, str] | None = None) -> Conf
 # The end of this section runs the same store, threads and SQL on a PostgreSQL server.
 
 #: PRAGMA user_version of a file this version made; an earlier one is migrated at open (MIGRATIONS).
-SCHEMA_VERSION: Final = 3
+SCHEMA_VERSION: Final = 4
 
 
 #: The schema, embedded so an installed wheel needs no data file; tests keep it equal to schema.sql.
@@ -3290,7 +3317,8 @@ CREATE TABLE IF NOT EXISTS timers (
 );
 
 -- API tokens, stored as sha256 hashes of their secrets; also one-time login links and the inbox
--- sessions they trade for (12 h idle, 7 days at most).
+-- sessions they trade for (12 h idle, 7 days at most). A person's token, link or session names
+-- the person (a party as `to` renders it): it sees and answers only the requests addressed to them.
 CREATE TABLE IF NOT EXISTS tokens (
     id         TEXT PRIMARY KEY,                     -- tok_...
     hash       TEXT NOT NULL UNIQUE,
@@ -3301,7 +3329,15 @@ CREATE TABLE IF NOT EXISTS tokens (
     created_at INTEGER NOT NULL,
     revoked_at INTEGER,
     used_at    INTEGER,                              -- a session's last use (to the minute)
-    expires_at INTEGER                               -- a session's end at the latest
+    expires_at INTEGER,                              -- a session's or a login link's end at the latest
+    person     TEXT                                  -- NULL: not a person's (an operator's, a program's)
+);
+
+-- The daemon's own keys, made once and kept: `answer_links` signs the answer links (HMAC-SHA256).
+CREATE TABLE IF NOT EXISTS daemon_keys (
+    name       TEXT PRIMARY KEY,
+    secret     TEXT NOT NULL,                        -- hex
+    created_at INTEGER NOT NULL
 );
 
 -- Typed-API idempotency keys: a replay returns the first response.
@@ -3340,10 +3376,17 @@ def _migrate_to_3(conn: sqlite3.Connection) -> None:
     conn.execute("ALTER TABLE requests ADD COLUMN approval TEXT")
 
 
+def _migrate_to_4(conn: sqlite3.Connection) -> None:
+    """People: a token, login link or session may name its person (the daemon_keys table is new,
+    made by the schema itself)."""
+    conn.execute("ALTER TABLE tokens ADD COLUMN person TEXT")
+
+
 #: Each step takes a file made by an earlier version to the next PRAGMA user_version, in order.
 MIGRATIONS: Final[tuple[tuple[int, Callable[[sqlite3.Connection], None]], ...]] = (
     (2, _migrate_to_2),
     (3, _migrate_to_3),
+    (4, _migrate_to_4),
 )
 
 
@@ -3871,8 +3914,9 @@ class SQLiteTx:
                                  (now - int(IDEMPOTENCY_KEEP.total_seconds() * 1000),)).rowcount
         idle_ms = int(INBOX_SESSION_IDLE.total_seconds() * 1000)
         sessions = self.conn.execute(
-            "DELETE FROM tokens WHERE (purpose = 'login' AND revoked_at IS NOT NULL) OR (purpose = 'session' AND"
-            " (revoked_at IS NOT NULL OR expires_at <= ? OR used_at <= ?))", (now, now - idle_ms)).rowcount
+            "DELETE FROM tokens WHERE (purpose = 'login' AND (revoked_at IS NOT NULL OR expires_at <= ?)) OR"
+            " (purpose = 'session' AND (revoked_at IS NOT NULL OR expires_at <= ? OR used_at <= ?))",
+            (now, now, now - idle_ms)).rowcount
         return keys, sessions
 
     # Definitions and runs: documents saved and deleted, runs inserted, read and listed, system calls.
@@ -4185,9 +4229,9 @@ class SQLiteTx:
         return self.conn.execute(_V2_SELECT + " AND q.id = ?", (interaction_id,)).fetchone()
 
     def interactions(self, playbooks: list[str], statuses: Iterable[str], *, run_id: str | None,
-                     before: int | None, limit: int) -> list[Row]:
-        """A page of the typed API's view of the playbooks' requests in `statuses` (of one run, where given),
-        newest first, before the cursor's `seq` (None: from the newest)."""
+                     before: int | None, limit: int, party: str | None = None) -> list[Row]:
+        """A page of the typed API's view of the playbooks' requests in `statuses` (of one run, and addressed
+        to one party, where given), newest first, before the cursor's `seq` (None: from the newest)."""
         statuses = tuple(statuses)
         sql = (_V2_SELECT + f" AND q.playbook IN ({','.join('?' * len(playbooks))})"
                f" AND q.status IN ({','.join('?' * len(statuses))})")
@@ -4195,6 +4239,9 @@ class SQLiteTx:
         if run_id is not None:
             sql += " AND q.run_id = ?"
             args.append(run_id)
+        if party is not None:
+            sql += " AND q.party = ?"
+            args.append(party)
         if before is not None:
             sql += " AND q.seq < ?"
             args.append(before)
@@ -4268,11 +4315,12 @@ class SQLiteTx:
             (playbook,)).fetchall()
 
     def insert_token(self, *, token_id: str, digest: str, playbook: str | None, role: str, name: str | None,
-                     purpose: str, now: int, used_at: int | None, expires_at: int | None) -> None:
-        """A new token (api, login or session), by the hash of its secret."""
-        self.conn.execute("INSERT INTO tokens (id, hash, playbook, role, name, purpose, created_at, used_at, expires_at)"
-                          " VALUES (?,?,?,?,?,?,?,?,?)",
-                          (token_id, digest, playbook, role, name, purpose, now, used_at, expires_at))
+                     purpose: str, now: int, used_at: int | None, expires_at: int | None,
+                     person: str | None = None) -> None:
+        """A new token (api, login or session), by the hash of its secret; a person's names them."""
+        self.conn.execute("INSERT INTO tokens (id, hash, playbook, role, name, purpose, created_at, used_at, expires_at,"
+                          " person) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                          (token_id, digest, playbook, role, name, purpose, now, used_at, expires_at, person))
 
     def token_known(self, digest: str) -> bool:
         """Whether a token of any purpose with this hash stands unrevoked."""
@@ -4280,8 +4328,9 @@ class SQLiteTx:
                                  (digest,)).fetchone() is not None
 
     def caller_token(self, digest: str) -> Row | None:
-        """The unrevoked api or session token with this hash: id, role, playbook, purpose, used_at, expires_at."""
-        return self.conn.execute("SELECT id, role, playbook, purpose, used_at, expires_at FROM tokens"
+        """The unrevoked api or session token with this hash: id, role, playbook, purpose, used_at, expires_at,
+        person."""
+        return self.conn.execute("SELECT id, role, playbook, purpose, used_at, expires_at, person FROM tokens"
                                  " WHERE hash = ? AND revoked_at IS NULL AND purpose != 'login'", (digest,)).fetchone()
 
     def touch_session(self, token_id: str, now: int) -> bool:
@@ -4290,14 +4339,16 @@ class SQLiteTx:
                                  (now, token_id, now)).rowcount > 0
 
     def spend_login(self, digest: str, now: int) -> Row | None:
-        """Revoke an unspent login link: its role and playbook, or None when it is spent or unknown."""
+        """Revoke an unspent login link that has not expired: its role, playbook and person, or None when it
+        is spent, expired or unknown."""
         return self.conn.execute("UPDATE tokens SET revoked_at = ? WHERE hash = ? AND purpose = 'login'"
-                                 " AND revoked_at IS NULL RETURNING role, playbook", (now, digest)).fetchone()
+                                 " AND revoked_at IS NULL AND (expires_at IS NULL OR expires_at > ?)"
+                                 " RETURNING role, playbook, person", (now, digest, now)).fetchone()
 
-    def revoke_logins(self, now: int) -> int:
-        """Revoke every unspent login link; how many."""
-        return self.conn.execute("UPDATE tokens SET revoked_at = ? WHERE purpose = 'login' AND revoked_at IS NULL",
-                                 (now,)).rowcount
+    def revoke_logins(self, now: int, name: str = START_LOGIN_NAME) -> int:
+        """Revoke every unspent login link of this name (the ones a start printed); how many."""
+        return self.conn.execute("UPDATE tokens SET revoked_at = ? WHERE purpose = 'login' AND revoked_at IS NULL"
+                                 " AND name = ?", (now, name)).rowcount
 
     def end_session(self, digest: str, now: int) -> bool:
         """Revoke the live session with this hash; False when there is none."""
@@ -4312,8 +4363,25 @@ class SQLiteTx:
     def listed_tokens(self) -> list[Row]:
         """API tokens and inbox sessions, oldest first (login links are not listed)."""
         return self.conn.execute("SELECT id, role, playbook, name, purpose, created_at, revoked_at, used_at,"
-                                 " expires_at FROM tokens WHERE purpose IN ('api', 'session') ORDER BY created_at"
+                                 " expires_at, person FROM tokens WHERE purpose IN ('api', 'session') ORDER BY created_at"
                                  ).fetchall()
+
+    def token_name(self, token_id: str) -> str | None:
+        """The name a token was given (for a page that says who answered); None when it has none."""
+        row = self.conn.execute("SELECT name FROM tokens WHERE id = ?", (token_id,)).fetchone()
+        return row["name"] if row is not None else None
+
+    def daemon_key(self, name: str, candidate: str, now: int) -> str:
+        """The daemon's key of this name: the one kept, or `candidate` kept now when there is none (so
+        every daemon of a database, and every start, signs with the same key)."""
+        self.conn.execute("INSERT INTO daemon_keys (name, secret, created_at) VALUES (?, ?, ?)"
+                          " ON CONFLICT (name) DO NOTHING", (name, candidate, now))
+        return self.conn.execute("SELECT secret FROM daemon_keys WHERE name = ?", (name,)).fetchone()["secret"]
+
+    def linked_request(self, request_id: str) -> Row | None:
+        """A request by its id, open or ended, with its run's input (what an answer link shows)."""
+        return self.conn.execute("SELECT q.*, r.input AS run_input FROM requests q JOIN runs r ON r.playbook ="
+                                 " q.playbook AND r.run_id = q.run_id WHERE q.id = ?", (request_id,)).fetchone()
 
 
 #: The live run states, as SQL's IN list (the statuses a run ends from).
@@ -4383,7 +4451,7 @@ _FAIL_ATTEMPT_SQL: Final = {
 
 #: The typed API's view of a request that takes an answer, joined with its run's input (interaction_object).
 _V2_SELECT: Final = (
-    "SELECT q.seq, q.id, q.playbook, q.run_id, q.name, q.status, q.delivery_state, q.message, q.answer_schema,"
+    "SELECT q.seq, q.id, q.playbook, q.run_id, q.name, q.party, q.status, q.delivery_state, q.message, q.answer_schema,"
     " q.answer, q.answered_at, q.asked_at, q.expires_at, r.input AS run_input FROM requests q"
     " JOIN runs r ON r.playbook = q.playbook AND r.run_id = q.run_id WHERE q.answer_schema IS NOT NULL")
 
@@ -4419,8 +4487,14 @@ def _pg_migrate_to_3(conn: Any) -> None:
     conn.execute("ALTER TABLE requests ADD COLUMN IF NOT EXISTS approval TEXT")
 
 
+def _pg_migrate_to_4(conn: Any) -> None:
+    """People (see _migrate_to_4): tokens gain `person`."""
+    conn.execute("ALTER TABLE tokens ADD COLUMN IF NOT EXISTS person TEXT")
+
+
 POSTGRES_MIGRATIONS: Final[tuple[tuple[int, Callable[[Any], None]], ...]] = (
     (3, _pg_migrate_to_3),
+    (4, _pg_migrate_to_4),
 )
 
 #: Keys of the transaction-level advisory locks (pg_advisory_xact_lock): writes, and the schema.
@@ -4609,7 +4683,8 @@ CREATE TABLE IF NOT EXISTS timers (
 );
 
 -- API tokens, stored as sha256 hashes of their secrets; also one-time login links and the inbox
--- sessions they trade for (12 h idle, 7 days at most).
+-- sessions they trade for (12 h idle, 7 days at most). A person's token, link or session names
+-- the person (a party as `to` renders it): it sees and answers only the requests addressed to them.
 CREATE TABLE IF NOT EXISTS tokens (
     id         TEXT PRIMARY KEY,                     -- tok_...
     hash       TEXT NOT NULL UNIQUE,
@@ -4620,7 +4695,15 @@ CREATE TABLE IF NOT EXISTS tokens (
     created_at BIGINT NOT NULL,
     revoked_at BIGINT,
     used_at    BIGINT,                               -- a session's last use (to the minute)
-    expires_at BIGINT                                -- a session's end at the latest
+    expires_at BIGINT,                               -- a session's or a login link's end at the latest
+    person     TEXT                                  -- NULL: not a person's (an operator's, a program's)
+);
+
+-- The daemon's own keys, made once and kept: `answer_links` signs the answer links (HMAC-SHA256).
+CREATE TABLE IF NOT EXISTS daemon_keys (
+    name       TEXT PRIMARY KEY,
+    secret     TEXT NOT NULL,                        -- hex
+    created_at BIGINT NOT NULL
 );
 
 -- Typed-API idempotency keys: a replay returns the first response.
@@ -5671,11 +5754,19 @@ class Role(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Caller:
-    """Who makes a call: a token's id, `stdio`, or `local`; what it may do and see."""
+    """Who makes a call: a token's id, `stdio`, or `local`; what it may do and see.
+
+    A person's caller (a token, sign-in or answer link made `--for` them) sees only the requests
+    addressed to them and answers as themselves: `answered_by` and the events' `by` name the person.
+    Everything else (runs, definitions, events, other people's requests) is 404 to them: the HTTP
+    routes and MCP tools a person may use say so (Route.person, McpTool.person), and the inbox
+    operations scope their reads with `inbox_to` and `addressed`.
+    """
 
     id: str
     role: Role
     playbook: str | None = None          # bound to one playbook; None sees every one
+    person: str | None = None            # a person's caller: the party they are
 
     def sees(self, playbook: str) -> bool:
         return self.role is Role.OPERATOR or self.playbook is None or self.playbook == playbook
@@ -5684,8 +5775,93 @@ class Caller:
         if self.role.rank < role.rank:
             raise Problem("forbidden", f"this operation needs a {role.value} token; this one is a {self.role.value}")
 
+    @property
+    def by(self) -> str:
+        """Who an answer or an event records: the person's name, else the caller's id."""
+        return self.person if self.person is not None else self.id
+
+    def inbox_to(self, to: str | None) -> str | None:
+        """The addressee a listing of open requests keeps: a person's own name (another's is 404)."""
+        if self.person is None:
+            return to
+        if to is not None and to != self.person:
+            raise not_found("a person sees only the requests addressed to them")
+        return self.person
+
+    def addressed(self, request: Mapping[str, Any]) -> bool:
+        """Whether this caller may see and answer a request (a row with its `party`): a person only their own."""
+        return self.person is None or request["party"] == self.person
+
 
 OPERATOR_LOCAL: Final = Caller("local", Role.OPERATOR)
+
+
+def person_name(text: Any) -> str:
+    """A person's name as `to` renders it (trimmed); ValueError says why it is not one."""
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError("a person is named as requests address them (their `to`), e.g. ana")
+    name = text.strip()
+    if has_control_char(name) or len(name.encode()) > MAX_PARTY_BYTES:
+        raise ValueError(f"a person's name is at most {MAX_PARTY_BYTES} bytes, without control characters")
+    return name
+
+
+class AnswerLinks:
+    """The answer links of open requests: `{base}/a/{request id}.{signature}`.
+
+    The signature is an HMAC-SHA256 (cut to 192 bits) over the request's id, playbook, run and
+    addressee with the daemon's `answer_links` key, made once and kept in the database (every
+    daemon of a database signs alike, and a restart keeps the links working). The link is the
+    capability: whoever holds it answers as the addressee, once, with answer_interaction's rules;
+    a link that does not verify is a plain 404. A form on the link's page carries `form_token`,
+    derived from the link, so no other site can post it blind.
+    """
+
+    KEY_NAME: Final = "answer_links"
+
+    def __init__(self, base: str) -> None:
+        self.base = base.rstrip("/")            # public_url, else the daemon's own address
+        self.key: bytes | None = None           # loaded at the engine's start
+
+    def load(self, tx: Any, now: int) -> None:
+        self.key = bytes.fromhex(tx.daemon_key(self.KEY_NAME, secrets.token_hex(32), now))
+
+    def _mac(self, text: str) -> str:
+        assert self.key is not None
+        digest = hmac.new(self.key, text.encode(), hashlib.sha256).digest()[:24]
+        return base64.urlsafe_b64encode(digest).decode().rstrip("=")
+
+    def token(self, row: Mapping[str, Any]) -> str | None:
+        """The signed part of a request's link (a row with id, playbook, run_id, party); None before the key."""
+        if self.key is None:
+            return None
+        return f"{row['id']}.{self._mac(chr(31).join((row['id'], row['playbook'], row['run_id'], row['party'])))}"
+
+    def url(self, row: Mapping[str, Any]) -> str | None:
+        token = self.token(row)
+        return f"{self.base}/a/{token}" if token is not None else None
+
+    def verifies(self, token: str, row: Mapping[str, Any]) -> bool:
+        mine = self.token(row)
+        return mine is not None and hmac.compare_digest(mine.encode(), token.encode())
+
+    def form_token(self, token: str) -> str:
+        return self._mac("form" + chr(31) + token)
+
+    def shown(self, obj: dict[str, Any], row: Mapping[str, Any], caller: Caller) -> dict[str, Any]:
+        """`obj` with the request's `answer_url` when the caller may answer it: a writer (a person only
+        their own requests); readers never see it. `row` is the request's (id, playbook, run_id, party)."""
+        if caller.role.rank >= Role.WRITER.rank and caller.addressed(row) and (url := self.url(row)) is not None:
+            obj["answer_url"] = url
+        return obj
+
+    async def on_run(self, store: Any, caller: Caller, run: dict[str, Any]) -> dict[str, Any]:
+        """A waiting run as get_run shows it: with its open request's `answer_url` for a writer."""
+        if run["status"] == RunStatus.WAITING.value and caller.role.rank >= Role.WRITER.rank and self.key is not None:
+            req = await store.read(lambda tx: tx.request(run["playbook"], run["run_id"]))
+            if req is not None and req["status"] == "open":
+                self.shown(run, req, caller)
+        return run
 
 
 def run_object(row: Row) -> dict[str, Any]:
@@ -6161,8 +6337,10 @@ class Runs:
     """
 
     def __init__(self, store: Store, clock: Clock, bus: LocalBus, definitions: Definitions,
-                 system_calls: SystemCalls, kinds: dict[str, RunKind], open_limit: int) -> None:
+                 system_calls: SystemCalls, kinds: dict[str, RunKind], open_limit: int,
+                 links: AnswerLinks | None = None) -> None:
         self.store = store
+        self.links = links or AnswerLinks("")          # answer links (no key: none shown)
         self.clock = clock
         self.bus = bus
         self.definitions = definitions
@@ -6188,7 +6366,7 @@ class Runs:
             raise ending_problem(RunStatus.CONFLICT, "unworkable", f"{what} is longer than {MAX_PARTY_BYTES} bytes")
         return value
 
-    def _prepare_request(self, doc: Any, input_: Any, now: int) -> dict[str, Any]:
+    def _prepare_request(self, doc: Any, input_: Any, now: int, playbook: str = "", run_id: str = "") -> dict[str, Any]:
         """Check the input and render what the request shows; raises the problem of an ending."""
         if doc.input_validator is not None:
             errors = schema_errors(doc.input_validator, input_, "/input")
@@ -6196,9 +6374,14 @@ class Runs:
                 raise ending_problem(RunStatus.INVALID_INPUT, None, "the input does not match the input schema",
                                      errors=errors)
         ctx = base_context(now, input=input_)
+        # made here, not in the writer: ULIDs share a lock, and a lock held across threads
+        # stalled the loop behind the writer's GIL turn
+        request_id = "int_" + new_ulid()
         try:
             party = self._render_party(doc.to, ctx, "to")
             answerer = self._render_party(doc.from_, ctx, "from") if doc.from_ is not None else party
+            ctx["request"] = {"answer_url": self.links.url({"id": request_id, "playbook": playbook, "run_id": run_id,
+                                                            "party": party})}
             message = doc.message.render_text(ctx)
         except RenderError as exc:
             if exc.kind == "undefined":
@@ -6209,15 +6392,13 @@ class Runs:
             raise ending_problem(RunStatus.CONFLICT, "unworkable", f"the message is longer than {MAX_MESSAGE_BYTES // KIB} KiB")
         return {"party": party, "answerer": answerer, "message": message,
                 "expires_at": now + int(doc.expires.total_seconds() * 1000),
-                # made here, not in the writer: ULIDs share a lock, and a lock held across threads
-                # stalled the loop behind the writer's GIL turn
-                "request_id": "int_" + new_ulid()}
+                "request_id": request_id, "request": ctx["request"]}
 
     @staticmethod
     def _deliver_args(doc: Any, name: str, run_id: str, input_: Any, prepared: dict[str, Any], now: int) -> Any:
         """The sending tool's arguments, rendered once at the start: every attempt sends the same."""
         ctx = base_context(now, input=input_, to=prepared["party"], message=prepared["message"], run_id=run_id,
-                           function=name, expires_at=fmt_time(prepared["expires_at"]),
+                           function=name, expires_at=fmt_time(prepared["expires_at"]), request=prepared["request"],
                            answer_schema=prepared.get("answer_schema", doc.output_schema))
         try:
             args = render_args(doc.deliver.with_, ctx)
@@ -6262,7 +6443,7 @@ class Runs:
                                                        input_text, input_sha, parent=parent)
         else:
             try:
-                prepared = self._prepare_request(doc, input_, now)
+                prepared = self._prepare_request(doc, input_, now, playbook, run_id)
                 if name in ASK_FUNCTIONS:
                     prepared.update(_ask_overrides(ASK_FUNCTIONS[name], input_, now))
                 if doc.deliver is not None:
@@ -6328,7 +6509,7 @@ class Runs:
         row = await self.store.read(lambda tx: tx.run(playbook, run_id))
         if row is None:
             raise not_found(f"no run {run_id} in this playbook")
-        return run_object(row)
+        return await self.links.on_run(self.store, caller, run_object(row))
 
     async def wait_run(self, caller: Caller, playbook: str, run_id: str, timeout: float,
                        tick: Callable[[float], Any] | None = None) -> dict[str, Any]:
@@ -6637,8 +6818,10 @@ class Inbox:
     """Open requests, their answers, and the events of runs and playbooks. An answer is checked and
     kept as scrubbed by `tools.scrub`; a run's events are listed once `runs` finds the run."""
 
-    def __init__(self, store: Store, clock: Clock, tools: ToolServers, runs: Runs) -> None:
+    def __init__(self, store: Store, clock: Clock, tools: ToolServers, runs: Runs,
+                 links: AnswerLinks | None = None) -> None:
         self.store = store
+        self.links = links or AnswerLinks("")          # answer links (no key: none shown)
         self.clock = clock
         self.tools = tools
         self.runs = runs
@@ -6651,9 +6834,11 @@ class Inbox:
                                 cursor: str | None = None) -> dict[str, Any]:
         n = check_limit(limit)
         before = decode_cursor(cursor)[0] if cursor else None
+        to = caller.inbox_to(to)
         rows = await self.store.read(lambda tx: tx.open_requests(playbook, to=to, type_=type_, name=function,
                                                                  before=before, limit=n + 1))
-        return _page([request_object(r) for r in rows[:n]], rows, n, lambda: [rows[n - 1]["seq"]])
+        return _page([self.links.shown(request_object(r), r, caller) for r in rows[:n]], rows, n,
+                     lambda: [rows[n - 1]["seq"]])
 
     async def answer_interaction(self, caller: Caller, playbook: str, run_id: str, answer: Any,
                                  claimed_for: str | None = None,
@@ -6665,7 +6850,7 @@ class Inbox:
         used before returns its first response (not new), or idempotency_key_conflict when it came with
         another request; a request this key did not answer is `not_open` (or `answered`)."""
         caller.require(Role.WRITER)
-        by = caller.id
+        by = caller.by
         if claimed_for is not None and (not isinstance(claimed_for, str) or len(claimed_for.encode()) > MAX_CLAIM_BYTES):
             raise ending_problem(RunStatus.INVALID_INPUT, None, f"claimed_for is a text of at most {MAX_CLAIM_BYTES} bytes",
                                  errors=[{"pointer": "/claimed_for", "message": f"a text of at most {MAX_CLAIM_BYTES} bytes"}])
@@ -6683,7 +6868,7 @@ class Inbox:
         # first and then the write cost a second thread hop, the larger part of an answer's latency).
         def change(tx: Tx, fx: Effects) -> tuple[dict[str, Any], bool]:
             row = tx.request(playbook, run_id)
-            if row is None:
+            if row is None or not caller.addressed(row):
                 raise not_found(f"no request of run {run_id} in this playbook")
             if idempotency is not None:
                 # Looked up in the answer's own transaction: a concurrent call under the same key that
@@ -7204,8 +7389,9 @@ class Approvals:
                  document: Callable[..., Any], offered_tool: Callable[..., Any],
                  check_offered: Callable[..., Problem | None], render_party: Callable[..., str],
                  deliver_args: Callable[..., Any], unfinished: Callable[..., Problem],
-                 unusable: Callable[..., Problem]) -> None:
+                 unusable: Callable[..., Problem], links: AnswerLinks | None = None) -> None:
         self.store, self.clock, self.tools, self.config = store, clock, tools, config
+        self.links = links or AnswerLinks("")          # answer links (no key: none shown)
         self.open_limit, self.spawn, self.document = open_limit, spawn, document
         self.offered_tool, self.check_offered = offered_tool, check_offered
         self.render_party, self.deliver_args = render_party, deliver_args
@@ -7230,13 +7416,16 @@ class Approvals:
         ctx = base_context(now, input=input_)
         try:
             party = policy.to if policy is not None else self.render_party(gate.to, ctx, "approve.to")
+            request_id = "int_" + new_ulid()
+            ctx["request"] = {"answer_url": self.links.url({"id": request_id, "playbook": playbook, "run_id": run_id,
+                                                            "party": party})}
             message = (doc.message.render_text(ctx) if doc.message is not None else
                        f"The function **{name}** asks to call **{call.tool}** on the tool server **{call.server}**."
                        " Approve the call, or reject it.")
             expires = policy.expires if policy is not None else gate.expires
             prepared = {"party": party, "answerer": party, "message": message,
                         "expires_at": now + int(expires.total_seconds() * 1000),
-                        "request_id": "int_" + new_ulid(), "answer_schema": APPROVAL_ANSWER_SCHEMA}
+                        "request_id": request_id, "request": ctx["request"], "answer_schema": APPROVAL_ANSWER_SCHEMA}
             if len(message.encode()) > MAX_MESSAGE_BYTES:
                 raise ending_problem(RunStatus.CONFLICT, "unworkable", f"the message is longer than {MAX_MESSAGE_BYTES // KIB} KiB")
             if doc.deliver is not None:
@@ -7560,11 +7749,14 @@ class Engine:
         #: The run kinds of the sections below (Workflows), each made with this engine once its parts exist.
         self.kinds: dict[str, RunKind] = {}
 
+        self.links = AnswerLinks(config.links_base)     # its key is loaded at start
+
         # The parts; each calls only parts built before it (and the run kinds, made last).
         self.definitions = Definitions(store, clock, self.kinds)
         self.system_calls = SystemCalls(store, clock, self.tools, config)
-        self.runs = Runs(store, clock, self.bus, self.definitions, self.system_calls, self.kinds, config.open_requests)
-        self.inbox = Inbox(store, clock, self.tools, self.runs)
+        self.runs = Runs(store, clock, self.bus, self.definitions, self.system_calls, self.kinds, config.open_requests,
+                         links=self.links)
+        self.inbox = Inbox(store, clock, self.tools, self.runs, links=self.links)
         self.readings = Readings(store, clock, self.tools, self.definitions, self.inbox)
         self.deliveries = Deliveries(store, clock, self.tools, self.definitions, self.readings)
         #: The approval gate on calls (SPEC section 20); its `call` timers make the approved calls.
@@ -7572,7 +7764,8 @@ class Engine:
             store=store, clock=clock, tools=self.tools, config=config, open_limit=lambda: self.runs.open_limit,
             spawn=self.spawn, document=self.definitions.document, offered_tool=self.system_calls._offered_tool,
             check_offered=self.system_calls._check_offered, render_party=Runs._render_party,
-            deliver_args=Runs._deliver_args, unfinished=SystemCalls._unfinished, unusable=SystemCalls._unusable)
+            deliver_args=Runs._deliver_args, unfinished=SystemCalls._unfinished, unusable=SystemCalls._unusable,
+            links=self.links)
         self.system_calls.approvals = self.inbox.approvals = self.approvals
 
         # The operations the sections below call, each answered by the part that owns it.
@@ -7638,6 +7831,7 @@ class Engine:
                            kind=problem.kind, problem=problem)
             # Recount open requests: the counter is a cache of requests.open.
             tx.recount_open_requests()
+            self.links.load(tx, now)
             return tx.all_timers()
 
         for key, due in await self.store.write(init):
@@ -9151,7 +9345,7 @@ CALLER_KEY: Final = web.RequestKey("caller", Caller)
 SESSION_COOKIE: Final = "interactiond_session"
 TOKEN_CACHE_S: Final = 2.0          # a revoked token stops working within this long
 PB: Final = "/v1/orgs/{org}/playbooks/{playbook}"
-PUBLIC_PATHS: Final = ("/healthz", "/openapi.json", "/problems/", "/login", "/favicon.ico")
+PUBLIC_PATHS: Final = ("/healthz", "/openapi.json", "/problems/", "/login", "/favicon.ico", "/a/")
 #: What every 401 answers in `WWW-Authenticate` (RFC 6750), so a client names the failure.
 BEARER_CHALLENGE: Final = 'Bearer realm="interactiond"'
 
@@ -9167,6 +9361,7 @@ class Route:
     query: tuple[str, ...] = ()
     public: bool = False
     media: str = "application/json"             # what a 200 carries, for OpenAPI
+    person: bool = False                        # a person's caller may call it (else it is 404 to them)
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:
@@ -9389,6 +9584,25 @@ async def h_clock(request: web.Request) -> web.Response:
     return _json({"now": fmt_time(engine.clock.now_ms())})
 
 
+async def h_create_link(request: web.Request) -> web.Response:
+    body = await _json_body(request)
+    engine, playbook = request.app[ENGINE_KEY], _pb(request)
+    try:
+        person = person_name(body["for"]) if body.get("for") is not None else None
+    except ValueError as exc:
+        raise Problem("invalid_request", str(exc), errors=[{"pointer": "/for", "message": str(exc)}]) from None
+    try:
+        lasts = parse_duration(body.get("expires", "P7D"))
+        if not EXPIRES_MIN <= lasts <= LOGIN_LINK_MAX:
+            raise ValueError(f"a sign-in link lasts from {EXPIRES_MIN.seconds // 60} minute to"
+                             f" {LOGIN_LINK_MAX.days} days")
+    except (ValueError, TypeError) as exc:
+        raise Problem("invalid_request", f"expires: {exc}", errors=[{"pointer": "/expires", "message": str(exc)}]) from None
+    url, expires_at = await make_login_link(engine, person, playbook, lasts)
+    return _json({"url": url, "for": person, "playbook": playbook if person is not None else None,
+                  "expires_at": fmt_time(expires_at)}, 201)
+
+
 async def h_problem_page(request: web.Request) -> web.Response:
     name = request.match_info["name"]
     if name not in PROBLEM_TYPES:
@@ -9572,6 +9786,9 @@ ROUTES: Final[list[Route]] = [
     Route("GET", "/problems/{name}", h_problem_page, "What a problem type means", public=True),
     Route("POST", "/v1/admin/clock", h_clock, "Move the manual clock (tests and demos)", Role.OPERATOR,
           {"type": "object", "properties": {"advance": {"type": "string"}}}),
+    Route("POST", PB + "/links", h_create_link, "A one-time sign-in link: a person's (for) in this playbook, or an"
+          " operator's", Role.OPERATOR, {"type": "object", "properties": {
+              "for": {"type": ["string", "null"]}, "expires": {"type": "string"}}}),
     Route("POST", PB + "/definitions", h_create_definition, "create_definition", Role.WRITER, _DEF_BODY),
     Route("GET", PB + "/definitions", h_list_definitions, "list_definitions", query=("type",)),
     Route("GET", PB + "/definitions/{type}/{name}", h_get_definition, "get_definition", query=("version",)),
@@ -9583,9 +9800,10 @@ ROUTES: Final[list[Route]] = [
     Route("POST", PB + "/runs/{run_id}/wait", h_wait_run, "wait for a run to end", Role.READER, None,
           ("timeout", "max_wait")),
     Route("POST", PB + "/runs/{run_id}/cancel", h_cancel_run, "cancel_run", Role.WRITER),
-    Route("POST", PB + "/runs/{run_id}/answer", h_answer, "answer_interaction", Role.WRITER, _ANSWER_BODY),
+    Route("POST", PB + "/runs/{run_id}/answer", h_answer, "answer_interaction", Role.WRITER, _ANSWER_BODY,
+          person=True),
     Route("GET", PB + "/interactions", h_list_interactions, "list_interactions",
-          query=("to", "type", "function", "limit", "cursor")),
+          query=("to", "type", "function", "limit", "cursor"), person=True),
     Route("GET", PB + "/events", h_playbook_events, "list_playbook_events", query=("type", "limit", "cursor")),
     Route("GET", PB + "/events/{event_id}", h_get_event, "get_event"),
     Route("GET", PB + "/tools", h_search, "search", query=("query",)),
@@ -9615,6 +9833,9 @@ def openapi_spec() -> dict[str, Any]:
         if r.handler is h_execute:
             op["responses"]["202"] = {"description": "A gated call: the run that waits for its approval",
                                       "content": {"application/json": {"schema": run}}}
+        if r.handler is h_create_link:
+            op["responses"]["201"] = {"description": "The link: {url, for, playbook, expires_at}",
+                                      "content": {"application/json": {"schema": {}}}}
         if r.handler in (h_run_definition, h_wait_run):
             # The run object whatever its ending, its status telling the ending; a problem alone
             # is about the call itself (SPEC section 6).
@@ -9655,9 +9876,12 @@ def openapi_spec() -> dict[str, Any]:
 
 
 def create_token(tx: Tx, role: str, playbook: str | None, name: str | None,
-                 purpose: str = "api", now: int | None = None) -> tuple[str, str]:
+                 purpose: str = "api", now: int | None = None, *, person: str | None = None,
+                 expires_at: int | None = None) -> tuple[str, str]:
     """Store a new token's hash; returns (id, secret). The secret is shown once. A session starts
-    used now and ends INBOX_SESSION_MAX later at the latest."""
+    used now and ends INBOX_SESSION_MAX later at the latest; a login link ends at `expires_at`
+    (None: when a start revokes it). A person's token, link or session (`person`) is a reader's or
+    a writer's, bound to one playbook."""
     if role not in {r.value for r in Role}:
         raise ValueError(f"role is one of reader, writer, operator, not {role!r}")
     if playbook is not None and not PLAYBOOK_RE.fullmatch(playbook):
@@ -9665,14 +9889,37 @@ def create_token(tx: Tx, role: str, playbook: str | None, name: str | None,
     if role == Role.OPERATOR.value and playbook is not None:
         raise ValueError("an operator is global (every playbook, tokens, the clock): leave out --playbook,"
                          " or make a reader or writer token for one playbook")
+    if person is not None:
+        person = person_name(person)
+        if role == Role.OPERATOR.value:
+            raise ValueError("a person answers their own requests: make them a writer (or a reader), not an operator")
+        if playbook is None:
+            raise ValueError("a person's token is bound to one playbook: give --playbook")
     secret = new_token_secret()
     token_id = "tok_" + new_ulid().lower()
     at = now if now is not None else WALL.now_ms()
     session = purpose == "session"
     tx.insert_token(token_id=token_id, digest=sha256_hex(secret), playbook=playbook, role=role, name=name,
                     purpose=purpose, now=at, used_at=at if session else None,
-                    expires_at=at + int(INBOX_SESSION_MAX.total_seconds() * 1000) if session else None)
+                    expires_at=at + int(INBOX_SESSION_MAX.total_seconds() * 1000) if session else expires_at,
+                    person=person)
     return token_id, secret
+
+
+def login_link_name(person: str | None) -> str:
+    return f"sign-in link for {person}" if person is not None else "sign-in link"
+
+
+async def make_login_link(engine: Engine, person: str | None, playbook: str,
+                          lasts: timedelta = LOGIN_LINK_DEFAULT) -> tuple[str, int]:
+    """A one-time sign-in link (its URL, and when it ends on the daemon's clock): a person's, a writer
+    in `playbook` who sees only their own requests; without a person, an operator's."""
+    now = engine.clock.now_ms()
+    expires_at = now + int(lasts.total_seconds() * 1000)
+    _, secret = await engine.store.write(lambda tx, fx: create_token(
+        tx, Role.WRITER.value if person is not None else Role.OPERATOR.value, playbook if person is not None else None,
+        login_link_name(person), purpose="login", now=now, person=person, expires_at=expires_at))
+    return f"{engine.links.base}/login?token={secret}", expires_at
 
 
 async def _authenticate(request: web.Request) -> Caller:
@@ -9705,7 +9952,7 @@ async def lookup_token(app: web.Application, secret: str) -> Caller | None:
     hit = cache.get(digest)
     if hit is None or hit[0] <= time.monotonic():
         row = await engine.store.read(lambda tx: tx.caller_token(digest))
-        caller = Caller(row["id"], Role(row["role"]), row["playbook"]) if row is not None else None
+        caller = Caller(row["id"], Role(row["role"]), row["playbook"], row["person"]) if row is not None else None
         times = ({"used_at": row["used_at"], "expires_at": row["expires_at"]}
                  if row is not None and row["purpose"] == "session" else None)
         if len(cache) > 10_000:
@@ -9736,6 +9983,8 @@ async def api_middleware(request: web.Request, handler: Callable[[web.Request], 
         if route is not None and not route.public:
             caller = await _authenticate(request)
             request[CALLER_KEY] = caller
+            if caller.person is not None and not route.person:
+                raise not_found("a person's sign-in sees only the requests addressed to them")
             caller.require(route.role)
         elif route is None and not request.path.startswith(PUBLIC_PATHS) and request.match_info.http_exception is None \
                 and request.path not in ("/",):
@@ -9799,6 +10048,7 @@ class McpTool:
     required: tuple[str, ...]
     call: Callable[..., Any]              # async (engine, caller, playbook, args, progress) -> (result, is_error)
     read_only: bool = False
+    person: bool = False                  # a person's token may call it (else it is 404 to them, and not listed)
 
 
 async def _t_create(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
@@ -9941,14 +10191,14 @@ MCP_TOOLS: Final[list[McpTool]] = [
             {"to": _p("string", "Only requests to this party."),
              "type": _p("string", "Only requests of functions of this type."),
              "function": _p("string", "Only requests of the function of this name."), **_PAGE_ARGS},
-            (), _t_inbox, True),
+            (), _t_inbox, True, person=True),
     McpTool("answer_interaction",
             "Answer an open request on a person's behalf, in the shape of its answer_schema (list_interactions "
             "shows it). Returns the recorded answer fact. An answer that does not match comes back as an error "
             "with a JSON Pointer per problem, and the request stays open.",
             {"run_id": _RUN_ID_ARG, "answer": _p("object", "The answer, matching the request's answer_schema."),
              "claimed_for": _p("string", "Whom you answer for (kept, never checked), at most 256 bytes.")},
-            ("run_id", "answer"), _t_answer),
+            ("run_id", "answer"), _t_answer, person=True),
     McpTool("list_playbook_events",
             "The playbook's own events: definitions saved, reads of conversations, tellings, execute calls.",
             {"type": _p("string", "Only events of this type."), **_PAGE_ARGS}, (), _t_pb_events, True),
@@ -10008,7 +10258,15 @@ def make_mcp_server(engine: Engine, *, caller: Caller | None = None, scoped_play
     listed = [mt.Tool(name=t.name, description=t.description, input_schema=schemas[t.name],
                       annotations=mt.ToolAnnotations(read_only_hint=t.read_only)) for t in MCP_TOOLS]
 
+    def who_calls(ctx: Any) -> Caller | None:
+        if caller is not None:
+            return caller
+        return getattr(getattr(ctx, "request", None), "scope", {}).get("state", {}).get("interactiond_caller")
+
     async def list_tools(ctx: Any, params: Any) -> mt.ListToolsResult:
+        who = who_calls(ctx)
+        if who is not None and who.person is not None:          # a person's token: the inbox tools only
+            return mt.ListToolsResult(tools=[t for t in listed if tools[t.name].person])
         return mt.ListToolsResult(tools=listed)
 
     def result(data: Any, is_error: bool = False, note: str | None = None) -> mt.CallToolResult:
@@ -10020,7 +10278,8 @@ def make_mcp_server(engine: Engine, *, caller: Caller | None = None, scoped_play
     async def call_tool(ctx: Any, params: Any) -> mt.CallToolResult:
         try:
             tool = tools.get(params.name)
-            if tool is None:
+            who = who_calls(ctx)
+            if tool is None or (who is not None and who.person is not None and not tool.person):
                 raise not_found(f"no tool {params.name}; list the tools to see them")
             args = dict(params.arguments or {})
             flaw = json_flaw(args)
@@ -10031,10 +10290,6 @@ def make_mcp_server(engine: Engine, *, caller: Caller | None = None, scoped_play
             if errors:
                 raise Problem("invalid_request", f"the arguments of {tool.name} do not match its input schema",
                               errors=errors)
-            who = caller
-            if who is None:
-                state = getattr(getattr(ctx, "request", None), "scope", {}).get("state", {})
-                who = state.get("interactiond_caller")
             if who is None:
                 raise Problem("unauthorized", "no caller: the HTTP transports need a bearer token")
             pb = scoped_playbook or args.pop("playbook", None) or who.playbook or DEFAULT_PLAYBOOK
@@ -10619,7 +10874,8 @@ async def find_interaction(engine: Engine, caller: Caller, ident: str) -> Row:
     row = None
     if INTERACTION_ID_RE.fullmatch(ident):
         row = await engine.store.read(lambda tx: tx.interaction(ident))
-    if row is None or row["playbook"] not in engine.playbooks or not caller.sees(row["playbook"]):
+    if row is None or row["playbook"] not in engine.playbooks or not caller.sees(row["playbook"]) \
+            or not caller.addressed(row):
         raise _v2_problem("not_found", "The interaction does not exist or is not visible to this token.")
     return row
 
@@ -10638,9 +10894,9 @@ async def list_typed_interactions(engine: Engine, caller: Caller, status: str | 
     playbooks = _visible(engine, caller)
     statuses = V2_STATUS_FILTER[status] if status else tuple(V2_STATUS)
     rows = await engine.store.read(lambda tx: tx.interactions(playbooks, statuses, run_id=run_id, before=before,
-                                                              limit=n + 1)) if playbooks else []
+                                                              limit=n + 1, party=caller.person)) if playbooks else []
     more = len(rows) > n
-    return {"data": [interaction_object(r) for r in rows[:n]],
+    return {"data": [engine.links.shown(interaction_object(r), r, caller) for r in rows[:n]],
             "page": {"has_more": more, "next_cursor": encode_cursor([rows[n - 1]["seq"]]) if more else None}}
 
 
@@ -10809,8 +11065,9 @@ async def h_v2_list(request: web.Request) -> web.Response:
 
 
 async def h_v2_get(request: web.Request) -> web.Response:
-    row = await find_interaction(request.app[ENGINE_KEY], _caller(request), request.match_info["id"])
-    return _json(interaction_object(row))
+    engine, caller = request.app[ENGINE_KEY], _caller(request)
+    row = await find_interaction(engine, caller, request.match_info["id"])
+    return _json(engine.links.shown(interaction_object(row), row, caller))
 
 
 async def h_v2_respond(request: web.Request) -> web.Response:
@@ -10821,7 +11078,7 @@ async def h_v2_respond(request: web.Request) -> web.Response:
     except web.HTTPRequestEntityTooLarge:
         raise _v2_problem("too_large", f"the body is larger than {MAX_BODY_BYTES // MIB} MiB") from None
     status, obj, replayed = await respond_interaction(engine, caller, row, request.headers.get("Idempotency-Key"), raw)
-    resp = _json(obj, status)
+    resp = _json(engine.links.shown(dict(obj), row, caller), status)
     if replayed:
         resp.headers["Idempotent-Replayed"] = "true"
     return resp
@@ -10843,10 +11100,10 @@ _RESPONSE_BODY: Final = {"type": "object", "required": ["type"], "properties": {
 
 TYPED_ROUTES: Final[list[Route]] = [
     Route("GET", "/v2/interactions", h_v2_list, "List typed interactions, newest first",
-          query=("status", "run_id", "limit", "cursor")),
-    Route("GET", "/v2/interactions/{id}", h_v2_get, "Get one typed interaction"),
+          query=("status", "run_id", "limit", "cursor"), person=True),
+    Route("GET", "/v2/interactions/{id}", h_v2_get, "Get one typed interaction", person=True),
     Route("POST", "/v2/interactions/{id}/responses", h_v2_respond,
-          "Respond to an interaction (Idempotency-Key header required)", Role.WRITER, _RESPONSE_BODY),
+          "Respond to an interaction (Idempotency-Key header required)", Role.WRITER, _RESPONSE_BODY, person=True),
     Route("GET", "/v2/events", h_v2_events, "Server-Sent Events of every visible playbook (Last-Event-ID resumes)"),
     Route("GET", PB + "/stream", h_playbook_stream, "Server-Sent Events of one playbook (Last-Event-ID resumes)"),
 ]
@@ -11064,12 +11321,15 @@ def _form_types(schema: dict[str, Any]) -> set[str]:
     return types - {"null"} if len(types) > 1 else types
 
 
-def _form_choices(schema: dict[str, Any]) -> tuple[list[Any], list[str]] | None:
-    """The values a choice offers, with their labels: an enum, a oneOf/anyOf of consts, a boolean."""
+def _form_choices(schema: dict[str, Any], named: Mapping[Any, str] | None = None) -> tuple[list[Any], list[str]] | None:
+    """The values a choice offers, with their labels: an enum, a oneOf/anyOf of consts (their titles), a
+    boolean. `named` gives labels of values from elsewhere (an ask-choice's options)."""
     def scalar(v: Any) -> bool:
         return not isinstance(v, (dict, list))
 
     def label(v: Any) -> str:
+        if named and isinstance(v, str) and v in named:
+            return named[v]
         return {True: "Yes", False: "No", None: "None"}.get(v, str(v)) if isinstance(v, (bool, type(None))) else str(v)
     enum_ = schema.get("enum")
     if isinstance(enum_, list) and enum_ and all(map(scalar, enum_)):
@@ -11109,15 +11369,23 @@ def _number_bounds(schema: dict[str, Any], integer: bool) -> dict[str, Any]:
     return out
 
 
-def form_field(name: str, pointer: str, schema: Any, required: bool) -> dict[str, Any]:
-    """How the page asks for one value; `kind` is choice, text, number, checkboxes or json."""
+def form_field(name: str, pointer: str, schema: Any, required: bool,
+               named: Mapping[Any, str] | None = None) -> dict[str, Any]:
+    """How the page asks for one value; `kind` is choice, text, number, checkboxes or json.
+
+    A choice is one of radios (or the choice buttons, see answer_form); a list of choices of which
+    at most one may be picked is a choice too, marked `array` (its answer is a list of that one).
+    `named` labels the values of a choice (an ask-choice's options)."""
     schema = schema if isinstance(schema, dict) else {}
     out: dict[str, Any] = {"name": name, "pointer": pointer, "label": _form_label(name, schema), "required": required}
     if isinstance(schema.get("description"), str):
         out["hint"] = schema["description"]
     types = _form_types(schema)
     items = schema.get("items")
-    if (choices := _form_choices(schema)) is not None:
+    if named and "title" not in schema:
+        out["label"] = "Your choice"
+        out.pop("hint", None)
+    if (choices := _form_choices(schema, named)) is not None:
         out.update(kind="choice", values=choices[0], labels=choices[1])
     elif types == {"string"}:
         out.update(kind="text", **{k: schema[k] for k in ("maxLength", "minLength") if isinstance(schema.get(k), int)})
@@ -11129,22 +11397,27 @@ def form_field(name: str, pointer: str, schema: Any, required: bool) -> dict[str
         integer = types == {"integer"}
         out.update(kind="number", integer=integer, **_number_bounds(schema, integer))
     elif types == {"array"} and isinstance(items, dict) and _form_types(items) != {"boolean"} \
-            and (choices := _form_choices(items)) is not None:
-        out.update(kind="checkboxes", values=choices[0], labels=choices[1],
-                   **{k: schema[k] for k in ("minItems", "maxItems") if isinstance(schema.get(k), int)})
+            and (choices := _form_choices(items, named)) is not None:
+        if schema.get("maxItems") == 1:
+            out.update(kind="choice", array=True, values=choices[0], labels=choices[1])
+        else:
+            out.update(kind="checkboxes", values=choices[0], labels=choices[1],
+                       **{k: schema[k] for k in ("minItems", "maxItems") if isinstance(schema.get(k), int)})
     else:
         out.update(kind="json", example="{}" if types == {"object"} else "[]" if types == {"array"} else "",
                    bounds="JSON, checked by the daemon when you send it")
     return out
 
 
-def answer_form(schema: Any) -> dict[str, Any]:
+def answer_form(schema: Any, named: Mapping[Any, str] | None = None) -> dict[str, Any]:
     """The form the page generates for an answer schema.
 
     `mode` is `choice` (one button per value of the one choice, which sends the answer; a note-like
     text field beside the buttons), `fields` (a form with a send button), `json` (one JSON editor)
     or `none` (a notification). Each field's `pointer` is relative to the answer, as the server's
-    error pointers are after `/answer`, so an error lands next to the field it names.
+    error pointers are after `/answer`, so an error lands next to the field it names. A list of
+    choices (one pick: radios, several: checkboxes) is never the buttons. `named` labels the
+    option ids of an ask-choice (`option_labels`).
     """
     if schema is None:
         return {"mode": "none", "fields": []}
@@ -11153,13 +11426,14 @@ def answer_form(schema: Any) -> dict[str, Any]:
     props = schema.get("properties")
     if isinstance(props, dict) and props and _form_types(schema) in ({"object"}, set()):
         required = set(schema.get("required") or ())
-        fields = [form_field(n, pointer_join([n]), s, n in required) for n, s in props.items()]
-        choices = [f for f in fields if f["kind"] == "choice"]
+        fields = [form_field(n, pointer_join([n]), s, n in required, named if n == "option_ids" else None)
+                  for n, s in props.items()]
+        choices = [f for f in fields if f["kind"] == "choice" and not f.get("array")]
         if len(choices) == 1:
             return {"mode": "choice", "choice": choices[0], "fields": [f for f in fields if f is not choices[0]]}
         return {"mode": "fields", "fields": fields}
     root = form_field("answer", "", schema, True)
-    if root["kind"] == "choice":
+    if root["kind"] == "choice" and not root.get("array"):
         return {"mode": "choice", "choice": root, "fields": []}
     return {"mode": "json" if root["kind"] == "json" else "fields", "fields": [root]}
 
@@ -11175,6 +11449,117 @@ def render_markdown(text: str) -> str:
     return _markdown().render(text)
 
 
+def option_labels(name: str, run_input: Any) -> dict[str, str] | None:
+    """An ask-choice's option labels by id, from its run's input (JSON text or value); None for any
+    other function (a document's labels are in its schema: `oneOf` consts with `title`s)."""
+    if ASK_FUNCTIONS.get(name) != "choice":
+        return None
+    input_ = json.loads(run_input) if isinstance(run_input, str) else run_input
+    options = input_.get("options") if isinstance(input_, dict) else None
+    if not isinstance(options, list):
+        return None
+    return {o["id"]: o["label"] for o in options if isinstance(o, dict) and isinstance(o.get("id"), str)
+            and isinstance(o.get("label"), str)} or None
+
+
+# -- an answer's errors in words ----------------------------------------------------------------
+#
+# The engine reports an answer that does not fit its schema with JSON Schema's own messages ("40 is
+# greater than the maximum of 12"), which suit a program. The page and the answer link's page say
+# the same in a person's words, as the typed API does ("text is required"), each at its pointer so
+# it lands beside its field, named by the field's label.
+
+_TYPE_WORDS: Final = {"string": "text", "integer": "a whole number", "number": "a number", "boolean": "yes or no",
+                      "array": "a list", "object": "a set of fields", "null": "empty"}
+_FORMAT_EXAMPLES: Final = {"date": "a date such as 2026-05-01", "date-time": "a time such as 2026-05-01T09:30:00Z",
+                           "time": "a time of day such as 09:30:00Z", "email": "an email address",
+                           "uri": "a web address such as https://example.org", "duration": "a duration such as P1D"}
+
+
+def _error_label(labels: Mapping[str, str], path: list[Any], schema: Any) -> str:
+    """How an error names the value it is about: its field's label, else its member's name, else the answer."""
+    for cut in range(len(path), -1, -1):
+        pointer = pointer_join(path[:cut])
+        if pointer in labels:
+            return labels[pointer]
+        if cut and isinstance(path[cut - 1], str):
+            return _form_label(path[cut - 1], schema if cut == len(path) and isinstance(schema, dict) else {})
+    return "The answer"
+
+
+def _error_words(err: Any, label: str) -> str:
+    v, val = err.validator, err.validator_value
+    if v in ("enum", "const") or (v in ("oneOf", "anyOf") and isinstance(val, list)
+                                  and all(isinstance(a, dict) and "const" in a for a in val)):
+        return f"{label}: pick one of the options"
+    if v == "type":
+        types = [val] if isinstance(val, str) else list(val)
+        return f"{label} must be " + " or ".join(_TYPE_WORDS.get(t, t) for t in types)
+    words = {
+        "minLength": f"{label} is required" if val == 1 else f"{label} needs at least {val} characters",
+        "maxLength": f"{label} takes at most {val} characters",
+        "minimum": f"{label} must be at least {val}", "maximum": f"{label} must be at most {val}",
+        "exclusiveMinimum": f"{label} must be more than {val}", "exclusiveMaximum": f"{label} must be less than {val}",
+        "multipleOf": f"{label} must be a multiple of {val}",
+        "minItems": f"{label}: pick at least {'one' if val == 1 else val}",
+        "maxItems": f"{label}: pick only one" if val == 1 else f"{label}: pick at most {val}",
+        "uniqueItems": f"{label}: pick each one once",
+        "pattern": f"{label} is not in the form it must have",
+        "format": f"{label} must be {_FORMAT_EXAMPLES.get(str(val), 'a ' + str(val))}",
+    }
+    return words.get(str(v), f"{label}: {err.message}")
+
+
+def answer_error_words(schema: Any, answer: Any, labels: Mapping[str, str] | None = None) -> list[dict[str, str]]:
+    """Every way `answer` fails `schema`, in words, as `{"pointer": "/answer/...", "message"}` (the
+    pointers schema_errors gives). `labels` names fields by their pointer within the answer."""
+    labels = labels or {}
+    try:
+        errors = list(compile_schema(schema).iter_errors(answer))
+    except (SchemaError, referencing.exceptions.Unresolvable):
+        return []
+    out: list[dict[str, str]] = []
+    seen: dict[tuple[Any, ...], int] = {}
+    for err in errors:
+        path = list(err.absolute_path)
+        if err.validator == "required" and isinstance(err.instance, dict):
+            missing = [p for p in err.validator_value if p not in err.instance]
+            key = (tuple(path), tuple(err.absolute_schema_path))
+            nth = seen.get(key, 0)
+            seen[key] = nth + 1
+            for name in missing[nth:nth + 1]:
+                member = (err.schema.get("properties") or {}).get(name) if isinstance(err.schema, dict) else None
+                label = labels.get(pointer_join(path + [name])) or _form_label(name, member if isinstance(member, dict) else {})
+                out.append({"pointer": "/answer" + pointer_join(path + [name]), "message": f"{label} is required"})
+            continue
+        if err.validator == "additionalProperties" and isinstance(err.instance, dict):
+            known = err.schema.get("properties", {}) if isinstance(err.schema, dict) else {}
+            for extra in (k for k in err.instance if k not in known):
+                out.append({"pointer": "/answer" + pointer_join(path + [extra]),
+                            "message": f"{extra} is not a field of this answer"})
+            continue
+        out.append({"pointer": "/answer" + pointer_join(path),
+                    "message": _error_words(err, _error_label(labels, path, err.schema))})
+    return sorted(out, key=lambda e: e["pointer"])
+
+
+def form_labels(form: Mapping[str, Any]) -> dict[str, str]:
+    """The labels of a form's fields (answer_form), by their pointer within the answer."""
+    fields = list(form.get("fields") or []) + ([form["choice"]] if form.get("choice") else [])
+    return {f["pointer"]: f["label"] for f in fields}
+
+
+def reworded(exc: Problem, schema_text: str | None, answer: Any, named: Mapping[Any, str] | None) -> Problem:
+    """An answer's refusal with its errors in words (an invalid_input with errors; else as it is)."""
+    if exc.name != "invalid_input" or not exc.errors or schema_text is None:
+        return exc
+    schema = json.loads(schema_text)
+    words = answer_error_words(schema, answer, form_labels(answer_form(schema, named)))
+    if words:
+        exc.errors = words
+    return exc
+
+
 async def trade_login_token(store: Store, secret: str, now: int | None = None) -> str | None:
     """Revoke a one-time login token and make a session token of its role; None when it is spent.
     `now` is the daemon's clock: the session expires on it."""
@@ -11184,7 +11569,8 @@ async def trade_login_token(store: Store, secret: str, now: int | None = None) -
         row = tx.spend_login(sha256_hex(secret), now)
         if row is None:
             return None
-        return create_token(tx, row["role"], row["playbook"], "inbox session", purpose="session", now=now)[1]
+        return create_token(tx, row["role"], row["playbook"], "inbox session", purpose="session", now=now,
+                            person=row["person"])[1]
     return await store.write(change)
 
 
@@ -11225,8 +11611,10 @@ async def h_logout(request: web.Request) -> web.Response:
 async def h_web_session(request: web.Request) -> web.Response:
     caller, engine = _caller(request), request.app[ENGINE_KEY]
     seen = sorted(pb for pb in engine.playbooks if caller.sees(pb))
-    stream = any(getattr(r, "canonical", None) == PB + "/stream" for r in request.app.router.resources())
-    return _json({"caller": caller.id, "role": caller.role.value, "playbooks": seen,
+    # A person's page asks for their requests every poll_ms: the event stream is the playbook's.
+    stream = caller.person is None and any(getattr(r, "canonical", None) == PB + "/stream"
+                                           for r in request.app.router.resources())
+    return _json({"caller": caller.id, "role": caller.role.value, "person": caller.person, "playbooks": seen,
                   "playbook": DEFAULT_PLAYBOOK if DEFAULT_PLAYBOOK in seen else (seen[0] if seen else None),
                   "stream": stream, "poll_ms": WEB_POLL_MS, "now": fmt_time(engine.clock.now_ms())})
 
@@ -11236,23 +11624,329 @@ async def h_web_render(request: web.Request) -> web.Response:
     if not isinstance(items, list) or len(items) > WEB_RENDER_ITEMS:
         raise Problem("invalid_request", f"items is a list of at most {WEB_RENDER_ITEMS}",
                       errors=[{"pointer": "/items", "message": f"a list of at most {WEB_RENDER_ITEMS}"}])
+    items = [item if isinstance(item, dict) else {} for item in items]
+    named = await _named_options(request, items)
     out = []
-    for item in items:
-        item = item if isinstance(item, dict) else {}
+    for i, item in enumerate(items):
         done: dict[str, Any] = {}
         if isinstance(item.get("markdown"), str):
             done["html"] = render_markdown(item["markdown"])
         if "schema" in item:
-            done["form"] = answer_form(item["schema"])
+            done["form"] = answer_form(item["schema"], named.get(i))
         out.append(done)
     return _json({"items": out})
 
 
+async def _named_options(request: web.Request, items: list[dict[str, Any]]) -> dict[int, dict[str, str]]:
+    """The option labels of the items that name an ask-choice's run (`playbook`, `run_id`) the caller
+    may answer, by the item's index: read from the runs' input, in one reading."""
+    caller, engine = _caller(request), request.app[ENGINE_KEY]
+    wanted = {i: (it["playbook"], it["run_id"]) for i, it in enumerate(items)
+              if isinstance(it.get("playbook"), str) and isinstance(it.get("run_id"), str)
+              and it["playbook"] in engine.playbooks and caller.sees(it["playbook"])
+              and typed_shape(dumps(it.get("schema")))[0] == "choice"}
+
+    def read(tx: Tx) -> dict[int, dict[str, str]]:
+        out = {}
+        for i, (pb, run_id) in wanted.items():
+            req, run = tx.request(pb, run_id), tx.run(pb, run_id)
+            if req is not None and run is not None and caller.addressed(req) \
+                    and (named := option_labels(run["name"], run["input"])) is not None:
+                out[i] = named
+        return out
+    return await engine.store.read(read) if wanted else {}
+
+
+async def h_web_answer(request: web.Request) -> web.Response:
+    """answer_interaction for the page: the same rules, and an answer that does not fit its schema
+    comes back with its errors in words (answer_error_words), each at its field's pointer."""
+    body = await _json_body(request)
+    if "answer" not in body:
+        raise Problem("invalid_request", "answer is required", errors=[{"pointer": "/answer", "message": "required"}])
+    engine, caller, playbook = request.app[ENGINE_KEY], _caller(request), _pb(request)
+    run_id = request.match_info["run_id"]
+    try:
+        fact, _ = await engine.answer_interaction(caller, playbook, run_id, body["answer"])
+    except Problem as exc:
+        if exc.name == "invalid_input" and exc.errors:
+            req, run = await engine.store.read(lambda tx: (tx.request(playbook, run_id), tx.run(playbook, run_id)))
+            if req is not None and run is not None:
+                raise reworded(exc, req["answer_schema"], body["answer"], option_labels(run["name"], run["input"]))
+        raise
+    return _json(fact)
+
+
 async def h_web_counts(request: web.Request) -> web.Response:
-    playbook, engine = _pb(request), request.app[ENGINE_KEY]
-    rows = await engine.store.read(lambda tx: tx.open_counts_by_party(playbook))
+    playbook, engine, caller = _pb(request), request.app[ENGINE_KEY], _caller(request)
+    rows = [r for r in await engine.store.read(lambda tx: tx.open_counts_by_party(playbook)) if caller.addressed(r)]
     return _json({"total": sum(r["n"] for r in rows), "to": [{"to": r["party"], "count": r["n"]} for r in rows],
                   "now": fmt_time(engine.clock.now_ms())})
+
+
+# -- answer links ------------------------------------------------------------------------------------
+#
+# `GET /a/{id}.{signature}` is a page of its own, made on the daemon: the question, its form (no
+# script: a plain HTML form that posts back to the same address), or once the request has ended
+# who answered and when. A GET never changes anything, so a link unfurler or a mail scanner that
+# opens the link answers nothing. `POST` answers once as the addressee: a JSON body
+# `{"answer": ...}` (a program holding the link; problems as answer_interaction's), or the page's
+# form, which must carry the form token derived from the link. A link that does not verify, or
+# whose playbook this daemon does not serve, is a plain 404 page.
+
+_LINK_RE: Final = re.compile(r"(int_[0-9A-Za-z]{1,64})\.[A-Za-z0-9_-]{32}")
+
+
+async def _linked(request: web.Request) -> tuple[str, Row] | None:
+    """The link's signed part and its request (with the run's input), or None when it does not verify."""
+    engine, token = request.app[ENGINE_KEY], request.match_info["token"]
+    m = _LINK_RE.fullmatch(token)
+    if m is None:
+        return None
+    row = await engine.store.read(lambda tx: tx.linked_request(m.group(1)))
+    if row is None or row["playbook"] not in engine.playbooks or not engine.links.verifies(token, row):
+        return None
+    return token, row
+
+
+def _link_caller(row: Row) -> Caller:
+    """Who answers through a link: its addressee, a writer of its playbook."""
+    return Caller(f"link:{row['id']}", Role.WRITER, row["playbook"], row["party"])
+
+
+async def _answered_by_words(engine: Engine, by: str | None) -> str:
+    """Who answered, as a person reads it: a person's name, a token's name, a reply, this machine."""
+    if not by:
+        return "nobody"
+    if by.startswith("tok_"):
+        name = await engine.store.read(lambda tx: tx.token_name(by))
+        return f"{name} (an API token)" if name else "an API token"
+    if by.startswith("playbook:"):
+        return "a reply in the conversation it was sent to"
+    return {"stdio": "the local agent", "local": "the command line", "interactiond": "the daemon"}.get(by, by)
+
+
+def _link_html(title: str, *parts: str, status: int = 200) -> web.Response:
+    head, tail = LINK_PAGE.split("{body}")
+    return web.Response(text=head.replace("{title}", _esc(title)) + "".join(parts) + tail,
+                        status=status, content_type="text/html", headers=LINK_HEADERS)
+
+
+def _link_not_found() -> web.Response:
+    return _link_html("Link not found", "<h1>This link does not work</h1><p>It is not a link this daemon made, or"
+                      " part of it is missing. Ask whoever sent it for the link again.</p>", status=404)
+
+
+def _field_html(fd: dict[str, Any], key: str, value: list[str], error: str | None) -> str:
+    """One field of an answer link's form, with its hint, its error, and what was sent in it."""
+    fid, eid, hid = f"f{key}", f"f{key}-err", f"f{key}-hint"
+    words = " · ".join(str(w) for w in (fd.get("hint"), fd.get("bounds")) if w)
+    hint = f'<p class="hint" id="{hid}">{_esc(words)}</p>' if words else ""
+    err = f'<p class="err" id="{eid}">{_esc(error)}</p>' if error else ""
+    described = " ".join(x for x in (hid if words else "", eid if error else "") if x)
+    invalid = ' aria-invalid="true"' if error else ""
+    label = fd["label"] if fd["required"] else f"{fd['label']} (optional)"
+    if fd["kind"] in ("choice", "checkboxes"):
+        multi = fd["kind"] == "checkboxes"
+        picked = set(value)
+        opts = "".join(
+            f'<label class="opt"><input type="{"checkbox" if multi else "radio"}" name="{fid}" value="{i}"'
+            f'{" checked" if str(i) in picked else ""}> {_esc(lab)}</label>' for i, lab in enumerate(fd["labels"]))
+        return (f'<div class="field"><fieldset aria-describedby="{described}"{invalid}><legend>{_esc(label)}</legend>'
+                f'{opts}</fieldset>{hint}{err}</div>')
+    attrs = f'id="{fid}" name="{fid}" aria-describedby="{described}"{invalid}'
+    text = value[0] if value else ""
+    if fd["kind"] == "number":
+        bounds = "".join(f' {k}="{fd[k]}"' for k in ("min", "max") if fd.get(k) is not None)
+        control = (f'<input type="number" {attrs} step="{"1" if fd.get("integer") else "any"}"{bounds}'
+                   f' value="{_esc(text)}">')
+    elif fd["kind"] == "text":
+        most = f' maxlength="{fd["maxLength"]}"' if fd.get("maxLength") else ""
+        control = f'<textarea {attrs} rows="{2 if fd.get("note") else 3}"{most}>{_esc(text)}</textarea>'
+    else:
+        control = f'<textarea {attrs} rows="6" class="json" spellcheck="false">{_esc(text or fd.get("example", ""))}</textarea>'
+    return f'<div class="field"><label for="{fid}">{_esc(label)}</label>{control}{hint}{err}</div>'
+
+
+def _place_errors(fields: list[dict[str, Any]], errors: list[dict[str, Any]]) -> tuple[dict[str, str], list[str]]:
+    """Errors by the pointer of the field they land at (the longest that prefixes theirs), and the rest."""
+    at: dict[str, str] = {}
+    rest: list[str] = []
+    for e in errors:
+        pointer, message = e.get("pointer") or "", str(e.get("message") or "")
+        rel = pointer[len("/answer"):] if pointer == "/answer" or pointer.startswith("/answer/") else None
+        best = None
+        for fd in fields:
+            p = fd["pointer"]
+            if rel is not None and (rel == p or rel.startswith(p + "/")) and (best is None or len(p) > len(best)):
+                best = p
+        if best is None:
+            rest.append(message)
+        else:
+            at[best] = f"{at[best]} {message}" if best in at else message
+    return at, rest
+
+
+def _link_form_html(form: dict[str, Any], form_token: str, sent: Mapping[str, list[str]],
+                    errors: list[dict[str, Any]]) -> str:
+    fields = form["fields"] + ([form["choice"]] if form["mode"] == "choice" else [])
+    at, rest = _place_errors(fields, errors)
+    parts = [f'<form class="answer" method="post" action="" novalidate>'
+             f'<input type="hidden" name="form" value="{_esc(form_token)}">']
+    parts += [_field_html(fd, str(i), sent.get(f"f{i}", []), at.get(fd["pointer"])) for i, fd in enumerate(form["fields"])]
+    if form["mode"] == "choice":
+        c = form["choice"]
+        err = at.get(c["pointer"])
+        parts.append(f'<div class="choice-col"><span class="label" id="c-label">{_esc(c["label"])}</span>'
+                     f'<div class="choice" role="group" aria-labelledby="c-label">'
+                     + "".join(f'<button type="submit" name="choice" value="{i}">{_esc(lab)}</button>'
+                               for i, lab in enumerate(c["labels"]))
+                     + "</div>" + (f'<p class="err">{_esc(err)}</p>' if err else "") + "</div>")
+    else:
+        parts.append('<div class="actions"><button type="submit" class="primary">Send the answer</button></div>')
+    if rest:
+        parts.append(f'<p class="err" role="alert">{_esc(" ".join(rest))}</p>')
+    return "".join(parts) + "</form>"
+
+
+def form_answer(form: dict[str, Any], sent: Mapping[str, list[str]]) -> tuple[Any, list[dict[str, str]]]:
+    """The answer an answer link's form posted (`sent`: each field's values by its name, `f0`...,
+    and the button pressed, `choice`), and what could not be read (not a number, not JSON), as
+    errors at the fields' pointers."""
+    answer: dict[str, Any] = {}
+    root: list[Any] = []
+    bad: list[dict[str, str]] = []
+
+    def put(fd: dict[str, Any], value: Any) -> None:
+        if fd["pointer"] == "":
+            root.append(value)
+        else:
+            answer[fd["name"]] = value
+
+    def pick(fd: dict[str, Any], raw: Any) -> Any:
+        try:
+            return fd["values"][int(raw)]
+        except (ValueError, IndexError, TypeError):
+            return None
+    for i, fd in enumerate(form["fields"]):
+        values = sent.get(f"f{i}") or []
+        kind = fd["kind"]
+        if kind == "checkboxes":
+            picked = [v for v in (pick(fd, r) for r in values) if v is not None]
+            if picked or fd["required"]:
+                put(fd, picked)
+            continue
+        raw = values[0] if values else ""
+        if kind == "text":
+            if raw != "" or fd["pointer"] == "":
+                put(fd, raw)
+        elif kind == "number":
+            if raw.strip():
+                try:
+                    number = float(raw) if not re.fullmatch(r"\s*-?\d+\s*", raw) else int(raw)
+                    if not math.isfinite(number):
+                        raise ValueError(raw)
+                    put(fd, int(number) if fd.get("integer") and isinstance(number, float) and number.is_integer()
+                        else number)
+                except ValueError:
+                    bad.append({"pointer": "/answer" + fd["pointer"], "message": f"{fd['label']} must be a number"})
+        elif kind == "choice":
+            if raw != "" and (value := pick(fd, raw)) is not None:
+                put(fd, [value] if fd.get("array") else value)
+        elif raw.strip():
+            try:
+                put(fd, read_json(raw))
+            except ValueError as exc:
+                bad.append({"pointer": "/answer" + fd["pointer"], "message": f"{fd['label']} is not JSON: {exc}"})
+        elif fd["pointer"] == "":
+            bad.append({"pointer": "/answer", "message": "Write the answer as JSON"})
+    if form["mode"] == "choice":
+        value = pick(form["choice"], (sent.get("choice") or [""])[0])
+        if value is None:
+            bad.append({"pointer": "/answer" + form["choice"]["pointer"], "message": "Pick one of the buttons"})
+        else:
+            put(form["choice"], value)
+    return (root[0] if root else answer), bad
+
+
+async def _link_page(engine: Engine, token: str, row: Row, *, sent: Mapping[str, Any] | None = None,
+                     errors: list[dict[str, Any]] | None = None, status: int = 200) -> web.Response:
+    """The page of an answer link: the question and its form while it is open, else how it ended."""
+    title = f"{row['name']} for {row['party']}"
+    head = (f'<h1>{_esc(row["name"])} <span class="to">for {_esc(row["party"])}</span></h1>'
+            f'<p class="meta">asked {_esc(_when_words(row["asked_at"]))}'
+            + (f' · expires {_esc(_when_words(row["expires_at"]))}' if row["status"] == "open" else "") + "</p>"
+            f'<div class="msg">{render_markdown(row["message"])}</div>')
+    state = row["status"]
+    if state == "answered":
+        who = await _answered_by_words(engine, row["answered_by"])
+        shown = json.dumps(json.loads(row["answer"]), indent=2, ensure_ascii=False)
+        end = (f'<div id="status" class="card" role="status"><p>Answered by <strong>{_esc(who)}</strong> on'
+               f' {_esc(_when_words(row["answered_at"]))}. It takes no other answer.</p><pre>{_esc(shown)}</pre></div>')
+    elif state == "expired":
+        end = (f'<div id="status" class="card" role="status"><p>Nobody answered in time: it expired on'
+               f' {_esc(_when_words(row["expires_at"]))}. It takes no answer now.</p></div>')
+    elif state == "cancelled":
+        end = '<div id="status" class="card" role="status"><p>It was cancelled. It takes no answer now.</p></div>'
+    elif row["answer_schema"] is None:
+        end = '<p class="muted">A notification: there is nothing to answer.</p>'
+    elif row["delivery_state"] == DeliveryState.CANCELLING.value:
+        end = '<div id="status" class="card" role="status"><p>It is being cancelled. It takes no answer now.</p></div>'
+    else:
+        form = answer_form(json.loads(row["answer_schema"]), option_labels(row["name"], row["run_input"]))
+        end = _link_form_html(form, engine.links.form_token(token), sent or {}, errors or [])
+    return _link_html(title, head, end, status=status)
+
+
+def _when_words(ms: int | None) -> str:
+    """A time as a person reads it on a page made on the daemon: `2027-01-15 08:00 UTC`."""
+    text = fmt_time(ms)
+    return f"{text[:10]} {text[11:16]} UTC" if text else ""
+
+
+async def h_answer_link(request: web.Request) -> web.Response:
+    found = await _linked(request)
+    if found is None:
+        return _link_not_found()
+    return await _link_page(request.app[ENGINE_KEY], *found)
+
+
+async def h_answer_link_post(request: web.Request) -> web.Response:
+    found = await _linked(request)
+    if found is None:
+        if request.content_type == "application/json":
+            raise not_found("no such answer link")
+        return _link_not_found()
+    engine, (token, row) = request.app[ENGINE_KEY], found
+    caller = _link_caller(row)
+    if request.content_type == "application/json":     # a program holding the link: answer_interaction's answers
+        body = await _json_body(request)
+        if "answer" not in body:
+            raise Problem("invalid_request", "answer is required", errors=[{"pointer": "/answer", "message": "required"}])
+        fact, _ = await engine.answer_interaction(caller, row["playbook"], row["run_id"], body["answer"],
+                                                  body.get("claimed_for"))
+        return _json(fact)
+    posted = await request.post()
+    sent = {k: [str(v) for v in posted.getall(k)] for k in set(posted.keys())}
+    if not hmac.compare_digest(str(posted.get("form", "")).encode(), engine.links.form_token(token).encode()):
+        return _link_html("Form refused", "<h1>This form was not sent from its page</h1><p>Open the link again and"
+                          " answer on its page.</p>", status=403)
+    if row["status"] != "open" or row["answer_schema"] is None:
+        return await _link_page(engine, token, row, status=409)
+    named = option_labels(row["name"], row["run_input"])
+    form = answer_form(json.loads(row["answer_schema"]), named)
+    answer, bad = form_answer(form, sent)
+    if bad:
+        return await _link_page(engine, token, row, sent=sent, errors=bad, status=422)
+    try:
+        await engine.answer_interaction(caller, row["playbook"], row["run_id"], answer)
+    except Problem as exc:
+        if exc.name in ("answered", "not_open", "notification"):         # ended meanwhile: say how
+            row = await engine.store.read(lambda tx: tx.linked_request(row["id"])) or row
+            return await _link_page(engine, token, row, status=409)
+        exc = reworded(exc, row["answer_schema"], answer, named)
+        return await _link_page(engine, token, row, sent=sent, status=exc.status,
+                                errors=exc.errors or [{"pointer": "", "message": exc.detail}])
+    return _see_other(token)           # relative: the link's own address, whatever public_url's path
 
 
 def mount_web(app: web.Application) -> None:
@@ -11263,6 +11957,9 @@ def mount_web(app: web.Application) -> None:
     app.router.add_get("/web/session", h_web_session)
     app.router.add_post("/web/render", h_web_render)
     app.router.add_get("/web/orgs/{org}/playbooks/{playbook}/counts", h_web_counts)
+    app.router.add_post("/web/orgs/{org}/playbooks/{playbook}/runs/{run_id}/answer", h_web_answer)
+    app.router.add_get("/a/{token}", h_answer_link)
+    app.router.add_post("/a/{token}", h_answer_link_post)
 
 
 # Command line ###################################################################################
@@ -11389,7 +12086,7 @@ async def _serve(args: Any, config: Config,
         tx = open_sync(db)
         # One login link at a time: the link an earlier start printed stops working.
         tx.revoke_logins(WALL.now_ms())
-        _, login = create_token(tx, "operator", None, "inbox login", purpose="login")
+        _, login = create_token(tx, "operator", None, START_LOGIN_NAME, purpose="login")
         tx.close()
         engine = Engine(Store(db), _make_clock(args.clock, host), config)
         app = build_app(engine, access_log=args.access_log)
@@ -11406,6 +12103,8 @@ async def _serve(args: Any, config: Config,
         bound = runner.addresses[0][1] if runner.addresses else port
         url = f"http://{host}:{bound}"
         _write_private(_beside(db, ".url"), url + "\n")
+        if not config.public_url:           # answer and sign-in links: the address it listens at
+            engine.links.base = Config(host=host, port=bound).links_base
         print(f"interactiond {__version__} serving {db_shown(db)} at {url}", flush=True)
         print(f"inbox: {url}/login?token={login}", flush=True)
         print(f"operator token: {_beside(db, '.token')}", flush=True)
@@ -11452,7 +12151,11 @@ async def _stdio(args: Any, config: Config) -> int:
             await web.TCPSite(runner, "127.0.0.1", args.http).start()
             bound = runner.addresses[0][1] if runner.addresses else args.http
             _write_private(_beside(db, ".url"), f"http://127.0.0.1:{bound}\n")
+            if not config.public_url:
+                engine.links.base = f"http://127.0.0.1:{bound}"
+            login, _ = await make_login_link(engine, None, DEFAULT_PLAYBOOK)
             print(f"interactiond: HTTP at http://127.0.0.1:{bound}", file=sys.stderr)
+            print(f"interactiond: inbox: {login}", file=sys.stderr)
         server = make_mcp_server(engine, caller=Caller("stdio", Role.OPERATOR, args.playbook),
                                  scoped_playbook=args.playbook)
         async with stdio_server() as (read, write):
@@ -11819,12 +12522,60 @@ def _cli_client(args: Any, db: str, config: Config) -> int:
     return 0
 
 
+def _cli_link(args: Any, db: str, config: Config) -> int:
+    """`link`: a one-time sign-in link, made by the running daemon (its clock, its public_url), else
+    written straight to the database when no daemon answers."""
+    if not PLAYBOOK_RE.fullmatch(args.playbook):
+        raise CliError(f"--playbook is ORG/NAME in lowercase letters, digits and hyphens, not {args.playbook!r}",
+                       EXIT_USAGE)
+    try:
+        person = person_name(args.for_) if args.for_ is not None else None
+        lasts = parse_duration(args.expires)
+        if not EXPIRES_MIN <= lasts <= LOGIN_LINK_MAX:
+            raise ValueError(f"--expires is from PT1M to P{LOGIN_LINK_MAX.days}D")
+    except ValueError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
+    d = daemon_address(args, db, config)
+    org, _, name = args.playbook.partition("/")
+    body = {"for": person, "expires": args.expires}
+    url: str | None = None
+    if args.url or _beside(db, ".url").exists():
+        try:
+            status, out, _ = call_daemon(d, "POST", f"/v1/orgs/{org}/playbooks/{name}/links", body)
+        except CliError as exc:
+            if args.url or exc.code != EXIT_UNREACHABLE:
+                raise
+            status, out = 0, None               # a daemon that stopped: the database itself
+        if status >= 400:
+            raise CliError(problem_line(status, out))
+        if status:
+            url, expires_at = out["url"], out["expires_at"]
+    if url is None:
+        if args.playbook not in config.playbooks:
+            raise CliError(f"no playbook {args.playbook} in the configuration", EXIT_USAGE)
+        tx = open_sync(db)
+        try:
+            now = WALL.now_ms()
+            ends = now + int(lasts.total_seconds() * 1000)
+            _, secret = create_token(tx, Role.WRITER.value if person else Role.OPERATOR.value,
+                                     args.playbook if person else None, login_link_name(person), purpose="login",
+                                     now=now, person=person, expires_at=ends)
+        finally:
+            tx.close()
+        url, expires_at = f"{config.links_base}/login?token={secret}", fmt_time(ends)
+    print(url)
+    whose = f"{person}'s, in {args.playbook}" if person else "an operator's"
+    print(f"interactiond: a one-time sign-in link ({whose}), until {expires_at}", file=sys.stderr)
+    return 0
+
+
 def _cli_token(args: Any, db: str) -> int:
     tx = open_sync(db)
     try:
         if args.token_cmd == "create":
             try:
-                token_id, secret = create_token(tx, args.role, args.playbook, args.name)
+                playbook = args.playbook or (DEFAULT_PLAYBOOK if args.for_ is not None else None)
+                token_id, secret = create_token(tx, args.role, playbook, args.name, person=args.for_)
             except ValueError as exc:
                 print(f"interactiond: {exc}", file=sys.stderr)
                 return 2
@@ -11836,7 +12587,8 @@ def _cli_token(args: Any, db: str) -> int:
             idle_ms = int(INBOX_SESSION_IDLE.total_seconds() * 1000)
             for r in tx.listed_tokens():
                 state = "revoked" if r["revoked_at"] else "expired" if session_ended(r, now) else "active"
-                line = f"{r['id']}\t{r['role']}\t{r['playbook'] or '*'}\t{state}\t{r['name'] or ''}"
+                name = (r["name"] or "") + (f" (for {r['person']})" if r["person"] else "")
+                line = f"{r['id']}\t{r['role']}\t{r['playbook'] or '*'}\t{state}\t{name}"
                 if r["purpose"] == "session":
                     ends = min(r["expires_at"], r["used_at"] + idle_ms)
                     line += f"\tsession, signed in {fmt_time(r['created_at'])}, last used {fmt_time(r['used_at'])}," \
@@ -11868,6 +12620,7 @@ _REDACT: Final = (
     (re.compile(r"(?i)\b(token|session_id|mcp-session-id|interactiond_session)" + _SEP + r"[A-Za-z0-9_.~%-]+"),
      r"\1\2[redacted]"),
     (re.compile(r"\bitd_[A-Za-z0-9_-]+"), "itd_[redacted]"),
+    (re.compile(r"/a/(int_[0-9A-Za-z]{1,64})\.[A-Za-z0-9_-]+"), r"/a/\1.[redacted]"),       # an answer link
     (re.compile(r"(?i)\b[0-9a-f]{8}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{12}\b"), "[session id]"),
 )
 #: Loggers that speak of each request or session at INFO; quiet below WARNING.
@@ -12124,6 +12877,7 @@ COMMANDS: Final = (
     ("demo", "a daemon on a fresh temporary database with the examples and a few open requests, for workshops"),
     ("check", "check function documents, workflows and configuration files offline; exit 1 on any problem"),
     ("token", "create, list or revoke API tokens; list or end inbox sessions"),
+    ("link", "print a one-time sign-in link to the inbox: a person's (--for NAME) or an operator's"),
     ("define", "save a function document or a workflow from a file"),
     ("run", "start a run of a function or a workflow"),
     ("get", "show a run as it stands"),
@@ -12210,8 +12964,22 @@ def build_parser() -> Any:
                            help="reader: read; writer: also create, run, answer, cancel, execute; operator: "
                                 "everything, in every playbook")
             t.add_argument("--name", help="a name to know the token by in `token list`")
+            t.add_argument("--for", dest="for_", metavar="PERSON",
+                           help="a person's token: it sees and answers only the requests addressed to PERSON"
+                                " (their `to`), and answers as PERSON (default playbook: local/default)")
         elif name == "revoke":
             t.add_argument("id", help="the token's or the session's id (tok_...), as `token list` shows it")
+    p = command("link")
+    p.add_argument("--for", dest="for_", metavar="PERSON",
+                   help="the person the link signs in: they see and answer only the requests addressed to them"
+                        " (default: an operator's link, which sees everything)")
+    p.add_argument("--playbook", metavar="ORG/NAME", default=DEFAULT_PLAYBOOK, help="the person's playbook")
+    p.add_argument("--expires", metavar="DURATION", default="P7D",
+                   help="how long the link works if nobody opens it, ISO 8601, PT1M to P30D")
+    p.add_argument("--url", help="the daemon's URL (default: the one serve wrote beside the database; with none,"
+                                 " the link is written to the database itself)")
+    p.add_argument("--token", help="an operator token (env: INTERACTIOND_TOKEN; default: the one serve wrote"
+                                   " beside the database)")
     for name in CLIENT_COMMANDS:
         p = command(name)
         p.add_argument("--url", help="the daemon's URL (default: the one serve wrote beside the database, else the"
@@ -12274,6 +13042,8 @@ def main(argv: list[str] | None = None) -> int:
         db = args.db or os.environ.get("INTERACTIOND_DB") or config.database
         if args.cmd == "token":
             return _cli_token(args, db)
+        if args.cmd == "link":
+            return _cli_link(args, db, config)
         if args.cmd in CLIENT_COMMANDS:
             return _cli_client(args, db, config)
         if args.cmd == "stdio":
@@ -12458,13 +13228,18 @@ async function boot() {
   const saved = sessionStorage.getItem("interactiond.playbook");
   S.pb = r.body.playbooks.includes(saved) ? saved : r.body.playbook;
   if (!S.pb) return say("This sign-in sees no playbook.");
-  $("#who").textContent = `Signed in as ${r.body.role}`;
+  // A person sees the requests addressed to them, and nothing else: no runs, definitions or filter.
+  const person = r.body.person;
+  $("#who").textContent = person ? `Signed in as ${person}` : `Signed in as ${r.body.role}`;
   $("#who").title = r.body.caller;
   const sel = $("#pb");
   sel.replaceChildren(...r.body.playbooks.map(pb => h("option", {value: pb}, pb)));
   sel.value = S.pb;
   $("#pb-wrap").hidden = r.body.playbooks.length < 2;
-  for (const id of ["#nav", "#logout", "#app"]) $(id).hidden = false;
+  for (const id of ["#logout", "#app"]) $(id).hidden = false;
+  $("#nav").hidden = Boolean(person);
+  $("#to-wrap").hidden = Boolean(person);
+  if (person) $("#inbox-h").firstChild.textContent = `Inbox of ${person} `;
   route(false);
   startLive();
 }
@@ -12566,7 +13341,8 @@ async function showList(page, pb) {
   }
   const fresh = want.filter(r => !S.items.has(r.run_id));
   if (fresh.length) {
-    const r = await api("POST", "/web/render", {items: fresh.map(x => ({markdown: x.message, schema: x.answer_schema}))});
+    const r = await api("POST", "/web/render", {items: fresh.map(x => ({markdown: x.message, schema: x.answer_schema,
+                                                                      playbook: pb, run_id: x.run_id}))});
     if (!r.ok || pb !== S.pb) return;
     fresh.forEach((x, i) => {
       if (!S.items.has(x.run_id) && !S.gone.has(x.run_id)) S.items.set(x.run_id, {req: x, el: requestEl(x, r.body.items[i])});
@@ -12600,12 +13376,15 @@ function requestEl(req, shown) {
   const form = req.approval ? approvalEl(req, n) : req.takes_answer ? formEl(req, shown.form, n)
                                 : h("p", {class: "muted"}, "A notification: there is nothing to answer.");
   const delivery = req.delivery ? ` · sent with ${req.delivery.server}/${req.delivery.tool} (${req.delivery_state})` : "";
+  const person = S.session.person;
   return h("li", {class: "req", "data-run-id": req.run_id},
     h("article", {"aria-labelledby": hid},
       h("h2", {id: hid}, req.name, " ", h("span", {class: "to"}, `for ${req.to}`)),
       h("p", {class: "meta"}, "asked ", relTime(req.asked_at), " · ",
-        req.expires_at ? ["expires ", relTime(req.expires_at)] : "never expires", delivery, " · ",
-        h("a", {href: `#/runs/${enc(req.run_id)}`}, "History")),
+        req.expires_at ? ["expires ", relTime(req.expires_at)] : "never expires", delivery,
+        person ? null : [" · ", h("a", {href: `#/runs/${enc(req.run_id)}`}, "History")],
+        req.answer_url && !person ? [" · ", h("a", {href: req.answer_url, class: "answer-link", target: "_blank", rel: "noreferrer",
+          title: `The link ${req.to} answers on without signing in; copy it to send it`}, "Answer link")] : null),
       msg, form));
 }
 
@@ -12787,7 +13566,7 @@ function collect(form, fields, submitter) {
       else if (control.value !== "") put(fd, Number(control.value));
     } else if (fd.kind === "choice") {
       const c = box.querySelector("input:checked");
-      if (c) put(fd, fd.values[Number(c.value)]);
+      if (c) put(fd, fd.array ? [fd.values[Number(c.value)]] : fd.values[Number(c.value)]);
     } else if (fd.kind === "checkboxes") {
       const vs = [...box.querySelectorAll("input:checked")].map(c => fd.values[Number(c.value)]);
       if (vs.length || fd.required) put(fd, vs);
@@ -12846,7 +13625,8 @@ async function submitAnswer(req, form, f, fields, formErr, submitter) {
   const buttons = [...f.querySelectorAll("button:not([hidden])")];
   buttons.forEach(b => { b.disabled = true; });
   f.setAttribute("aria-busy", "true");
-  const r = await api("POST", `${base()}/runs/${enc(req.run_id)}/answer`, {answer});
+  // The page's own answer route: answer_interaction's rules, its errors in a person's words.
+  const r = await api("POST", `/web${base().slice(3)}/runs/${enc(req.run_id)}/answer`, {answer});
   f.removeAttribute("aria-busy");
   buttons.forEach(b => { b.disabled = false; });
   if (r.ok) return answered(req);
@@ -12863,7 +13643,8 @@ function answered(req) {
   const it = S.items.get(req.run_id);
   if (it) { it.el.remove(); S.items.delete(req.run_id); }
   $("#empty").hidden = S.items.size > 0;
-  say(`Answered ${req.name} for ${req.to}. `, h("a", {href: `#/runs/${enc(req.run_id)}`}, "Open its history")).focus();
+  say(`Answered ${req.name} for ${req.to}. `,
+      S.session.person ? null : h("a", {href: `#/runs/${enc(req.run_id)}`}, "Open its history")).focus();
   refresh();
 }
 
@@ -12951,17 +13732,57 @@ function eventEl(e) {
   return h("li", {"data-event-id": e.id}, btn, whole);
 }
 
+// The runs, newest first, filtered by status and function; "Show older" reads the next page.
+const RUN_STATUSES = ["started", "waiting", "succeeded", "invalid_input", "conflict", "unavailable", "rejected", "failed"];
+S.runs = {status: "", fn: ""};
+
 async function showRuns() {
-  page("Runs", h("p", {class: "muted"}, "Loading…"));
-  const r = await api("GET", `${base()}/runs?limit=50`);
+  const h1 = page("Runs", h("p", {class: "muted"}, "Loading…"));
+  const [r, defs] = await Promise.all([runsPage(null), api("GET", `${base()}/definitions`)]);
   if (!r.ok) return page("Runs", h("p", {class: "err"}, problemText(r.body)));
-  const rows = r.body.data.map(x => h("tr", {},
-    h("td", {}, h("a", {href: `#/runs/${enc(x.run_id)}`}, x.run_id)), h("td", {}, x.name),
-    h("td", {}, x.kind ? `${x.status} (${x.kind})` : x.status), h("td", {}, absTime(x.created_at))));
-  return page("Runs", rows.length ? h("div", {class: "wide"}, h("table", {},
-    h("caption", {class: "muted"}, "The latest runs, newest first"),
-    h("thead", {}, h("tr", {}, ["Run", "Function", "Status", "Started"].map(t => h("th", {scope: "col"}, t)))),
-    h("tbody", {}, rows))) : h("p", {class: "muted"}, "No runs yet."));
+  const status = h("select", {id: "run-status"}, h("option", {value: ""}, "any status"),
+    RUN_STATUSES.map(st => h("option", {value: st}, st)));
+  const names = defs.ok ? [...new Set(defs.body.data.map(d => d.name))].sort() : [];
+  if (S.runs.fn && !names.includes(S.runs.fn)) names.push(S.runs.fn);
+  const fn = h("select", {id: "run-function"}, h("option", {value: ""}, "any function"),
+    names.map(n => h("option", {value: n}, n)));
+  status.value = S.runs.status;
+  fn.value = S.runs.fn;
+  const body = h("tbody", {});
+  const table = h("div", {class: "wide"}, h("table", {},
+    h("caption", {class: "muted"}, "Runs, newest first"),
+    h("thead", {}, h("tr", {}, ["Run", "Function", "Status", "Started"].map(t => h("th", {scope: "col"}, t)))), body));
+  const none = h("p", {class: "muted", id: "runs-none"}, "No runs here.");
+  const more = h("button", {type: "button", id: "runs-more"}, "Show older runs");
+  let cursor = null;
+  const add = (res) => {
+    body.append(...res.body.data.map(x => h("tr", {"data-run-id": x.run_id},
+      h("td", {}, h("a", {href: `#/runs/${enc(x.run_id)}`}, x.run_id)), h("td", {}, x.name),
+      h("td", {}, x.kind ? `${x.status} (${x.kind})` : x.status), h("td", {}, absTime(x.created_at)))));
+    cursor = res.body.next_cursor;
+    more.hidden = !cursor;
+    none.hidden = body.childElementCount > 0;
+    table.hidden = !none.hidden;
+  };
+  more.addEventListener("click", async () => {
+    more.disabled = true;
+    const next = await runsPage(cursor);
+    more.disabled = false;
+    if (next.ok) add(next); else say(problemText(next.body));
+  });
+  const refilter = () => { S.runs = {status: status.value, fn: fn.value}; route(false); };
+  status.addEventListener("change", refilter);
+  fn.addEventListener("change", refilter);
+  page("Runs", h("div", {class: "bar"}, h("label", {for: "run-status"}, "Status"), status,
+    h("label", {for: "run-function"}, "Function"), fn), table, none, more);
+  add(r);
+  return $("#page h1") || h1;
+}
+
+function runsPage(cursor) {
+  const q = [`limit=200`, S.runs.status ? `status=${enc(S.runs.status)}` : "",
+             S.runs.fn ? `function=${enc(S.runs.fn)}` : "", cursor ? `cursor=${enc(cursor)}` : ""].filter(Boolean);
+  return api("GET", `${base()}/runs?${q.join("&")}`);
 }
 
 async function showDefinitions() {
@@ -13027,16 +13848,17 @@ _INBOX_PAGE: Final = """<!doctype html>
   <p id="loading" class="muted">Loading…</p>
   <section id="signin" hidden>
     <h1>Sign in</h1>
-    <p>Open the inbox link that <code>interactiond serve</code> printed when it started: it ends in
-      <code>/login?token=…</code>. Each link works once; every start of the daemon prints a new one.</p>
+    <p>Open a sign-in link: the one <code>interactiond serve</code> printed when it started, or one
+      made for you with <code>interactiond link --for NAME</code>. It ends in <code>/login?token=…</code>
+      and works once; ask for a new one when it is spent.</p>
   </section>
   <div id="app" hidden>
     <div id="status" role="status" aria-live="polite"></div>
     <section id="inbox" aria-labelledby="inbox-h">
       <h1 id="inbox-h" tabindex="-1">Inbox <span id="count" class="to"></span></h1>
       <div class="bar">
-        <label for="to">Addressed to</label>
-        <select id="to"><option value="">everyone</option></select>
+        <span id="to-wrap"><label for="to">Addressed to</label>
+        <select id="to"><option value="">everyone</option></select></span>
         <span id="live" class="muted"></span>
         <span id="news" class="muted" aria-live="polite"></span>
       </div>
@@ -13065,12 +13887,38 @@ INBOX_HEADERS: Final = {
                                " form-action 'none'; frame-ancestors 'none'",
     "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-store",
 }
+#: An answer link's page (Web inbox, answer links): made on the daemon, the inbox's style, no script;
+#: its form posts only to itself.
+LINK_PAGE: Final = """<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<meta name="referrer" content="no-referrer">
+<meta name="robots" content="noindex, nofollow">
+<title>{title} · interactiond</title>
+<link rel="icon" href="data:,">
+<style>""" + _INBOX_CSS + """</style>
+</head>
+<body>
+<header class="top"><span class="brand">interactiond</span></header>
+<main id="main">{body}</main>
+</body>
+</html>
+"""
+LINK_HEADERS: Final = {
+    "Content-Security-Policy": f"default-src 'none'; style-src {_csp_source(_INBOX_CSS)}; img-src 'self' data:;"
+                               " base-uri 'none'; form-action 'self'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-store",
+    "X-Robots-Tag": "noindex, nofollow",
+}
 LOGIN_SPENT_HTML: Final = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
 <title>Sign-in link spent · interactiond</title></head>
 <body><h1>This sign-in link does not work</h1>
-<p>It was used already, or it is not one this daemon made. Each inbox link works once; every start of
-<code>interactiond serve</code> prints a new one.</p></body></html>
+<p>It was used already, it has expired, or it is not one this daemon made. Each sign-in link works
+once: ask for a new one (<code>interactiond link --for NAME</code> makes one), or use the one the
+latest start of <code>interactiond serve</code> printed.</p></body></html>
 """
 
 

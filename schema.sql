@@ -150,7 +150,8 @@ CREATE TABLE IF NOT EXISTS timers (
 );
 
 -- API tokens, stored as sha256 hashes of their secrets; also one-time login links and the inbox
--- sessions they trade for (12 h idle, 7 days at most).
+-- sessions they trade for (12 h idle, 7 days at most). A person's token, link or session names
+-- the person (a party as `to` renders it): it sees and answers only the requests addressed to them.
 CREATE TABLE IF NOT EXISTS tokens (
     id         TEXT PRIMARY KEY,                     -- tok_...
     hash       TEXT NOT NULL UNIQUE,
@@ -161,7 +162,15 @@ CREATE TABLE IF NOT EXISTS tokens (
     created_at INTEGER NOT NULL,
     revoked_at INTEGER,
     used_at    INTEGER,                              -- a session's last use (to the minute)
-    expires_at INTEGER                               -- a session's end at the latest
+    expires_at INTEGER,                              -- a session's or a login link's end at the latest
+    person     TEXT                                  -- NULL: not a person's (an operator's, a program's)
+);
+
+-- The daemon's own keys, made once and kept: `answer_links` signs the answer links (HMAC-SHA256).
+CREATE TABLE IF NOT EXISTS daemon_keys (
+    name       TEXT PRIMARY KEY,
+    secret     TEXT NOT NULL,                        -- hex
+    created_at INTEGER NOT NULL
 );
 
 -- Typed-API idempotency keys: a replay returns the first response.

@@ -185,7 +185,9 @@ def test_unknown_filter_is_refused_on_its_line():
 
 def test_names_are_checked_against_the_place_on_their_line():
     _, problems = check("a\nb {{ message }}")
-    assert problems[0][0] == 11 and "`message`" in problems[0][1] and "input, now, today" in problems[0][1]
+    assert problems[0][0] == 11 and "`message`" in problems[0][1] and "input, now, request.answer_url, today" in problems[0][1]
+    assert check("Answer here: {{ request.answer_url }}")[1] == []
+    assert check("{{ request }}")[1] != [] and check("{{ request.id }}")[1] != []
     assert check("{{ sent.id }}{{ since }}", "replies.with")[1] == []
     assert check("{{ sent }}", "replies.with")[1] != []
     assert check("{{ sent.id }}", "message")[1] != []
@@ -218,7 +220,8 @@ def test_structures_inside_text_are_found_from_the_schema():
 def test_place_table():
     assert PLACES["party"].reads == {"input", "today", "now"}
     assert PLACES["deliver.with"].reads == {"input", "today", "now", "to", "message", "run_id", "function",
-                                            "expires_at", "answer_schema"}
+                                            "expires_at", "answer_schema", "request.answer_url"}
+    assert PLACES["message"].reads == {"input", "today", "now", "request.answer_url"}
     assert PLACES["replies.conversation"].reads == {"to", "sent.conversation", "sent.id"}
     assert PLACES["replies.with"].reads == {"to", "sent.conversation", "sent.id", "conversation", "since"}
     assert PLACES["tell.with"].reads == {"to", "sent.conversation", "sent.id", "message"}

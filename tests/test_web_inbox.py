@@ -81,9 +81,17 @@ def test_the_canonical_ask_schemas():
     assert text["mode"] == "fields" and text["fields"][0]["kind"] == "text" and text["fields"][0]["maxLength"] == 8000
     choice = itd.answer_form({"type": "object", "required": ["option_ids"], "properties": {"option_ids": {
         "type": "array", "items": {"type": "string", "enum": ["a", "b"]}, "minItems": 1, "maxItems": 1, "uniqueItems": True}}})
+    # One pick: radios (never the buttons), whose answer is a list of the one; labels from the ask's options.
     [ids] = choice["fields"]
-    assert choice["mode"] == "fields" and ids["kind"] == "checkboxes" and ids["values"] == ["a", "b"]
-    assert ids["minItems"] == 1 and ids["maxItems"] == 1
+    assert choice["mode"] == "fields" and ids["kind"] == "choice" and ids["array"] is True and ids["values"] == ["a", "b"]
+    assert ids["labels"] == ["a", "b"]
+    [named] = itd.answer_form(choice_schema := {"type": "object", "required": ["option_ids"], "properties": {"option_ids": {
+        "type": "array", "items": {"type": "string", "enum": ["a", "b"]}, "minItems": 1, "maxItems": 1}}},
+        {"a": "Alpha", "b": "Beta"})["fields"]
+    assert named["labels"] == ["Alpha", "Beta"] and named["label"] == "Your choice"
+    choice_schema["properties"]["option_ids"]["maxItems"] = 2           # several: checkboxes
+    [several] = itd.answer_form(choice_schema, {"a": "Alpha", "b": "Beta"})["fields"]
+    assert several["kind"] == "checkboxes" and several["labels"] == ["Alpha", "Beta"] and several["maxItems"] == 2
 
 
 def test_numbers_carry_their_bounds():
@@ -392,7 +400,7 @@ def test_the_inbox_in_a_real_browser(served):
             expect(boxes).to_have_attribute("max", "12")
             boxes.fill("40")
             ask_b.get_by_role("button", name="Send the answer").click()
-            expect(ask_b.locator(".field .err")).to_contain_text("maximum of 12")
+            expect(ask_b.locator(".field .err")).to_have_text("Boxes must be at most 12")
             expect(boxes).to_have_attribute("aria-invalid", "true")
             expect(boxes).to_be_focused()
             page.screenshot(path=str(ARTIFACTS / "inbox.png"), full_page=True)
