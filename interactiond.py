@@ -7192,6 +7192,8 @@ class Reminders:
         if name in ASK_FUNCTIONS:
             return self._asked_plan(input_, now, prepared)
         plan: dict[str, Any] = {}
+        if doc.remind is None and doc.escalate is None and doc.on_expiry is None:
+            return None                             # most functions: nothing to render
         ctx = base_context(now, input=input_)
         try:
             if doc.remind is not None:
