@@ -201,6 +201,13 @@ PREVIEW_BYTES: Final = 2 * KIB
 DEFAULT_PAGE: Final = 50
 MAX_PAGE: Final = 200
 
+#: Reminders of one request (a function's `remind.after`, `ask`'s `remind_after`): a few nudges,
+#: not a stream of them.
+MAX_REMINDERS: Final = 10
+#: What a reminder and an escalation say where the function writes no message of its own.
+DEFAULT_REMINDER: Final = "A reminder: this question is still waiting for your answer."
+DEFAULT_ESCALATION: Final = "This question has not been answered in time, so it now comes to you as well."
+
 #: `expires` of a request, and the floor of the reading cadence.
 EXPIRES_MIN: Final = timedelta(minutes=1)
 EXPIRES_MAX: Final = timedelta(days=30)
@@ -405,7 +412,7 @@ class RunStatus(str, enum.Enum):
 
     STARTED = "started"            # accepted; nothing to wait for yet, or a system call in flight
     WAITING = "waiting"            # a request is open (or a workflow waits on a child or a timer)
-    SUCCEEDED = "succeeded"        # the answer, the delivered notification, or the tool's answer
+    SUCCEEDED = "succeeded"        # an answer (a default one too), a delivered notification, a tool's answer
     INVALID_INPUT = "invalid_input"
     CONFLICT = "conflict"
     UNAVAILABLE = "unavailable"
@@ -427,7 +434,7 @@ class RequestStatus(str, enum.Enum):
     OPEN = "open"                  # waiting for an answer (or for its notification's delivery)
     ANSWERED = "answered"          # open -> answered
     NOTIFIED = "notified"          # open -> notified: a notification was delivered
-    EXPIRED = "expired"            # open -> expired
+    EXPIRED = "expired"            # open -> expired (holding its default answer, when it took one)
     UNDELIVERED = "undelivered"    # open -> undelivered: a notification's attempts are spent
     CANCELLED = "cancelled"        # open -> cancelled
 
@@ -461,6 +468,9 @@ class EventType(str, enum.Enum):
     DEFINITION_DELETED = "definition_deleted"
     INTERACTION_REQUESTED = "interaction_requested"        # a request opens: -> open
     REQUEST_ANSWERED = "request_answered"                  # open -> answered
+    REQUEST_REMINDED = "request_reminded"                  # open, reminded once more (n)
+    REQUEST_ESCALATED = "request_escalated"                # open, asks the escalation's party too (to)
+    REQUEST_DEFAULTED = "request_defaulted"                # open -> expired with its default answer
     CANCEL_REQUESTED = "cancel_requested"                  # delivery -> cancelling
     DELIVERY_STARTED = "delivery_started"                  # to_deliver/retrying -> delivering
     DELIVERY_SUCCEEDED = "delivery_succeeded"              # delivering -> delivered
@@ -553,6 +563,7 @@ ENDINGS: Final[dict[str, Ending]] = {e.name: e for e in (
     Ending("succeeded",        _S.SUCCEEDED,  None,               None,          None,               200, None,        None,                     None),
     Ending("answered",         _S.SUCCEEDED,  None,               _R.ANSWERED,   None,               200, "answered",  "interaction.answered",   None),
     Ending("notified",         _S.SUCCEEDED,  None,               _R.NOTIFIED,   None,               200, None,        None,                     None),
+    Ending("defaulted",        _S.SUCCEEDED,  "defaulted",        _R.EXPIRED,    None,               200, "expired",   "interaction.expired",    None),
     Ending("invalid_input",    _S.INVALID_INPUT, None,            None,          "invalid_input",    422, None,        None,                     400),
     Ending("conflict",         _S.CONFLICT,   None,               None,          "conflict",         409, None,        None,                     409),
     Ending("unworkable",       _S.CONFLICT,   "unworkable",       None,          "unworkable",       409, None,        None,                     409),
@@ -2043,6 +2054,22 @@ class ApprovalRule(ReplyRule):
 APPROVAL_RULE: Final = ApprovalRule({
     "approved": RulePart("word", {"approve": ("approved", "yes", "ok"), "reject": ("rejected", "refuse", "no")}),
     "note": RulePart("rest")})
+@dataclass(frozen=True, slots=True)
+class RemindSpec:
+    after: tuple[timedelta, ...]    # from when the request opened, increasing, each before `expires`
+    message: Template | None        # None: DEFAULT_REMINDER
+
+
+@dataclass(frozen=True, slots=True)
+class EscalateSpec:
+    after: timedelta
+    to: Template                    # a party, as `to` renders one
+    message: Template | None        # None: DEFAULT_ESCALATION
+
+
+@dataclass(frozen=True, slots=True)
+class OnExpirySpec:
+    answer: Any                     # the default answer, valid against output.schema
 
 
 @dataclass(frozen=True)
@@ -2067,6 +2094,9 @@ class FunctionDoc:
     #: A call's approval gate; its deliver and replies stand in `deliver` and `replies`, the message
     #: it shows in `message`, and its reply rule is APPROVAL_RULE.
     approve: ApproveSpec | None = None
+    remind: RemindSpec | None = None
+    escalate: EscalateSpec | None = None
+    on_expiry: OnExpirySpec | None = None
 
     @property
     def is_notification(self) -> bool:
@@ -2388,8 +2418,8 @@ def _compose(r: _Reader, text: str) -> dict[str, Any]:
 # The save-time rules.
 
 _FIELDS: Final = ("description", "call", "approve", "to", "from", "expires", "deliver", "replies", "input", "output",
-                  "reply")
-_NOT_WITH_CALL: Final = ("to", "from", "expires", "deliver", "replies", "reply")
+                  "reply", "remind", "escalate", "on_expiry")
+_NOT_WITH_CALL: Final = ("to", "from", "expires", "deliver", "replies", "reply", "remind", "escalate", "on_expiry")
 _SERVER_RULE: Final = "1 to 32 lowercase letters, digits and hyphens, starting with a letter"
 _TOOL_RULE: Final = "1 to 128 letters, digits, underscores, hyphens and dots"
 
@@ -2455,13 +2485,14 @@ def _check(r: _Reader, source: str, data: dict[str, Any], body: str, body_line: 
     rule = _reply_rule(r, data, shape, output_schema)
     if "replies" in data and shape is not Shape.SYSTEM:
         replies = _read_replies(r, data, deliver, output_schema, rule)
+    follow = _read_follow_up(r, data, expires, input_schema, output_schema) if shape is not Shape.SYSTEM else {}
     if r.problems:
         return None
     return FunctionDoc(
         source=source, shape=shape, description=description, to=to, from_=from_, message=message,
         expires=expires, expires_text=data.get("expires"), input_schema=input_schema,
         output_schema=output_schema, call=call, deliver=deliver, replies=replies,
-        reply_rule=APPROVAL_RULE if approve is not None and replies is not None else rule, approve=approve)
+        reply_rule=APPROVAL_RULE if approve is not None and replies is not None else rule, approve=approve, **follow)
 
 
 def _description(r: _Reader, data: dict[str, Any]) -> str | None:
@@ -2602,6 +2633,75 @@ def _read_replies(r: _Reader, data: dict[str, Any], deliver: DeliverSpec | None,
     if None in (conversation, tool, with_, read, wait) or ("tell" in block and tell is None):
         return None
     return RepliesSpec(conversation, tool, with_, read, wait, tell)
+
+
+def _read_follow_up(r: _Reader, data: dict[str, Any], expires: timedelta | None, input_schema: Any,
+                    output_schema: Any) -> dict[str, Any]:
+    """`remind`, `escalate` and `on_expiry` of a function that asks a person, checked: FunctionDoc's
+    fields of the same names, for those the document writes."""
+    out: dict[str, Any] = {}
+    bounds = "PT1M to P30D (1 minute to 30 days)"
+
+    def before_expiry(path: tuple[Any, ...], span: timedelta | None, text: Any) -> timedelta | None:
+        if span is not None and expires is not None and span >= expires:
+            r.add(path, f"{text} is not before expires ({data.get('expires')}): the request has ended by then")
+            return None
+        return span
+
+    for key in ("remind", "escalate"):
+        if key in data and "output" not in data:
+            r.add((key,), f"{key} needs output.schema: a notification takes no answer, so nobody waits for one")
+        if key in data and "deliver" in data and not (isinstance(data.get("replies"), dict)
+                                                      and "tell" in data["replies"]):
+            r.add((key,), f"a function sent through a tool sends its {'reminders' if key == 'remind' else 'escalation'}"
+                          " into the message's thread with replies.tell: add replies.tell")
+    if "remind" in data:
+        block = r.mapping(("remind",), data["remind"], ("after", "message"), ("after",))
+        if block is not None and "after" in block:
+            path = ("remind", "after")
+            listed = block["after"] if isinstance(block["after"], list) else [block["after"]]
+            spans: list[timedelta | None] = []
+            if not listed:
+                r.add(path, "lists at least one duration, such as [PT4H, P1D]")
+            elif len(listed) > MAX_REMINDERS:
+                r.add(path, f"a request is reminded at most {MAX_REMINDERS} times, not {len(listed)}")
+            for i, text in enumerate(listed):
+                at = path + (i,) if isinstance(block["after"], list) else path
+                span = before_expiry(at, r.duration(at, text, EXPIRES_MIN, EXPIRES_MAX, bounds), text)
+                earlier = next((s for s in reversed(spans) if s is not None), None)
+                if span is not None and earlier is not None and span <= earlier:
+                    r.add(at, f"{text} does not come after the reminder before it: list the durations in increasing order")
+                    span = None
+                spans.append(span)
+            message = (r.template(("remind", "message"), block["message"], PLACES["message"], input_schema)
+                       if "message" in block else None)
+            if listed and all(s is not None for s in spans) and ("message" not in block or message is not None):
+                out["remind"] = RemindSpec(tuple(s for s in spans if s is not None), message)
+    if "escalate" in data:
+        block = r.mapping(("escalate",), data["escalate"], ("after", "to", "message"), ("after", "to"))
+        if block is not None:
+            after = (before_expiry(("escalate", "after"), r.duration(("escalate", "after"), block["after"], EXPIRES_MIN,
+                                                                       EXPIRES_MAX, bounds), block["after"])
+                     if "after" in block else None)
+            to = r.template(("escalate", "to"), block["to"], PLACES["party"], input_schema) if "to" in block else None
+            message = (r.template(("escalate", "message"), block["message"], PLACES["message"], input_schema)
+                       if "message" in block else None)
+            if after is not None and to is not None and ("message" not in block or message is not None):
+                out["escalate"] = EscalateSpec(after, to, message)
+    if "on_expiry" in data:
+        block = r.mapping(("on_expiry",), data["on_expiry"], ("answer",), ("answer",))
+        if "output" not in data:
+            r.add(("on_expiry",), "on_expiry gives a default answer, so it needs output.schema (a notification"
+                                  " takes no answer)")
+        elif block is not None and "answer" in block and output_schema is not None:
+            errors = schema_errors(compile_schema(output_schema), block["answer"])
+            for e in errors:
+                parts = pointer_parse(e["pointer"])
+                r.add(("on_expiry", "answer", *parts), f"the default answer does not match output.schema at"
+                      f" {e['pointer'] or 'its top'}: {e['message']}")
+            if not errors:
+                out["on_expiry"] = OnExpirySpec(block["answer"])
+    return out
 
 
 def _read_read(r: _Reader, value: Any) -> ReadSpec | None:
@@ -2875,15 +2975,43 @@ def _person_overview(doc: FunctionDoc) -> list[str]:
         f"**Who it asks:** {who}",
         "**What it sends:**\n\n" + message,
         f"**Where:** {where}",
-        f"**How long it waits:** {duration_words(doc.expires)}; then the request ends unanswered.",
+        f"**How long it waits:** {duration_words(doc.expires)}; then "
+        + ("it takes its default answer." if doc.on_expiry else "the request ends unanswered."),
         "**What answer it expects:**\n" + answer,
     ]
+    if doc.remind or doc.escalate or doc.on_expiry:
+        out.append("**Until it is answered:** " + _follow_up_words(doc) + ".")
     if doc.replies and doc.reply_rule:
         told = (f" A reply that is not an answer is met with how to answer, sent with `{doc.replies.tell.tool}`."
                 if doc.replies.tell else "")
         out.append(f"**Replies:** read with the tool `{doc.replies.tool}`, no more often than every "
                    f"{duration_words(doc.replies.wait)}. {doc.reply_rule.describe()}{told}")
     return out
+
+
+def _follow_up_words(doc: FunctionDoc) -> str:
+    """Reminders, escalation and the default answer in a sentence: "reminds **owner** after 4 hours and
+    after 1 day; from 1 day on also asks **manager**; if nobody answers in 2 days, takes ..."."""
+    assert doc.to is not None and doc.expires is not None
+    said = []
+    if doc.remind:
+        times = [f"after {duration_words(s)}" for s in doc.remind.after]
+        said.append(f"reminds {template_words(doc.to.source)} "
+                    + (", ".join(times[:-1]) + " and " + times[-1] if len(times) > 1 else times[0]))
+    if doc.escalate:
+        said.append(f"from {duration_words(doc.escalate.after)} on also asks {template_words(doc.escalate.to.source)}")
+    if doc.on_expiry:
+        said.append(f"if nobody answers in {duration_words(doc.expires)}, takes {_answer_words(doc.on_expiry.answer)}")
+    return "; ".join(said)
+
+
+def _answer_words(answer: Any) -> str:
+    """A default answer as a person reads it: `revise` for {verdict: revise}, each field named when several."""
+    if isinstance(answer, dict) and len(answer) == 1 and not isinstance(next(iter(answer.values())), (dict, list)):
+        return str(next(iter(answer.values())))
+    if isinstance(answer, dict) and answer and all(not isinstance(v, (dict, list)) for v in answer.values()):
+        return ", ".join(f"{v} as its **{k}**" for k, v in answer.items())
+    return f"`{dumps(answer)}`"
 
 
 def check_documents(paths: list[str], out: Any = None,
@@ -3160,7 +3288,7 @@ def load_config(path: str | None, environ: dict[str, str] | None = None) -> Conf
 # The end of this section runs the same store, threads and SQL on a PostgreSQL server.
 
 #: PRAGMA user_version of a file this version made; an earlier one is migrated at open (MIGRATIONS).
-SCHEMA_VERSION: Final = 4
+SCHEMA_VERSION: Final = 5
 
 
 #: The schema, embedded so an installed wheel needs no data file; tests keep it equal to schema.sql.
@@ -3268,10 +3396,16 @@ CREATE TABLE IF NOT EXISTS requests (
     attempt_started_at INTEGER,                      -- of the attempt in flight or the last one
     reading        INTEGER REFERENCES readings(id),  -- the reading it joined, once delivered
     approval       TEXT,                             -- a call's approval gate (JSON); NULL for a question
+    follow_up      TEXT,                             -- JSON: its reminders, escalation, default answer
+    reminded       INTEGER NOT NULL DEFAULT 0,       -- reminders so far (request_reminded's n)
+    escalated_to   TEXT,                             -- once escalated: the party asked too, who may answer
+    reply_sender   TEXT,                             -- who wrote the reply that answered
     UNIQUE (playbook, run_id)
 );
 CREATE INDEX IF NOT EXISTS requests_open ON requests (playbook, seq) WHERE open = 1;
 CREATE INDEX IF NOT EXISTS requests_open_party ON requests (playbook, party, seq) WHERE open = 1;
+CREATE INDEX IF NOT EXISTS requests_open_escalated ON requests (playbook, escalated_to, seq)
+    WHERE open = 1 AND escalated_to IS NOT NULL;
 CREATE INDEX IF NOT EXISTS requests_by_status ON requests (status, seq);
 
 -- One reading per (playbook, server, reading tool, conversation key), shared by every open
@@ -3294,6 +3428,21 @@ CREATE TABLE IF NOT EXISTS replies_seen (
     reply_id TEXT NOT NULL,
     PRIMARY KEY (reading, reply_id)
 ) WITHOUT ROWID;
+
+-- Reminders and escalation messages sent into a delivered request's thread (with replies.tell),
+-- each attempted as a delivery is: recorded before it is sent, then 1, 2, 4 and 8 minutes apart.
+CREATE TABLE IF NOT EXISTS nudges (
+    id         INTEGER PRIMARY KEY,
+    playbook   TEXT NOT NULL,
+    run_id     TEXT NOT NULL,
+    what       TEXT NOT NULL CHECK (what IN ('reminder', 'escalation')),
+    n          INTEGER NOT NULL,                     -- the reminder's number (1 for the escalation)
+    message    TEXT NOT NULL,
+    state      TEXT NOT NULL CHECK (state IN (      -- as a delivery's
+                   'to_deliver', 'delivering', 'delivered', 'retrying', 'undelivered')),
+    attempts   INTEGER NOT NULL DEFAULT 0,
+    started_at INTEGER                               -- of the attempt in flight or the last one
+);
 
 -- Append-only. `id` is monotonic and never reused; run events also carry a gap-free run_seq.
 CREATE TABLE IF NOT EXISTS events (
@@ -3382,11 +3531,25 @@ def _migrate_to_4(conn: sqlite3.Connection) -> None:
     conn.execute("ALTER TABLE tokens ADD COLUMN person TEXT")
 
 
+#: The columns version 5 adds to requests: reminders, escalation and the default answer (the
+#: nudges table and the escalation's index come with the schema itself).
+_FOLLOW_UP_COLUMNS: Final = (("follow_up", "TEXT"), ("reminded", "INTEGER NOT NULL DEFAULT 0"),
+                             ("escalated_to", "TEXT"), ("reply_sender", "TEXT"))
+
+
+def _migrate_to_5(conn: sqlite3.Connection) -> None:
+    """Requests remind, escalate and default: they gain the columns that plan and record it (an open
+    request of an earlier version has none of it, and goes on as it was)."""
+    for name, decl in _FOLLOW_UP_COLUMNS:
+        conn.execute(f"ALTER TABLE requests ADD COLUMN {name} {decl}")
+
+
 #: Each step takes a file made by an earlier version to the next PRAGMA user_version, in order.
 MIGRATIONS: Final[tuple[tuple[int, Callable[[sqlite3.Connection], None]], ...]] = (
     (2, _migrate_to_2),
     (3, _migrate_to_3),
     (4, _migrate_to_4),
+    (5, _migrate_to_5),
 )
 
 
@@ -3941,11 +4104,15 @@ class SQLiteTx:
 
     def save_builtin(self, playbook: str, name: str, *, source: str, sha: str, overview: str,
                      description: str | None, now: int) -> None:
-        """Save a built-in function at version 1 unless the playbook holds it already."""
+        """Save a built-in function at version 1, or bring the playbook's version 1 to this daemon's text
+        (a built-in's input may grow; nobody else saves under its name)."""
         self.conn.execute(
             "INSERT INTO definitions (playbook, type, name, version, source, source_sha, overview, description,"
             " active, created_at, created_by) VALUES (?, 'interaction', ?, 1, ?, ?, ?, ?, 1, ?, 'interactiond')"
-            " ON CONFLICT DO NOTHING", (playbook, name, source, sha, overview, description, now))
+            " ON CONFLICT (playbook, type, name, version) DO UPDATE SET source = excluded.source,"
+            " source_sha = excluded.source_sha, overview = excluded.overview, description = excluded.description"
+            " WHERE definitions.source_sha <> excluded.source_sha",
+            (playbook, name, source, sha, overview, description, now))
 
     def definition(self, playbook: str, type_: str, name: str, version: int | None = None) -> Row | None:
         """A definition at `version`, or its active latest version when `version` is None."""
@@ -3994,16 +4161,17 @@ class SQLiteTx:
     def open_request(self, *, request_id: str, playbook: str, run_id: str, type_: str, name: str, version: int,
                      party: str, answerer: str, message: str, answer_schema: str | None, server: str | None,
                      tool: str | None, delivery: DeliveryState, asked_at: int, expires_at: int,
-                     deliver_args: str | None, notified: bool = False) -> None:
+                     deliver_args: str | None, notified: bool = False, follow_up: str | None = None) -> None:
         """Insert a run's request: open, and the started run waits for it (guarded, else `conflict`); or,
-        `notified`, a notification the inbox shows at once, which leaves the run as it is."""
+        `notified`, a notification the inbox shows at once, which leaves the run as it is. `follow_up`
+        is its plan of reminders, escalation and default answer (JSON), if it has one."""
         status = RequestStatus.NOTIFIED if notified else RequestStatus.OPEN
         self.conn.execute(
             "INSERT INTO requests (id, playbook, run_id, type, name, version, party, answerer, message, answer_schema,"
-            " server, tool, status, open, delivery_state, asked_at, expires_at, deliver_args)"
-            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            " server, tool, status, open, delivery_state, asked_at, expires_at, deliver_args, follow_up)"
+            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (request_id, playbook, run_id, type_, name, version, party, answerer, message, answer_schema, server, tool,
-             status.value, 0 if notified else 1, delivery.value, asked_at, expires_at, deliver_args))
+             status.value, 0 if notified else 1, delivery.value, asked_at, expires_at, deliver_args, follow_up))
         if not notified and not self.conn.execute(
                 "UPDATE runs SET status = ? WHERE playbook = ? AND run_id = ? AND status = ?",
                 (RunStatus.WAITING.value, playbook, run_id, RunStatus.STARTED.value)).rowcount:
@@ -4021,8 +4189,8 @@ class SQLiteTx:
             return None
         row = conn.execute("SELECT * FROM requests WHERE playbook = ? AND run_id = ?", (playbook, run_id)).fetchone()
         conn.execute("UPDATE playbooks SET open_requests = open_requests - 1 WHERE id = ?", (playbook,))
-        keys = [timer_key(kind, playbook, run_id) for kind in ("expire", "attempt", "lost")]
-        conn.execute("DELETE FROM timers WHERE key IN (?, ?, ?)", keys)        # one statement, not three
+        keys = [timer_key(kind, playbook, run_id) for kind in ("expire", "attempt", "lost", "remind", "escalate")]
+        conn.execute("DELETE FROM timers WHERE key IN (?, ?, ?, ?, ?)", keys)  # one statement, not five
         fx.timers.extend((key, None) for key in keys)
         return row
 
@@ -4083,17 +4251,24 @@ class SQLiteTx:
     def open_requests(self, playbook: str, *, to: str | None, type_: str | None, name: str | None,
                       before: int | None, limit: int) -> list[Row]:
         """A page of a playbook's open requests, newest first, before the cursor's `seq` (None: from the
-        newest); only those to one party, of one type or of one function, where given."""
+        newest); only those to one party (its own, or escalated to it), of one type or of one function,
+        where given."""
         sql = "SELECT * FROM requests WHERE playbook = ? AND open = 1"
         args: list[Any] = [playbook]
-        for col, val in (("party", to), ("type", type_), ("name", name)):
+        for col, val in (("type", type_), ("name", name)):
             if val is not None:
                 sql += f" AND {col} = ?"
                 args.append(val)
         if before is not None:
             sql += " AND seq < ?"
             args.append(before)
-        return self.conn.execute(sql + " ORDER BY seq DESC LIMIT ?", (*args, limit)).fetchall()
+        if to is None:
+            return self.conn.execute(sql + " ORDER BY seq DESC LIMIT ?", (*args, limit)).fetchall()
+        # A party's own requests and those escalated to it: a range of each one's index, merged.
+        rows = self.conn.execute(sql + " AND party = ? ORDER BY seq DESC LIMIT ?", (*args, to, limit)).fetchall()
+        rows += self.conn.execute(sql + " AND escalated_to = ? AND party <> ? ORDER BY seq DESC LIMIT ?",
+                                  (*args, to, to, limit)).fetchall()
+        return sorted(rows, key=lambda r: r["seq"], reverse=True)[:limit]
 
     def request(self, playbook: str, run_id: str) -> Row | None:
         """The request of a run, open or closed; None when the run asks nobody."""
@@ -4101,15 +4276,64 @@ class SQLiteTx:
                                  (playbook, run_id)).fetchone()
 
     def record_answer(self, fx: Effects, req: Row, answer: Any, *, by: str, now: int,
-                      claimed_for: str | None = None, reply_id: str | None = None) -> None:
+                      claimed_for: str | None = None, reply_id: str | None = None,
+                      reply_sender: str | None = None) -> None:
         """Append request_answered and write the answer on the request, guarded: only an open request that is
-        not being cancelled takes one (else `not_open`). Its closing and its run's ending follow in the change."""
+        not being cancelled takes one (else `not_open`). Its closing and its run's ending follow in the change.
+        A reply's answer names the reply and who wrote it."""
+        reply = {"id": reply_id, **({"sender": reply_sender} if reply_sender is not None else {})}
         answer_id = self.append_event(fx, req["playbook"], req["run_id"], "request_answered", now, by,
                                       {"answer": answer, "claimed_for": claimed_for,
-                                       **({"reply": {"id": reply_id}} if reply_id is not None else {})})
+                                       **({"reply": reply} if reply_id is not None else {})})
         if not self.conn.execute(_RECORD_ANSWER_SQL, (dumps(answer), answer_id, by, now, claimed_for, reply_id,
-                                                      req["seq"])).rowcount:
+                                                      reply_sender, req["seq"])).rowcount:
             raise Problem("not_open", "the request has ended; it takes no answer", kind="ended")
+
+    def record_default(self, fx: Effects, req: Row, answer: Any, *, now: int) -> None:
+        """Append request_defaulted, carrying the fact of the default answer (answered by nobody), and write
+        the answer on the request, guarded as an answer is (else `not_open`); its closing as expired and
+        its run's ending follow in the change. The event's id is the fact's answer_id."""
+        fact = {"run_id": req["run_id"], "answer": answer, "claimed_for": None, "answered_by": None,
+                "answered_at": fmt_time(now), "defaulted": True}
+        answer_id = self.append_event(fx, req["playbook"], req["run_id"], "request_defaulted", now, "interactiond",
+                                      fact)
+        if not self.conn.execute(_RECORD_ANSWER_SQL, (dumps(answer), answer_id, None, now, None, None, None,
+                                                      req["seq"])).rowcount:
+            raise Problem("not_open", "the request has ended; it takes no default answer", kind="ended")
+
+    def remind_request(self, playbook: str, run_id: str, reminded: int) -> Row | None:
+        """Count one more reminder of an open request that has had `reminded` (guarded: a request that closed,
+        or a reminder counted meanwhile, moves nothing). The request as it now stands, or None."""
+        return self.conn.execute(_REMIND_SQL, (playbook, run_id, reminded)).fetchone()
+
+    def escalate_request(self, playbook: str, run_id: str, to: str) -> Row | None:
+        """An open request not yet escalated asks `to` too (guarded). The request as it now stands, or None."""
+        return self.conn.execute(_ESCALATE_SQL, (to, playbook, run_id)).fetchone()
+
+    def queue_nudge(self, playbook: str, run_id: str, *, what: str, n: int, message: str) -> int:
+        """A reminder or escalation message to send into a request's thread, its first attempt due; its id."""
+        return self.conn.execute(
+            "INSERT INTO nudges (playbook, run_id, what, n, message, state) VALUES (?, ?, ?, ?, ?, ?) RETURNING id",
+            (playbook, run_id, what, n, message, DeliveryState.TO_DELIVER.value)).fetchone()[0]
+
+    def nudge(self, nudge_id: int) -> Row | None:
+        """A nudge as it stands, with what its sending reads of its request: the server, the function, the
+        party, where the request's message was delivered, and whether the request is still open."""
+        return self.conn.execute(
+            "SELECT n.*, q.server, q.type, q.name, q.version, q.party, q.sent_conversation, q.sent_id,"
+            " q.status AS request_status FROM nudges n JOIN requests q ON q.playbook = n.playbook"
+            " AND q.run_id = n.run_id WHERE n.id = ?", (nudge_id,)).fetchone()
+
+    def begin_nudge(self, nudge_id: int, *, now: int) -> Row | None:
+        """Start a nudge's next attempt, guarded as a delivery's (DELIVERY_TRANSITIONS), with an attempt left
+        and its request still open. The nudge as it now stands, or None."""
+        return self.conn.execute(_BEGIN_NUDGE_SQL, (now, nudge_id, MAX_ATTEMPTS)).fetchone()
+
+    def end_nudge(self, nudge_id: int, attempt: int, event: DeliveryEvent) -> bool:
+        """Record how attempt `attempt` of a nudge ended: SUCCEED, FAIL (the next is scheduled) or SPEND (none is
+        left), moving it as DELIVERY_TRANSITIONS says. Guarded: False when that attempt is no longer in flight."""
+        state = next_state(DELIVERY_TRANSITIONS, DeliveryState.DELIVERING, event)
+        return self.conn.execute(_END_NUDGE_SQL, (state.value, nudge_id, attempt)).rowcount > 0
 
     def idempotent_response(self, caller: str, key: str) -> Row | None:
         """What a caller's Idempotency-Key first came with (body_sha) and the response it got; None: a new key."""
@@ -4422,8 +4646,8 @@ _IN_FLIGHT_SQL: Final = ", ".join(f"'{s.value}'" for s in (
 
 #: An answer: guarded by the statuses an answer closes (REQUEST_TRANSITIONS), and not while cancelling.
 _RECORD_ANSWER_SQL: Final = (
-    "UPDATE requests SET answer = ?, answer_id = ?, answered_by = ?, answered_at = ?, claimed_for = ?, reply_id = ?"
-    " WHERE seq = ? AND status IN (" + ", ".join(f"'{s.value}'" for s in allowed_from(REQUEST_TRANSITIONS, RequestStatus.ANSWERED))
+    "UPDATE requests SET answer = ?, answer_id = ?, answered_by = ?, answered_at = ?, claimed_for = ?, reply_id = ?,"
+    " reply_sender = ? WHERE seq = ? AND status IN (" + ", ".join(f"'{s.value}'" for s in allowed_from(REQUEST_TRANSITIONS, RequestStatus.ANSWERED))
     + f") AND delivery_state <> '{DeliveryState.CANCELLING.value}'")
 
 #: An attempt begins: guarded by the deliveries that may begin one (DELIVERY_TRANSITIONS) and the attempts left.
@@ -4449,10 +4673,29 @@ _FAIL_ATTEMPT_SQL: Final = {
            + ", ".join(f"'{s.value}'" for s in allowed_from(DELIVERY_TRANSITIONS, event)) + ")"
     for event in (DeliveryEvent.FAIL, DeliveryEvent.SPEND)}
 
+#: A reminder counted, or an escalation: guarded by the request being open (and by what it had).
+_OPEN_REQUEST_SQL: Final = f"status = '{RequestStatus.OPEN.value}'"
+_REMIND_SQL: Final = ("UPDATE requests SET reminded = reminded + 1 WHERE playbook = ? AND run_id = ?"
+                      f" AND {_OPEN_REQUEST_SQL} AND reminded = ? RETURNING *")
+_ESCALATE_SQL: Final = ("UPDATE requests SET escalated_to = ? WHERE playbook = ? AND run_id = ?"
+                        f" AND {_OPEN_REQUEST_SQL} AND escalated_to IS NULL RETURNING *")
+
+#: A nudge's attempt begins as a delivery's does (DELIVERY_TRANSITIONS), while its request is open; it
+#: ends guarded by the attempt in flight.
+_BEGIN_NUDGE_SQL: Final = (
+    f"UPDATE nudges SET state = '{DeliveryState.DELIVERING.value}', attempts = attempts + 1, started_at = ?"
+    " WHERE id = ? AND state IN (" + ", ".join(f"'{s.value}'" for s in allowed_from(DELIVERY_TRANSITIONS, DeliveryEvent.BEGIN))
+    + ") AND attempts < ? AND EXISTS (SELECT 1 FROM requests q WHERE q.playbook = nudges.playbook"
+    f" AND q.run_id = nudges.run_id AND q.{_OPEN_REQUEST_SQL}) RETURNING *")
+_END_NUDGE_SQL: Final = (
+    "UPDATE nudges SET state = ? WHERE id = ? AND attempts = ? AND state IN ("
+    + ", ".join(f"'{s.value}'" for s in allowed_from(DELIVERY_TRANSITIONS, DeliveryEvent.SUCCEED)) + ")")
+
 #: The typed API's view of a request that takes an answer, joined with its run's input (interaction_object).
 _V2_SELECT: Final = (
-    "SELECT q.seq, q.id, q.playbook, q.run_id, q.name, q.party, q.status, q.delivery_state, q.message, q.answer_schema,"
-    " q.answer, q.answered_at, q.asked_at, q.expires_at, r.input AS run_input FROM requests q"
+    "SELECT q.seq, q.id, q.playbook, q.run_id, q.name, q.status, q.delivery_state, q.message, q.answer_schema,"
+    " q.answer, q.answered_at, q.asked_at, q.expires_at, q.party, q.reminded, q.escalated_to,"
+    " r.input AS run_input FROM requests q"
     " JOIN runs r ON r.playbook = q.playbook AND r.run_id = q.run_id WHERE q.answer_schema IS NOT NULL")
 
 
@@ -4492,9 +4735,17 @@ def _pg_migrate_to_4(conn: Any) -> None:
     conn.execute("ALTER TABLE tokens ADD COLUMN IF NOT EXISTS person TEXT")
 
 
+def _pg_migrate_to_5(conn: Any) -> None:
+    """As _migrate_to_5, in PostgreSQL's dialect."""
+    for name, decl in _FOLLOW_UP_COLUMNS:
+        conn.execute(f"ALTER TABLE requests ADD COLUMN IF NOT EXISTS {name} "
+                     + ('TEXT COLLATE "C"' if name == "escalated_to" else decl))
+
+
 POSTGRES_MIGRATIONS: Final[tuple[tuple[int, Callable[[Any], None]], ...]] = (
     (3, _pg_migrate_to_3),
     (4, _pg_migrate_to_4),
+    (5, _pg_migrate_to_5),
 )
 
 #: Keys of the transaction-level advisory locks (pg_advisory_xact_lock): writes, and the schema.
@@ -4646,10 +4897,16 @@ CREATE TABLE IF NOT EXISTS requests (
     attempt_started_at BIGINT,                       -- of the attempt in flight or the last one
     reading        BIGINT REFERENCES readings(id),   -- the reading it joined, once delivered
     approval       TEXT,                             -- a call's approval gate (JSON); NULL for a question
+    follow_up      TEXT,                             -- JSON: its reminders, escalation, default answer
+    reminded       INTEGER NOT NULL DEFAULT 0,       -- reminders so far (request_reminded's n)
+    escalated_to   TEXT COLLATE "C",                 -- once escalated: the party asked too, who may answer
+    reply_sender   TEXT,                             -- who wrote the reply that answered
     UNIQUE (playbook, run_id)
 );
 CREATE INDEX IF NOT EXISTS requests_open ON requests (playbook, seq) WHERE open = 1;
 CREATE INDEX IF NOT EXISTS requests_open_party ON requests (playbook, party, seq) WHERE open = 1;
+CREATE INDEX IF NOT EXISTS requests_open_escalated ON requests (playbook, escalated_to, seq)
+    WHERE open = 1 AND escalated_to IS NOT NULL;
 CREATE INDEX IF NOT EXISTS requests_by_status ON requests (status, seq);
 
 -- Every message id a reading has dealt with (taken, refused or passed over): never twice.
@@ -4657,6 +4914,21 @@ CREATE TABLE IF NOT EXISTS replies_seen (
     reading  BIGINT NOT NULL REFERENCES readings(id),
     reply_id TEXT NOT NULL,
     PRIMARY KEY (reading, reply_id)
+);
+
+-- Reminders and escalation messages sent into a delivered request's thread (with replies.tell),
+-- each attempted as a delivery is: recorded before it is sent, then 1, 2, 4 and 8 minutes apart.
+CREATE TABLE IF NOT EXISTS nudges (
+    id         BIGINT GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY,
+    playbook   TEXT NOT NULL,
+    run_id     TEXT NOT NULL,
+    what       TEXT NOT NULL CHECK (what IN ('reminder', 'escalation')),
+    n          INTEGER NOT NULL,                     -- the reminder's number (1 for the escalation)
+    message    TEXT NOT NULL,
+    state      TEXT NOT NULL CHECK (state IN (      -- as a delivery's
+                   'to_deliver', 'delivering', 'delivered', 'retrying', 'undelivered')),
+    attempts   INTEGER NOT NULL DEFAULT 0,
+    started_at BIGINT                                -- of the attempt in flight or the last one
 );
 
 -- Append-only. `id` is monotonic and never reused, and ids commit in increasing order (a write
@@ -5789,8 +6061,14 @@ class Caller:
         return self.person
 
     def addressed(self, request: Mapping[str, Any]) -> bool:
-        """Whether this caller may see and answer a request (a row with its `party`): a person only their own."""
-        return self.person is None or request["party"] == self.person
+        """Whether this caller may see and answer a request (a row with its `party`, and `escalated_to`
+        where the row has it): a person only their own, or one escalated to them."""
+        if self.person is None or request["party"] == self.person:
+            return True
+        try:
+            return request["escalated_to"] == self.person
+        except (KeyError, IndexError):
+            return False
 
 
 OPERATOR_LOCAL: Final = Caller("local", Role.OPERATOR)
@@ -5884,18 +6162,30 @@ def _listed_schema(text: str) -> Any:
     return json.loads(text)
 
 
+def addressees(row: Row) -> list[str]:
+    """Whom a request asks: its party and, once escalated, the escalation's party too (either may answer)."""
+    escalated = row["escalated_to"]
+    return [row["party"]] if escalated is None or escalated == row["party"] else [row["party"], escalated]
+
+
+def may_reply(row: Row, sender: str) -> bool:
+    """Whether a reply from `sender` counts for a request: from its answerer, or from the party it was
+    escalated to."""
+    return sender == row["answerer"] or (row["escalated_to"] is not None and sender == row["escalated_to"])
+
+
 def request_object(row: Row) -> dict[str, Any]:
     """An open request as list_interactions shows it."""
     return {
         "run_id": row["run_id"], "type": row["type"], "name": row["name"], "version": row["version"],
-        "to": row["party"], "from": row["answerer"],
+        "to": row["party"], "addressees": addressees(row), "from": row["answerer"],
         "delivery": {"server": row["server"], "tool": row["tool"]} if row["server"] else None,
         "message": row["message"], "takes_answer": row["answer_schema"] is not None,
         "asked_at": fmt_time(row["asked_at"]), "expires_at": fmt_time(row["expires_at"]),
         "attempts": row["attempts"], "delivery_state": row["delivery_state"],
         "answer_schema": _listed_schema(row["answer_schema"]) if row["answer_schema"] is not None else None,
         "conversation": row["conversation"], "answerer": row["answerer"],
-        "refused_replies": row["refused_replies"],
+        "refused_replies": row["refused_replies"], "reminded": row["reminded"],
         "approval": _approval_shown(row["approval"]) if row["approval"] is not None else None,
     }
 
@@ -5925,7 +6215,7 @@ def answer_fact(row: Row) -> dict[str, Any]:
             "claimed_for": row["claimed_for"], "answered_by": row["answered_by"],
             "answered_at": fmt_time(row["answered_at"])}
     if row["reply_id"] is not None:
-        fact["reply"] = {"id": row["reply_id"]}
+        fact["reply"] = {"id": row["reply_id"], **({"sender": row["reply_sender"]} if row["reply_sender"] else {})}
     return fact
 
 
@@ -5980,6 +6270,16 @@ def _status_of(problem: Problem) -> RunStatus:
     """The run ending a problem stands for, by its HTTP status."""
     return {422: RunStatus.INVALID_INPUT, 409: RunStatus.CONFLICT, 503: RunStatus.UNAVAILABLE,
             410: RunStatus.REJECTED}.get(problem.status, RunStatus.FAILED)
+
+
+def next_attempt_at(attempts: int, started_at: int | None, now: int, retry_after_ms: int | None) -> int:
+    """When the next attempt of a delivery (or of a nudge) falls due after attempt `attempts` failed:
+    1, 2, 4 or 8 minutes after that attempt started, or after the Retry-After a server asked (up to 8
+    minutes); never before `now`."""
+    gap = ATTEMPT_GAPS_S[attempts - 1] * 1000
+    if retry_after_ms is not None:
+        gap = min(max(0, int(retry_after_ms)), MAX_RETRY_AFTER_DELIVERY_S * 1000)
+    return max(now, (started_at or now) + gap)
 
 
 def _page(data: list[Any], rows: list[Any], n: int, last: Callable[[], list[Any]]) -> dict[str, Any]:
@@ -6085,6 +6385,18 @@ _ASK_WORDS: Final = {"approval": "approve or decline, with an optional comment",
                      "choice": "pick from a list of options", "confirmation": "confirm or not"}
 
 
+#: The follow-up a typed question takes (Reminders checks it against its expiry and answer).
+_ASK_FOLLOW_UP: Final[dict[str, Any]] = {
+    "remind_after": {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": MAX_REMINDERS,
+                     "description": "When to remind, each an ISO 8601 duration after it is asked (PT4H, P1D),"
+                                    " increasing, before it expires"},
+    "escalate_to": {"type": "string", "description": "Who is asked too from escalate_after on; either may answer"},
+    "escalate_after": {"type": "string", "description": "When escalate_to is asked too: an ISO 8601 duration"
+                                                        " after it is asked, before it expires"},
+    "default": {"description": "The answer it takes if nobody answers before it expires (in the answer's shape)"},
+}
+
+
 def _ask_source(kind: str) -> str:
     props: dict[str, Any] = {
         "prompt": {"type": "string", "maxLength": 8192, "description": "The question, in Markdown"},
@@ -6099,6 +6411,7 @@ def _ask_source(kind: str) -> str:
         props["multiple"] = {"type": "boolean", "description": "Whether several options may be picked"}
     if kind == "text":
         props["placeholder"] = {"type": "string", "maxLength": 256, "description": "A hint for the empty field"}
+    props.update(_ASK_FOLLOW_UP)
     required = ["prompt", "to"] + (["options"] if kind == "choice" else [])
     front = {
         "description": f"Asks a person to {_ASK_WORDS[kind]} (built in; run it with the ask tool)",
@@ -6338,9 +6651,10 @@ class Runs:
 
     def __init__(self, store: Store, clock: Clock, bus: LocalBus, definitions: Definitions,
                  system_calls: SystemCalls, kinds: dict[str, RunKind], open_limit: int,
-                 links: AnswerLinks | None = None) -> None:
+                 links: AnswerLinks | None = None, reminders: Reminders | None = None) -> None:
         self.store = store
         self.links = links or AnswerLinks("")          # answer links (no key: none shown)
+        self.reminders = reminders                     # plans a request's reminders, escalation and default
         self.clock = clock
         self.bus = bus
         self.definitions = definitions
@@ -6446,6 +6760,8 @@ class Runs:
                 prepared = self._prepare_request(doc, input_, now, playbook, run_id)
                 if name in ASK_FUNCTIONS:
                     prepared.update(_ask_overrides(ASK_FUNCTIONS[name], input_, now))
+                if self.reminders is not None:
+                    prepared["follow_up"] = self.reminders.plan(doc, name, input_, now, prepared)
                 if doc.deliver is not None:
                     prepared["deliver_args"] = self._deliver_args(doc, name, run_id or "", input_, prepared, now)
             except Problem as exc:
@@ -6492,16 +6808,18 @@ class Runs:
                         server=deliver.server if deliver else None, tool=deliver.tool if deliver else None,
                         delivery=DeliveryState.IN_INBOX if deliver is None else DeliveryState.TO_DELIVER,
                         asked_at=now, expires_at=prepared["expires_at"],
-                        deliver_args=dumps(prepared["deliver_args"]) if deliver else None, notified=inbox_note)
+                        deliver_args=dumps(prepared["deliver_args"]) if deliver else None, notified=inbox_note,
+                        follow_up=dumps(prepared["follow_up"]) if prepared.get("follow_up") else None)
         tx.append_event(fx, playbook, run_id, "interaction_requested", now, by, {
             "delivery": {"server": deliver.server, "tool": deliver.tool} if deliver else None,
             "to": prepared["party"], "from": prepared["answerer"],
             "message_size": len(prepared["message"].encode()), "takes_answer": not notification,
-            "expires_at": fmt_time(prepared["expires_at"])})
+            "expires_at": fmt_time(prepared["expires_at"]), **Reminders.requested(prepared.get("follow_up"))})
         if inbox_note:
             tx.end_run(fx, playbook, run_id, RunStatus.SUCCEEDED, now=now, by=by, output={})
             return
         tx.set_timer(fx, timer_key("expire", playbook, run_id), prepared["expires_at"])
+        Reminders.arm(tx, fx, playbook, run_id, prepared.get("follow_up"))
         if deliver is not None:
             tx.set_timer(fx, timer_key("attempt", playbook, run_id), now)
 
@@ -6909,15 +7227,16 @@ class Inbox:
                           code="idempotency_key_conflict")
         return json.loads(seen["response"])
 
-    def _record_answer(self, tx: Tx, fx: Effects, row: Row, answer: Any,
-                       claimed_for: str | None, by: str, now: int, *, reply_id: str | None = None) -> Row:
+    def _record_answer(self, tx: Tx, fx: Effects, row: Row, answer: Any, claimed_for: str | None, by: str,
+                       now: int, *, reply_id: str | None = None, reply_sender: str | None = None) -> Row:
         """The one fact of an answer: request_answered, the request closed, the run succeeded.
 
         Returns the closed request's row (its answer columns filled)."""
         if row["approval"] is not None:        # an approval: its call follows, or the run ends declined
             return self.approvals.answered(tx, fx, row, answer, claimed_for, by, now, reply_id=reply_id)
         playbook, run_id = row["playbook"], row["run_id"]
-        tx.record_answer(fx, row, answer, by=by, now=now, claimed_for=claimed_for, reply_id=reply_id)
+        tx.record_answer(fx, row, answer, by=by, now=now, claimed_for=claimed_for, reply_id=reply_id,
+                         reply_sender=reply_sender)
         closed = tx.close_request(fx, playbook, run_id, ENDINGS["answered"])
         tx.end_run(fx, playbook, run_id, RunStatus.SUCCEEDED, now=now, by=by, output=answer)
         return closed
@@ -7098,12 +7417,9 @@ class Deliveries:
         """Schedule the next attempt, or give up: a notification ends undelivered, a question stays open."""
         playbook, run_id = row["playbook"], row["run_id"]
         if not spent and row["attempts"] < MAX_ATTEMPTS:
-            gap = ATTEMPT_GAPS_S[row["attempts"] - 1] * 1000
-            if retry_after_ms is not None:
-                gap = min(max(0, int(retry_after_ms)), MAX_RETRY_AFTER_DELIVERY_S * 1000)
-            started = row["attempt_started_at"] or now
             tx.fail_attempt(row["seq"], spent=False)
-            tx.set_timer(fx, timer_key("attempt", playbook, run_id), max(now, started + gap))
+            tx.set_timer(fx, timer_key("attempt", playbook, run_id),
+                         next_attempt_at(row["attempts"], row["attempt_started_at"], now, retry_after_ms))
             return
         tx.fail_attempt(row["seq"], spent=True)         # a refused attempt has ended undelivered already
         if row["answer_schema"] is None:
@@ -7281,15 +7597,15 @@ class Readings:
             elif len(open_reqs) == 1:
                 target = open_reqs[0]
             if target is None:
-                mine = [r for r in open_reqs if r["answerer"] == m["sender"]]
+                mine = [r for r in open_reqs if may_reply(r, m["sender"])]
                 if mine:
                     refused += 1
                     self._refuse(tx, fx, mine[0], doc_of(mine[0]), m["id"], "several requests are open here", now,
                                  tellings,
                                  "Several questions are open in this conversation: reply in the thread of the one you answer.")
                 continue
-            if m["sender"] != target["answerer"]:
-                continue                                   # only the answerer's replies count
+            if not may_reply(target, m["sender"]):
+                continue                                   # only the answerer's replies count (and the escalation's)
             text = m["text"] if isinstance(m["text"], str) else ""
             if len(text.encode()) > MAX_REPLY_BYTES:
                 refused += 1
@@ -7311,7 +7627,8 @@ class Readings:
                              ("Your reply could not be taken: " + "; ".join(reasons) + ". " + how).strip())
                 continue
             taken += 1
-            self.inbox._record_answer(tx, fx, target, answer, None, f"playbook:{playbook}", now, reply_id=m["id"])
+            self.inbox._record_answer(tx, fx, target, answer, None, f"playbook:{playbook}", now, reply_id=m["id"],
+                                      reply_sender=m["sender"])
         tx.read_up_to(reading["id"], since)
         if counted:
             tx.append_event(fx, playbook, None, "replies_read", now, "interactiond",
@@ -7723,6 +8040,337 @@ class Approvals:
         return output, None
 
 
+def _ms(span: timedelta) -> int:
+    return int(span.total_seconds() * 1000)
+
+
+def _follow_up_party(value: Any, what: str) -> str:
+    """A rendered escalation party, as `to` is checked; a bound broken is an `unworkable` conflict."""
+    if not isinstance(value, str):
+        raise ending_problem(RunStatus.CONFLICT, "unworkable", f"{what} rendered as {type(value).__name__}, not text")
+    value = value.strip()
+    if not value or has_control_char(value) or len(value.encode()) > MAX_PARTY_BYTES:
+        raise ending_problem(RunStatus.CONFLICT, "unworkable", f"{what} is not a party: it renders empty, holds a"
+                             f" control character, or is longer than {MAX_PARTY_BYTES} bytes")
+    return value
+
+
+class Reminders:
+    """Reminders, escalation and the default answer of a request (SPEC section 19), on the one timer task.
+
+    A request's follow-up is planned once, when its run starts (`plan`): the reminder times, the
+    escalation's time and party, their messages rendered, and the default answer. The plan is kept on
+    the request and its times are timers, `remind:<playbook>:<run_id>` (the next reminder) and
+    `escalate:<playbook>:<run_id>`; closing the request drops them. A reminder or an escalation is one
+    change, guarded by the request being open, that appends its event: request_reminded with its
+    number `n`, request_escalated with `to` (who may answer from then on, and under whom listings by
+    `to` find the request). Reminders that fell due while no daemon ran are one reminder when a daemon
+    starts: the next number, `missed` saying how many due times it stands for.
+
+    A request sent through a tool also gets the message in its thread: a *nudge*, sent with
+    replies.tell (its `message` being the reminder's text) and attempted as a delivery is: recorded
+    as telling_started before it is sent, then telling_succeeded or telling_failed; tried again 1, 2,
+    4 and 8 minutes after the attempt before, or after the Retry-After a server asks (up to 8 minutes);
+    an attempt cut off by a stop counts as failed a minute after it started (its `nudge_lost` timer).
+    A nudge is sent only while its request is open.
+
+    The default answer is taken by the expiry, in the expiry's own change (`take_default`): the request
+    closes as expired holding the default, request_defaulted carries the answer's fact (answered by
+    nobody, `defaulted: true`), and the run succeeds with the default as its output, kind `defaulted`.
+    """
+
+    #: The timer kinds it fires (Engine._fire hands them here).
+    TIMER_KINDS: Final = ("remind", "escalate", "nudge", "nudge_lost")
+
+    def __init__(self, store: Store, clock: Clock, document: Callable[..., Any],
+                 send: Callable[[Mapping[str, Any]], Any], spawn: Callable[[Any, str], Any]) -> None:
+        self.store = store
+        self.clock = clock
+        self.document = document      # (playbook, type, name, version) -> (version, parsed document)
+        self.send = send              # the deliveries' one call of a tool: {playbook, server, tool, deliver_args}
+        self.spawn = spawn            # a named side task (a nudge's attempt waits on a tool)
+        self._inflight: set[int] = set()
+
+    # -- planning, when a run starts ----------------------------------------------------------
+
+    def plan(self, doc: Any, name: str, input_: Any, now: int, prepared: dict[str, Any]) -> dict[str, Any] | None:
+        """The follow-up of a request about to open, or None: from the function's remind, escalate and
+        on_expiry, or, for a built-in question (ask-*), from the run's input. Raises the problem of an ending."""
+        if name in ASK_FUNCTIONS:
+            return self._asked_plan(input_, now, prepared)
+        plan: dict[str, Any] = {}
+        if doc.remind is None and doc.escalate is None and doc.on_expiry is None:
+            return None                             # most functions: nothing to render
+        ctx = base_context(now, input=input_)
+        if "request" in prepared:                   # a reminder may carry the answer link, as the message does
+            ctx["request"] = prepared["request"]
+        try:
+            if doc.remind is not None:
+                plan["remind"] = {"at": [now + _ms(s) for s in doc.remind.after],
+                                  "message": self._text(doc.remind.message, ctx, DEFAULT_REMINDER, "remind.message")}
+            if doc.escalate is not None:
+                plan["escalate"] = {"at": now + _ms(doc.escalate.after),
+                                    "to": _follow_up_party(doc.escalate.to.render(ctx), "escalate.to"),
+                                    "message": self._text(doc.escalate.message, ctx, DEFAULT_ESCALATION,
+                                                          "escalate.message")}
+        except RenderError as exc:
+            if exc.kind == "undefined":
+                raise ending_problem(RunStatus.INVALID_INPUT, None, str(exc),
+                                     errors=[{"pointer": "/input", "message": str(exc)}]) from None
+            raise ending_problem(RunStatus.CONFLICT, "unworkable", str(exc)) from None
+        if doc.on_expiry is not None:
+            plan["default"] = {"answer": doc.on_expiry.answer}
+        return plan or None
+
+    @staticmethod
+    def _text(template: Template | None, ctx: dict[str, Any], default: str, what: str) -> str:
+        text = template.render_text(ctx) if template is not None else default
+        if len(text.encode()) > MAX_MESSAGE_BYTES:
+            raise ending_problem(RunStatus.CONFLICT, "unworkable", f"{what} is longer than {MAX_MESSAGE_BYTES // KIB} KiB")
+        return text
+
+    @staticmethod
+    def _asked_plan(input_: dict[str, Any], now: int, prepared: dict[str, Any]) -> dict[str, Any] | None:
+        """`ask`'s remind_after, escalate_to with escalate_after, and default, checked against its expiry and
+        its answer schema; every problem is an `invalid_input` pointer under /input."""
+        errors: list[dict[str, str]] = []
+        expires_at = prepared["expires_at"]
+
+        def due(text: Any, pointer: str) -> int | None:
+            try:
+                span = parse_duration(text)
+            except ValueError as exc:
+                errors.append({"pointer": pointer, "message": str(exc)})
+                return None
+            if span < EXPIRES_MIN or now + _ms(span) >= expires_at:
+                errors.append({"pointer": pointer, "message": f"{text} lies between PT1M and the question's expiry"})
+                return None
+            return now + _ms(span)
+
+        plan: dict[str, Any] = {}
+        if "remind_after" in input_:
+            times: list[int] = []
+            for i, text in enumerate(input_["remind_after"]):
+                at = due(text, f"/input/remind_after/{i}")
+                if at is not None and times and at <= times[-1]:
+                    errors.append({"pointer": f"/input/remind_after/{i}", "message": "reminders come in increasing order"})
+                elif at is not None:
+                    times.append(at)
+            plan["remind"] = {"at": times, "message": DEFAULT_REMINDER}
+        if ("escalate_to" in input_) != ("escalate_after" in input_):
+            missing = "escalate_after" if "escalate_to" in input_ else "escalate_to"
+            errors.append({"pointer": f"/input/{missing}", "message": "escalate_to and escalate_after go together"})
+        elif "escalate_to" in input_:
+            at = due(input_["escalate_after"], "/input/escalate_after")
+            try:
+                to = _follow_up_party(input_["escalate_to"], "escalate_to")
+            except Problem as exc:
+                errors.append({"pointer": "/input/escalate_to", "message": exc.detail})
+            else:
+                plan["escalate"] = {"at": at, "to": to, "message": DEFAULT_ESCALATION}
+        if "default" in input_:
+            errors += schema_errors(compile_schema(prepared["answer_schema"]), input_["default"], "/input/default")
+            plan["default"] = {"answer": input_["default"]}
+        if errors:
+            raise ending_problem(RunStatus.INVALID_INPUT, None, "the question's follow-up is not valid",
+                                 errors=sorted(errors, key=lambda e: e["pointer"]))
+        return plan or None
+
+    @staticmethod
+    def requested(plan: dict[str, Any] | None) -> dict[str, Any]:
+        """What interaction_requested says of the plan: when it reminds and escalates, whether it defaults."""
+        out: dict[str, Any] = {}
+        if plan and "remind" in plan:
+            out["reminds_at"] = [fmt_time(t) for t in plan["remind"]["at"]]
+        if plan and "escalate" in plan:
+            out["escalates"] = {"at": fmt_time(plan["escalate"]["at"]), "to": plan["escalate"]["to"]}
+        if plan and "default" in plan:
+            out["defaults"] = True
+        return out
+
+    @staticmethod
+    def arm(tx: Tx, fx: Effects, playbook: str, run_id: str, plan: dict[str, Any] | None) -> None:
+        """In the change that opens the request: its first reminder's timer and its escalation's."""
+        if plan and plan.get("remind", {}).get("at"):
+            tx.set_timer(fx, timer_key("remind", playbook, run_id), plan["remind"]["at"][0])
+        if plan and "escalate" in plan:
+            tx.set_timer(fx, timer_key("escalate", playbook, run_id), plan["escalate"]["at"])
+
+    # -- the timers -----------------------------------------------------------------------------
+
+    async def fire(self, kind: str, playbook: str, ref: str, key: str) -> None:
+        if kind == "remind":
+            await self.store.write(lambda tx, fx: self._remind(tx, fx, playbook, ref, key, self.clock.now_ms()))
+        elif kind == "escalate":
+            await self.store.write(lambda tx, fx: self._escalate(tx, fx, playbook, ref, key, self.clock.now_ms()))
+        elif kind == "nudge":
+            self.spawn(self._attempt(playbook, int(ref), key), f"nudge {ref}")
+        else:
+            await self._lost(int(ref), key)
+
+    def _open_plan(self, tx: Tx, playbook: str, run_id: str) -> tuple[Row, dict[str, Any]] | None:
+        req = tx.request(playbook, run_id)
+        if (req is None or req["status"] != RequestStatus.OPEN.value or req["follow_up"] is None
+                or req["delivery_state"] == DeliveryState.CANCELLING.value):
+            return None
+        return req, json.loads(req["follow_up"])
+
+    def _remind(self, tx: Tx, fx: Effects, playbook: str, run_id: str, key: str, now: int) -> None:
+        due = tx.timer_due(key)
+        if due is None or not tx.take_timer(fx, key, now) or (found := self._open_plan(tx, playbook, run_id)) is None:
+            return
+        req, plan = found
+        times = plan["remind"]["at"]
+        passed = [t for t in times if due <= t <= now]
+        row = tx.remind_request(playbook, run_id, req["reminded"])
+        if row is None:
+            return
+        message = plan["remind"]["message"]
+        payload = {"n": row["reminded"], "message": message, "due_at": fmt_time(passed[-1] if passed else due),
+                   **({"missed": len(passed) - 1} if len(passed) > 1 else {}),
+                   **self._queue(tx, fx, row, "reminder", row["reminded"], message, now)}
+        tx.append_event(fx, playbook, run_id, "request_reminded", now, "interactiond", payload)
+        later = next((t for t in times if t > now), None)
+        if later is not None:
+            tx.set_timer(fx, key, later)
+
+    def _escalate(self, tx: Tx, fx: Effects, playbook: str, run_id: str, key: str, now: int) -> None:
+        if not tx.take_timer(fx, key, now) or (found := self._open_plan(tx, playbook, run_id)) is None:
+            return
+        plan = found[1]["escalate"]
+        row = tx.escalate_request(playbook, run_id, plan["to"])
+        if row is None:
+            return
+        tx.append_event(fx, playbook, run_id, "request_escalated", now, "interactiond", {
+            "to": plan["to"], "message": plan["message"],
+            **self._queue(tx, fx, row, "escalation", 1, plan["message"], now)})
+
+    @staticmethod
+    def _queue(tx: Tx, fx: Effects, req: Row, what: str, n: int, message: str, now: int) -> dict[str, Any]:
+        """A nudge for a request sent through a tool, due now; what its event says of it (`in_thread`:
+        false while the message has not been delivered with what it was delivered as)."""
+        if req["server"] is None:
+            return {}
+        if req["sent_conversation"] is None or req["sent_id"] is None:
+            return {"in_thread": False}
+        nudge_id = tx.queue_nudge(req["playbook"], req["run_id"], what=what, n=n, message=message)
+        tx.set_timer(fx, timer_key("nudge", req["playbook"], str(nudge_id)), now)
+        return {"in_thread": True}
+
+    # -- nudges: a reminder or escalation message in the thread, attempted as a delivery is ---------
+
+    async def _attempt(self, playbook: str, nudge_id: int, key: str) -> None:
+        row = await self.store.read(lambda tx: tx.nudge(nudge_id))
+        if row is None:
+            return
+        doc = (await self.document(row["playbook"], row["type"], row["name"], row["version"]))[1]
+        tell = doc.replies.tell if doc.replies is not None else None
+        args: Any = None
+        refused = None if tell is not None else "the function has no replies.tell"
+        if tell is not None:
+            ctx = {"to": row["party"], "sent": {"conversation": row["sent_conversation"], "id": row["sent_id"]},
+                   "message": row["message"]}
+            try:
+                args = render_args(tell.with_, ctx)
+                if json_size(args) > MAX_ARGUMENTS_BYTES:
+                    refused = f"the telling's arguments pass {MAX_ARGUMENTS_BYTES // KIB} KiB"
+            except RenderError as exc:
+                refused = str(exc)
+        text = dumps(args) if refused is None else ""
+        base = {"for": row["what"], "n": row["n"], "server": row["server"], "tool": tell.tool if tell else None}
+        run_id, lost_key = row["run_id"], timer_key("nudge_lost", playbook, str(nudge_id))
+        now = self.clock.now_ms()
+
+        def begin(tx: Tx, fx: Effects) -> Row | None:
+            if not tx.take_timer(fx, key, now) or (started := tx.begin_nudge(nudge_id, now=now)) is None:
+                return None
+            if refused is not None:
+                tx.append_event(fx, playbook, run_id, "telling_failed", now, "interactiond", {
+                    **base, "attempt": started["attempts"], "because": "unworkable", "message": refused})
+                tx.end_nudge(nudge_id, started["attempts"], DeliveryEvent.SPEND)
+                return None
+            tx.append_event(fx, playbook, run_id, "telling_started", now, "interactiond", {
+                **base, "attempt": started["attempts"], "arguments_size": len(text.encode()),
+                "arguments_sha256": sha256_hex(text)})
+            tx.set_timer(fx, lost_key, now + LOST_ATTEMPT_S * 1000)
+            return started
+
+        started = await self.store.write(begin)
+        if started is None:
+            return
+        self._inflight.add(nudge_id)
+        try:
+            outcome = await self.send({"playbook": playbook, "server": row["server"], "tool": tell.tool,
+                                       "deliver_args": text})
+        finally:
+            self._inflight.discard(nudge_id)
+        done = self.clock.now_ms()
+
+        def end(tx: Tx, fx: Effects) -> None:
+            cur = tx.nudge(nudge_id)
+            if cur is None or cur["attempts"] != started["attempts"] or cur["state"] != DeliveryState.DELIVERING.value:
+                return                                  # counted lost meanwhile; this end is stale
+            tx.drop_timer(fx, lost_key)
+            attempt = cur["attempts"]
+            if outcome.get("ok"):
+                tx.append_event(fx, playbook, run_id, "telling_succeeded", done, "interactiond", {
+                    **base, "attempt": attempt, "result_size": outcome["result_size"],
+                    "result_sha256": outcome["result_sha256"]})
+                tx.end_nudge(nudge_id, attempt, DeliveryEvent.SUCCEED)
+                return
+            failed = {**base, "attempt": attempt, "because": outcome.get("refused") or outcome.get("because"),
+                      "message": outcome.get("message"), "retry_after_ms": outcome.get("retry_after_ms")}
+            tx.append_event(fx, playbook, run_id, "telling_failed", done, "interactiond", failed)
+            self._after_failure(tx, fx, cur, done, outcome.get("retry_after_ms"), spent="refused" in outcome)
+        await self.store.write(end)
+
+    @staticmethod
+    def _after_failure(tx: Tx, fx: Effects, cur: Row, now: int, retry_after_ms: int | None,
+                       spent: bool = False) -> None:
+        """The next attempt of a nudge whose attempt failed, while attempts are left and its request is open."""
+        attempt = cur["attempts"]
+        if spent or attempt >= MAX_ATTEMPTS or cur["request_status"] != RequestStatus.OPEN.value:
+            tx.end_nudge(cur["id"], attempt, DeliveryEvent.SPEND)
+            return
+        tx.end_nudge(cur["id"], attempt, DeliveryEvent.FAIL)
+        tx.set_timer(fx, timer_key("nudge", cur["playbook"], str(cur["id"])),
+                     next_attempt_at(attempt, cur["started_at"], now, retry_after_ms))
+
+    async def _lost(self, nudge_id: int, key: str) -> None:
+        """A nudge's attempt with no recorded end a minute after it started counts as failed."""
+        if nudge_id in self._inflight:
+            return                                   # still running here; its end will be recorded
+        now = self.clock.now_ms()
+
+        def change(tx: Tx, fx: Effects) -> None:
+            if not tx.take_timer(fx, key, now):
+                return
+            cur = tx.nudge(nudge_id)
+            if cur is None or cur["state"] != DeliveryState.DELIVERING.value:
+                return
+            tx.append_event(fx, cur["playbook"], cur["run_id"], "telling_failed", now, "interactiond", {
+                "for": cur["what"], "n": cur["n"], "attempt": cur["attempts"], "because": "lost",
+                "message": "the attempt had no recorded end a minute after it started (the daemon stopped)",
+                "retry_after_ms": None})
+            self._after_failure(tx, fx, cur, now, None)
+        await self.store.write(change)
+
+    # -- the default answer, in the expiry's change ----------------------------------------------
+
+    def take_default(self, tx: Tx, fx: Effects, playbook: str, run_id: str, now: int) -> bool:
+        """At the expiry: a request with a default answer takes it, and its run succeeds with it. False
+        (nothing written) when the request has none, or is not open or being cancelled."""
+        found = self._open_plan(tx, playbook, run_id)
+        if found is None or "default" not in found[1]:
+            return False
+        req, answer = found[0], found[1]["default"]["answer"]
+        tx.record_default(fx, req, answer, now=now)
+        tx.close_request(fx, playbook, run_id, ENDINGS["defaulted"])
+        tx.end_run(fx, playbook, run_id, RunStatus.SUCCEEDED, now=now, by="interactiond", kind="defaulted",
+                   output=answer)
+        return True
+
+
 class Engine:
     """Every operation of the product, over one store, one clock and one timer task.
 
@@ -7754,8 +8402,12 @@ class Engine:
         # The parts; each calls only parts built before it (and the run kinds, made last).
         self.definitions = Definitions(store, clock, self.kinds)
         self.system_calls = SystemCalls(store, clock, self.tools, config)
+        #: Reminders, escalation and default answers of requests, on this engine's timers; they send
+        #: as the deliveries do.
+        self.reminders = Reminders(store, clock, self.definitions.document, lambda req: self.deliveries._send(req),
+                                   self.spawn)
         self.runs = Runs(store, clock, self.bus, self.definitions, self.system_calls, self.kinds, config.open_requests,
-                         links=self.links)
+                         links=self.links, reminders=self.reminders)
         self.inbox = Inbox(store, clock, self.tools, self.runs, links=self.links)
         self.readings = Readings(store, clock, self.tools, self.definitions, self.inbox)
         self.deliveries = Deliveries(store, clock, self.tools, self.definitions, self.readings)
@@ -7795,6 +8447,8 @@ class Engine:
         self.on_timer("lost", self.deliveries._lost)
         self.on_timer("read", lambda playbook, ref, key: self.readings._read(playbook, int(ref), key), side=True)
         self.on_timer("call", lambda playbook, ref, key: self.approvals.on_timer(key))
+        for kind_ in Reminders.TIMER_KINDS:
+            self.on_timer(kind_, lambda playbook, ref, key, k=kind_: self.reminders.fire(k, playbook, ref, key))
         self.on_timer("prune", lambda playbook, ref, key: self._prune(key))
         for type_, kind in self.kinds.items():    # e.g. a workflow run to move on (started, woken, or due)
             self.on_timer(type_, lambda playbook, ref, key, kind=kind: kind.on_timer(playbook, ref), side=True)
@@ -7949,6 +8603,8 @@ class Engine:
         def change(tx: Tx, fx: Effects) -> None:
             if not tx.take_timer(fx, key, now):
                 return                                          # answered, cancelled, or moved
+            if self.reminders.take_default(tx, fx, playbook, run_id, now):
+                return                                          # it had a default answer: the run succeeded
             req = tx.close_request(fx, playbook, run_id, ENDINGS["expired"])
             if req is None:
                 return
@@ -10130,7 +10786,8 @@ async def _t_execute(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -
 
 
 async def _t_ask(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
-    input_ = {k: a[k] for k in ("prompt", "to", "expires", "options", "multiple", "placeholder") if k in a}
+    input_ = {k: a[k] for k in ("prompt", "to", "expires", "options", "multiple", "placeholder", *_ASK_FOLLOW_UP)
+              if k in a}
     run, _fresh = await e.run_definition(c, pb, "interaction", "ask-" + a["type"], input_, a.get("run_id"))
     return _run_result(run)
 
@@ -10225,7 +10882,9 @@ MCP_TOOLS: Final[list[McpTool]] = [
             ("server", "tool"), _t_execute),
     McpTool("ask",
             "Ask a person a typed question without writing a document: approval (yes/no with a comment), text, "
-            "choice (pick from options) or confirmation. Returns the started run; call wait_run for the answer.",
+            "choice (pick from options) or confirmation. It may remind (remind_after), also ask someone else "
+            "later (escalate_to, escalate_after) and take a default answer when it expires (default). Returns the "
+            "started run; call wait_run for the answer.",
             {"type": _p("string", "The kind of question.", enum=["approval", "text", "choice", "confirmation"]),
              "prompt": _p("string", "The question, in Markdown, at most 8 KiB.", maxLength=8192),
              "to": _p("string", "Who is asked: the name they filter their inbox by."),
@@ -10236,6 +10895,7 @@ MCP_TOOLS: Final[list[McpTool]] = [
                                    "properties": {"id": {"type": "string"}, "label": {"type": "string"}}}},
              "multiple": _p("boolean", "choice only: may several options be picked (default false)."),
              "placeholder": _p("string", "text only: a hint shown in the empty answer field."),
+             **_ASK_FOLLOW_UP,
              "run_id": _p("string", "Optional id of your choosing, for safe retries.", pattern=RUN_ID_RE.pattern)},
             ("type", "prompt", "to"), _t_ask),
 ]
@@ -10795,13 +11455,18 @@ def interaction_object(row: Mapping[str, Any]) -> dict[str, Any]:
     """The one place a request (joined with its run's input, see _V2_SELECT) becomes a v2 object."""
     kind, ids, multiple = typed_shape(row["answer_schema"])
     answered = row["status"] == "answered"
+    # An expired request that holds an answer took its default: that is its response, given by nobody.
+    defaulted = row["status"] == RequestStatus.EXPIRED.value and row["answer"] is not None
     return {
         "id": row["id"], "playbook": row["playbook"], "run_id": row["run_id"], "type": kind,
         "status": V2_STATUS[row["status"]], "prompt": row["message"],
         "payload": _typed_payload(row, kind, ids, multiple),
-        "response": typed_response(kind, json.loads(row["answer"]), row["answered_at"]) if answered else None,
+        "response": (typed_response(kind, json.loads(row["answer"]), row["answered_at"])
+                     if answered or defaulted else None),
+        "defaulted": defaulted,
         "expires_at": fmt_time(row["expires_at"]), "created_at": fmt_time(row["asked_at"]),
         "answered_at": fmt_time(row["answered_at"]) if answered else None,
+        "addressees": addressees(row), "reminded": row["reminded"],
     }
 
 
@@ -10956,7 +11621,8 @@ def _v2_refusal(exc: Problem, kind: str) -> Problem:
 # -- the event stream ---------------------------------------------------------------------------
 
 _RUN_ENDINGS: Final = tuple(f"run_{s.value}" for s in RunStatus if s.ended)
-_STREAMED: Final = ("interaction_requested", "request_answered", *_RUN_ENDINGS)
+_STREAMED: Final = ("interaction_requested", "request_answered", "request_reminded", "request_escalated",
+                     "request_defaulted", *_RUN_ENDINGS)
 
 
 def _stream_messages(ev: Row, req: Row | None) -> list[tuple[str, dict[str, Any]]]:
@@ -10972,6 +11638,13 @@ def _stream_messages(ev: Row, req: Row | None) -> list[tuple[str, dict[str, Any]
     if ev["type"] == "request_answered":
         return [("interaction.answered", {**base, **about,
                                           "response": typed_response(kind, payload.get("answer"), ev["at"])})] if typed else []
+    if ev["type"] == "request_reminded":
+        return [("interaction.reminded", {**base, **about, "n": payload.get("n")})] if typed else []
+    if ev["type"] == "request_escalated":
+        return [("interaction.escalated", {**base, **about, "to": payload.get("to")})] if typed else []
+    if ev["type"] == "request_defaulted":          # the interaction expired, taking its default as its response
+        return [(ENDINGS["defaulted"].stream or "", {**base, **about, "defaulted": True,
+                 "response": typed_response(kind, payload.get("answer"), ev["at"])})] if typed else []
     out = []
     if typed and ev["type"] == EventType.RUN_REJECTED.value and payload.get("kind") in STREAM_ENDINGS:
         out.append((STREAM_ENDINGS[payload["kind"]], {**base, **about}))
@@ -13146,7 +13819,7 @@ const enc = encodeURIComponent;
 const S = {session: null, pb: null, to: "", items: new Map(), gone: new Set(), timer: null, es: null, skew: 0,
            seq: 0, busy: false, again: false, countsSig: "", loaded: false};
 const STREAM_EVENTS = ["interaction.created", "interaction.answered", "interaction.expired", "interaction.cancelled",
-                       "run.ended"];
+                       "interaction.reminded", "interaction.escalated", "run.ended"];
 const FORCE_POLL = new URLSearchParams(location.search).get("live") === "poll";   // for proxies that break SSE
 
 function h(tag, attrs, ...kids) {
@@ -13353,6 +14026,8 @@ async function showList(page, pb) {
   for (const x of want) {
     const it = S.items.get(x.run_id);
     if (!it) continue;
+    it.el.querySelector(".nudged").textContent = nudgedWords(x);
+    it.el.querySelector("h2 .to").textContent = forWords(x);
     if (it.el === cur) cur = cur.nextElementSibling;
     else ol.insertBefore(it.el, cur);
   }
@@ -13379,13 +14054,21 @@ function requestEl(req, shown) {
   const person = S.session.person;
   return h("li", {class: "req", "data-run-id": req.run_id},
     h("article", {"aria-labelledby": hid},
-      h("h2", {id: hid}, req.name, " ", h("span", {class: "to"}, `for ${req.to}`)),
+      h("h2", {id: hid}, req.name, " ", h("span", {class: "to"}, forWords(req))),
       h("p", {class: "meta"}, "asked ", relTime(req.asked_at), " · ",
         req.expires_at ? ["expires ", relTime(req.expires_at)] : "never expires", delivery,
+        h("span", {class: "nudged"}, nudgedWords(req)),
         person ? null : [" · ", h("a", {href: `#/runs/${enc(req.run_id)}`}, "History")],
         req.answer_url && !person ? [" · ", h("a", {href: req.answer_url, class: "answer-link", target: "_blank", rel: "noreferrer",
           title: `The link ${req.to} answers on without signing in; copy it to send it`}, "Answer link")] : null),
       msg, form));
+}
+
+// Whom a request asks (its party, and whom it was escalated to), and how often it was reminded: both
+// change while it stays listed, so showList writes them again on each refresh.
+function forWords(req) { return `for ${(req.addressees || [req.to]).join(" and ")}`; }
+function nudgedWords(req) {
+  return req.reminded ? ` · reminded ${req.reminded} time${req.reminded === 1 ? "" : "s"}` : "";
 }
 
 function formEl(req, form, n) {

@@ -101,10 +101,16 @@ CREATE TABLE IF NOT EXISTS requests (
     attempt_started_at INTEGER,                      -- of the attempt in flight or the last one
     reading        INTEGER REFERENCES readings(id),  -- the reading it joined, once delivered
     approval       TEXT,                             -- a call's approval gate (JSON); NULL for a question
+    follow_up      TEXT,                             -- JSON: its reminders, escalation, default answer
+    reminded       INTEGER NOT NULL DEFAULT 0,       -- reminders so far (request_reminded's n)
+    escalated_to   TEXT,                             -- once escalated: the party asked too, who may answer
+    reply_sender   TEXT,                             -- who wrote the reply that answered
     UNIQUE (playbook, run_id)
 );
 CREATE INDEX IF NOT EXISTS requests_open ON requests (playbook, seq) WHERE open = 1;
 CREATE INDEX IF NOT EXISTS requests_open_party ON requests (playbook, party, seq) WHERE open = 1;
+CREATE INDEX IF NOT EXISTS requests_open_escalated ON requests (playbook, escalated_to, seq)
+    WHERE open = 1 AND escalated_to IS NOT NULL;
 CREATE INDEX IF NOT EXISTS requests_by_status ON requests (status, seq);
 
 -- One reading per (playbook, server, reading tool, conversation key), shared by every open
@@ -127,6 +133,21 @@ CREATE TABLE IF NOT EXISTS replies_seen (
     reply_id TEXT NOT NULL,
     PRIMARY KEY (reading, reply_id)
 ) WITHOUT ROWID;
+
+-- Reminders and escalation messages sent into a delivered request's thread (with replies.tell),
+-- each attempted as a delivery is: recorded before it is sent, then 1, 2, 4 and 8 minutes apart.
+CREATE TABLE IF NOT EXISTS nudges (
+    id         INTEGER PRIMARY KEY,
+    playbook   TEXT NOT NULL,
+    run_id     TEXT NOT NULL,
+    what       TEXT NOT NULL CHECK (what IN ('reminder', 'escalation')),
+    n          INTEGER NOT NULL,                     -- the reminder's number (1 for the escalation)
+    message    TEXT NOT NULL,
+    state      TEXT NOT NULL CHECK (state IN (      -- as a delivery's
+                   'to_deliver', 'delivering', 'delivered', 'retrying', 'undelivered')),
+    attempts   INTEGER NOT NULL DEFAULT 0,
+    started_at INTEGER                               -- of the attempt in flight or the last one
+);
 
 -- Append-only. `id` is monotonic and never reused; run events also carry a gap-free run_seq.
 CREATE TABLE IF NOT EXISTS events (

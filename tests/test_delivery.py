@@ -125,7 +125,7 @@ async def test_seed_chat_document_end_to_end(d):
     assert run["status"] == "succeeded" and run["output"] == {"verdict": "approve", "note": "Looks good"}
     assert run["settled_by"] == "playbook:local/default"
     answered = [e for e in await events(d, run_id) if e["type"] == "request_answered"][0]
-    assert answered["payload"]["reply"] == {"id": reply_ts}
+    assert answered["payload"]["reply"] == {"id": reply_ts, "sender": "ana"}
     _, pb = await d.call("GET", "/events?type=replies_read")
     assert pb["data"][-1]["payload"]["taken"] == 1
 

@@ -23,8 +23,9 @@ ROOT = Path(__file__).resolve().parent.parent
 FLAKY = str(Path(__file__).parent / "servers" / "flaky_server.py")
 MIB = 1024 * 1024
 
-#: Raised for real below only as a run's recorded problem, by a workflow, or by a breakdown.
-RENDERED_ONLY = {"unanswered", "cancelled", "failed", "timeout", "expression"}
+#: Raised for real below only as a run's recorded problem, by a workflow, or by a breakdown; `declined`
+#: (a refused approval) is raised for real in tests/test_approval.py.
+RENDERED_ONLY = {"unanswered", "cancelled", "failed", "timeout", "expression", "declined"}
 
 SYSTEM_RW = """---
 description: Writes through the flaky server, which fails

@@ -486,3 +486,133 @@ async def test_a_lost_connection_is_opened_again(pg_url):
     finally:
         admin.close()
         await store.close()
+
+
+# Reminders, escalation and default answers (SPEC section 19).
+
+
+def test_a_reminder_is_counted_once_and_only_on_an_open_request(tx):
+    _run_with_request(tx, "r1")
+    row = tx.remind_request(PB, "r1", 0)
+    assert row["reminded"] == 1
+    assert tx.remind_request(PB, "r1", 0) is None                      # counted meanwhile: moves nothing
+    assert tx.remind_request(PB, "r1", 1)["reminded"] == 2
+    tx.close_request(itd.Effects(), PB, "r1", itd.ENDINGS["expired"])
+    assert tx.remind_request(PB, "r1", 2) is None
+    assert tx.request(PB, "r1")["reminded"] == 2
+
+
+def test_an_escalation_happens_once_and_listing_by_to_finds_both_parties(tx):
+    for run_id in ("r1", "r2", "r3"):
+        _run_with_request(tx, run_id)
+    tx.conn.execute("UPDATE requests SET party = 'bo' WHERE run_id = 'r2'")
+    assert tx.escalate_request(PB, "r1", "bo")["escalated_to"] == "bo"
+    assert tx.escalate_request(PB, "r1", "cy") is None                 # escalated already
+    page = dict(type_=None, name=None, before=None, limit=10)
+    assert [r["run_id"] for r in tx.open_requests(PB, to="bo", **page)] == ["r2", "r1"]       # newest first
+    assert [r["run_id"] for r in tx.open_requests(PB, to="ann", **page)] == ["r3", "r1"]
+    assert [r["run_id"] for r in tx.open_requests(PB, to="bo", **{**page, "limit": 1})] == ["r2"]
+    seq_r2 = tx.request(PB, "r2")["seq"]
+    assert [r["run_id"] for r in tx.open_requests(PB, to="bo", **{**page, "before": seq_r2})] == ["r1"]
+    tx.close_request(itd.Effects(), PB, "r1", itd.ENDINGS["answered"])
+    assert [r["run_id"] for r in tx.open_requests(PB, to="bo", **page)] == ["r2"]
+    assert tx.escalate_request(PB, "r3", "bo") is not None and tx.escalate_request(PB, "r1", "bo") is None
+
+
+def test_a_default_answer_is_recorded_as_a_fact_answered_by_nobody(tx):
+    _run_with_request(tx, "r1")
+    fx = itd.Effects()
+    tx.record_default(fx, tx.request(PB, "r1"), {"verdict": "revise"}, now=NOW + 60_000)
+    closed = tx.close_request(fx, PB, "r1", itd.ENDINGS["defaulted"])
+    assert (closed["status"], closed["answer"], closed["answered_by"]) == ("expired", '{"verdict":"revise"}', None)
+    event = tx.event(PB, closed["answer_id"])
+    assert event["type"] == "request_defaulted"
+    assert itd.json.loads(event["payload"]) == {
+        "run_id": "r1", "answer": {"verdict": "revise"}, "claimed_for": None, "answered_by": None,
+        "answered_at": itd.fmt_time(NOW + 60_000), "defaulted": True}
+    with pytest.raises(itd.Problem) as info:
+        tx.record_default(itd.Effects(), closed, {"verdict": "revise"}, now=NOW + 60_001)
+    assert info.value.name == "not_open"
+
+
+def test_a_nudge_is_attempted_as_a_delivery_is_while_its_request_is_open(tx):
+    _run_with_request(tx, "d1", deliver=True)
+    nudge = tx.queue_nudge(PB, "d1", what="reminder", n=1, message="Still there?")
+    row = tx.begin_nudge(nudge, now=NOW)
+    assert (row["state"], row["attempts"], row["started_at"]) == ("delivering", 1, NOW)
+    assert tx.begin_nudge(nudge, now=NOW) is None                      # one attempt in flight at a time
+    assert not tx.end_nudge(nudge, 2, itd.DeliveryEvent.SUCCEED)       # not that attempt
+    assert tx.end_nudge(nudge, 1, itd.DeliveryEvent.FAIL)
+    assert tx.nudge(nudge)["state"] == "retrying"
+    assert tx.begin_nudge(nudge, now=NOW + 60_000)["attempts"] == 2
+    assert tx.end_nudge(nudge, 2, itd.DeliveryEvent.SUCCEED) and not tx.end_nudge(nudge, 2, itd.DeliveryEvent.FAIL)
+    shown = tx.nudge(nudge)
+    assert (shown["state"], shown["server"], shown["party"], shown["request_status"]) == ("delivered", "chat", "ann", "open")
+    other = tx.queue_nudge(PB, "d1", what="escalation", n=1, message="Over to you")
+    tx.close_request(itd.Effects(), PB, "d1", itd.ENDINGS["answered"])
+    assert tx.begin_nudge(other, now=NOW) is None                      # the request closed: nothing is sent
+    assert tx.nudge(other)["state"] == "to_deliver"
+    _run_with_request(tx, "d2", deliver=True)
+    spent = tx.queue_nudge(PB, "d2", what="reminder", n=1, message="x")
+    tx.conn.execute("UPDATE nudges SET attempts = ?, state = 'retrying' WHERE id = ?", (itd.MAX_ATTEMPTS, spent))
+    assert tx.begin_nudge(spent, now=NOW) is None                      # attempts stop at five
+
+
+def test_closing_a_request_drops_its_reminder_and_escalation_timers(tx):
+    _run_with_request(tx, "r1")
+    fx = itd.Effects()
+    for kind in ("remind", "escalate"):
+        tx.set_timer(fx, itd.timer_key(kind, PB, "r1"), NOW + 1)
+    tx.close_request(fx, PB, "r1", itd.ENDINGS["answered"])
+    assert tx.all_timers() == []
+
+
+def _previous_version_file(path: Path) -> None:
+    """A file as version 2 left it, with an open request."""
+    import sqlite3
+
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.executescript((ROOT / "tests" / "fixtures" / "schema-v2.sql").read_text())
+    conn.execute("PRAGMA user_version = 2")
+    conn.execute("INSERT INTO playbooks (id, created_at) VALUES (?, ?)", (PB, NOW))
+    conn.execute("INSERT INTO requests (id, playbook, run_id, type, name, version, party, answerer, message, status,"
+                 " delivery_state, asked_at, expires_at) VALUES ('int_1', ?, 'r1', 'interaction', 'approve', 1, 'ann',"
+                 " 'ann', 'ok?', 'open', 'in_inbox', ?, ?)", (PB, NOW, NOW + 60_000))
+    conn.close()
+
+
+def test_a_file_of_version_2_gains_reminders_escalation_and_defaults(tmp_path):
+    path = tmp_path / "v2.db"
+    _previous_version_file(path)
+    tx = itd.open_sync(str(path))
+    try:
+        assert tx.conn.execute("PRAGMA user_version").fetchone()[0] == itd.SCHEMA_VERSION >= 3
+        row = tx.request(PB, "r1")
+        assert (row["follow_up"], row["reminded"], row["escalated_to"], row["reply_sender"]) == (None, 0, None, None)
+        assert tx.escalate_request(PB, "r1", "bo")["escalated_to"] == "bo"
+        assert tx.queue_nudge(PB, "r1", what="escalation", n=1, message="x") == 1
+        names = {r[0] for r in tx.conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
+        assert "requests_open_escalated" in names
+    finally:
+        tx.close()
+
+
+def test_a_postgres_database_of_version_2_gains_them_too(pg_url):
+    import psycopg
+
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute((ROOT / "tests" / "fixtures" / "schema-postgres-v2.sql").read_text())
+        conn.execute("INSERT INTO schema_version (version) VALUES (2)")
+        conn.execute("INSERT INTO playbooks (id, created_at) VALUES (%s, %s)", (PB, NOW))
+        conn.execute("INSERT INTO requests (id, playbook, run_id, type, name, version, party, answerer, message,"
+                     " status, delivery_state, asked_at, expires_at) VALUES ('int_1', %s, 'r1', 'interaction',"
+                     " 'approve', 1, 'ann', 'ann', 'ok?', 'open', 'in_inbox', %s, %s)", (PB, NOW, NOW + 60_000))
+    tx = itd.open_sync(pg_url)
+    try:
+        assert tx.conn.execute("SELECT version FROM schema_version").fetchone()[0] == itd.SCHEMA_VERSION
+        row = tx.request(PB, "r1")
+        assert (row["follow_up"], row["reminded"], row["escalated_to"]) == (None, 0, None)
+        assert tx.remind_request(PB, "r1", 0)["reminded"] == 1
+        assert tx.queue_nudge(PB, "r1", what="reminder", n=1, message="x") >= 1
+    finally:
+        tx.close()
