@@ -1,7 +1,7 @@
 """interactiond - ask a person (or a system) a question and wait, durably, for a validated answer.
 
 One asyncio process: an aiohttp HTTP API, an MCP server (stdio, streamable HTTP, SSE), one timer
-task, and a WAL-mode SQLite file. Agents and scripts save *interaction functions* (Markdown with
+task, and a WAL-mode SQLite file (or a PostgreSQL database that several daemons share). Agents and scripts save *interaction functions* (Markdown with
 YAML front matter), run them, and wait for the answer a person gives in the inbox, through a chat
 tool, or that a system returns.
 
@@ -23,10 +23,12 @@ The module reads top to bottom, each section using only those above it:
     Store                     the schema and migrations, one writer with group commit, a reader, and
                               SQLiteTx: every SQL statement, as named, guarded operations
     Tool servers              MCP client sessions, one owner task per server
-    Engine                    the timer task and six parts - Definitions, Runs, SystemCalls,
-                              Inbox, Deliveries, Readings - each built with only what it uses,
-                              behind Engine: it builds them, starts and stops, fires the timers
-                              and answers every operation the sections below call
+    Engine                    the timer task and eight parts - Definitions, Runs, SystemCalls,
+                              Inbox, Deliveries, Readings, Approvals (a person approves a call),
+                              Reminders (reminders, escalation, default answers) - each built
+                              with only what it uses, behind Engine: it builds them, starts and
+                              stops, fires the timers and answers every operation the sections
+                              below call; AnswerLinks signs the links people answer on
     Workflows                 the workflow language, its checker and its step-by-step executor
     HTTP API                  aiohttp routes, problem+json, auth, OpenAPI
     MCP server                the same operations as MCP tools over three transports
