@@ -3268,7 +3268,7 @@ class _DbThread(threading.Thread):
             item = self.q.get()
             if item is None:
                 break
-            batch = [item]
+            batch = list(item)              # the loop hands over what one of its turns asked for
             while len(batch) < 512:
                 try:
                     nxt = self.q.get_nowait()
@@ -3277,7 +3277,7 @@ class _DbThread(threading.Thread):
                 if nxt is None:
                     self.q.put(None)
                     break
-                batch.append(nxt)
+                batch.extend(nxt)
             began = time.perf_counter()
             settled = self._run_batch(batch) if self.writer else [self._run_read(*it) for it in batch]
             if self.on_batch is not None:
@@ -3420,6 +3420,9 @@ class Store:
         self._writer: _DbThread | None = None
         self._reader: _DbThread | None = None
         self._checkpointer: _Checkpointer | None = None
+        self._writes: list[tuple[Any, ...]] = []          # asked for in this turn of the loop (write)
+        self._reads: list[tuple[Any, ...]] = []
+        self._handing_over = False
 
     async def open(self) -> None:
         loop = asyncio.get_running_loop()
@@ -3452,6 +3455,7 @@ class Store:
         return SQLiteTx(conn)
 
     async def close(self) -> None:
+        self._hand_over()
         for t in (self._writer, self._reader):
             if t is not None and t.is_alive():
                 t.q.put(None)
@@ -3464,15 +3468,39 @@ class Store:
         self._writer = self._reader = self._checkpointer = None
 
     def write(self, change: Callable[[sqlite3.Connection, Effects], Any]) -> asyncio.Future[Any]:
-        """Run `change(conn, effects)` in the next group commit; resolves after COMMIT."""
-        fut = asyncio.get_running_loop().create_future()
-        self._writer.q.put((change, fut, Effects()))
+        """Run `change(conn, effects)` in the next group commit; resolves after COMMIT.
+
+        The changes and readings asked for in one turn of the event loop go to their threads
+        together, at the end of the turn: one wake-up of each thread per turn, not one per call.
+        Waking a thread costs the loop a system call and, on a busy machine, its core for a while
+        (the woken thread is scheduled where the loop runs and asks for the GIL the loop holds):
+        a tenth of the loop's time when it was one per call."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._writes.append((change, fut, Effects()))
+        if not self._handing_over:
+            self._handing_over = True
+            loop.call_soon(self._hand_over)
         return fut
 
     def read(self, query: Callable[[sqlite3.Connection], Any]) -> asyncio.Future[Any]:
-        fut = asyncio.get_running_loop().create_future()
-        self._reader.q.put((query, fut, None))
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._reads.append((query, fut, None))
+        if not self._handing_over:
+            self._handing_over = True
+            loop.call_soon(self._hand_over)
         return fut
+
+    def _hand_over(self) -> None:
+        """Give the writer and the reader what this turn of the loop asked of them (see write)."""
+        self._handing_over = False
+        if self._writes:
+            batch, self._writes = self._writes, []
+            self._writer.q.put(batch)
+        if self._reads:
+            batch, self._reads = self._reads, []
+            self._reader.q.put(batch)
 
     def read_sync(self, query: Callable[[sqlite3.Connection], Any]) -> Any:
         """For the command line and start-up, outside the loop."""
