@@ -3016,7 +3016,7 @@ def load_config(path: str | None, environ: dict[str, str] | None = None) -> Conf
 # The end of this section runs the same store, threads and SQL on a PostgreSQL server.
 
 #: PRAGMA user_version of a file this version made; an earlier one is migrated at open (MIGRATIONS).
-SCHEMA_VERSION: Final = 2
+SCHEMA_VERSION: Final = 3
 
 
 #: The schema, embedded so an installed wheel needs no data file; tests keep it equal to schema.sql.
@@ -3043,6 +3043,7 @@ CREATE TABLE IF NOT EXISTS definitions (
     overview   TEXT NOT NULL,
     description TEXT,
     uses       TEXT NOT NULL DEFAULT '[]',           -- JSON: [[type, name], ...] a workflow calls
+    answer_schema TEXT,                              -- JSON: the answer schema its requests share
     active     INTEGER NOT NULL DEFAULT 1,
     created_at INTEGER NOT NULL,
     created_by TEXT NOT NULL,
@@ -3092,7 +3093,8 @@ CREATE TABLE IF NOT EXISTS requests (
     party          TEXT NOT NULL,                    -- rendered `to`
     answerer       TEXT NOT NULL,                    -- rendered `from`, else `to`
     message        TEXT NOT NULL,
-    answer_schema  TEXT,                             -- as recorded; NULL for a notification
+    own_schema     TEXT,                             -- its answer schema where its definition's is not it;
+                                                     -- NULL: the definition's (NULL too: a notification)
     server         TEXT,                             -- deliver.server, NULL for the inbox
     tool           TEXT,
     status         TEXT NOT NULL CHECK (status IN (
@@ -3169,7 +3171,7 @@ CREATE INDEX IF NOT EXISTS events_by_playbook ON events (playbook, id) WHERE run
 CREATE TABLE IF NOT EXISTS timers (
     key    TEXT PRIMARY KEY,                         -- kind:playbook:ref
     due_at INTEGER NOT NULL
-);
+) WITHOUT ROWID;
 
 -- API tokens, stored as sha256 hashes of their secrets; also one-time login links and the inbox
 -- sessions they trade for (12 h idle, 7 days at most).
@@ -3217,9 +3219,42 @@ def _migrate_to_2(conn: sqlite3.Connection) -> None:
                  (int(INBOX_SESSION_MAX.total_seconds() * 1000),))
 
 
+def _migrate_to_3(conn: sqlite3.Connection) -> None:
+    """Answer schemas are kept once per function version: definitions gain `answer_schema`, and a
+    request keeps one (`own_schema`) only where its definition's is not it (a choice's options);
+    timers become a WITHOUT ROWID table (their key is their only index)."""
+    conn.execute("ALTER TABLE definitions ADD COLUMN answer_schema TEXT")
+    _share_answer_schemas(conn)
+    conn.execute("CREATE TABLE timers_v3 (key TEXT PRIMARY KEY, due_at INTEGER NOT NULL) WITHOUT ROWID")
+    conn.execute("INSERT INTO timers_v3 (key, due_at) SELECT key, due_at FROM timers")
+    conn.execute("DROP TABLE timers")
+    conn.execute("ALTER TABLE timers_v3 RENAME TO timers")
+
+
+def _share_answer_schemas(conn: Any) -> None:
+    """Version 3's step on either database: each function version's answer schema on its definition
+    (from its document; a document this version no longer reads keeps none, and its requests keep
+    theirs), then the requests' own copies of it dropped."""
+    rows = conn.execute("SELECT playbook, type, name, version, source FROM definitions WHERE type = 'interaction'"
+                        ).fetchall()
+    for playbook, type_, name, version, source in (tuple(r) for r in rows):
+        try:
+            schema = parse_function(source).output_schema
+        except DocumentError:
+            continue
+        if schema is not None:
+            conn.execute("UPDATE definitions SET answer_schema = ? WHERE playbook = ? AND type = ? AND name = ?"
+                         " AND version = ?", (dumps(schema), playbook, type_, name, version))
+    conn.execute("ALTER TABLE requests RENAME COLUMN answer_schema TO own_schema")
+    conn.execute("UPDATE requests SET own_schema = NULL WHERE own_schema = (SELECT d.answer_schema FROM definitions d"
+                 " WHERE d.playbook = requests.playbook AND d.type = requests.type AND d.name = requests.name"
+                 " AND d.version = requests.version)")
+
+
 #: Each step takes a file made by an earlier version to the next PRAGMA user_version, in order.
 MIGRATIONS: Final[tuple[tuple[int, Callable[[sqlite3.Connection], None]], ...]] = (
     (2, _migrate_to_2),
+    (3, _migrate_to_3),
 )
 
 
@@ -3795,9 +3830,11 @@ class SQLiteTx:
     # Definitions and runs: documents saved and deleted, runs inserted, read and listed, system calls.
 
     def save_definition(self, *, playbook: str, type_: str, name: str, source: str, sha: str, overview: str,
-                        description: str | None, uses: Any, now: int, by: str) -> tuple[int, bool]:
+                        description: str | None, uses: Any, now: int, by: str,
+                        answer_schema: str | None = None) -> tuple[int, bool]:
         """Save a document as the next version of its name (every earlier one goes inactive); the active
-        latest version with the same text is kept instead. The version, and whether it is new."""
+        latest version with the same text is kept instead. The version, and whether it is new.
+        `answer_schema` is the one its requests share (the document's output schema, as dumps writes it)."""
         conn = self.conn
         row = conn.execute("SELECT version, source_sha, active FROM definitions WHERE playbook = ? AND type = ?"
                            " AND name = ? ORDER BY version DESC LIMIT 1", (playbook, type_, name)).fetchone()
@@ -3808,17 +3845,20 @@ class SQLiteTx:
             conn.execute("UPDATE definitions SET active = 0 WHERE playbook = ? AND type = ? AND name = ?",
                          (playbook, type_, name))
         conn.execute("INSERT INTO definitions (playbook, type, name, version, source, source_sha, overview,"
-                     " description, uses, active, created_at, created_by) VALUES (?,?,?,?,?,?,?,?,?,1,?,?)",
-                     (playbook, type_, name, version, source, sha, overview, description, dumps(uses), now, by))
+                     " description, uses, answer_schema, active, created_at, created_by)"
+                     " VALUES (?,?,?,?,?,?,?,?,?,?,1,?,?)",
+                     (playbook, type_, name, version, source, sha, overview, description, dumps(uses), answer_schema,
+                      now, by))
         return version, True
 
     def save_builtin(self, playbook: str, name: str, *, source: str, sha: str, overview: str,
-                     description: str | None, now: int) -> None:
+                     description: str | None, now: int, answer_schema: str | None = None) -> None:
         """Save a built-in function at version 1 unless the playbook holds it already."""
         self.conn.execute(
             "INSERT INTO definitions (playbook, type, name, version, source, source_sha, overview, description,"
-            " active, created_at, created_by) VALUES (?, 'interaction', ?, 1, ?, ?, ?, ?, 1, ?, 'interactiond')"
-            " ON CONFLICT DO NOTHING", (playbook, name, source, sha, overview, description, now))
+            " answer_schema, active, created_at, created_by)"
+            " VALUES (?, 'interaction', ?, 1, ?, ?, ?, ?, ?, 1, ?, 'interactiond') ON CONFLICT DO NOTHING",
+            (playbook, name, source, sha, overview, description, answer_schema, now))
 
     def definition(self, playbook: str, type_: str, name: str, version: int | None = None) -> Row | None:
         """A definition at `version`, or its active latest version when `version` is None."""
@@ -3871,11 +3911,13 @@ class SQLiteTx:
         """Insert a run's request: open, and the started run waits for it (guarded, else `conflict`); or,
         `notified`, a notification the inbox shows at once, which leaves the run as it is."""
         status = RequestStatus.NOTIFIED if notified else RequestStatus.OPEN
-        self.conn.execute(
-            "INSERT INTO requests (id, playbook, run_id, type, name, version, party, answerer, message, answer_schema,"
+        self.conn.execute(       # the answer schema only where the function version's is not it (see _REQUEST_ROW)
+            "INSERT INTO requests (id, playbook, run_id, type, name, version, party, answerer, message, own_schema,"
             " server, tool, status, open, delivery_state, asked_at, expires_at, deliver_args)"
-            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-            (request_id, playbook, run_id, type_, name, version, party, answerer, message, answer_schema, server, tool,
+            " VALUES (?,?,?,?,?,?,?,?,?,NULLIF(?, (SELECT answer_schema FROM definitions WHERE playbook = ? AND type = ?"
+            " AND name = ? AND version = ?)),?,?,?,?,?,?,?,?)",
+            (request_id, playbook, run_id, type_, name, version, party, answerer, message, answer_schema,
+             playbook, type_, name, version, server, tool,
              status.value, 0 if notified else 1, delivery.value, asked_at, expires_at, deliver_args))
         if not notified and not self.conn.execute(
                 "UPDATE runs SET status = ? WHERE playbook = ? AND run_id = ? AND status = ?",
@@ -3892,7 +3934,7 @@ class SQLiteTx:
         conn = self.conn                # UPDATE then SELECT: 39 us, where UPDATE ... RETURNING * took 58
         if not conn.execute(_CLOSE_REQUEST_SQL[ending.request], (ending.request.value, playbook, run_id)).rowcount:
             return None
-        row = conn.execute("SELECT * FROM requests WHERE playbook = ? AND run_id = ?", (playbook, run_id)).fetchone()
+        row = conn.execute(_REQUEST_ROW + " WHERE q.playbook = ? AND q.run_id = ?", (playbook, run_id)).fetchone()
         conn.execute("UPDATE playbooks SET open_requests = open_requests - 1 WHERE id = ?", (playbook,))
         keys = [timer_key(kind, playbook, run_id) for kind in ("expire", "attempt", "lost")]
         conn.execute("DELETE FROM timers WHERE key IN (?, ?, ?)", keys)        # one statement, not three
@@ -3940,21 +3982,20 @@ class SQLiteTx:
                       before: int | None, limit: int) -> list[Row]:
         """A page of a playbook's open requests, newest first, before the cursor's `seq` (None: from the
         newest); only those to one party, of one type or of one function, where given."""
-        sql = "SELECT * FROM requests WHERE playbook = ? AND open = 1"
+        sql = _REQUEST_ROW + " WHERE q.playbook = ? AND q.open = 1"
         args: list[Any] = [playbook]
         for col, val in (("party", to), ("type", type_), ("name", name)):
             if val is not None:
-                sql += f" AND {col} = ?"
+                sql += f" AND q.{col} = ?"
                 args.append(val)
         if before is not None:
-            sql += " AND seq < ?"
+            sql += " AND q.seq < ?"
             args.append(before)
-        return self.conn.execute(sql + " ORDER BY seq DESC LIMIT ?", (*args, limit)).fetchall()
+        return self.conn.execute(sql + " ORDER BY q.seq DESC LIMIT ?", (*args, limit)).fetchall()
 
     def request(self, playbook: str, run_id: str) -> Row | None:
         """The request of a run, open or closed; None when the run asks nobody."""
-        return self.conn.execute("SELECT * FROM requests WHERE playbook = ? AND run_id = ?",
-                                 (playbook, run_id)).fetchone()
+        return self.conn.execute(_REQUEST_ROW + " WHERE q.playbook = ? AND q.run_id = ?", (playbook, run_id)).fetchone()
 
     def record_answer(self, fx: Effects, req: Row, answer: Any, *, by: str, now: int,
                       claimed_for: str | None = None, reply_id: str | None = None) -> None:
@@ -3997,11 +4038,12 @@ class SQLiteTx:
     def begin_attempt(self, playbook: str, run_id: str, *, now: int) -> Row | None:
         """Start the next attempt of an open request's delivery, guarded: only a delivery an attempt may begin
         (DELIVERY_TRANSITIONS), with an attempt left. The request as it now stands, or None."""
-        return self.conn.execute(_BEGIN_ATTEMPT_SQL, (now, playbook, run_id, MAX_ATTEMPTS)).fetchone()
+        begun = self.conn.execute(_BEGIN_ATTEMPT_SQL, (now, playbook, run_id, MAX_ATTEMPTS)).fetchone()
+        return self.request_by_seq(begun["seq"]) if begun is not None else None
 
     def request_by_seq(self, seq: int) -> Row | None:
         """A request by its `seq`, as it stands now (an attempt's end reads it again)."""
-        return self.conn.execute("SELECT * FROM requests WHERE seq = ?", (seq,)).fetchone()
+        return self.conn.execute(_REQUEST_ROW + " WHERE q.seq = ?", (seq,)).fetchone()
 
     def end_attempt(self, seq: int, attempt: int, state: DeliveryState, *, sent_conversation: str | None = None,
                     sent_id: str | None = None, conversation: str | None = None) -> bool:
@@ -4038,7 +4080,7 @@ class SQLiteTx:
 
     def reading_requests(self, reading_id: int) -> list[Row]:
         """The open requests that joined a reading, oldest first."""
-        return self.conn.execute("SELECT * FROM requests WHERE reading = ? AND open = 1 ORDER BY seq",
+        return self.conn.execute(_REQUEST_ROW + " WHERE q.reading = ? AND q.open = 1 ORDER BY q.seq",
                                  (reading_id,)).fetchall()
 
     def sent_ids(self, reading_id: int) -> list[str]:
@@ -4110,8 +4152,8 @@ class SQLiteTx:
 
     def request_shape(self, playbook: str, run_id: str) -> Row | None:
         """A run's request id and answer schema (None for a notification); None when the run asks nobody."""
-        return self.conn.execute("SELECT id, answer_schema FROM requests WHERE playbook = ? AND run_id = ?",
-                                 (playbook, run_id)).fetchone()
+        return self.conn.execute("SELECT q.id, COALESCE(q.own_schema, d.answer_schema) AS answer_schema FROM requests q"
+                                 + _DEFINITION_JOIN + " WHERE q.playbook = ? AND q.run_id = ?", (playbook, run_id)).fetchone()
 
     def last_event_id(self) -> int:
         """The newest event's id; 0 before the first."""
@@ -4263,7 +4305,7 @@ _BEGIN_ATTEMPT_SQL: Final = (
     f"UPDATE requests SET delivery_state = '{DeliveryState.DELIVERING.value}', attempts = attempts + 1,"
     " attempt_started_at = ? WHERE playbook = ? AND run_id = ? AND open = 1 AND delivery_state IN ("
     + ", ".join(f"'{s.value}'" for s in allowed_from(DELIVERY_TRANSITIONS, DeliveryEvent.BEGIN)) + ") AND attempts < ?"
-    " RETURNING *")
+    " RETURNING seq")
 
 #: An attempt ends, delivered or refused: guarded by the attempt in flight (its number and state).
 _END_ATTEMPT_SQL: Final = {
@@ -4281,11 +4323,22 @@ _FAIL_ATTEMPT_SQL: Final = {
            + ", ".join(f"'{s.value}'" for s in allowed_from(DELIVERY_TRANSITIONS, event)) + ")"
     for event in (DeliveryEvent.FAIL, DeliveryEvent.SPEND)}
 
+#: A request's definition, for the answer schema its version's requests share.
+_DEFINITION_JOIN: Final = (" LEFT JOIN definitions d ON d.playbook = q.playbook AND d.type = q.type AND d.name = q.name"
+                           " AND d.version = q.version")
+
+#: A request's row as every reading of one gives it: its columns, and `answer_schema`, its own where it
+#: has one, else its function version's (NULL for a notification). A function's answer schema is kept
+#: once, on its definition, not once per request.
+_REQUEST_ROW: Final = ("SELECT q.*, COALESCE(q.own_schema, d.answer_schema) AS answer_schema FROM requests q"
+                       + _DEFINITION_JOIN)
+
 #: The typed API's view of a request that takes an answer, joined with its run's input (interaction_object).
 _V2_SELECT: Final = (
-    "SELECT q.seq, q.id, q.playbook, q.run_id, q.name, q.status, q.delivery_state, q.message, q.answer_schema,"
-    " q.answer, q.answered_at, q.asked_at, q.expires_at, r.input AS run_input FROM requests q"
-    " JOIN runs r ON r.playbook = q.playbook AND r.run_id = q.run_id WHERE q.answer_schema IS NOT NULL")
+    "SELECT q.seq, q.id, q.playbook, q.run_id, q.name, q.status, q.delivery_state, q.message,"
+    " COALESCE(q.own_schema, d.answer_schema) AS answer_schema, q.answer, q.answered_at, q.asked_at, q.expires_at,"
+    " r.input AS run_input FROM requests q JOIN runs r ON r.playbook = q.playbook AND r.run_id = q.run_id"
+    + _DEFINITION_JOIN + " WHERE COALESCE(q.own_schema, d.answer_schema) IS NOT NULL")
 
 
 def timer_key(kind: str, playbook: str, ref: str) -> str:
@@ -4314,7 +4367,16 @@ POSTGRES_FIRST_VERSION: Final = 2
 
 #: Each step takes a database made by an earlier version to the next schema_version, in order;
 #: a migration of SQLite's past POSTGRES_FIRST_VERSION has its PostgreSQL step here (tested).
-POSTGRES_MIGRATIONS: Final[tuple[tuple[int, Callable[[Any], None]], ...]] = ()
+def _pg_migrate_to_3(conn: Any) -> None:
+    """Version 3 (see _migrate_to_3): answer schemas kept once per function version; PostgreSQL's
+    timers have no rowid to drop."""
+    conn.execute("ALTER TABLE definitions ADD COLUMN answer_schema TEXT")
+    _share_answer_schemas(conn)
+
+
+POSTGRES_MIGRATIONS: Final[tuple[tuple[int, Callable[[Any], None]], ...]] = (
+    (3, _pg_migrate_to_3),
+)
 
 #: Keys of the transaction-level advisory locks (pg_advisory_xact_lock): writes, and the schema.
 _PG_WRITE_LOCK: Final = 0x69_74_64_77          # "itdw"
@@ -4370,6 +4432,7 @@ CREATE TABLE IF NOT EXISTS definitions (
     overview   TEXT NOT NULL,
     description TEXT,
     uses       TEXT NOT NULL DEFAULT '[]',           -- JSON: [[type, name], ...] a workflow calls
+    answer_schema TEXT,                              -- JSON: the answer schema its requests share
     active     INTEGER NOT NULL DEFAULT 1,
     created_at BIGINT NOT NULL,
     created_by TEXT NOT NULL,
@@ -4433,7 +4496,8 @@ CREATE TABLE IF NOT EXISTS requests (
     party          TEXT COLLATE "C" NOT NULL,        -- rendered `to`
     answerer       TEXT NOT NULL,                    -- rendered `from`, else `to`
     message        TEXT NOT NULL,
-    answer_schema  TEXT,                             -- as recorded; NULL for a notification
+    own_schema     TEXT,                             -- its answer schema where its definition's is not it;
+                                                     -- NULL: the definition's (NULL too: a notification)
     server         TEXT,                             -- deliver.server, NULL for the inbox
     tool           TEXT,
     status         TEXT NOT NULL CHECK (status IN (
@@ -5961,7 +6025,8 @@ class _EngineDefinitions:
             version, created = tx.save_definition(
                 playbook=playbook, type_=type_, name=name, source=source, sha=sha, overview=doc.overview,
                 description=doc.description, uses=getattr(doc, "uses", []),   # uses: what a workflow calls
-                now=now, by=caller.id)
+                now=now, by=caller.id, answer_schema=dumps(doc.output_schema)
+                if type_ == "interaction" and doc.output_schema is not None else None)
             if created:
                 tx.append_event(fx, playbook, None, "definition_created", now, caller.id,
                                 {"type": type_, "name": name, "version": version, "sha256": sha})
@@ -7029,7 +7094,8 @@ class Engine(_EngineDefinitions, _EngineRuns, _EngineSystemCalls, _EngineInbox, 
                 tx.ensure_playbook(pb, now=now)
                 for name, source in builtins.items():
                     tx.save_builtin(pb, name, source=source, sha=sha256_hex(source), overview=docs[name].overview,
-                                    description=docs[name].description, now=now)
+                                    description=docs[name].description, now=now,
+                                    answer_schema=dumps(docs[name].output_schema))
             # A call to a system cut off by a stop failed as a call that got no answer does: a
             # read-only tool's run is unfinished, any other tool may have acted (effect_unknown).
             for playbook, run_id, started in tx.system_calls_in_flight():

@@ -178,3 +178,53 @@ def test_serve_runs_on_uvloop_when_installed_and_on_asyncio_when_told(tmp_path):
     pytest.importorskip("uvloop")
     assert _serve_and_answer(tmp_path / "a", {}) == "uvloop"
     assert _serve_and_answer(tmp_path / "b", {"INTERACTIOND_LOOP": "asyncio"}) == "asyncio"
+
+
+# -- storage --------------------------------------------------------------------------------------
+
+async def test_the_wal_file_is_emptied_once_writes_go_quiet(tmp_path, monkeypatch):
+    """Under writes the WAL grows (it restarts only at the writer's safety net); once they stop, the
+    checkpointer copies what is left and empties the file, so the disk holds the database alone."""
+    import asyncio
+    import time
+
+    monkeypatch.setattr(interactiond, "CHECKPOINT_QUIET_S", 0.2)
+    db = str(tmp_path / "wal.db")
+    store = interactiond.Store(db)
+    await store.open()
+    try:
+        await store.write(lambda tx, fx: tx.ensure_playbook("local/default", now=0))
+        for i in range(200):
+            await store.write(lambda tx, fx, i=i: tx.set_timer(fx, f"expire:local/default:{i}", i))
+        wal = Path(db + "-wal")
+        assert wal.stat().st_size > 0
+        deadline = time.monotonic() + 10
+        while wal.stat().st_size > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)                   # waiting for the checkpointer's thread, not for logic
+        assert wal.stat().st_size == 0
+        assert len(await store.read(lambda tx: tx.all_timers())) == 200
+    finally:
+        await store.close()
+
+
+def test_a_function_versions_answer_schema_is_kept_once(tmp_path):
+    """Requests of one function version keep no copy of its answer schema; one of its own is kept."""
+    db = str(tmp_path / "once.db")
+    tx = interactiond.open_sync(db)
+    try:
+        tx.ensure_playbook("local/default", now=0)
+        schema = dumps({"type": "object", "required": ["ok"], "properties": {"ok": {"type": "boolean"}}})
+        tx.save_definition(playbook="local/default", type_="interaction", name="ask", source="---\n", sha="s",
+                           overview="", description=None, uses=[], now=0, by="t", answer_schema=schema)
+        for run_id, own in (("a", schema), ("b", schema), ("c", '{"type":"object"}')):
+            tx.insert_run(playbook="local/default", run_id=run_id, type_="interaction", name="ask", version=1,
+                          input_text="{}", input_sha="x", parent=None, now=0, by="t")
+            tx.open_request(request_id=f"int_{run_id}", playbook="local/default", run_id=run_id, type_="interaction",
+                            name="ask", version=1, party="ann", answerer="ann", message="m", answer_schema=own,
+                            server=None, tool=None, delivery=interactiond.DeliveryState.IN_INBOX, asked_at=0,
+                            expires_at=1, deliver_args=None)
+        stored = dict(tx.conn.execute("SELECT run_id, own_schema FROM requests").fetchall())
+        assert stored == {"a": None, "b": None, "c": '{"type":"object"}'}
+        assert [tx.request("local/default", r)["answer_schema"] for r in "abc"] == [schema, schema, '{"type":"object"}']
+    finally:
+        tx.close()

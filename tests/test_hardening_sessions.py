@@ -254,7 +254,7 @@ async def test_a_file_of_the_previous_version_is_migrated(tmp_path, aiohttp_clie
     v1_file(db)
     d = await start_daemon(aiohttp_client, db)
     conn = sqlite3.connect(db)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == itd.SCHEMA_VERSION == 2
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == itd.SCHEMA_VERSION == 3
     rows = {r[0]: r[1:] for r in conn.execute("SELECT id, used_at, expires_at FROM tokens WHERE id LIKE 'tok____'")}
     conn.close()
     assert rows["tok_new"] == (START_MS - HOUR_MS, START_MS - HOUR_MS + 7 * 24 * HOUR_MS)
