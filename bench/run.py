@@ -1,6 +1,6 @@
 """interactiond benchmarks: one JSON line per figure, each with its bar and whether it is met.
 
-    python bench/run.py [--quick] [--only NAME[,NAME...]] [--keep DIR]
+    python bench/run.py [--quick] [--only NAME[,NAME...]] [--keep DIR] [--check] [--record] [--profile DIR]
 
 Everything crosses real HTTP from this process (an aiohttp client) to the daemon started as a
 subprocess (`interactiond serve`) on a temporary database, exactly as a user would run it; the
@@ -18,6 +18,11 @@ Figures (SPEC.md section 13):
   peak_rss_mb_10k_open         VmHWM of the daemon holding 10,000 open                 < 100 MB
   idle_cpu_pct_10k_open        CPU of the idle daemon with 10,000 open                 < 1 %
   reads_per_tick_1000_in_10    chat reads per read tick, 1,000 requests, 10 channels   <= 10
+  storage_bytes_per_open_request  file and WAL per open request, 10,000 open            <= 3 KB
+
+Each throughput carries the daemon's CPU per operation (from /proc, all threads), the bare
+handler its CPU per request. --check compares with the run recorded in bench/last.json (--record
+writes it) and exits 1 when a figure is more than 15% worse.
 """
 from __future__ import annotations
 
@@ -612,6 +617,65 @@ async def reads_figure(args: argparse.Namespace, work: Path) -> None:
         daemon.kill(signal.SIGTERM)
 
 
+# -- the record and the check ------------------------------------------------------------------
+
+LAST = ROOT / "bench" / "last.json"
+#: What --check compares with the recorded run: (figure, field, which way is better). Absolute
+#: throughputs are left out (they follow the machine's load; the ratios and the CPU per operation
+#: beside them do not, or much less), and so are p99s (one slow sample moves them).
+CHECKED: tuple[tuple[str, str, str], ...] = (
+    ("create_answer_per_s", "daemon_cpu_ms_per_pair", "lower"),
+    ("run_definition_ratio", "value", "higher"),
+    ("run_definition_ratio", "daemon_cpu_ms_per_run", "lower"),
+    ("answer_ratio_10k_open", "value", "higher"),
+    ("answer_ratio_10k_open", "daemon_cpu_ms_per_answer", "lower"),
+    ("list_p50_ms", "value", "lower"),
+    ("list_p50_ms", "daemon_cpu_ms_per_page", "lower"),
+    ("wake_p50_ms", "value", "lower"),
+    ("restart_to_answer_ms", "value", "lower"),
+    ("peak_rss_mb_10k_open", "value", "lower"),
+    ("storage_bytes_per_open_request", "value", "lower"),
+    ("reads_per_tick_1000_in_10", "value", "lower"),
+)
+#: How much worse than the recorded run a checked figure may be.
+TOLERANCE = 0.15
+
+
+def check(figures: list[dict[str, Any]], recorded: dict[str, Any]) -> list[str]:
+    """The checked figures more than TOLERANCE worse than the recorded run's, and every bar missed
+    that the recorded run met; each as one line."""
+    before = {f["name"]: f for f in recorded["figures"]}
+    worse = []
+    for f in figures:
+        old = before.get(f["name"])
+        if old is not None and f["met"] is False and old["met"] is True:
+            worse.append(f"{f['name']}: {f['value']} misses its bar {f['bar']} (recorded: {old['value']})")
+    now = {f["name"]: f for f in figures}
+    for name, field, better in CHECKED:
+        if name not in now or name not in before or field not in now[name] or field not in before[name]:
+            continue
+        new, old = float(now[name][field]), float(before[name][field])
+        if old <= 0:
+            continue
+        change = (new - old) / old if better == "lower" else (old - new) / old
+        if change > TOLERANCE:
+            worse.append(f"{name}.{field}: {new:g} against {old:g} recorded, {100 * change:.0f}% worse")
+    return worse
+
+
+def record(figures: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """This run's figures as bench/last.json (merged into the recorded ones for a partial run)."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    kept = json.loads(LAST.read_text())["figures"] if LAST.exists() and args.only else []
+    names = {f["name"] for f in figures}
+    LAST.write_text(json.dumps({
+        "commit": commit, "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "load": round(os.getloadavg()[0], 2), "cores": os.cpu_count(), "quick": bool(args.quick),
+        "figures": [f for f in kept if f["name"] not in names] + figures}, indent=1) + "\n")
+    note(f"recorded in {LAST.relative_to(ROOT)}")
+
+
 async def amain(args: argparse.Namespace) -> int:
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="interactiond-bench-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -631,7 +695,21 @@ async def amain(args: argparse.Namespace) -> int:
             print(summarize(part), file=sys.stderr)
     missed = [f["name"] for f in FIGURES if f["met"] is False]
     note(f"{len(FIGURES)} figures, missed: {', '.join(missed) or 'none'}")
-    return 0
+    status = 0
+    if args.check:
+        if not LAST.exists():
+            note(f"--check: no recorded run in {LAST.relative_to(ROOT)}; record one with --record")
+            return 2
+        recorded = json.loads(LAST.read_text())
+        worse = check(FIGURES, recorded)
+        note(f"--check against {recorded['commit']} ({recorded['date']}, load {recorded['load']}): "
+             + ("no figure more than 15% worse" if not worse else f"{len(worse)} worse"))
+        for line in worse:
+            note("  " + line)
+        status = 1 if worse else 0
+    if args.record:
+        record(FIGURES, args)
+    return status
 
 
 def main() -> int:
@@ -639,6 +717,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer samples: a run of about a minute")
     parser.add_argument("--only", type=lambda s: s.split(","), help="main, storage and/or reads")
     parser.add_argument("--keep", help="work in this directory and keep it (logs, databases)")
+    parser.add_argument("--check", action="store_true", help="exit 1 when a figure is more than 15%% worse than"
+                        " the run recorded in bench/last.json (or misses a bar it met)")
+    parser.add_argument("--record", action="store_true", help="write this run's figures to bench/last.json")
     parser.add_argument("--profile", type=Path, help="sample the daemon with py-spy during the throughput parts;"
                         " the stacks go to this directory, a summary to stderr")
     args = parser.parse_args()
