@@ -228,3 +228,27 @@ def test_a_function_versions_answer_schema_is_kept_once(tmp_path):
         assert [tx.request("local/default", r)["answer_schema"] for r in "abc"] == [schema, schema, '{"type":"object"}']
     finally:
         tx.close()
+
+
+# -- the bench's check ----------------------------------------------------------------------------
+
+def test_the_bench_check_fails_a_figure_more_than_15_percent_worse_than_recorded():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_run", ROOT / "bench" / "run.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    recorded = {"figures": [
+        {"name": "answer_ratio_10k_open", "value": 0.5, "met": True, "daemon_cpu_ms_per_answer": 0.2},
+        {"name": "storage_bytes_per_open_request", "value": 2000, "met": True},
+        {"name": "wake_p99_ms", "value": 4.0, "met": True}]}
+    same = [dict(f) for f in recorded["figures"]]
+    assert bench.check(same, recorded) == []
+    slightly = [dict(recorded["figures"][0], value=0.44, daemon_cpu_ms_per_answer=0.229)]   # 12% and 14.5% worse
+    assert bench.check(slightly, recorded) == []
+    worse = [dict(recorded["figures"][0], value=0.42), dict(recorded["figures"][1], value=2400)]
+    assert [line.split(":")[0] for line in bench.check(worse, recorded)] == [
+        "answer_ratio_10k_open.value", "storage_bytes_per_open_request.value"]
+    missed = [dict(recorded["figures"][2], value=11.0, met=False, bar="< 10")]
+    assert bench.check(missed, recorded) == ["wake_p99_ms: 11.0 misses its bar < 10 (recorded: 4.0)"]
+    assert bench.check([dict(recorded["figures"][1], value=1500)], recorded) == []     # better is fine
