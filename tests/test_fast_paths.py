@@ -88,6 +88,13 @@ def _leaves(value):
         yield value
 
 
+@settings(max_examples=200, deadline=None)
+@given(json_values)
+def test_loads_reads_a_stored_text_as_the_standard_library_does(value):
+    text = dumps(value)
+    assert json.dumps(interactiond.loads(text)) == json.dumps(json.loads(text))     # ints past 64 bits stay ints
+
+
 def test_dumps_writes_what_orjson_cannot_through_the_standard_library():
     assert dumps({"n": 2 ** 70, 1: "one"}) == '{"n":1180591620717411303424,"1":"one"}'
     assert dumps({"t": "é✓", "s": ["a", None]}) == '{"t":"é✓","s":["a",null]}'
