@@ -259,3 +259,17 @@ def test_the_bench_check_fails_a_figure_more_than_15_percent_worse_than_recorded
     missed = [dict(recorded["figures"][2], value=11.0, met=False, bar="< 10")]
     assert bench.check(missed, recorded) == ["wake_p99_ms: 11.0 misses its bar < 10 (recorded: 4.0)"]
     assert bench.check([dict(recorded["figures"][1], value=1500)], recorded) == []     # better is fine
+
+
+def test_ulids_spell_their_time_and_order_in_crockfords_base32():
+    letters = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+    before = interactiond.WALL.now_ms()
+    ids = [interactiond.new_ulid() for _ in range(2000)]
+    after = interactiond.WALL.now_ms()
+    assert ids == sorted(ids) and len(set(ids)) == len(ids)             # monotonic, none twice
+    for ulid in ids[:50] + ids[-50:]:
+        assert len(ulid) == 26 and set(ulid) <= set(letters)
+        value = 0
+        for ch in ulid:
+            value = value * 32 + letters.index(ch)
+        assert value < 2 ** 128 and before <= value >> 80 <= after     # 48 bits of milliseconds, then 80
