@@ -3839,15 +3839,15 @@ class SQLiteTx:
              now, by, 1 if before is None else 2, playbook, run_id)).fetchone()
         if ended is None:
             raise Problem("conflict", "the run has already ended")
-        first = None
+        seq, first = ended["events"], None
         if before is not None:
-            first = self.append_event(fx, playbook, run_id, before[0], now, by, before[1], run_seq=ended["events"] - 1)
+            first = self.append_event(fx, playbook, run_id, before[0], now, by, before[1], run_seq=seq - 1)
         payload: dict[str, Any] = {"status": status.value, "kind": kind}
         if status is RunStatus.SUCCEEDED:
             payload["output"] = output
         else:
             payload["problem"] = pbody
-        self.append_event(fx, playbook, run_id, "run_" + status.value, now, by, payload, run_seq=ended["events"])
+        self.append_event(fx, playbook, run_id, "run_" + status.value, now, by, payload, run_seq=seq)
         fx.wakes.append((playbook, run_id))
         if ended["parent"] is not None:
             # Workflows: the workflow run waiting on this one moves on, woken in this same transaction.
