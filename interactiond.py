@@ -814,11 +814,11 @@ def read_json(raw: bytes | str) -> Any:
 def dumps(value: Any) -> str:
     """Compact JSON, as stored and as measured against the byte bounds.
 
-    orjson writes it (five to ten times faster than the standard library, the same text but for
-    how a few floats are spelled: 0.00001 and 2.5e-7, not 1e-05 and 2.5e-07; the same numbers
-    when read); what orjson does not take (an integer past 64 bits, a
-    name that is not text) the standard library writes. A NaN or an infinity, which JSON cannot
-    carry and which nothing the daemon reads holds (see read_json), orjson writes as null."""
+    orjson writes it: five to ten times faster than the standard library, and the same text but
+    for how a few floats are spelled (0.00001 and 2.5e-7, not 1e-05 and 2.5e-07: the same numbers
+    when read). What orjson does not take (an integer past 64 bits, a name that is not text) the
+    standard library writes. A NaN or an infinity, which JSON cannot carry and which nothing the
+    daemon reads holds (see read_json), orjson writes as null."""
     if _orjson is not None:
         try:
             return _orjson.dumps(value).decode()
