@@ -29,6 +29,7 @@ CREATE TABLE IF NOT EXISTS definitions (
     overview   TEXT NOT NULL,
     description TEXT,
     uses       TEXT NOT NULL DEFAULT '[]',           -- JSON: [[type, name], ...] a workflow calls
+    answer_schema TEXT,                              -- JSON: the answer schema its requests share
     active     INTEGER NOT NULL DEFAULT 1,
     created_at BIGINT NOT NULL,
     created_by TEXT NOT NULL,
@@ -92,7 +93,8 @@ CREATE TABLE IF NOT EXISTS requests (
     party          TEXT COLLATE "C" NOT NULL,        -- rendered `to`
     answerer       TEXT NOT NULL,                    -- rendered `from`, else `to`
     message        TEXT NOT NULL,
-    answer_schema  TEXT,                             -- as recorded; NULL for a notification
+    own_schema     TEXT,                             -- its answer schema where its definition's is not it;
+                                                     -- NULL: the definition's (NULL too: a notification)
     server         TEXT,                             -- deliver.server, NULL for the inbox
     tool           TEXT,
     status         TEXT NOT NULL CHECK (status IN (

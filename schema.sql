@@ -20,6 +20,7 @@ CREATE TABLE IF NOT EXISTS definitions (
     overview   TEXT NOT NULL,
     description TEXT,
     uses       TEXT NOT NULL DEFAULT '[]',           -- JSON: [[type, name], ...] a workflow calls
+    answer_schema TEXT,                              -- JSON: the answer schema its requests share
     active     INTEGER NOT NULL DEFAULT 1,
     created_at INTEGER NOT NULL,
     created_by TEXT NOT NULL,
@@ -69,7 +70,8 @@ CREATE TABLE IF NOT EXISTS requests (
     party          TEXT NOT NULL,                    -- rendered `to`
     answerer       TEXT NOT NULL,                    -- rendered `from`, else `to`
     message        TEXT NOT NULL,
-    answer_schema  TEXT,                             -- as recorded; NULL for a notification
+    own_schema     TEXT,                             -- its answer schema where its definition's is not it;
+                                                     -- NULL: the definition's (NULL too: a notification)
     server         TEXT,                             -- deliver.server, NULL for the inbox
     tool           TEXT,
     status         TEXT NOT NULL CHECK (status IN (
@@ -168,7 +170,7 @@ CREATE INDEX IF NOT EXISTS events_by_playbook ON events (playbook, id) WHERE run
 CREATE TABLE IF NOT EXISTS timers (
     key    TEXT PRIMARY KEY,                         -- kind:playbook:ref
     due_at INTEGER NOT NULL
-);
+) WITHOUT ROWID;
 
 -- API tokens, stored as sha256 hashes of their secrets; also one-time login links and the inbox
 -- sessions they trade for (12 h idle, 7 days at most). A person's token, link or session names

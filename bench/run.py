@@ -1,6 +1,6 @@
 """interactiond benchmarks: one JSON line per figure, each with its bar and whether it is met.
 
-    python bench/run.py [--quick] [--only NAME[,NAME...]] [--keep DIR]
+    python bench/run.py [--quick] [--only NAME[,NAME...]] [--keep DIR] [--check] [--record] [--profile DIR]
 
 Everything crosses real HTTP from this process (an aiohttp client) to the daemon started as a
 subprocess (`interactiond serve`) on a temporary database, exactly as a user would run it; the
@@ -18,6 +18,11 @@ Figures (SPEC.md section 13):
   peak_rss_mb_10k_open         VmHWM of the daemon holding 10,000 open                 < 100 MB
   idle_cpu_pct_10k_open        CPU of the idle daemon with 10,000 open                 < 1 %
   reads_per_tick_1000_in_10    chat reads per read tick, 1,000 requests, 10 channels   <= 10
+  storage_bytes_per_open_request  file and WAL per open request, 10,000 open            <= 3 KB
+
+Each throughput carries the daemon's CPU per operation (from /proc, all threads), the bare
+handler its CPU per request. --check compares with the run recorded in bench/last.json (--record
+writes it) and exits 1 when a figure is more than 15% worse.
 """
 from __future__ import annotations
 
@@ -229,6 +234,63 @@ def start_daemon(db: Path, *, manual: bool = False, config: Path | None = None, 
     return proc
 
 
+class Profile:
+    """`--profile DIR`: py-spy samples the daemon (the thread holding the GIL, which bounds its throughput) while one part of
+    the bench runs; each part's collapsed stacks go to DIR/<part>.txt, and summarize() prints where
+    the time went. Sampling costs the daemon little CPU, but the figures of a profiled run are not
+    the ones to record."""
+
+    def __init__(self, out: Path | None) -> None:
+        self.out = out
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, part: str, pid: int) -> None:
+        if self.out is None:
+            return
+        self.out.mkdir(parents=True, exist_ok=True)
+        spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+        self.proc = subprocess.Popen([spy, "record", "--pid", str(pid), "--rate", "400", "--threads", "--gil",
+                                      "--format", "raw", "--output", str(self.out / f"{part}.txt"), "--nonblocking"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(0.5)                                  # attached before the load starts
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGINT)
+            self.proc.wait(30)
+            self.proc = None
+
+
+def summarize(path: Path, top: int = 25) -> str:
+    """Where the samples of a py-spy raw file went: per thread, then the functions with the most
+    samples on the stack (inclusive) and on top of it (self)."""
+    threads: dict[str, int] = {}
+    inclusive: dict[str, int] = {}
+    own: dict[str, int] = {}
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack:
+            continue
+        count = int(n)
+        frames = [re.sub(r":\d+\)$", ")", f) for f in stack.split(";")]       # by function, not by line
+        total += count
+        threads[frames[0]] = threads.get(frames[0], 0) + count
+        for f in set(frames[1:]):
+            inclusive[f] = inclusive.get(f, 0) + count
+        own[frames[-1]] = own.get(frames[-1], 0) + count
+    lines = [f"{path.name}: {total} samples"]
+    lines += [f"  thread {t}: {100 * c / total:.1f}%" for t, c in sorted(threads.items(), key=lambda x: -x[1])]
+    lines.append("  inclusive:")
+    lines += [f"    {100 * c / total:5.1f}%  {f}" for f, c in sorted(inclusive.items(), key=lambda x: -x[1])[:top]]
+    lines.append("  self:")
+    lines += [f"    {100 * c / total:5.1f}%  {f}" for f, c in sorted(own.items(), key=lambda x: -x[1])[:top]]
+    return "\n".join(lines)
+
+
+PROFILE = Profile(None)
+
+
 # -- the client ---------------------------------------------------------------------------------
 
 class Api:
@@ -272,14 +334,21 @@ async def pool(n: int, worker: Callable[[int], Awaitable[Any]], concurrency: int
     return time.perf_counter() - t0
 
 
-async def bare_rate(bare: Api, n: int) -> float:
+BARE_CPU: list[float] = []      # the bare handler's CPU per request (ms), one entry per round
+
+
+async def bare_rate(bare: Api, n: int, proc: "Proc | None" = None) -> float:
     """Requests per second of the same client (same code: JSON body out, JSON parsed back) against the
-    bare aiohttp handler."""
+    bare aiohttp handler; with `proc`, its CPU per request joins BARE_CPU."""
     async def one(i: int) -> None:
         status, body = await bare.call("POST", f"/bare/{i}", {"answer": {"verdict": "approve", "note": "Ship it."}})
         assert status == 200 and body["ok"]
     await pool(min(n, 300), one)                        # warm the connections
-    return n / await pool(n, one)
+    c0 = proc.cpu_ticks() if proc is not None else 0
+    rate = n / await pool(n, one)
+    if proc is not None:
+        BARE_CPU.append((proc.cpu_ticks() - c0) / CLK_TCK / n * 1000)
+    return rate
 
 
 async def best_rate(n: int, rounds: int, worker: Callable[[int], Awaitable[Any]], offset: int = 0) -> float:
@@ -335,8 +404,10 @@ async def main_figures(args: argparse.Namespace, work: Path) -> None:
             run = await api.run("approve", brief(i))
             await api.answer(run["run_id"], answer)
         await pool(100, pair)                            # warm-up
+        PROFILE.start("pairs", daemon.pid)
         c0, t0 = daemon.cpu_ticks(), time.perf_counter()
         rate = await best_rate(n_pairs, rounds, pair)
+        PROFILE.stop()
         cpu_pair = (daemon.cpu_ticks() - c0) / CLK_TCK / (rounds * n_pairs) * 1000
         figure("create_answer_per_s", rate, "pairs/s", ">= 1000", rate >= 1000, daemon_cpu_ms_per_pair=round(cpu_pair, 3),
                note="POST /runs then POST /runs/{id}/answer, 16 clients, over HTTP; best of %d rounds" % rounds)
@@ -350,27 +421,34 @@ async def main_figures(args: argparse.Namespace, work: Path) -> None:
         total = n_open + rounds * n_answer
         chunk = total // 4
         runs_rate = 0.0
+        PROFILE.start("runs", daemon.pid)
         c0 = daemon.cpu_ticks()
         for k in range(4):
-            limits.append(await bare_rate(bare, n_bare))
+            limits.append(await bare_rate(bare, n_bare, bare_proc))
             n = chunk if k < 3 else total - 3 * chunk
             runs_rate = max(runs_rate, n / await pool(n, lambda i, base=k * chunk: seed(base + i)))
         cpu_run = (daemon.cpu_ticks() - c0) / CLK_TCK / total * 1000
+        PROFILE.stop()
         limit = max(limits)
         figure("bare_aiohttp_per_s", limit, "requests/s", "the limit (SPEC: 3,000-5,500 on this machine)", None,
-               rounds=[round(x) for x in limits], note="best round, the same client against a bare aiohttp handler")
+               rounds=[round(x) for x in limits], cpu_ms_per_request=round(min(BARE_CPU), 3),
+               note="best round, the same client against a bare aiohttp handler; its CPU per request is the"
+                    " least of its rounds")
         figure("run_definition_ratio", runs_rate / limit, "ratio", ">= 0.4", runs_rate / limit >= 0.4,
                runs_per_s=round(runs_rate, 1), daemon_cpu_ms_per_run=round(cpu_run, 3),
                note=f"{total} runs of an inbox function (the seeding), 16 clients, best of 4 rounds")
 
         # list_interactions, 10,000 open, filtered by `to`
         lat = []
+        c0 = daemon.cpu_ticks()
         for i in range(n_lat):
             t0 = time.perf_counter()
             status, page = await api.call("GET", f"/interactions?to=user{i % 20}&limit=50")
             lat.append((time.perf_counter() - t0) * 1000)
             assert status == 200 and len(page["data"]) == 50, status
-        figure("list_p50_ms", statistics.median(lat), "ms", "< 5", statistics.median(lat) < 5, open=total)
+        cpu_list = (daemon.cpu_ticks() - c0) / CLK_TCK / n_lat * 1000
+        figure("list_p50_ms", statistics.median(lat), "ms", "< 5", statistics.median(lat) < 5, open=total,
+               daemon_cpu_ms_per_page=round(cpu_list, 3))
         figure("list_p99_ms", pct(lat, 99), "ms", "(reported)", None)
 
         # answer -> waiting caller woken
@@ -402,11 +480,13 @@ async def main_figures(args: argparse.Namespace, work: Path) -> None:
             await api.answer(to_answer[i], answer)
         ans_rate = 0.0
         answer_limits = []
+        PROFILE.start("answers", daemon.pid)
         c0 = daemon.cpu_ticks()
         for r in range(rounds):
-            answer_limits.append(await bare_rate(bare, n_bare))
+            answer_limits.append(await bare_rate(bare, n_bare, bare_proc))
             ans_rate = max(ans_rate, n_answer / await pool(n_answer, lambda i, base=r * n_answer: answer_one(base + i)))
         cpu_answer = (daemon.cpu_ticks() - c0) / CLK_TCK / (rounds * n_answer) * 1000
+        PROFILE.stop()
         limit2 = max(answer_limits + [limit])
         figure("answer_ratio_10k_open", ans_rate / limit2, "ratio", ">= 0.5", ans_rate / limit2 >= 0.5,
                answers_per_s=round(ans_rate, 1), bare_per_s=round(limit2, 1), daemon_cpu_ms_per_answer=round(cpu_answer, 3),
@@ -447,6 +527,59 @@ async def main_figures(args: argparse.Namespace, work: Path) -> None:
         await bare.close()
 
 
+def input_of(i: int, size: int) -> dict[str, Any]:
+    """An input of the bench's function that is `size` bytes as compact JSON (the brief padded)."""
+    value = {"owner": f"user{i % 20}", "brief": f"Brief number {i}: a launch plan with a budget. "}
+    pad = size - len(json.dumps(value, separators=(",", ":")))
+    value["brief"] += ("lorem ipsum dolor sit amet " * (pad // 27 + 1))[:pad]
+    return value
+
+
+async def storage_figure(args: argparse.Namespace, work: Path) -> None:
+    """Bytes of database file per open request: 10,000 runs of the inbox function with a 500-byte
+    input, the WAL checkpointed into the file, the file's size over the requests (dbstat says where
+    the bytes are)."""
+    n, size = 10_000, 500
+    db = work / "storage.db"
+    daemon = start_daemon(db, env={"INTERACTION_OPEN_REQUESTS": str(n + 100)}, log=work / "storage.log")
+    api = Api(daemon.url, (Path(str(db) + ".token")).read_text().strip())
+    try:
+        status, _ = await api.call("POST", "/definitions", {"type": "interaction", "name": "approve", "source": APPROVE})
+        assert status in (200, 201), status
+        inputs = [input_of(i, size) for i in range(n)]
+        assert all(len(json.dumps(x, separators=(",", ":"))) == size for x in inputs[:5])
+        await pool(n, lambda i: api.run("approve", inputs[i]))
+        status, page = await api.call("GET", "/interactions?limit=1")
+        assert status == 200 and page["data"], status
+        import sqlite3
+        wal = Path(str(db) + "-wal")
+        await asyncio.sleep(2.0)                    # the daemon's own checkpoint once its writes go quiet
+        left = db.stat().st_size + (wal.stat().st_size if wal.exists() else 0)
+        conn = sqlite3.connect(db, timeout=10)
+        try:
+            for _ in range(50):                     # the daemon's own checkpointer may be copying
+                busy, _, _ = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+                if not busy:
+                    break
+                await asyncio.sleep(0.1)
+            assert busy == 0, "the checkpoint could not finish"
+            pages = conn.execute("SELECT name, SUM(pgsize) FROM dbstat GROUP BY name ORDER BY 2 DESC").fetchall()
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+        finally:
+            conn.close()
+        file_bytes = db.stat().st_size
+        per = left / n
+        figure("storage_bytes_per_open_request", per, "bytes", "<= 3072 (3 KB)", per <= 3072,
+               rows_bytes_per_request=round(file_bytes / n), open=n, input_bytes=size, schema_version=version,
+               by_table={name: round(b / n) for name, b in pages if b / n >= 1},
+               note="the database file and its WAL as the daemon leaves them once its writes go quiet, over the"
+                    " open requests; rows_bytes_per_request: the file alone after a TRUNCATE checkpoint; by_table"
+                    " from dbstat")
+    finally:
+        await api.close()
+        daemon.kill(signal.SIGTERM)
+
+
 async def reads_figure(args: argparse.Namespace, work: Path) -> None:
     """1,000 requests delivered into 10 channels: how many reads each read tick makes."""
     chat_db = work / "chat.db"
@@ -484,6 +617,65 @@ async def reads_figure(args: argparse.Namespace, work: Path) -> None:
         daemon.kill(signal.SIGTERM)
 
 
+# -- the record and the check ------------------------------------------------------------------
+
+LAST = ROOT / "bench" / "last.json"
+#: What --check compares with the recorded run: (figure, field, which way is better). Absolute
+#: throughputs are left out (they follow the machine's load; the ratios and the CPU per operation
+#: beside them do not, or much less), and so are p99s (one slow sample moves them).
+CHECKED: tuple[tuple[str, str, str], ...] = (
+    ("create_answer_per_s", "daemon_cpu_ms_per_pair", "lower"),
+    ("run_definition_ratio", "value", "higher"),
+    ("run_definition_ratio", "daemon_cpu_ms_per_run", "lower"),
+    ("answer_ratio_10k_open", "value", "higher"),
+    ("answer_ratio_10k_open", "daemon_cpu_ms_per_answer", "lower"),
+    ("list_p50_ms", "value", "lower"),
+    ("list_p50_ms", "daemon_cpu_ms_per_page", "lower"),
+    ("wake_p50_ms", "value", "lower"),
+    ("restart_to_answer_ms", "value", "lower"),
+    ("peak_rss_mb_10k_open", "value", "lower"),
+    ("storage_bytes_per_open_request", "value", "lower"),
+    ("reads_per_tick_1000_in_10", "value", "lower"),
+)
+#: How much worse than the recorded run a checked figure may be.
+TOLERANCE = 0.15
+
+
+def check(figures: list[dict[str, Any]], recorded: dict[str, Any]) -> list[str]:
+    """The checked figures more than TOLERANCE worse than the recorded run's, and every bar missed
+    that the recorded run met; each as one line."""
+    before = {f["name"]: f for f in recorded["figures"]}
+    worse = []
+    for f in figures:
+        old = before.get(f["name"])
+        if old is not None and f["met"] is False and old["met"] is True:
+            worse.append(f"{f['name']}: {f['value']} misses its bar {f['bar']} (recorded: {old['value']})")
+    now = {f["name"]: f for f in figures}
+    for name, field, better in CHECKED:
+        if name not in now or name not in before or field not in now[name] or field not in before[name]:
+            continue
+        new, old = float(now[name][field]), float(before[name][field])
+        if old <= 0:
+            continue
+        change = (new - old) / old if better == "lower" else (old - new) / old
+        if change > TOLERANCE:
+            worse.append(f"{name}.{field}: {new:g} against {old:g} recorded, {100 * change:.0f}% worse")
+    return worse
+
+
+def record(figures: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """This run's figures as bench/last.json (merged into the recorded ones for a partial run)."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    kept = json.loads(LAST.read_text())["figures"] if LAST.exists() and args.only else []
+    names = {f["name"] for f in figures}
+    LAST.write_text(json.dumps({
+        "commit": commit, "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "load": round(os.getloadavg()[0], 2), "cores": os.cpu_count(), "quick": bool(args.quick),
+        "figures": [f for f in kept if f["name"] not in names] + figures}, indent=1) + "\n")
+    note(f"recorded in {LAST.relative_to(ROOT)}")
+
+
 async def amain(args: argparse.Namespace) -> int:
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="interactiond-bench-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -491,22 +683,48 @@ async def amain(args: argparse.Namespace) -> int:
     try:
         if not args.only or "main" in args.only:
             await main_figures(args, work)
+        if not args.only or "storage" in args.only:
+            await storage_figure(args, work)
         if not args.only or "reads" in args.only:
             await reads_figure(args, work)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
+    if PROFILE.out is not None:
+        for part in sorted(PROFILE.out.glob("*.txt")):
+            print(summarize(part), file=sys.stderr)
     missed = [f["name"] for f in FIGURES if f["met"] is False]
     note(f"{len(FIGURES)} figures, missed: {', '.join(missed) or 'none'}")
-    return 0
+    status = 0
+    if args.check:
+        if not LAST.exists():
+            note(f"--check: no recorded run in {LAST.relative_to(ROOT)}; record one with --record")
+            return 2
+        recorded = json.loads(LAST.read_text())
+        worse = check(FIGURES, recorded)
+        note(f"--check against {recorded['commit']} ({recorded['date']}, load {recorded['load']}): "
+             + ("no figure more than 15% worse" if not worse else f"{len(worse)} worse"))
+        for line in worse:
+            note("  " + line)
+        status = 1 if worse else 0
+    if args.record:
+        record(FIGURES, args)
+    return status
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer samples: a run of about a minute")
-    parser.add_argument("--only", type=lambda s: s.split(","), help="main and/or reads")
+    parser.add_argument("--only", type=lambda s: s.split(","), help="main, storage and/or reads")
     parser.add_argument("--keep", help="work in this directory and keep it (logs, databases)")
-    return asyncio.run(amain(parser.parse_args()))
+    parser.add_argument("--check", action="store_true", help="exit 1 when a figure is more than 15%% worse than"
+                        " the run recorded in bench/last.json (or misses a bar it met)")
+    parser.add_argument("--record", action="store_true", help="write this run's figures to bench/last.json")
+    parser.add_argument("--profile", type=Path, help="sample the daemon with py-spy during the throughput parts;"
+                        " the stacks go to this directory, a summary to stderr")
+    args = parser.parse_args()
+    PROFILE.out = args.profile
+    return asyncio.run(amain(args))
 
 
 if __name__ == "__main__":

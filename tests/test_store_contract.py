@@ -616,3 +616,82 @@ def test_a_postgres_database_of_version_2_gains_them_too(pg_url):
         assert tx.queue_nudge(PB, "r1", what="reminder", n=1, message="x") >= 1
     finally:
         tx.close()
+
+
+# Migrations.
+
+
+def _database_of_version_2(db: str) -> None:
+    """A database as version 2 made it (tests/fixtures/schema*-v2.sql), holding a function with an
+    answer schema, a notification and requests of both, one with an answer schema of its own."""
+    if itd.is_postgres_url(db):
+        import psycopg
+
+        conn = psycopg.connect(db, autocommit=True)
+        conn.execute((ROOT / "tests" / "fixtures" / "schema-postgres-v2.sql").read_text())
+        conn.execute("INSERT INTO schema_version (version) VALUES (2)")
+        run = lambda sql, params=(): conn.execute(sql.replace("?", "%s"), params)   # noqa: E731
+    else:
+        import sqlite3
+
+        conn = sqlite3.connect(db, isolation_level=None)
+        conn.executescript((ROOT / "tests" / "fixtures" / "schema-v2.sql").read_text())
+        conn.execute("PRAGMA user_version = 2")
+        run = conn.execute
+    from daemon_kit import APPROVAL
+    import json
+
+    schema = json.dumps(itd.parse_function(APPROVAL).output_schema, ensure_ascii=False, separators=(",", ":"))
+    note = "---\ndescription: Tells the owner\nto: '{{ input.owner }}'\n---\nDone.\n"
+    run("INSERT INTO playbooks (id, open_requests, created_at) VALUES (?, 3, ?)", (PB, NOW))
+    for name, source in (("approve", APPROVAL), ("note", note)):
+        run("INSERT INTO definitions (playbook, type, name, version, source, source_sha, overview, created_at,"
+            " created_by) VALUES (?, 'interaction', ?, 1, ?, 'sha', '', ?, 'tok_1')", (PB, name, source, NOW))
+    for run_id, name, answer_schema in (("r1", "approve", schema), ("r2", "approve", '{"type":"object"}'),
+                                        ("r3", "note", None)):
+        run("INSERT INTO runs (playbook, run_id, type, name, version, input, input_sha, status, created_at, created_by)"
+            " VALUES (?, ?, 'interaction', ?, 1, '{}', 'x', 'waiting', ?, 'tok_1')", (PB, run_id, name, NOW))
+        run("INSERT INTO requests (id, playbook, run_id, type, name, version, party, answerer, message, answer_schema,"
+            " status, delivery_state, asked_at, expires_at) VALUES (?, ?, ?, 'interaction', ?, 1, 'ann', 'ann', 'ok',"
+            " ?, 'open', 'in_inbox', ?, ?)", (f"int_{run_id}", PB, run_id, name, answer_schema, NOW, NOW + 60_000))
+        run("INSERT INTO timers (key, due_at) VALUES (?, ?)", (itd.timer_key("expire", PB, run_id), NOW + 60_000))
+    conn.close()
+
+
+def test_a_version_2_database_migrates_with_nothing_lost(db):
+    _database_of_version_2(db)
+    tx = itd.open_sync(db)
+    try:
+        if itd.is_postgres_url(db):
+            assert tx.conn.execute("SELECT version FROM schema_version").fetchone()[0] == itd.SCHEMA_VERSION
+        else:
+            assert tx.conn.execute("PRAGMA user_version").fetchone()[0] == itd.SCHEMA_VERSION
+            assert "WITHOUT ROWID" in tx.conn.execute("SELECT sql FROM sqlite_master WHERE name = 'timers'").fetchone()[0]
+        shared = tx.definition(PB, "interaction", "approve", 1)["answer_schema"]
+        assert shared == itd.dumps(itd.parse_function(tx.definition(PB, "interaction", "approve", 1)["source"]).output_schema)
+        assert tx.definition(PB, "interaction", "note", 1)["answer_schema"] is None
+        # Each request reads as it did; the shared schema is kept once, the request's own stays its own.
+        r1, r2, r3 = (tx.request(PB, r) for r in ("r1", "r2", "r3"))
+        assert (r1["answer_schema"], r1["own_schema"]) == (shared, None)
+        assert (r2["answer_schema"], r2["own_schema"]) == ('{"type":"object"}', '{"type":"object"}')
+        assert (r3["answer_schema"], r3["own_schema"]) == (None, None)
+        assert [r["run_id"] for r in tx.open_requests(PB, to="ann", type_=None, name=None, before=None, limit=10)] == [
+            "r3", "r2", "r1"]
+        assert [r["answer_schema"] for r in tx.interactions([PB], ["open"], run_id=None, before=None, limit=10)] == [
+            '{"type":"object"}', shared]
+        assert sorted(tx.all_timers()) == sorted((itd.timer_key("expire", PB, r), NOW + 60_000) for r in ("r1", "r2", "r3"))
+        # A new request of the same version keeps no copy; one of another schema keeps its own.
+        tx.insert_run(playbook=PB, run_id="r4", type_="interaction", name="approve", version=1, input_text="{}",
+                      input_sha="x", parent=None, now=NOW, by="tok_1")
+        tx.open_request(request_id="int_r4", playbook=PB, run_id="r4", type_="interaction", name="approve", version=1,
+                        party="ann", answerer="ann", message="ok?", answer_schema=shared, server=None, tool=None,
+                        delivery=itd.DeliveryState.IN_INBOX, asked_at=NOW, expires_at=NOW + 60_000, deliver_args=None)
+        r4 = tx.request(PB, "r4")
+        assert (r4["answer_schema"], r4["own_schema"]) == (shared, None)
+    finally:
+        tx.close()
+    again = itd.open_sync(db)                       # opened again: nothing to migrate, nothing changes
+    try:
+        assert again.request(PB, "r2")["answer_schema"] == '{"type":"object"}'
+    finally:
+        again.close()
