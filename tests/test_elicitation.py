@@ -396,3 +396,30 @@ def test_mcp_as_in_the_configuration_and_on_the_command_line(tmp_path):
     out = subprocess.run([sys.executable, "-m", "interactiond", "stdio", "--db", str(tmp_path / "t.db"), "--as", " "],
                          cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and re.fullmatch(r"interactiond: --as: .+\n", out.stderr), out.stderr
+
+
+async def test_a_client_with_only_the_url_mode_gets_the_link(db, aiohttp_client, monkeypatch):
+    from mcp.client.session import ClientSession
+
+    built = ClientSession._build_capabilities
+
+    def url_only(self, version):                    # a client that declares elicitation's URL mode alone
+        caps = built(self, version)
+        return caps.model_copy(update={"elicitation": mt.ElicitationCapability(url=mt.UrlElicitationCapability())})
+    monkeypatch.setattr(ClientSession, "_build_capabilities", url_only)
+    d = await start_daemon(aiohttp_client, db, config=itd.Config(mcp_as="ana"))
+    await d.define("approve", APPROVAL)
+    _, run = await d.run("approve", {"owner": "ana", "review": "R"})
+    asks = []
+
+    async def on_elicit(ctx, params):
+        asks.append(params)
+        status, _ = await d.call("POST", f"/runs/{run['run_id']}/answer", {"answer": {"verdict": "approve"}})
+        return accept()
+    async with httpx2.AsyncClient(headers=d.auth(), timeout=30) as http:
+        async with Client(streamable_http_client(str(d.client.make_url("/mcp")), http_client=http), mode="legacy",
+                          elicitation_callback=on_elicit) as c:
+            r = await c.call_tool("wait_run", {"run_id": run["run_id"], "timeout": 20})
+    assert r.structured_content["status"] == "succeeded"
+    [link] = asks
+    assert isinstance(link, mt.ElicitRequestURLParams) and "/a/" in link.url
