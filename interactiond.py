@@ -246,6 +246,9 @@ SHUTDOWN_GRACE_S: Final = 10.0
 MAX_HTTP_WAIT_S: Final = 60.0
 DEFAULT_MCP_WAIT_S: Final = 25.0
 MAX_MCP_WAIT_S: Final = 55.0
+#: A wait_run that asks the person at the MCP client (elicitation) asks at most this often: an answer
+#: that does not fit is asked again with the daemon's words, then the wait goes on without asking.
+MAX_ELICIT_ASKS: Final = 3
 
 #: MCP sessions over HTTP (the SDK alone keeps up to 10,000, 30 minutes each): a token holds at
 #: most this many (one more closes its oldest idle one), and one without a request this long on
@@ -495,6 +498,7 @@ class EventType(str, enum.Enum):
     TOOL_CALL_FAILED = "tool_call_failed"
     APPROVAL_REQUESTED = "approval_requested"              # a call waits for a person's approval
     APPROVAL_ANSWERED = "approval_answered"                # approved (the call follows) or refused
+    ELICITATION_DECLINED = "elicitation_declined"          # the person at an MCP client declined to answer there
     TASK_STARTED = "task_started"
     TASK_COMPLETED = "task_completed"
     TASK_FAULTED = "task_faulted"
@@ -3223,6 +3227,7 @@ class Config:
     source: str | None = None
     metrics_open_on_loopback: bool = False      # GET /metrics without a token from this machine
     public_url: str | None = None               # the base of answer and sign-in links
+    mcp_as: str | None = None                   # `mcp.as`: the person at an MCP client whose token names none
 
     @property
     def links_base(self) -> str:
@@ -3235,7 +3240,7 @@ class Config:
 
 
 #: The keys of a configuration file (and how `check` tells one from a workflow).
-CONFIG_KEYS: Final = ("listen", "database", "open_requests", "servers", "playbooks", "metrics", "public_url")
+CONFIG_KEYS: Final = ("listen", "database", "open_requests", "servers", "playbooks", "metrics", "public_url", "mcp")
 
 
 class ConfigError(Exception):
@@ -3399,11 +3404,20 @@ def load_config(path: str | None, environ: dict[str, str] | None = None) -> Conf
         problems.append("public_url: an http:// or https:// URL people reach the daemon at, e.g."
                         " https://inbox.example.org (no query or fragment)")
         public_url = None
+    mcp = _config_mapping(raw, "mcp", "a mapping with as", problems)
+    problems += [f"mcp.{k}: unknown key" for k in mcp if k != "as"]
+    mcp_as = mcp.get("as")
+    if mcp_as is not None and (not isinstance(mcp_as, str) or not mcp_as.strip() or has_control_char(mcp_as)
+                               or len(mcp_as.encode()) > MAX_PARTY_BYTES):
+        problems.append(f"mcp.as: the person at the MCP client, as requests name them"
+                        f" (at most {MAX_PARTY_BYTES} bytes)")
+        mcp_as = None
     if problems:
         raise ConfigError(problems)
     return Config(host, port, database, open_requests, servers, playbooks, path,
                   metrics_open_on_loopback=metrics.get("open_on_loopback") is True,
-                  public_url=public_url.rstrip("/") if public_url else None)
+                  public_url=public_url.rstrip("/") if public_url else None,
+                  mcp_as=mcp_as.strip() if mcp_as else None)
 
 
 # Store ##########################################################################################
@@ -6430,6 +6444,10 @@ class AnswerLinks:
     def form_token(self, token: str) -> str:
         return self._mac("form" + chr(31) + token)
 
+    def sign(self, purpose: str, text: str) -> str:
+        """A MAC of `text` for one purpose with the same key (the MCP bridge's request state)."""
+        return self._mac(purpose + chr(31) + text)
+
     def shown(self, obj: dict[str, Any], row: Mapping[str, Any], caller: Caller) -> dict[str, Any]:
         """`obj` with the request's `answer_url` when the caller may answer it: a writer (a person only
         their own requests); readers never see it. `row` is the request's (id, playbook, run_id, party)."""
@@ -7461,6 +7479,28 @@ class Inbox:
                                                                  before=before, limit=n + 1))
         return _page([self.links.shown(request_object(r), r, caller) for r in rows[:n]], rows, n,
                      lambda: [rows[n - 1]["seq"]])
+
+    async def request_for(self, caller: Caller, playbook: str, run_id: str) -> dict[str, Any] | None:
+        """A run's own request as `caller` may see it - {id, status, to, message, answer_schema, and
+        answer_url while open} - or None when the run asks nobody, or asks someone else of a person."""
+        row = await self.store.read(lambda tx: tx.request(playbook, run_id))
+        if row is None or not caller.addressed(row):
+            return None
+        obj = {"id": row["id"], "status": row["status"], "to": row["party"], "message": row["message"],
+               "answer_schema": json.loads(row["answer_schema"]) if row["answer_schema"] is not None else None}
+        return self.links.shown(obj, row, caller) if row["status"] == "open" else obj
+
+    async def elicitation_declined(self, caller: Caller, playbook: str, run_id: str, mode: str, action: str) -> None:
+        """The person at an MCP client declined (or dismissed) the question there: the request stays
+        open, and its run's history says so."""
+        now = self.clock.now_ms()
+
+        def change(tx: Tx, fx: Effects) -> None:
+            row = tx.request(playbook, run_id)
+            if row is not None and row["status"] == "open":
+                tx.append_event(fx, playbook, run_id, "elicitation_declined", now, caller.by,
+                                {"mode": mode, "action": action})
+        await self.store.write(change)
 
     async def answer_interaction(self, caller: Caller, playbook: str, run_id: str, answer: Any,
                                  claimed_for: str | None = None,
@@ -8736,6 +8776,8 @@ class Engine:
         self.execute_tool = self.system_calls.execute_tool
         self.list_interactions = self.inbox.list_interactions
         self.answer_interaction = self.inbox.answer_interaction
+        self.request_for = self.inbox.request_for
+        self.elicitation_declined = self.inbox.elicitation_declined
         self.replayed = self.inbox.replayed
         self.list_run_events = self.inbox.list_run_events
         self.list_playbook_events = self.inbox.list_playbook_events
@@ -11040,9 +11082,20 @@ class McpTool:
     description: str
     properties: dict[str, Any]
     required: tuple[str, ...]
-    call: Callable[..., Any]              # async (engine, caller, playbook, args, progress) -> (result, is_error)
+    call: Callable[..., Any]              # async (engine, caller, playbook, args, McpCall) -> (result, is_error)
     read_only: bool = False
     person: bool = False                  # a person's token may call it (else it is 404 to them, and not listed)
+
+
+@dataclass(frozen=True)
+class McpCall:
+    """What a tool's handler learns of its MCP request besides the arguments: a heartbeat for a long
+    wait, the SDK's request context, and the person at the client (None when nobody is named)."""
+
+    progress: Callable[[float], Any]
+    ctx: Any = None
+    here: str | None = None
+    params: Any = None                    # the tools/call request's (2026-07-28: with the client's responses)
 
 
 async def _t_create(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
@@ -11075,14 +11128,34 @@ async def _t_get_run(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -
     return await e.get_run(c, pb, a["run_id"])
 
 
-async def _t_wait_run(e: Engine, c: Caller, pb: str, a: dict[str, Any], progress: Any) -> Any:
+#: What a person's wait_run shows of a run that asks them: its outcome, not its input.
+_PERSON_RUN_FIELDS: Final = ("run_id", "playbook", "type", "name", "status", "kind", "output", "problem",
+                             "created_at", "ended_at", "settled_by", "answer_url")
+
+
+async def _t_wait_run(e: Engine, c: Caller, pb: str, a: dict[str, Any], call: McpCall) -> Any:
     # `timeout`, as the HTTP route names it (`max_wait` is its alias); longer than a call holds is cut.
     timeout = float(a.get("timeout", a.get("max_wait", DEFAULT_MCP_WAIT_S)))
-    run = await e.wait_run(c, pb, a["run_id"], min(timeout, MAX_MCP_WAIT_S), tick=progress)
+    run_id = a["run_id"]
+    if c.person is not None and await e.request_for(c, pb, run_id) is None:
+        raise not_found(f"no run {run_id} in this playbook")     # a person waits only on runs that ask them
+    bridge = ElicitationBridge.make(e, c, pb, run_id, call)
+    notes = []
+    if bridge is None:
+        run = await e.wait_run(c, pb, run_id, min(timeout, MAX_MCP_WAIT_S), tick=call.progress)
+    else:
+        out = await bridge.wait(min(timeout, MAX_MCP_WAIT_S))
+        if not isinstance(out, tuple):
+            return out                                  # 2026-07-28: the question, for the client to ask
+        run, note = out
+        if note:
+            notes.append(note)
+    if c.person is not None:
+        run = {k: run[k] for k in _PERSON_RUN_FIELDS if k in run}
     if timeout > MAX_MCP_WAIT_S:
-        return run, False, (f"timeout {timeout:g} s was cut to {MAX_MCP_WAIT_S:g} s, the longest one call waits;"
-                            " call wait_run again to wait longer")
-    return run
+        notes.append(f"timeout {timeout:g} s was cut to {MAX_MCP_WAIT_S:g} s, the longest one call waits;"
+                     " call wait_run again to wait longer")
+    return (run, False, " ".join(notes)) if notes else run
 
 
 async def _t_cancel(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
@@ -11165,13 +11238,14 @@ MCP_TOOLS: Final[list[McpTool]] = [
     McpTool("wait_run",
             "Wait for a run to end. Returns the ended run, or the run as it stands when timeout seconds pass "
             "(then call wait_run again). Progress notifications are sent while it waits, so a person who is slow "
-            "to answer does not make this call time out.",
+            "to answer does not make this call time out. When the run asks the person at this client and the "
+            "client can ask them (elicitation), the question is asked here while it waits.",
             {"run_id": _RUN_ID_ARG,
              "timeout": _p("number", f"Seconds to wait (default {DEFAULT_MCP_WAIT_S:g}); more than "
                                      f"{MAX_MCP_WAIT_S:g} is cut to {MAX_MCP_WAIT_S:g}, and the result says so.",
                            minimum=0),
              "max_wait": _p("number", "The same as timeout (an older name).", minimum=0)},
-            ("run_id",), _t_wait_run, True),
+            ("run_id",), _t_wait_run, True, person=True),
     McpTool("cancel_run",
             "Cancel a run that is still waiting: its request leaves the inbox and the run ends rejected, kind "
             "cancelled. Returns the run.", {"run_id": _RUN_ID_ARG}, ("run_id",), _t_cancel),
@@ -11246,8 +11320,336 @@ def _mcp_schema(tool: McpTool, scoped: bool) -> dict[str, Any]:
     return {"type": "object", "properties": props, "required": list(tool.required), "additionalProperties": False}
 
 
-def make_mcp_server(engine: Engine, *, caller: Caller | None = None, scoped_playbook: str | None = None) -> Any:
-    """An MCP server over the engine. `caller` fixes who calls (stdio); otherwise each HTTP request's."""
+# -- asking the person at the client (elicitation) ------------------------------------------------
+#
+# An MCP session may name the person at its client: `stdio --as ana`, a person's token, an operator's
+# token with the `Interactiond-As` header (how stdio's relay passes `--as` on), or `mcp.as` in the
+# configuration for every session whose token names nobody. While wait_run waits on a run whose
+# request is addressed to that person, and the client declared elicitation, the question is asked
+# in the client: as a form when the answer schema is MCP's restricted form, else as a link to the
+# request's answer page. In the 2025-11-25 era the daemon sends `elicitation/create` over the
+# session and can withdraw it when the request is answered elsewhere; in 2026-07-28 wait_run
+# returns `input_required` and the client's retry carries the person's answer (and the state the
+# daemon signed), so a question cannot be withdrawn and an answer that comes late is refused as a
+# second answer is.
+
+#: The members a form field of each type keeps (MCP's restricted schema).
+_FORM_MEMBERS: Final = {
+    "string": frozenset({"type", "title", "description", "default", "minLength", "maxLength", "format", "enum",
+                         "enumNames", "oneOf"}),
+    "number": frozenset({"type", "title", "description", "default", "minimum", "maximum"}),
+    "integer": frozenset({"type", "title", "description", "default", "minimum", "maximum"}),
+    "boolean": frozenset({"type", "title", "description", "default"}),
+    "array": frozenset({"type", "title", "description", "default", "minItems", "maxItems", "items"}),
+}
+#: Checks a form cannot show but the daemon makes when the answer comes (a failing answer is asked again).
+_FORM_CHECKED: Final = frozenset({"pattern", "multipleOf", "exclusiveMinimum", "exclusiveMaximum", "uniqueItems",
+                                  "examples", "$comment", "deprecated"})
+_FORM_FORMATS: Final = frozenset({"date", "date-time", "email", "uri"})
+_FORM_TOP: Final = frozenset({"type", "properties", "required", "additionalProperties", "title", "description",
+                              "$schema", "$comment"})
+
+
+def _titled_consts(options: Any) -> list[dict[str, str]] | None:
+    """`[{const, title?}]` of texts (a titled choice), else None."""
+    if not isinstance(options, list) or not options:
+        return None
+    out = []
+    for o in options:
+        if (not isinstance(o, dict) or not isinstance(o.get("const"), str) or set(o) - {"const", "title", "description"}
+                or not isinstance(o.get("title", ""), str)):
+            return None
+        out.append({k: o[k] for k in ("const", "title") if k in o})
+    return out
+
+
+def _form_field(schema: Any) -> dict[str, Any] | None:
+    """One property as an MCP form field (text, number, yes/no, one choice, or several choices), or None."""
+    if not isinstance(schema, dict) or not isinstance(schema.get("type"), str) or schema["type"] not in _FORM_MEMBERS:
+        return None
+    kind = schema["type"]
+    if set(schema) - _FORM_MEMBERS[kind] - _FORM_CHECKED:
+        return None
+    out = {k: v for k, v in schema.items()
+           if k in _FORM_MEMBERS[kind] and k not in ("enum", "enumNames", "oneOf", "items")}
+    if kind == "string":
+        if out.get("format") not in _FORM_FORMATS:
+            out.pop("format", None)              # checked by the daemon when the answer comes
+        if "enum" in schema:
+            values = schema["enum"]
+            if not isinstance(values, list) or not values or not all(isinstance(v, str) for v in values):
+                return None
+            out["enum"] = schema["enum"]
+            names = schema.get("enumNames")
+            if isinstance(names, list) and len(names) == len(schema["enum"]) and all(isinstance(n, str) for n in names):
+                out["enumNames"] = names
+        elif "oneOf" in schema:
+            if (consts := _titled_consts(schema["oneOf"])) is None:
+                return None
+            out["oneOf"] = consts
+    elif kind == "array":
+        items = schema.get("items")
+        if not isinstance(items, dict):
+            return None
+        values = items.get("enum")
+        if (isinstance(values, list) and values and all(isinstance(v, str) for v in values)
+                and not set(items) - {"type", "enum", "title", "description"} and items.get("type", "string") == "string"):
+            out["items"] = {"type": "string", "enum": values}
+        elif not set(items) - {"anyOf", "oneOf"} and len(items) == 1 \
+                and (consts := _titled_consts(items.get("anyOf", items.get("oneOf")))) is not None:
+            out["items"] = {"anyOf": consts}
+        else:
+            return None
+    return out
+
+
+def elicitation_form(schema: Any) -> dict[str, Any] | None:
+    """An answer schema as MCP's restricted form - a flat object whose members are texts, numbers,
+    whole numbers, yes/no, one choice of texts, or a list of choices - else None (the answer link
+    asks it). Checks a form cannot carry (a pattern, say) are left to the daemon's own check."""
+    if (not isinstance(schema, dict) or schema.get("type") != "object" or set(schema) - _FORM_TOP
+            or not isinstance(schema.get("properties"), dict) or not schema["properties"]
+            or not isinstance(schema.get("additionalProperties", False), bool)):
+        return None
+    fields = {}
+    for name, member in schema["properties"].items():
+        if (f := _form_field(member)) is None:
+            return None
+        fields[name] = f
+    required = schema.get("required", [])
+    if not isinstance(required, list) or not all(isinstance(r, str) and r in fields for r in required):
+        return None
+    return {"type": "object", "properties": fields, **({"required": required} if required else {})}
+
+
+class ElicitationBridge:
+    """One wait_run that asks the person at the client (see above). Made only when the client
+    declared elicitation, the caller may answer, and the session names a person."""
+
+    STATE: Final = "elicitation-state"       # what the request state's signature is for
+
+    def __init__(self, engine: Engine, caller: Caller, playbook: str, run_id: str, call: McpCall,
+                 form: bool, url: bool) -> None:
+        self.engine = engine
+        self.caller = caller
+        self.playbook = playbook
+        self.run_id = run_id
+        self.call = call
+        self.ctx = call.ctx
+        assert call.here is not None
+        self.person = replace(caller, person=call.here)     # who answers: the person, with the caller's rights
+        self.form, self.url = form, url
+
+    @classmethod
+    def make(cls, engine: Engine, caller: Caller, playbook: str, run_id: str,
+             call: McpCall) -> ElicitationBridge | None:
+        if call.here is None or call.ctx is None or caller.role.rank < Role.WRITER.rank:
+            return None
+        caps = getattr(call.ctx.session, "client_capabilities", None)
+        declared = getattr(caps, "elicitation", None)
+        if declared is None:
+            return None
+        url = declared.url is not None
+        return cls(engine, caller, playbook, run_id, call, declared.form is not None or not url, url)
+
+    @property
+    def modern(self) -> bool:
+        from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+        return self.ctx.protocol_version in MODERN_PROTOCOL_VERSIONS
+
+    async def _askable(self) -> dict[str, Any] | None:
+        """The run's request when it is open, takes an answer, and is addressed to the person here
+        (with an `ask` choice's options, whose labels the form shows)."""
+        req = await self.engine.request_for(self.person, self.playbook, self.run_id)
+        if req is None or req["status"] != "open" or req["answer_schema"] is None:
+            return None
+        if "option_ids" in (req["answer_schema"].get("properties") or {}):
+            run = await self.engine.get_run(self.caller, self.playbook, self.run_id)
+            if isinstance(run["input"], dict) and isinstance(run["input"].get("options"), list):
+                req["options"] = run["input"]["options"]
+        return req
+
+    @staticmethod
+    def _labelled(form: dict[str, Any], options: Any) -> dict[str, Any]:
+        """An `ask` choice's form with its options' labels: each id titled with its label."""
+        field = form["properties"].get("option_ids")
+        labels = {o["id"]: o["label"] for o in options or () if isinstance(o, dict)
+                  and isinstance(o.get("id"), str) and isinstance(o.get("label"), str)}
+        ids = (field or {}).get("items", {}).get("enum")
+        if not ids or not all(i in labels for i in ids):
+            return form
+        items = {"anyOf": [{"const": i, "title": labels[i]} for i in ids]}
+        return dict(form, properties=dict(form["properties"], option_ids=dict(field, items=items)))
+
+    def _question(self, req: dict[str, Any], n: int, refused: Problem | None) -> tuple[str, Any] | None:
+        """The n-th ask of `req` as (mode, elicitation params), or None when this client cannot be asked it."""
+        from mcp import types as mt
+        form = elicitation_form(req["answer_schema"]) if self.form else None
+        if form is not None:
+            form = self._labelled(form, req.get("options"))
+            message = req["message"] or "Your answer, please."
+            if refused is not None:
+                lines = [f"- {(e.get('pointer') or '').removeprefix('/answer').lstrip('/') or 'the answer'}: "
+                         f"{e.get('message')}" for e in refused.errors or []]
+                message += (f"\n\nThat answer was not taken: {refused.detail}.\n" + "\n".join(lines)
+                            + f"\n(ask {n} of {MAX_ELICIT_ASKS})")
+            return "form", mt.ElicitRequestFormParams(message=message, requested_schema=form)
+        if self.url and req.get("answer_url"):
+            message = (f"A question waits for {self.person.person}; its answer takes a form this client cannot"
+                       f" show, so it is answered at its page.\n\n{req['message']}")
+            return "url", mt.ElicitRequestURLParams(message=message, url=req["answer_url"],
+                                                    elicitation_id=f"{req['id']}.{secrets.token_hex(4)}")
+        return None
+
+    async def _took(self, mode: str, result: Any, n: int) -> tuple[Problem | None, str | None]:
+        """Act on the person's response to the n-th ask: answer as them, or note a decline. Returns
+        (the refusal to ask again with, or None) and a note for the caller."""
+        if result.action != "accept":
+            await self.engine.elicitation_declined(self.person, self.playbook, self.run_id, mode, result.action)
+            return None, None
+        if mode == "url":
+            return None, None                    # they went to the page; the wait goes on
+        answer = {k: v for k, v in (result.content or {}).items() if v is not None}   # a field left empty
+        try:
+            await self.engine.answer_interaction(self.person, self.playbook, self.run_id, answer)
+        except Problem as exc:
+            if exc.name == "invalid_input" and exc.errors and n < MAX_ELICIT_ASKS:
+                return exc, None
+            if exc.name != "invalid_input":      # answered or ended meanwhile: refused as a second answer is
+                return None, f"The answer given at the client was not taken: {exc.detail}."
+        return None, None
+
+    async def wait(self, timeout: float) -> tuple[dict[str, Any], str | None] | Any:
+        """The run (and a note) once it ends or the wait's time is up; in 2026-07-28 also the question
+        itself (an input_required result) while the person is still to be asked."""
+        return await (self._wait_modern(timeout) if self.modern else self._wait_session(timeout))
+
+    # 2025-11-25: ask over the session while waiting --------------------------------------------
+
+    async def _wait_session(self, timeout: float) -> tuple[dict[str, Any], str | None]:
+        e = self.engine
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        req = await self._askable()
+        n, refused, note = 0, None, None
+        pending: asyncio.Future[Any] | None = None
+        waiting: asyncio.Future[Any] | None = None
+        mode, link_id = "", None
+        run: dict[str, Any] | None = None
+        try:
+            while True:
+                if pending is None and req is not None:
+                    question = self._question(req, n + 1, refused) if n < MAX_ELICIT_ASKS else None
+                    if question is None:
+                        req = None
+                    else:
+                        n += 1
+                        mode, params = question
+                        if mode == "url":
+                            link_id = params.elicitation_id
+                            ask = self.ctx.session.elicit_url(params.message, params.url, params.elicitation_id,
+                                                              related_request_id=self.ctx.request_id)
+                        else:
+                            ask = self.ctx.session.elicit_form(params.message, params.requested_schema,
+                                                               related_request_id=self.ctx.request_id)
+                        pending = asyncio.ensure_future(ask)
+                left = deadline - loop.time()
+                # While the question is open in the client the wait holds past its time (the person is at it).
+                span = max(0.0, left) if pending is None or left > 0 else MAX_MCP_WAIT_S
+                began = loop.time()
+                waiting = asyncio.ensure_future(e.wait_run(self.caller, self.playbook, self.run_id, span,
+                                                           tick=self.call.progress))
+                await asyncio.wait({waiting} | ({pending} if pending is not None else set()),
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if pending is not None and pending.done():
+                    waiting.cancel()
+                    await asyncio.gather(waiting, return_exceptions=True)
+                    asked, pending = pending, None
+                    try:
+                        result = asked.result()
+                    except Exception as exc:             # the client could not ask: the wait goes on without
+                        log.info("asking at the MCP client failed: %s", exc)
+                        req = None
+                        continue
+                    refused, said = await self._took(mode, result, n)
+                    note = said or note
+                    if refused is None:
+                        req = None
+                    continue
+                run = waiting.result()
+                ended = RunStatus(run["status"]).ended
+                # A wait that came back early without an ending: the daemon is stopping.
+                if ended or pending is None or loop.time() - began < span / 2:
+                    return run, note
+        finally:
+            if waiting is not None and not waiting.done():   # the call itself ended (the client left)
+                waiting.cancel()
+                await asyncio.gather(waiting, return_exceptions=True)
+            if pending is not None:                      # answered elsewhere (or the call ended): withdrawn
+                pending.cancel()
+                await asyncio.gather(pending, return_exceptions=True)
+            if link_id is not None and run is not None and RunStatus(run["status"]).ended:
+                with contextlib.suppress(Exception):
+                    await self.ctx.session.send_elicit_complete(link_id, related_request_id=self.ctx.request_id)
+
+    # 2026-07-28: the question is the call's result; the client's retry brings the response ---------
+
+    def _seal(self, state: dict[str, Any]) -> str:
+        text = base64.urlsafe_b64encode(dumps(state).encode()).decode().rstrip("=")
+        return f"{text}.{self.engine.links.sign(self.STATE, text)}"
+
+    def _unseal(self, token: str) -> dict[str, Any]:
+        text, _, mac = token.partition(".")
+        state: Any = None
+        if mac and hmac.compare_digest(mac.encode(), self.engine.links.sign(self.STATE, text).encode()):
+            with contextlib.suppress(ValueError):
+                state = json.loads(base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)))
+        if (not isinstance(state, dict) or state.get("run") != self.run_id or state.get("playbook") != self.playbook
+                or state.get("who") != self.person.person):
+            raise Problem("invalid_request", "request_state is not one this daemon gave for this wait of this run;"
+                                             " call wait_run again without it")
+        return state
+
+    def _input_required(self, req: dict[str, Any], n: int, question: tuple[str, Any]) -> Any:
+        from mcp import types as mt
+        mode, params = question
+        if mode == "url":
+            params = params.model_copy(update={"elicitation_id": None})     # not in this era's wire format
+        state = {"run": self.run_id, "playbook": self.playbook, "who": self.person.person, "request": req["id"],
+                 "n": n, "mode": mode}
+        return mt.InputRequiredResult(input_requests={"answer": mt.ElicitRequest(params=params)},
+                                      request_state=self._seal(state))
+
+    async def _wait_modern(self, timeout: float) -> tuple[dict[str, Any], str | None] | Any:
+        from mcp import types as mt
+        params = self.call.params
+        token = getattr(params, "request_state", None)
+        note = None
+        if token is None:
+            req = await self._askable()
+            question = self._question(req, 1, None) if req is not None else None
+            if req is not None and question is not None:
+                return self._input_required(req, 1, question)
+        else:
+            state = self._unseal(token)
+            result = (getattr(params, "input_responses", None) or {}).get("answer")
+            if isinstance(result, mt.ElicitResult):
+                n = int(state.get("n", MAX_ELICIT_ASKS))
+                refused, note = await self._took(str(state.get("mode")), result, n)
+                if refused is not None:
+                    req = await self._askable()
+                    question = self._question(req, n + 1, refused) if req is not None else None
+                    if req is not None and question is not None and req["id"] == state.get("request"):
+                        return self._input_required(req, n + 1, question)
+        run = await self.engine.wait_run(self.caller, self.playbook, self.run_id, timeout, tick=self.call.progress)
+        return run, note
+
+
+def make_mcp_server(engine: Engine, *, caller: Caller | None = None, scoped_playbook: str | None = None,
+                    here: str | None = None) -> Any:
+    """An MCP server over the engine. `caller` fixes who calls (stdio); otherwise each HTTP request's.
+    `here` is the person at a stdio client (`--as`); over HTTP it is the token's person, the one an
+    operator's token names in the Interactiond-As header, else the configuration's `mcp.as`."""
     from mcp import types as mt
     from mcp.server import Server as _McpServer
     tools = {t.name: t for t in MCP_TOOLS}
@@ -11261,6 +11663,22 @@ def make_mcp_server(engine: Engine, *, caller: Caller | None = None, scoped_play
             return caller
         return getattr(getattr(ctx, "request", None), "scope", {}).get("state", {}).get("interactiond_caller")
 
+    def here_of(ctx: Any, who: Caller) -> str | None:
+        """The person at the client, whom wait_run may ask there (None: nobody, or a reader's session)."""
+        named = getattr(getattr(ctx, "request", None), "headers", None)
+        named = named.get("interactiond-as") if named is not None and caller is None else None
+        if named is not None:
+            if who.role is not Role.OPERATOR or who.person is not None:
+                raise Problem("forbidden", "only an operator's token may name the person at the client"
+                                           " (the Interactiond-As header)")
+            try:
+                return person_name(named)
+            except ValueError as exc:
+                raise Problem("invalid_request", f"Interactiond-As: {exc}") from None
+        if who.role.rank < Role.WRITER.rank:
+            return None
+        return who.person or here or engine.config.mcp_as
+
     async def list_tools(ctx: Any, params: Any) -> mt.ListToolsResult:
         who = who_calls(ctx)
         if who is not None and who.person is not None:          # a person's token: the inbox tools only
@@ -11273,7 +11691,7 @@ def make_mcp_server(engine: Engine, *, caller: Caller | None = None, scoped_play
             content.append(mt.TextContent(type="text", text=note))
         return mt.CallToolResult(content=content, structured_content=data, is_error=is_error)
 
-    async def call_tool(ctx: Any, params: Any) -> mt.CallToolResult:
+    async def call_tool(ctx: Any, params: Any) -> mt.CallToolResult | mt.InputRequiredResult:
         try:
             tool = tools.get(params.name)
             who = who_calls(ctx)
@@ -11301,7 +11719,9 @@ def make_mcp_server(engine: Engine, *, caller: Caller | None = None, scoped_play
                     waited = time.monotonic() - began
                     await ctx.session.report_progress(round(waited, 1), round(waited + max(0.0, left), 1),
                                                       f"still waiting for the run to end; {left:.0f} s left in this call")
-            out = await tool.call(engine, who, pb, args, progress)
+            out = await tool.call(engine, who, pb, args, McpCall(progress, ctx, here_of(ctx, who), params))
+            if isinstance(out, mt.InputRequiredResult):
+                return out
             if isinstance(out, tuple):
                 return result(*out)
             return result(out)
@@ -13143,9 +13563,16 @@ async def _stdio(args: Any, config: Config) -> int:
     if args.playbook and not PLAYBOOK_RE.fullmatch(args.playbook):
         print("interactiond: --playbook is ORG/NAME", file=sys.stderr)
         return 2
+    here = None
+    if args.as_ is not None:
+        try:
+            here = person_name(args.as_)
+        except ValueError as exc:
+            print(f"interactiond: --as: {exc}", file=sys.stderr)
+            return 2
     lock = EngineLock(db)
     if not lock.acquire():
-        return await _stdio_front(db, args.playbook)
+        return await _stdio_front(db, args.playbook, here or config.mcp_as)
     runner = None
     try:
         ensure_operator_token(db)
@@ -13168,7 +13595,7 @@ async def _stdio(args: Any, config: Config) -> int:
             print(f"interactiond: HTTP at http://127.0.0.1:{bound}", file=sys.stderr)
             print(f"interactiond: inbox: {login}", file=sys.stderr)
         server = make_mcp_server(engine, caller=Caller("stdio", Role.OPERATOR, args.playbook),
-                                 scoped_playbook=args.playbook)
+                                 scoped_playbook=args.playbook, here=here)
         async with stdio_server() as (read, write):
             await server.run(read, write, server.create_initialization_options())
         return 0
@@ -13183,14 +13610,20 @@ async def _stdio(args: Any, config: Config) -> int:
         lock.release()
 
 
-async def _stdio_front(db: str, playbook: str | None) -> int:
-    """Another process runs the engine of this file: relay MCP to its /mcp endpoint."""
+async def _stdio_front(db: str, playbook: str | None, here: str | None = None) -> int:
+    """Another process runs the engine of this file: relay MCP to its /mcp endpoint.
+
+    The relay speaks 2026-07-28 to the daemon. With `--as` it names the person at the client
+    (Interactiond-As) and declares elicitation when its own client did, so the daemon's questions
+    come back as `input_required`: passed on as they are to a client of that era, asked with
+    `elicitation/create` of a client of the session era (and the call retried with the answers)."""
     import httpx2
     from mcp import Client
     from mcp import types as mt
     from mcp.client.streamable_http import streamable_http_client
     from mcp.server import Server as _McpServer
     from mcp.server.stdio import stdio_server
+    from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
     try:
         url = _beside(db, ".url").read_text().strip()
@@ -13199,27 +13632,94 @@ async def _stdio_front(db: str, playbook: str | None) -> int:
         print(f"interactiond: {db_shown(db)} is served by another process, which publishes no URL (start it with serve)",
               file=sys.stderr)
         return 1
-    async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=httpx2.Timeout(90)) as http:
-        async with Client(streamable_http_client(url + "/mcp", http_client=http)) as upstream:
-            async def list_tools(ctx: Any, params: Any) -> mt.ListToolsResult:
-                tools = (await upstream.list_tools()).tools
-                if playbook:
-                    for t in tools:
-                        t.input_schema.get("properties", {}).pop("playbook", None)
-                return mt.ListToolsResult(tools=tools)
+    headers = {"Authorization": f"Bearer {token}", **({"Interactiond-As": here} if here else {})}
+    loop = asyncio.get_running_loop()
+    wants: asyncio.Future[bool] = loop.create_future()       # does the client here ask its person?
+    ready: asyncio.Future[Any] = loop.create_future()        # the client of the daemon
+    stop = asyncio.Event()
 
-            async def call_tool(ctx: Any, params: Any) -> mt.CallToolResult:
-                args = dict(params.arguments or {})
-                if playbook:
-                    args["playbook"] = playbook
+    async def never_asked(ctx: Any, params: Any) -> Any:      # the relay drives questions itself
+        return mt.ElicitResult(action="cancel")
 
-                async def relay(progress: float, total: float | None, message: str | None) -> None:
-                    await ctx.session.report_progress(progress, total, message)
-                return await upstream.call_tool(params.name, args, progress_callback=relay)
+    async def hold() -> None:
+        """The relay's client of the daemon, opened (once the first request shows what this client can
+        do) and closed in this one task."""
+        elicits = await wants
+        if stop.is_set():
+            return
+        async with httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(90)) as http:
+            async with Client(streamable_http_client(url + "/mcp", http_client=http),
+                              elicitation_callback=never_asked if elicits else None) as upstream:
+                ready.set_result(upstream)
+                await stop.wait()
 
-            server = _McpServer("interactiond", version=__version__, on_list_tools=list_tools, on_call_tool=call_tool)
-            async with stdio_server() as (read, write):
-                await server.run(read, write, server.create_initialization_options())
+    def opened(task: asyncio.Task[None]) -> None:
+        if stop.is_set() and not ready.done():
+            ready.cancel()
+        elif not ready.done():
+            failed = None if task.cancelled() else task.exception()
+            ready.set_exception(failed or ConnectionError("the relay's connection to the daemon ended"))
+    holder = asyncio.create_task(hold())
+    holder.add_done_callback(opened)
+
+    async def upstream(ctx: Any) -> Any:
+        if not wants.done():
+            caps = ctx.session.client_capabilities
+            wants.set_result(here is not None and getattr(caps, "elicitation", None) is not None)
+        return await asyncio.shield(ready)
+
+    async def list_tools(ctx: Any, params: Any) -> mt.ListToolsResult:
+        tools = (await (await upstream(ctx)).list_tools()).tools
+        if playbook:
+            for t in tools:
+                t.input_schema.get("properties", {}).pop("playbook", None)
+        return mt.ListToolsResult(tools=tools)
+
+    async def call_tool(ctx: Any, params: Any) -> Any:
+        up = await upstream(ctx)
+        args = dict(params.arguments or {})
+        if playbook:
+            args["playbook"] = playbook
+
+        async def relay(progress: float, total: float | None, message: str | None) -> None:
+            await ctx.session.report_progress(progress, total, message)
+        if ctx.protocol_version in MODERN_PROTOCOL_VERSIONS:     # the same era: questions pass through
+            return await up.session.call_tool(params.name, args, progress_callback=relay,
+                                              input_responses=params.input_responses,
+                                              request_state=params.request_state, allow_input_required=True)
+        result = await up.session.call_tool(params.name, args, progress_callback=relay, allow_input_required=True)
+        for _ in range(MAX_ELICIT_ASKS + 1):
+            if not isinstance(result, mt.InputRequiredResult):
+                break
+            answers: dict[str, Any] = {}
+            for key, asked in (result.input_requests or {}).items():
+                q = asked.params
+                try:
+                    if isinstance(q, mt.ElicitRequestURLParams):
+                        answers[key] = await ctx.session.elicit_url(q.message, q.url,
+                                                                    q.elicitation_id or secrets.token_hex(8),
+                                                                    related_request_id=ctx.request_id)
+                    else:
+                        answers[key] = await ctx.session.elicit_form(q.message, q.requested_schema,
+                                                                     related_request_id=ctx.request_id)
+                except Exception:                      # this client cannot ask it: dismissed
+                    answers[key] = mt.ElicitResult(action="cancel")
+            result = await up.session.call_tool(params.name, args, progress_callback=relay, input_responses=answers,
+                                                request_state=result.request_state, allow_input_required=True)
+        if isinstance(result, mt.InputRequiredResult):
+            return mt.CallToolResult(content=[mt.TextContent(type="text", text="the daemon kept asking; call again")],
+                                     is_error=True)
+        return result
+
+    server = _McpServer("interactiond", version=__version__, on_list_tools=list_tools, on_call_tool=call_tool)
+    try:
+        async with stdio_server() as (read, write):
+            await server.run(read, write, server.create_initialization_options())
+    finally:
+        stop.set()
+        if not wants.done():
+            wants.set_result(False)
+        await asyncio.gather(holder, return_exceptions=True)
     return 0
 
 
@@ -13952,6 +14452,10 @@ def build_parser() -> Any:
                                                           " playbook, named in each call)")
     p.add_argument("--http", type=int, metavar="PORT", help="also serve the HTTP API and the inbox page on this"
                                                             " port of 127.0.0.1 (0 picks a free one)")
+    p.add_argument("--as", dest="as_", metavar="PERSON", help="the person at this client (as requests name them):"
+                                                              " wait_run asks them here, in the client, the"
+                                                              " questions addressed to them (default: the"
+                                                              " configuration's mcp.as)")
     logs(p)
     p = command("demo")
     p.add_argument("--port", type=int, default=8765, help="the port (0 picks a free one)")

@@ -187,7 +187,8 @@ async def test_a_persons_token_over_mcp(d):
     url = str(d.client.make_url("/mcp"))
     async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {person_token(d.db, 'ana')}"}, timeout=30) as http:
         async with Client(streamable_http_client(url, http_client=http)) as c:
-            assert {t.name for t in (await c.list_tools()).tools} == {"list_interactions", "answer_interaction"}
+            assert {t.name for t in (await c.list_tools()).tools} == {"list_interactions", "answer_interaction",
+                                                                      "wait_run"}
             r = await c.call_tool("list_interactions", {})
             assert not r.is_error and [x["run_id"] for x in r.structured_content["data"]] == [ana_run]
             assert r.structured_content["data"][0]["answer_url"]
@@ -197,6 +198,10 @@ async def test_a_persons_token_over_mcp(d):
                 assert r.is_error and r.structured_content["status"] == 404, name
             r = await c.call_tool("answer_interaction", {"run_id": bob_run, "answer": {"verdict": "approve"}})
             assert r.is_error and r.structured_content["status"] == 404
+            r = await c.call_tool("wait_run", {"run_id": bob_run, "timeout": 0})     # only runs that ask her
+            assert r.is_error and r.structured_content["status"] == 404
+            r = await c.call_tool("wait_run", {"run_id": ana_run, "timeout": 0})
+            assert not r.is_error and r.structured_content["status"] == "waiting" and "input" not in r.structured_content
             r = await c.call_tool("answer_interaction", {"run_id": ana_run, "answer": {"verdict": "approve"}})
             assert not r.is_error and r.structured_content["answered_by"] == "ana"
     assert (await d.call("GET", f"/runs/{bob_run}"))[1]["status"] == "waiting"
