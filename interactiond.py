@@ -3144,6 +3144,7 @@ class LocalBus:
         self._timer_sinks: list[Callable[[str, int | None], None]] = []
         self._invalidators: list[Callable[[tuple[str, ...]], None]] = []
         self._event_sinks: list[Callable[[dict[str, Any]], None]] = []
+        self._gone_sinks: list[Callable[[], None]] = []
         self.stopped = False
 
     def on_timer(self, sink: Callable[[str, int | None], None]) -> None:
@@ -3155,6 +3156,11 @@ class LocalBus:
     def on_event(self, sink: Callable[[dict[str, Any]], None]) -> None:
         """`sink(event)` for every committed event (the metrics count them); it must not raise."""
         self._event_sinks.append(sink)
+
+    def on_gone(self, sink: Callable[[], None]) -> None:
+        """`sink()` when other daemons sharing the database are found gone, so their work is taken over;
+        never on a file, which has one daemon."""
+        self._gone_sinks.append(sink)
 
     def deliver(self, fx: Effects) -> None:
         for key, due in fx.timers:
@@ -3482,6 +3488,17 @@ class Store:
         finally:
             conn.close()
 
+    async def claim(self, key: str, *, due_by: int | None = None) -> bool:
+        """Hold the work of a timer's key (a conversation's reading, a workflow run's steps) for this
+        daemon until `release`; False when another daemon holds it (or, with `due_by`, when the timer
+        is no longer due by then). A file has one daemon, its lock says so: nothing to hold against."""
+        return True
+
+    async def release(self, key: str) -> bool:
+        """Give the work of `key` back; True when another daemon asked for it meanwhile, so it is this
+        daemon's to do again. Nothing is held on a file: False."""
+        return False
+
 
 def open_sync(path: str) -> "SQLiteTx":
     """The file (or the PostgreSQL database) with the schema applied, outside the loop: for the
@@ -3589,6 +3606,24 @@ class SQLiteTx:
         """When a timer is due, or None when there is none."""
         row = self.conn.execute("SELECT due_at FROM timers WHERE key = ?", (key,)).fetchone()
         return row["due_at"] if row is not None else None
+
+    # Work one daemon holds while it does it: a file has one daemon (the lock beside it), so these
+    # hold nothing here; PostgresTx keeps them in its `leases` table for several daemons.
+
+    def claim_lease(self, key: str, *, due_by: int | None = None) -> bool:
+        """Hold the work of a timer's key for this daemon (see Store.claim): True on a file."""
+        return True
+
+    def release_lease(self, key: str) -> bool:
+        """Give the work of a timer's key back; whether another daemon asked for it meanwhile: never on a file."""
+        return False
+
+    def attempt_elsewhere(self, playbook: str, run_id: str) -> bool:
+        """Whether the attempt in flight of a run's request is another live daemon's: never on a file."""
+        return False
+
+    def take_over(self, fx: Effects, now: int) -> None:
+        """Take over what daemons that are gone held (PostgresTx): none on a file."""
 
     # Runs.
 
@@ -4161,7 +4196,9 @@ PG_LOCK_TIMEOUT_MS: Final = 5000
 PG_CONNECT_TIMEOUT_S: Final = 10
 #: Each daemon on a database beats this often (daemons.seen_at) ...
 DAEMON_BEAT_S: Final = 5.0
-#: ... and is dead once unseen this long: a start takes over its calls in flight.
+#: ... and is dead once unseen this long: a live daemon's heartbeat (or a start) takes its work
+#: over - its calls in flight end, its attempts in flight count as lost, its leases are dropped.
+#: The work a daemon holds (leases) is renewed by its heartbeat to this long ahead.
 DAEMON_LEASE_S: Final = 30.0
 #: The channel of the daemons' notifications (LISTEN/NOTIFY), and the most one carries (the
 #: server's limit is 8000 bytes; larger effects go in several).
@@ -4169,6 +4206,11 @@ PG_CHANNEL: Final = "interactiond"
 PG_NOTIFY_BYTES: Final = 7000
 #: Milliseconds since the epoch on the database server's clock: one clock for every daemon's lease.
 _PG_NOW_SQL: Final = "CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000 AS BIGINT)"
+
+
+def _lease_ms() -> int:
+    """A daemon's lease, and the lease of the work it holds, in milliseconds."""
+    return int(DAEMON_LEASE_S * 1000)
 
 
 #: The schema, embedded so an installed wheel needs no data file; tests keep it equal to
@@ -4378,6 +4420,17 @@ CREATE TABLE IF NOT EXISTS daemons (
 CREATE TABLE IF NOT EXISTS clock (
     one    BOOLEAN PRIMARY KEY DEFAULT TRUE CHECK (one),
     now_ms BIGINT NOT NULL
+);
+
+-- Work one daemon does at a time, by the key of its timer (read:PLAYBOOK:ID, a conversation's reading;
+-- workflow:PLAYBOOK:RUN, a workflow run's steps): claimed by one guarded statement, renewed by the
+-- holder's heartbeat, deleted when done. A lease past until_ms (the server's clock), or whose daemon
+-- has left, may be claimed by another; a daemon that finds another gone takes its leases over.
+CREATE TABLE IF NOT EXISTS leases (
+    key      TEXT PRIMARY KEY,
+    daemon   TEXT NOT NULL,                          -- daemons.id of the holder
+    until_ms BIGINT NOT NULL,
+    again    BOOLEAN NOT NULL DEFAULT FALSE          -- another daemon asked for the work meanwhile
 );
 """
 
@@ -4658,12 +4711,81 @@ class PostgresTx(SQLiteTx):
                           f" {_PG_NOW_SQL})", (daemon, host, pid))
 
     def beat(self, daemon: str) -> bool:
-        """A live daemon's heartbeat; False when its row has gone (it is entered again)."""
-        return self.conn.execute(f"UPDATE daemons SET seen_at = {_PG_NOW_SQL} WHERE id = ?", (daemon,)).rowcount > 0
+        """A live daemon's heartbeat, which renews the leases it holds; False when its row has gone (it is
+        entered again)."""
+        if not self.conn.execute(f"UPDATE daemons SET seen_at = {_PG_NOW_SQL} WHERE id = ?", (daemon,)).rowcount:
+            return False
+        self.conn.execute(f"UPDATE leases SET until_ms = {_PG_NOW_SQL} + ? WHERE daemon = ?", (_lease_ms(), daemon))
+        return True
+
+    def reap_daemons(self, host: str, pid: int) -> list[str]:
+        """Remove the daemons that are gone - unseen past their lease, or of this host with their process
+        ended (a crash, a kill) - and say which: each is removed once, by one daemon, which takes its
+        work over (Engine._take_over)."""
+        ended = [r["id"] for r in self.conn.execute("SELECT id, pid FROM daemons WHERE host = ?", (host,)).fetchall()
+                 if r["pid"] != pid and not _process_alive(r["pid"])]
+        return [r[0] for r in self.conn.execute(
+            f"DELETE FROM daemons WHERE seen_at <= {_PG_NOW_SQL} - ? OR id = ANY(CAST(? AS TEXT[])) RETURNING id",
+            (_lease_ms(), ended)).fetchall()]
 
     def leave(self, daemon: str) -> None:
-        """A daemon that stops: its calls still in flight are the next start's to end."""
+        """A daemon that stops: its calls still in flight are the next start's to end (or a live daemon's
+        `lost` timer's); the work it still held is given back, its timers told again to every daemon."""
         self.conn.execute("DELETE FROM daemons WHERE id = ?", (daemon,))
+        fx = Effects()
+        for (key,) in self.conn.execute("DELETE FROM leases WHERE daemon = ? RETURNING key", (daemon,)).fetchall():
+            due = self.timer_due(key)
+            if due is not None:
+                fx.timers.append((key, due))
+        for payload in _bus_payloads(daemon, [fx]):
+            self.conn.execute("SELECT pg_notify(?, ?)", (PG_CHANNEL, payload))
+
+    # Leases: work one daemon does at a time (a conversation's reading, a workflow run's steps), and
+    # the work of daemons that are gone.
+
+    def claim_lease(self, key: str, *, due_by: int | None = None) -> bool:
+        """Hold the work of a timer's key for this daemon, in one guarded statement: a new lease, or one
+        whose holder stopped beating or left; with `due_by`, only while that timer is due by then. False
+        when another daemon holds it - which is then told to do the work again when it releases it."""
+        if self.conn.execute(
+                f"INSERT INTO leases (key, daemon, until_ms) SELECT ?, ?, {_PG_NOW_SQL} + ? WHERE CAST(? AS BIGINT)"
+                " IS NULL OR EXISTS (SELECT 1 FROM timers WHERE key = ? AND due_at <= ?) ON CONFLICT (key) DO UPDATE"
+                " SET daemon = excluded.daemon, until_ms = excluded.until_ms, again = FALSE"
+                f" WHERE leases.until_ms < {_PG_NOW_SQL} OR NOT EXISTS (SELECT 1 FROM daemons d"
+                " WHERE d.id = leases.daemon) RETURNING key",
+                (key, self.daemon, _lease_ms(), due_by, key, due_by)).fetchone() is not None:
+            return True
+        self.conn.execute("UPDATE leases SET again = TRUE WHERE key = ? AND daemon <> ?", (key, self.daemon))
+        return False
+
+    def release_lease(self, key: str) -> bool:
+        """Give this daemon's lease of `key` back; True when another daemon asked for the work meanwhile."""
+        row = self.conn.execute("DELETE FROM leases WHERE key = ? AND daemon = ? RETURNING again",
+                                (key, self.daemon)).fetchone()
+        return bool(row is not None and row[0])
+
+    def attempt_elsewhere(self, playbook: str, run_id: str) -> bool:
+        """Whether the attempt in flight of a run's request was begun by another daemon that is alive (by
+        the daemon of its delivery_started event): how it ends is that daemon's to record."""
+        return self.conn.execute(
+            f"SELECT 1 FROM daemons WHERE id <> ? AND seen_at > {_PG_NOW_SQL} - ? AND id = (SELECT daemon"
+            " FROM events WHERE playbook = ? AND run_id = ? AND type = 'delivery_started' ORDER BY id DESC LIMIT 1)",
+            (self.daemon, _lease_ms(), playbook, run_id)).fetchone() is not None
+
+    def take_over(self, fx: Effects, now: int) -> None:
+        """What daemons that are gone held: each lease is dropped and its timer armed again (due now at the
+        latest) on every daemon; each attempt they had in flight counts as lost now (its `lost` timer)."""
+        for (key,) in self.conn.execute(
+                f"DELETE FROM leases WHERE daemon NOT IN (SELECT id FROM daemons WHERE seen_at > {_PG_NOW_SQL} - ?)"
+                " RETURNING key", (_lease_ms(),)).fetchall():
+            due = self.timer_due(key)
+            self.set_timer(fx, key, now if due is None else min(due, now))
+        for r in self.conn.execute(
+                f"SELECT q.playbook, q.run_id FROM requests q WHERE q.open = 1 AND q.delivery_state IN ({_IN_FLIGHT_SQL})"
+                f" AND NOT EXISTS (SELECT 1 FROM daemons d WHERE d.seen_at > {_PG_NOW_SQL} - ? AND d.id = (SELECT"
+                " e.daemon FROM events e WHERE e.playbook = q.playbook AND e.run_id = q.run_id"
+                " AND e.type = 'delivery_started' ORDER BY e.id DESC LIMIT 1))", (_lease_ms(),)).fetchall():
+            self.set_timer(fx, timer_key("lost", r["playbook"], r["run_id"]), now)
 
     def share_clock(self, now: int) -> int:
         """Keep the manual clock's time in the database, the later of `now` and the time kept, and tell
@@ -4773,6 +4895,11 @@ class PgBus(LocalBus):
             return
         self.deliver(fx)
 
+    def gone(self) -> None:
+        """The heartbeat found other daemons gone (and removed them): their work is this one's to take over."""
+        for sink in self._gone_sinks:
+            sink()
+
     def resync(self) -> None:
         """The listening connection was lost and opened again, so notifications may have been missed:
         every due time is loaded again (and the manual clock's time), every cached definition
@@ -4810,6 +4937,7 @@ class _PgListener(threading.Thread):
         self.halt = threading.Event()
         self.deliver: Callable[[str], None] | None = None      # a notification's payload, to the bus
         self.lost: Callable[[], None] | None = None            # the connection came back: resync
+        self.gone: Callable[[], None] | None = None            # other daemons were found gone
         self._wake_r, self._wake_w = os.pipe()
 
     def register(self) -> None:
@@ -4838,6 +4966,8 @@ class _PgListener(threading.Thread):
                 if time.monotonic() >= next_beat:
                     if not tx.beat(self.daemon_id):
                         tx.register_daemon(self.daemon_id, _HOST, os.getpid())
+                    if tx.reap_daemons(_HOST, os.getpid()) and self.gone is not None:
+                        self.gone()
                     next_beat = time.monotonic() + DAEMON_BEAT_S
                 # What arrived (and what a beat's query read meanwhile, kept by psycopg for here).
                 for note in raw.notifies(timeout=0):
@@ -4937,6 +5067,7 @@ class PostgresStore(Store):
             bus = self._bus
             self._listener.deliver = lambda payload: loop.call_soon_threadsafe(bus.remote, payload)
             self._listener.lost = lambda: loop.call_soon_threadsafe(bus.resync)
+            self._listener.gone = lambda: loop.call_soon_threadsafe(bus.gone)
         self._listener.start()
         self._writer = _DbThread(lambda: self._connect_tx(True), loop, writer=True,
                                  sink=lambda fx: self.on_commit and self.on_commit(fx))
@@ -4950,6 +5081,12 @@ class PostgresStore(Store):
     def _connect_tx(self, writer: bool) -> PostgresTx:
         setup = (f"SET lock_timeout = {PG_LOCK_TIMEOUT_MS}",) if writer else ()
         return PostgresTx(_PgConn(self.path, setup), self.daemon_id)
+
+    async def claim(self, key: str, *, due_by: int | None = None) -> bool:
+        return await self.write(lambda tx, fx: tx.claim_lease(key, due_by=due_by))
+
+    async def release(self, key: str) -> bool:
+        return await self.write(lambda tx, fx: tx.release_lease(key))
 
     async def close(self) -> None:
         await super().close()
@@ -6588,6 +6725,8 @@ class _EngineDeliveries:
         now = self.clock.now_ms()
 
         def change(tx: Tx, fx: Effects) -> None:
+            if tx.attempt_elsewhere(playbook, run_id):
+                return                          # a live daemon's attempt: its end is that daemon's to record
             if not tx.take_timer(fx, key, now):
                 return
             row = tx.request(playbook, run_id)
@@ -6640,6 +6779,8 @@ class _EngineReadings:
         if not reqs:
             await self.store.write(lambda c, fx: c.take_timer(fx, key, now))
             return
+        if not await self.store.claim(key, due_by=now):
+            return                                  # another daemon reads the conversation (or has read it)
         oldest = reqs[0]
         # Requests of different functions (or versions) may share a conversation: each reply is
         # read by its own request's reply rule, so every document they need is loaded now.
@@ -6677,6 +6818,7 @@ class _EngineReadings:
         tellings: list[tuple[Row, str]] = []
 
         def change(tx: Tx, fx: Effects) -> None:
+            tx.release_lease(key)
             if not tx.take_timer(fx, key, now):
                 return
             if failure is not None:
@@ -6838,6 +6980,7 @@ class Engine(_EngineDefinitions, _EngineRuns, _EngineSystemCalls, _EngineInbox, 
         self.wheel = TimerWheel(clock, self._fire)
         self.bus.on_timer(lambda key, due: self.wheel.cancel(key) if due is None else self.wheel.set(key, due))
         self.bus.on_invalidate(self._invalidate)
+        self.bus.on_gone(lambda: self.spawn(self._take_over(), "take over"))
         self._docs: OrderedDict[tuple[str, str, str, int], Any] = OrderedDict()
         self._current: dict[tuple[str, str, str], tuple[int, Any] | None] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -6867,13 +7010,7 @@ class Engine(_EngineDefinitions, _EngineRuns, _EngineSystemCalls, _EngineInbox, 
                 for name, source in builtins.items():
                     tx.save_builtin(pb, name, source=source, sha=sha256_hex(source), overview=docs[name].overview,
                                     description=docs[name].description, now=now)
-            # A call to a system cut off by a stop failed as a call that got no answer does: a
-            # read-only tool's run is unfinished, any other tool may have acted (effect_unknown).
-            for playbook, run_id, started in tx.system_calls_in_flight():
-                read_only = bool(started and started.get("read_only"))
-                problem = self._unfinished(read_only, "lost", "the daemon stopped while the call was in flight")
-                tx.end_run(fx, playbook, run_id, _status_of(problem), now=now, by="interactiond",
-                           kind=problem.kind, problem=problem)
+            self._end_calls_in_flight(tx, fx, now)
             # Recount open requests: the counter is a cache of requests.open.
             tx.recount_open_requests()
             return tx.all_timers()
@@ -6882,6 +7019,25 @@ class Engine(_EngineDefinitions, _EngineRuns, _EngineSystemCalls, _EngineInbox, 
             self.wheel.set(key, due)
         self.wheel.set(PRUNE_TIMER, now + 60_000)
         self._timer_task = asyncio.create_task(self.wheel.run(), name="interactiond-timers")
+
+    def _end_calls_in_flight(self, tx: Tx, fx: Effects, now: int) -> None:
+        # A call to a system cut off by a stop failed as a call that got no answer does: a
+        # read-only tool's run is unfinished, any other tool may have acted (effect_unknown).
+        for playbook, run_id, started in tx.system_calls_in_flight():
+            read_only = bool(started and started.get("read_only"))
+            problem = self._unfinished(read_only, "lost", "the daemon stopped while the call was in flight")
+            tx.end_run(fx, playbook, run_id, _status_of(problem), now=now, by="interactiond",
+                       kind=problem.kind, problem=problem)
+
+    async def _take_over(self) -> None:
+        """Other daemons on the database were found gone: their calls in flight end as a start ends them,
+        their attempts in flight count as lost and the work they held is armed again (tx.take_over)."""
+        now = self.clock.now_ms()
+
+        def change(tx: Tx, fx: Effects) -> None:
+            self._end_calls_in_flight(tx, fx, now)
+            tx.take_over(fx, now)
+        await self.store.write(change)
 
     def end_waits(self) -> None:
         """At shutdown: every long poll answers now with its run as it stands, and none waits again."""
@@ -8231,22 +8387,33 @@ class Workflows:
         return await self.engine.store.write(change)
 
     async def drive(self, playbook: str, run_id: str) -> None:
-        """Move a run on as far as it goes now; one drive per run at a time, asked again if busy."""
+        """Move a run on as far as it goes now; one drive per run at a time, asked again if busy. Of the
+        daemons sharing a database, the one that holds the run's lease drives it (Store.claim), and a
+        daemon refused meanwhile has the holder drive it again."""
         key = (playbook, run_id)
         if key in self._busy:
             self._busy[key] = True
             return
         self._busy[key] = False
+        lease = timer_key("workflow", playbook, run_id)
+        held = False
         try:
-            while True:
-                if await self._step(playbook, run_id):
-                    continue
-                if not self._busy[key]:
+            while held := await self.engine.store.claim(lease):
+                while True:
+                    if await self._step(playbook, run_id):
+                        continue
+                    if not self._busy[key]:
+                        break
+                    self._busy[key] = False
+                held = False
+                if not await self.engine.store.release(lease):
                     break
-                self._busy[key] = False
         finally:
             self._busy.pop(key, None)
             self._start_errors.pop(key, None)
+            if held:
+                with contextlib.suppress(Exception):
+                    await self.engine.store.release(lease)
 
     async def _doc(self, run: Row) -> WorkflowDoc:
         return (await self.engine.document(run["playbook"], "workflow", run["name"], run["version"]))[1]
