@@ -4085,6 +4085,63 @@ class SQLiteTx:
                                  " expires_at FROM tokens WHERE purpose IN ('api', 'session') ORDER BY created_at"
                                  ).fetchall()
 
+    # A whole database copied into another (`interactiond copy`): COPIED_TABLES, read in one snapshot
+    # and written in one transaction, in batches.
+
+    def begin_snapshot(self) -> None:
+        """A read transaction: every table read until `end` shows the database at one moment."""
+        self.conn.execute("BEGIN")
+
+    def end(self, commit: bool = True) -> None:
+        """Commit (or roll back) the transaction `begin` or `begin_snapshot` opened."""
+        self.conn.execute("COMMIT" if commit else "ROLLBACK")
+
+    def holds_data(self) -> bool:
+        """Whether the database has interactiond's tables (so it is one, of some version)."""
+        return self.conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'runs'").fetchone() is not None
+
+    def table_columns(self, table: str) -> list[str]:
+        """A copied table's columns, in their order."""
+        return [r["name"] for r in self.conn.execute(f"PRAGMA table_info({_copied(table)})")]
+
+    def count_rows(self, table: str) -> int:
+        return self.conn.execute(f"SELECT COUNT(*) FROM {_copied(table)}").fetchone()[0]
+
+    def table_rows(self, table: str, columns: list[str], batch: int) -> Iterable[list[tuple[Any, ...]]]:
+        """A copied table's rows (the values of `columns`), `batch` at a time, without holding them all."""
+        cur = self.conn.execute(f"SELECT {', '.join(_copied_column(c) for c in columns)} FROM {_copied(table)}")
+        while rows := cur.fetchmany(batch):
+            yield [tuple(r) for r in rows]
+
+    def insert_rows(self, table: str, columns: list[str], rows: list[tuple[Any, ...]]) -> None:
+        self.conn.executemany(f"INSERT INTO {_copied(table)} ({', '.join(_copied_column(c) for c in columns)})"
+                              f" VALUES ({', '.join('?' * len(columns))})", rows)
+
+    def after_copy(self) -> None:
+        """What a copy leaves to put right: nothing on a file (AUTOINCREMENT follows the ids inserted)."""
+
+
+#: What `interactiond copy` moves, in an order that respects the references between tables; the
+#: daemons, leases and clock of a PostgreSQL database stay behind (they are its daemons').
+COPIED_TABLES: Final = ("playbooks", "definitions", "runs", "readings", "requests", "replies_seen", "events",
+                        "timers", "tokens", "idempotency")
+#: Columns one backend has and the other has not, which a copy leaves behind.
+COPY_DROPPABLE: Final = {("events", "daemon")}
+
+
+def _copied(table: str) -> str:
+    """A table name for the copy's statements: only one of COPIED_TABLES."""
+    if table not in COPIED_TABLES:
+        raise ValueError(f"{table} is not a table a copy moves")
+    return table
+
+
+def _copied_column(name: str) -> str:
+    """A column name as a statement names it (quoted: `by` and `key` are words of SQL)."""
+    if not re.fullmatch(r"[a-z_]+", name):
+        raise ValueError(f"{name!r} is not a column a copy moves")
+    return f'"{name}"'
+
 
 #: The live run states, as SQL's IN list (the statuses a run ends from).
 _LIVE_SQL: Final = ", ".join(f"'{s.value}'" for s in LIVE_RUN_STATUSES)
@@ -4686,6 +4743,38 @@ class PostgresTx(SQLiteTx):
             for payload in _bus_payloads(self.daemon, changes):
                 self.conn.execute("SELECT pg_notify(?, ?)", (PG_CHANNEL, payload))
 
+    # A whole database copied (see SQLiteTx).
+
+    def begin_snapshot(self) -> None:
+        self.conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+
+    def holds_data(self) -> bool:
+        return self.conn.execute("SELECT to_regclass('runs') IS NOT NULL").fetchone()[0]
+
+    def table_columns(self, table: str) -> list[str]:
+        return [r[0] for r in self.conn.execute(
+            "SELECT column_name FROM information_schema.columns WHERE table_schema = current_schema()"
+            " AND table_name = ? ORDER BY ordinal_position", (_copied(table),)).fetchall()]
+
+    def table_rows(self, table: str, columns: list[str], batch: int) -> Iterable[list[tuple[Any, ...]]]:
+        # A server-side cursor: the rows come a batch at a time, not all into memory at once.
+        with self.conn.raw.cursor(name=f"copy_{_copied(table)}") as cur:
+            cur.itersize = batch
+            cur.execute(f"SELECT {', '.join(_copied_column(c) for c in columns)} FROM {table}")
+            while rows := cur.fetchmany(batch):
+                yield [tuple(r) for r in rows]
+
+    def insert_rows(self, table: str, columns: list[str], rows: list[tuple[Any, ...]]) -> None:
+        with self.conn.raw.cursor() as cur:                # executemany pipelines the batch: one round trip
+            cur.executemany(_pg_sql(f"INSERT INTO {_copied(table)} ({', '.join(_copied_column(c) for c in columns)})"
+                                    f" VALUES ({', '.join('?' * len(columns))})"), rows)
+
+    def after_copy(self) -> None:
+        """The ids copied in were given, not drawn: each identity goes on from the largest one copied."""
+        for table, column in (("runs", "seq"), ("readings", "id"), ("requests", "seq"), ("events", "id")):
+            self.conn.execute(f"SELECT setval(pg_get_serial_sequence(?, ?), COALESCE(MAX({column}), 0) + 1, false)"
+                              f" FROM {table}", (table, column))
+
     def definition_keys(self) -> list[tuple[str, str, str]]:
         """Every (playbook, type, name) that has a definition."""
         return [(r[0], r[1], r[2]) for r in self.conn.execute("SELECT DISTINCT playbook, type, name FROM definitions")]
@@ -5021,19 +5110,42 @@ def apply_postgres_schema(conn: _PgConn) -> None:
                     (max(version, SCHEMA_VERSION),))
 
 
-def open_postgres_sync(url: str) -> PostgresTx:
-    """The database with the schema applied, outside the loop (see open_sync)."""
+def _reach_postgres(url: str) -> _PgConn:
+    """A connection to the database; one line and an exit when the server cannot be reached."""
     try:
-        conn = _PgConn(url)
+        return _PgConn(url)
     except _psycopg().OperationalError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise SystemExit(f"interactiond: cannot reach {postgres_url_shown(url)}: {first}") from None
+
+
+def open_postgres_sync(url: str) -> PostgresTx:
+    """The database with the schema applied, outside the loop (see open_sync)."""
+    conn = _reach_postgres(url)
     try:
         apply_postgres_schema(conn)
     except BaseException:
         conn.close()
         raise
     return PostgresTx(conn)
+
+
+def open_copy_source(db: str) -> SQLiteTx:
+    """A database to copy from (`interactiond copy`), brought to this version's schema as a start would
+    bring it; ValueError, in one line, when it is no file or holds no interactiond database (nothing
+    is made or changed then)."""
+    if is_postgres_url(db):
+        probe: SQLiteTx = PostgresTx(_reach_postgres(db))
+    elif not Path(db).is_file():
+        raise ValueError(f"{db}: no such file")
+    else:
+        probe = SQLiteTx(_connect(db))
+    try:
+        if not probe.holds_data():
+            raise ValueError(f"{db_shown(db)} holds no interactiond database")
+    finally:
+        probe.close()
+    return open_sync(db)
 
 
 class PostgresStore(Store):
@@ -11242,6 +11354,81 @@ def _cli_token(args: Any, db: str) -> int:
         tx.close()
 
 
+# -- copy: a whole database into an empty one -------------------------------------------------------
+
+#: Rows a copy reads and writes at a time.
+COPY_BATCH: Final = 1000
+
+
+def _cli_copy(args: Any) -> int:
+    """`copy --from DB --to DB`: every table of COPIED_TABLES, read in one snapshot of the source and
+    written in one transaction on the target (a failure leaves the target as empty as it was). A
+    line per table on a terminal, a JSON summary when piped or with --json."""
+    shown_from, shown_to = db_shown(args.source), db_shown(args.target)
+    if os.path.abspath(args.source) == os.path.abspath(args.target):
+        raise CliError("--from and --to name the same database", EXIT_USAGE)
+    tty = sys.stdout.isatty() and not args.json
+    began = time.monotonic()
+    try:
+        source = open_copy_source(args.source)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    counts: dict[str, int] = {}
+    try:
+        target = open_sync(args.target)
+    except BaseException:
+        source.close()
+        raise
+    errors = (*source.errors, *target.errors)
+    try:
+        source.begin_snapshot()
+        target.begin()
+        try:
+            held = {t: n for t in COPIED_TABLES if (n := target.count_rows(t))}
+            if held:
+                raise CliError(f"{shown_to} is not empty ({', '.join(f'{t}: {n}' for t, n in held.items())});"
+                               " copy only into a new database")
+            if tty:
+                print(f"copying {shown_from} into {shown_to}", flush=True)
+            for table in COPIED_TABLES:
+                have = set(target.table_columns(table))
+                columns = source.table_columns(table)
+                missing = [c for c in columns if c not in have and (table, c) not in COPY_DROPPABLE]
+                if missing:
+                    raise CliError(f"{shown_to} has no column {table}.{missing[0]}: it was made by another version")
+                columns = [c for c in columns if c in have]
+                total, done = source.count_rows(table), 0
+                for rows in source.table_rows(table, columns, COPY_BATCH):
+                    target.insert_rows(table, columns, rows)
+                    done += len(rows)
+                    if tty:
+                        print(f"\r  {table:<13} {done:>11,} of {total:,} rows", end="", flush=True)
+                counts[table] = done
+                if tty:
+                    print(f"\r  {table:<13} {done:>11,} rows" + " " * (len(f"{total:,}") + 4), flush=True)
+            target.after_copy()
+            target.end()
+        except BaseException:
+            with contextlib.suppress(*errors):
+                target.end(commit=False)
+            raise
+    except errors as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise CliError(f"the copy failed ({first}); nothing was written to {shown_to}") from None
+    finally:
+        with contextlib.suppress(*errors):
+            source.end(commit=False)
+        source.close()
+        target.close()
+    seconds = time.monotonic() - began
+    if tty:
+        print(f"copied {sum(counts.values()):,} rows in {seconds:.1f} s; start the daemon on {shown_to}")
+    else:
+        _print_json({"from": shown_from, "to": shown_to, "tables": counts, "rows": sum(counts.values()),
+                     "seconds": round(seconds, 3)})
+    return 0
+
+
 # -- logs: no token, link, cookie or session id in a line ------------------------------------------
 #
 # aiohttp's bad-request log quotes the request line and headers it could not parse (a login
@@ -11514,6 +11701,7 @@ COMMANDS: Final = (
     ("demo", "a daemon on a fresh temporary database with the examples and a few open requests, for workshops"),
     ("check", "check function documents, workflows and configuration files offline; exit 1 on any problem"),
     ("token", "create, list or revoke API tokens; list or end inbox sessions"),
+    ("copy", "copy a whole database into an empty one: an SQLite file into PostgreSQL, or back"),
     ("define", "save a function document or a workflow from a file"),
     ("run", "start a run of a function or a workflow"),
     ("get", "show a run as it stands"),
@@ -11602,6 +11790,16 @@ def build_parser() -> Any:
             t.add_argument("--name", help="a name to know the token by in `token list`")
         elif name == "revoke":
             t.add_argument("id", help="the token's or the session's id (tok_...), as `token list` shows it")
+    p = sub.add_parser("copy", help=helps["copy"], formatter_class=Help, epilog=EXIT_CODES,
+                       description=helps["copy"] + ": definitions with their versions, runs, requests, events,"
+                       " timers, tokens and sessions, in one transaction on the target. Stop the daemons of"
+                       " the source first: what they write after the copy began stays behind.")
+    p.add_argument("--from", dest="source", required=True, metavar="DB",
+                   help="the database to copy: an SQLite file, or postgresql://USER@HOST/NAME")
+    p.add_argument("--to", dest="target", required=True, metavar="DB",
+                   help="an empty database (its schema is applied first): postgresql://USER@HOST/NAME, or an SQLite file")
+    p.add_argument("--json", action="store_true", help="print the JSON summary on a terminal too (it is printed"
+                                                       " when piped; a terminal gets a line per table)")
     for name in CLIENT_COMMANDS:
         p = command(name)
         p.add_argument("--url", help="the daemon's URL (default: the one serve wrote beside the database, else the"
@@ -11654,6 +11852,8 @@ def main(argv: list[str] | None = None) -> int:
             return check_files(args.files)
         if args.cmd == "demo":
             return asyncio.run(_demo(args))
+        if args.cmd == "copy":
+            return _cli_copy(args)
         try:
             config = load_config(args.config or os.environ.get("INTERACTIOND_CONFIG"))
         except ConfigError as exc:
