@@ -7198,10 +7198,11 @@ class Engine(_EngineDefinitions, _EngineRuns, _EngineSystemCalls, _EngineInbox, 
         """Move the manual clock forward as time would pass: every timer fires at its own moment."""
         target = self.clock.now_ms() + int(delta.total_seconds() * 1000)
         await self.settle()
+        # (Another daemon on the database may move the shared clock meanwhile: never back, then.)
         while (nxt := self.wheel.next_due()) is not None and nxt <= target:
-            self.clock.advance((nxt - self.clock.now_ms()) / 1000)
+            self.clock.advance(max(0, nxt - self.clock.now_ms()) / 1000)
             await self.settle()
-        self.clock.advance((target - self.clock.now_ms()) / 1000)
+        self.clock.advance(max(0, target - self.clock.now_ms()) / 1000)
         await self.settle()
 
     def _invalidate(self, what: tuple[str, ...]) -> None:
