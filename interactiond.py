@@ -3301,7 +3301,7 @@ class _DbThread(threading.Thread):
             return (fut, None, self.tx.problem(exc), None)
 
     def _run_batch(self, batch: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-        conn, tx = self.conn, self.tx
+        tx = self.tx
         out: list[tuple[Any, ...]] = []
         try:
             tx.begin()
@@ -3310,9 +3310,9 @@ class _DbThread(threading.Thread):
             return [(fut, None, failure, None) for _, fut, _ in batch]
         for i, (fn, fut, fx) in enumerate(batch):
             try:
-                conn.execute("SAVEPOINT change")
+                tx.savepoint()
                 result = fn(self.tx, fx)
-                conn.execute("RELEASE change")
+                tx.release_savepoint()
             except BaseException as exc:
                 if not tx.in_transaction():
                     # A full disk or an I/O error rolled the whole transaction back (or, on
@@ -3321,17 +3321,16 @@ class _DbThread(threading.Thread):
                     failure = tx.problem(exc)
                     return [(f, None, failure, None) for f, *_ in out] + [(f, None, failure, None) for _, f, _ in batch[i:]]
                 with contextlib.suppress(*tx.errors):
-                    conn.execute("ROLLBACK TO change")
-                    conn.execute("RELEASE change")
+                    tx.rollback_savepoint()
                 out.append((fut, None, tx.problem(exc), None))
             else:
                 out.append((fut, result, None, fx))
         try:
             tx.before_commit([fx for *_, fx in out if fx is not None])
-            conn.execute("COMMIT")
+            tx.commit()
         except BaseException as exc:
             with contextlib.suppress(*tx.errors):
-                conn.execute("ROLLBACK")
+                tx.rollback()
             failure = tx.problem(exc, f"the database refused the write: {exc}")
             return [(fut, None, failure, None) for fut, *_ in out]
         return out
@@ -3539,12 +3538,29 @@ class SQLiteTx:
     def close(self) -> None:
         self.conn.close()
 
-    # The edges of a transaction, as the writer thread drives them; the rest of its SQL (SAVEPOINT,
-    # RELEASE, ROLLBACK TO, COMMIT) is the same in both dialects.
+    # The edges of a transaction, as the writer thread drives them: a group commit opens one
+    # transaction and runs each change in a savepoint of its own.
 
     def begin(self) -> None:
         """Open the group commit's transaction, holding the write lock from its start."""
         self.conn.execute("BEGIN IMMEDIATE")
+
+    def savepoint(self) -> None:
+        self.conn.execute("SAVEPOINT change")
+
+    def release_savepoint(self) -> None:
+        self.conn.execute("RELEASE change")
+
+    def rollback_savepoint(self) -> None:
+        """Undo the change in its savepoint (it raised), the rest of the transaction standing."""
+        self.conn.execute("ROLLBACK TO change")
+        self.conn.execute("RELEASE change")
+
+    def commit(self) -> None:
+        self.conn.execute("COMMIT")
+
+    def rollback(self) -> None:
+        self.conn.execute("ROLLBACK")
 
     def ready(self) -> None:
         """Before a reading: nothing to do on a file (a server's connection may need opening again)."""
@@ -3632,18 +3648,12 @@ class SQLiteTx:
         """Write a run's ending and its event; only a live run ends (guarded), else `conflict`."""
         pbody = problem.body() if problem is not None else None
         ended = self.conn.execute(               # the ending event's run_seq is counted here too
-            "UPDATE runs SET status = ?, kind = ?, output = ?, problem = ?, ended_at = ?, settled_by = ?,"
-            f" events = events + 1 WHERE playbook = ? AND run_id = ? AND status IN ({_LIVE_SQL})"
-            " RETURNING parent, events",
+            _END_RUN_SQL,
             (status.value, kind, dumps(output) if output is not None else None, dumps(pbody) if pbody else None,
              now, by, playbook, run_id)).fetchone()
         if ended is None:
             raise Problem("conflict", "the run has already ended")
-        payload: dict[str, Any] = {"status": status.value, "kind": kind}
-        if status is RunStatus.SUCCEEDED:
-            payload["output"] = output
-        else:
-            payload["problem"] = pbody
+        payload = _ending_payload(status, kind, output, pbody)
         self.append_event(fx, playbook, run_id, "run_" + status.value, now, by, payload, run_seq=ended["events"])
         fx.wakes.append((playbook, run_id))
         if ended["parent"] is not None:
@@ -3742,9 +3752,7 @@ class SQLiteTx:
         `notified`, a notification the inbox shows at once, which leaves the run as it is."""
         status = RequestStatus.NOTIFIED if notified else RequestStatus.OPEN
         self.conn.execute(
-            "INSERT INTO requests (id, playbook, run_id, type, name, version, party, answerer, message, answer_schema,"
-            " server, tool, status, open, delivery_state, asked_at, expires_at, deliver_args)"
-            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            _INSERT_REQUEST_SQL,
             (request_id, playbook, run_id, type_, name, version, party, answerer, message, answer_schema, server, tool,
              status.value, 0 if notified else 1, delivery.value, asked_at, expires_at, deliver_args))
         if not notified and not self.conn.execute(
@@ -3831,11 +3839,20 @@ class SQLiteTx:
         """Append request_answered and write the answer on the request, guarded: only an open request that is
         not being cancelled takes one (else `not_open`). Its closing and its run's ending follow in the change."""
         answer_id = self.append_event(fx, req["playbook"], req["run_id"], "request_answered", now, by,
-                                      {"answer": answer, "claimed_for": claimed_for,
-                                       **({"reply": {"id": reply_id}} if reply_id is not None else {})})
+                                      _answer_payload(answer, claimed_for, reply_id))
         if not self.conn.execute(_RECORD_ANSWER_SQL, (dumps(answer), answer_id, by, now, claimed_for, reply_id,
                                                       req["seq"])).rowcount:
             raise Problem("not_open", "the request has ended; it takes no answer", kind="ended")
+
+    def answer(self, fx: Effects, req: Row, answer: Any, *, by: str, now: int, claimed_for: str | None = None,
+               reply_id: str | None = None) -> Row:
+        """The one fact of an answer: request_answered recorded on the open request (guarded, else
+        `not_open`), the request closed as answered, its run succeeded with the answer as its output
+        (guarded, else `conflict`). The closed request's row."""
+        self.record_answer(fx, req, answer, by=by, now=now, claimed_for=claimed_for, reply_id=reply_id)
+        closed = self.close_request(fx, req["playbook"], req["run_id"], ENDINGS["answered"])
+        self.end_run(fx, req["playbook"], req["run_id"], RunStatus.SUCCEEDED, now=now, by=by, output=answer)
+        return closed
 
     def idempotent_response(self, caller: str, key: str) -> Row | None:
         """What a caller's Idempotency-Key first came with (body_sha) and the response it got; None: a new key."""
@@ -4094,7 +4111,10 @@ class SQLiteTx:
 
     def end(self, commit: bool = True) -> None:
         """Commit (or roll back) the transaction `begin` or `begin_snapshot` opened."""
-        self.conn.execute("COMMIT" if commit else "ROLLBACK")
+        if commit:
+            self.commit()
+        else:
+            self.rollback()
 
     def holds_data(self) -> bool:
         """Whether the database has interactiond's tables (so it is one, of some version)."""
@@ -4145,6 +4165,18 @@ def _copied_column(name: str) -> str:
 
 #: The live run states, as SQL's IN list (the statuses a run ends from).
 _LIVE_SQL: Final = ", ".join(f"'{s.value}'" for s in LIVE_RUN_STATUSES)
+
+#: A run's request (SQLiteTx.open_request).
+_INSERT_REQUEST_SQL: Final = (
+    "INSERT INTO requests (id, playbook, run_id, type, name, version, party, answerer, message, answer_schema,"
+    " server, tool, status, open, delivery_state, asked_at, expires_at, deliver_args)"
+    " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)")
+
+#: A run's ending (SQLiteTx.end_run): guarded by the live states; it counts its event too.
+_END_RUN_SQL: Final = (
+    "UPDATE runs SET status = ?, kind = ?, output = ?, problem = ?, ended_at = ?, settled_by = ?,"
+    f" events = events + 1 WHERE playbook = ? AND run_id = ? AND status IN ({_LIVE_SQL})"
+    " RETURNING parent, events")
 
 #: Closing a request, by the status it closes with: guarded by the statuses it may leave (REQUEST_TRANSITIONS).
 _CLOSE_REQUEST_SQL: Final = {
@@ -4217,6 +4249,18 @@ _V2_SELECT: Final = (
 
 def timer_key(kind: str, playbook: str, ref: str) -> str:
     return f"{kind}:{playbook}:{ref}"
+
+
+def _ending_payload(status: RunStatus, kind: str | None, output: Any, pbody: dict[str, Any] | None) -> dict[str, Any]:
+    """The payload of a run's ending event (run_<status>)."""
+    if status is RunStatus.SUCCEEDED:
+        return {"status": status.value, "kind": kind, "output": output}
+    return {"status": status.value, "kind": kind, "problem": pbody}
+
+
+def _answer_payload(answer: Any, claimed_for: str | None, reply_id: str | None) -> dict[str, Any]:
+    """The payload of request_answered."""
+    return {"answer": answer, "claimed_for": claimed_for, **({"reply": {"id": reply_id}} if reply_id is not None else {})}
 
 
 # PostgreSQL.
@@ -4568,12 +4612,50 @@ class PgRow:
         return f"PgRow({dict(zip(self._names, self._values))!r})"
 
 
-def _pg_rows(cursor: Any) -> Callable[[Any], PgRow]:
-    """psycopg's row factory for PgRow: the column names are looked up once per result."""
-    names: dict[str, int] = {}
-    for i, col in enumerate(cursor.description or ()):
-        names.setdefault(col.name, i)              # a name twice (a join's *): the first, as sqlite3.Row
-    return lambda values: PgRow(values, names)
+#: The column names of each statement's result, by its text: read once, from the first result.
+_PG_NAMES: dict[str, dict[str, int]] = {}
+
+
+class _PgResult:
+    """A statement's result as sqlite3's cursor gives it to the store: fetchone, fetchall, iteration
+    (rows as PgRow) and rowcount. psycopg hands over plain tuples; their names are the statement's,
+    read once (building them from each result's description was a fifth of the writer's time)."""
+
+    __slots__ = ("cur", "sql")
+
+    def __init__(self, cur: Any, sql: str) -> None:
+        self.cur = cur
+        self.sql = sql
+
+    def _names(self) -> dict[str, int]:
+        names = _PG_NAMES.get(self.sql)
+        if names is None:
+            names = {}
+            res = self.cur.pgresult
+            for i in range(res.nfields if res is not None else 0):
+                names.setdefault(res.fname(i).decode(), i)   # a name twice (a join's *): the first, as sqlite3.Row
+            if len(_PG_NAMES) > 4096:                 # statements made from lists of varying length
+                _PG_NAMES.clear()
+            _PG_NAMES[self.sql] = names
+        return names
+
+    @property
+    def rowcount(self) -> int:
+        return self.cur.rowcount
+
+    def fetchone(self) -> PgRow | None:
+        values = self.cur.fetchone()
+        return None if values is None else PgRow(values, self._names())
+
+    def fetchall(self) -> list[PgRow]:
+        rows = self.cur.fetchall()
+        if not rows:
+            return []
+        names = self._names()
+        return [PgRow(values, names) for values in rows]
+
+    def __iter__(self) -> Any:
+        return iter(self.fetchall())
 
 
 @functools.lru_cache(maxsize=1024)
@@ -4586,14 +4668,20 @@ def _pg_sql(sql: str) -> str:
 class _PgConn:
     """A psycopg connection that takes the store's SQL as sqlite3's does: `execute(sql, params)`
     with `?` placeholders, rows by name or index. Autocommit: the writer opens its transactions
-    itself, and a reading's statements each see what is committed."""
+    itself, and a reading's statements each see what is committed.
 
-    __slots__ = ("url", "setup", "raw")
+    Statements with no parameters and no result to wait for (a savepoint's edges, a notification)
+    can be `defer`red: they travel with the next statement's round trip, joined in one simple
+    query, or with the COMMIT. Each round trip to the server is one wait of the writer thread,
+    which every change of a group commit shares."""
+
+    __slots__ = ("url", "setup", "raw", "pending")
 
     def __init__(self, url: str, setup: tuple[str, ...] = ()) -> None:
         self.url = url
         self.setup = setup
         self.raw: Any = None
+        self.pending: list[str] = []
         self.reopen()
 
     def reopen(self) -> None:
@@ -4606,18 +4694,37 @@ class _PgConn:
         extra: dict[str, Any] = {"application_name": "interactiond"}
         if "connect_timeout" not in self.url:
             extra["connect_timeout"] = PG_CONNECT_TIMEOUT_S
-        raw = psycopg.connect(self.url, autocommit=True, row_factory=_pg_rows, **extra)
+        raw = psycopg.connect(self.url, autocommit=True, **extra)           # rows as tuples: see _PgResult
         raw.prepared_max = 512                     # every statement of the store stays prepared
         for sql in self.setup:
             raw.execute(sql)
         self.raw = raw
+        self.pending = []
 
     @property
     def lost(self) -> bool:
         return self.raw is None or self.raw.closed or self.raw.broken
 
-    def execute(self, sql: str, params: Any = ()) -> Any:
-        return self.raw.execute(_pg_sql(sql), params)
+    def execute(self, sql: str, params: Any = ()) -> _PgResult:
+        if self.pending:
+            self.flush()
+        return _PgResult(self.raw.execute(_pg_sql(sql), params), sql)
+
+    def defer(self, sql: str) -> None:
+        """Send a statement without parameters with the next round trip (see the class)."""
+        self.pending.append(sql)
+
+    def flush(self, last: str | None = None) -> Any:
+        """Send the deferred statements (and `last`) in one simple query: one round trip. The cursor
+        of the last one's result, or None when there was nothing to send."""
+        text = "; ".join(self.pending + ([last] if last else []))
+        self.pending = []
+        if not text:
+            return None
+        cur = self.raw.execute(text, prepare=False)
+        while cur.nextset():
+            pass
+        return cur
 
     def close(self) -> None:
         if self.raw is not None:
@@ -4641,45 +4748,127 @@ def _pg_problem(exc: BaseException, otherwise: str | None = None) -> BaseExcepti
     return Problem("failed", otherwise) if otherwise is not None else exc
 
 
+#: The statements of PostgresTx that do in one what SQLiteTx does in several.
+_PG_EVENT_COLUMNS: Final = "INSERT INTO events (playbook, run_id, run_seq, type, at, by, payload, size, daemon)"
+_PG_COUNTED_EVENT_SQL: Final = (
+    "WITH r AS (UPDATE runs SET events = events + 1 WHERE playbook = ? AND run_id = ? RETURNING events) "
+    + _PG_EVENT_COLUMNS + " SELECT ?, ?, r.events, ?, ?, ?, ?, ?, ? FROM r RETURNING id")
+_PG_END_RUN_SQL: Final = (
+    f"WITH r AS ({_END_RUN_SQL}), e AS ({_PG_EVENT_COLUMNS} SELECT ?, ?, r.events, ?, ?, ?, ?, ?, ? FROM r"
+    " RETURNING id) SELECT r.parent, r.events, e.id FROM r, e")
+_PG_OPEN_REQUEST_SQL: Final = (
+    f"WITH q AS ({_INSERT_REQUEST_SQL} RETURNING 1) UPDATE runs SET status = ? WHERE playbook = ? AND run_id = ?"
+    " AND status = ? AND EXISTS (SELECT 1 FROM q) RETURNING 1")
+_PG_CLOSE_REQUEST_SQL: Final = {
+    to: f"WITH q AS ({sql} RETURNING *), p AS (UPDATE playbooks SET open_requests = open_requests - 1 WHERE id = ?"
+        " AND EXISTS (SELECT 1 FROM q)), t AS (DELETE FROM timers WHERE key IN (?, ?, ?) AND EXISTS (SELECT 1 FROM q))"
+        " SELECT * FROM q"
+    for to, sql in _CLOSE_REQUEST_SQL.items()}
+_PG_RECORD_ANSWER_SQL: Final = (
+    "WITH r AS (UPDATE runs SET events = events + 1 WHERE playbook = ? AND run_id = ? RETURNING events),"
+    f" e AS ({_PG_EVENT_COLUMNS} SELECT ?, ?, r.events, 'request_answered', ?, ?, ?, ?, ? FROM r RETURNING id),"
+    " q AS (" + _RECORD_ANSWER_SQL.replace("answer_id = ?", "answer_id = (SELECT id FROM e)") + " RETURNING seq)"
+    " SELECT e.id, EXISTS (SELECT 1 FROM q) AS answered FROM e")
+
+
+#: An answer whole (SQLiteTx.answer): the run succeeds (counting two events) while its request is
+#: open and not cancelling; both events, answered first; the request takes the answer and closes;
+#: the counter and the request's timers follow. The closed request comes back after three columns.
+_PG_ANSWERABLE_SQL: Final = ", ".join(f"'{s.value}'" for s in allowed_from(REQUEST_TRANSITIONS, RequestStatus.ANSWERED))
+_PG_ANSWER_SQL: Final = (
+    f"WITH g AS (SELECT 1 FROM requests WHERE seq = ? AND status IN ({_PG_ANSWERABLE_SQL})"
+    f" AND delivery_state <> '{DeliveryState.CANCELLING.value}'),"
+    f" r AS (UPDATE runs SET status = '{RunStatus.SUCCEEDED.value}', kind = NULL, output = ?, problem = NULL,"
+    " ended_at = ?, settled_by = ?, events = events + 2 WHERE playbook = ? AND run_id = ?"
+    f" AND status IN ({_LIVE_SQL}) AND EXISTS (SELECT 1 FROM g) RETURNING parent, events),"
+    f" e AS ({_PG_EVENT_COLUMNS} SELECT ?, ?, r.events - 2 + v.n, v.type, ?, ?, v.payload, v.size, ? FROM r,"
+    " (VALUES (1, 'request_answered', CAST(? AS TEXT), CAST(? AS INTEGER)),"
+    f" (2, 'run_{RunStatus.SUCCEEDED.value}', CAST(? AS TEXT), CAST(? AS INTEGER))) AS v(n, type, payload, size)"
+    " ORDER BY v.n RETURNING id, type),"
+    " q AS (UPDATE requests SET answer = ?, answer_id = (SELECT id FROM e WHERE type = 'request_answered'),"
+    f" answered_by = ?, answered_at = ?, claimed_for = ?, reply_id = ?, status = '{RequestStatus.ANSWERED.value}',"
+    " open = 0 WHERE seq = ? AND EXISTS (SELECT 1 FROM r) RETURNING *),"
+    " p AS (UPDATE playbooks SET open_requests = open_requests - 1 WHERE id = ? AND EXISTS (SELECT 1 FROM q)),"
+    " t AS (DELETE FROM timers WHERE key IN (?, ?, ?) AND EXISTS (SELECT 1 FROM q))"
+    " SELECT r.parent AS run_parent, (SELECT id FROM e WHERE type = 'request_answered') AS answered_event,"
+    f" (SELECT id FROM e WHERE type = 'run_{RunStatus.SUCCEEDED.value}') AS ended_event, q.* FROM q, r")
+
+
+def _tail_row(row: PgRow, skip: int) -> PgRow:
+    """A row without its first `skip` columns (what a statement returned beside the row itself)."""
+    names = {name: i - skip for name, i in row._names.items() if i >= skip}
+    return PgRow(tuple(row)[skip:], names)
+
+
 class PostgresTx(SQLiteTx):
     """The store's operations on a PostgreSQL connection: SQLiteTx's, but for the few statements
     whose SQL differs between the dialects, and what several daemons sharing the database need.
     `daemon` is the id of the daemon whose store it serves (None for the command line)."""
 
-    __slots__ = ("daemon",)
+    __slots__ = ("daemon", "_open_savepoint")
 
     conn: _PgConn
 
     def __init__(self, conn: _PgConn, daemon: str | None = None) -> None:
         super().__init__(conn)  # type: ignore[arg-type]
         self.daemon = daemon
+        self._open_savepoint = False
 
     @property
     def errors(self) -> tuple[type[BaseException], ...]:  # type: ignore[override]
         return (_psycopg().Error,)
 
     def begin(self) -> None:
-        if self.conn.lost:
-            self.conn.reopen()
-        try:
-            self.conn.execute("BEGIN")
-        except _psycopg().OperationalError:
-            if not self.conn.lost:
-                raise
-            self.conn.reopen()                  # dropped while idle (a restart, a failover): nothing ran yet
-            self.conn.execute("BEGIN")
         # Event ids come from a sequence when a row is inserted, not when it commits: two
         # transactions (two daemons, or a daemon and `interactiond token`) could commit ids 8 and
         # then 7, and a stream or a Last-Event-ID that has passed 8 reads `WHERE id > 8` and never
         # sees 7. Every write takes this lock first and holds it to its COMMIT, so transactions
         # take ids and commit one after another. Taken at BEGIN, before any row lock, so it waits
         # in no cycle with one: it is SQLite's BEGIN IMMEDIATE, for every daemon on the database.
+        # BEGIN, the lock and the first change's savepoint go in one round trip.
+        if self.conn.lost:
+            self.conn.reopen()
+        self.conn.pending = []
+        opening = f"BEGIN; SELECT pg_advisory_xact_lock({_PG_WRITE_LOCK}); SAVEPOINT change"
         try:
-            self.conn.execute("SELECT pg_advisory_xact_lock(?)", (_PG_WRITE_LOCK,))
+            try:
+                self.conn.flush(opening)
+            except _psycopg().OperationalError:
+                if not self.conn.lost:
+                    raise
+                self.conn.reopen()              # dropped while idle (a restart, a failover): nothing ran yet
+                self.conn.flush(opening)
         except BaseException:
             with contextlib.suppress(*self.errors):
-                self.conn.execute("ROLLBACK")
+                self.conn.raw.execute("ROLLBACK")
             raise
+        self._open_savepoint = True
+
+    # A change's savepoint, and the notifications: deferred, so they cost no round trip of their own.
+
+    def savepoint(self) -> None:
+        if self._open_savepoint:                # the first change's, opened with the transaction
+            self._open_savepoint = False
+        else:
+            self.conn.defer("SAVEPOINT change")
+
+    def release_savepoint(self) -> None:
+        self._open_savepoint = False
+        self.conn.defer("RELEASE change")
+
+    def rollback_savepoint(self) -> None:
+        self._open_savepoint = False
+        self.conn.defer("ROLLBACK TO change")
+        self.conn.defer("RELEASE change")
+
+    def commit(self) -> None:
+        cur = self.conn.flush("COMMIT")
+        if cur.statusmessage != "COMMIT":       # the server ends a failed transaction so, silently
+            raise RuntimeError("the transaction had failed and was rolled back at its commit")
+
+    def rollback(self) -> None:
+        self.conn.pending = []
+        self.conn.raw.execute("ROLLBACK")
 
     def ready(self) -> None:
         if self.conn.lost:
@@ -4695,20 +4884,111 @@ class PostgresTx(SQLiteTx):
 
     # The statements that differ.
 
+    # Each statement is a round trip to the server, and its wait is every change's of the group
+    # commit: where SQLite runs several statements, these run one (data-modifying WITH clauses).
+
     def append_event(self, fx: Effects | None, playbook: str, run_id: str | None, type_: str, at: int,
                      by: str | None, payload: dict[str, Any], *, run_seq: int | None = None) -> int:
         text = dumps(payload)
-        if run_id is not None and run_seq is None:   # one round trip: RETURNING, not a SELECT after
-            run_seq = self.conn.execute("UPDATE runs SET events = events + 1 WHERE playbook = ? AND run_id = ?"
-                                        " RETURNING events", (playbook, run_id)).fetchone()[0]
-        event_id = self.conn.execute(
-            "INSERT INTO events (playbook, run_id, run_seq, type, at, by, payload, size, daemon)"
-            " VALUES (?,?,?,?,?,?,?,?,?) RETURNING id",
-            (playbook, run_id, run_seq, type_, at, by, text, len(text.encode()), self.daemon)).fetchone()[0]
+        if run_id is not None and run_seq is None:   # the run's counter and the event: one statement
+            row = self.conn.execute(_PG_COUNTED_EVENT_SQL, (playbook, run_id, playbook, run_id, type_, at, by, text,
+                                                            len(text.encode()), self.daemon)).fetchone()
+            if row is None:
+                raise Problem("not_found", f"no run {run_id} in this playbook")
+            event_id = row[0]
+        else:
+            event_id = self.conn.execute(
+                "INSERT INTO events (playbook, run_id, run_seq, type, at, by, payload, size, daemon)"
+                " VALUES (?,?,?,?,?,?,?,?,?) RETURNING id",
+                (playbook, run_id, run_seq, type_, at, by, text, len(text.encode()), self.daemon)).fetchone()[0]
+        self._published(fx, event_id, playbook, run_id, type_, at, by, payload)
+        return event_id
+
+    @staticmethod
+    def _published(fx: Effects | None, event_id: int, playbook: str, run_id: str | None, type_: str, at: int,
+                   by: str | None, payload: dict[str, Any]) -> None:
         if fx is not None:
             fx.published.append({"id": event_id, "playbook": playbook, "run_id": run_id, "type": type_, "at": at,
-                                 "payload": payload})
-        return event_id
+                                 "by": by, "payload": payload})
+
+    def end_run(self, fx: Effects, playbook: str, run_id: str, status: RunStatus, *, now: int, by: str | None,
+                kind: str | None = None, output: Any = None, problem: Problem | None = None) -> None:
+        pbody = problem.body() if problem is not None else None
+        payload = _ending_payload(status, kind, output, pbody)
+        text, type_ = dumps(payload), "run_" + status.value
+        ended = self.conn.execute(_PG_END_RUN_SQL, (
+            status.value, kind, dumps(output) if output is not None else None, dumps(pbody) if pbody else None,
+            now, by, playbook, run_id, playbook, run_id, type_, now, by, text, len(text.encode()), self.daemon)).fetchone()
+        if ended is None:
+            raise Problem("conflict", "the run has already ended")
+        self._published(fx, ended["id"], playbook, run_id, type_, now, by, payload)
+        fx.wakes.append((playbook, run_id))
+        if ended["parent"] is not None:
+            self.set_timer(fx, timer_key("workflow", playbook, ended["parent"]), now)
+
+    def open_request(self, *, request_id: str, playbook: str, run_id: str, type_: str, name: str, version: int,
+                     party: str, answerer: str, message: str, answer_schema: str | None, server: str | None,
+                     tool: str | None, delivery: DeliveryState, asked_at: int, expires_at: int,
+                     deliver_args: str | None, notified: bool = False) -> None:
+        if notified:
+            super().open_request(request_id=request_id, playbook=playbook, run_id=run_id, type_=type_, name=name,
+                                 version=version, party=party, answerer=answerer, message=message,
+                                 answer_schema=answer_schema, server=server, tool=tool, delivery=delivery,
+                                 asked_at=asked_at, expires_at=expires_at, deliver_args=deliver_args, notified=True)
+            return
+        if self.conn.execute(_PG_OPEN_REQUEST_SQL, (
+                request_id, playbook, run_id, type_, name, version, party, answerer, message, answer_schema, server,
+                tool, RequestStatus.OPEN.value, 1, delivery.value, asked_at, expires_at, deliver_args,
+                RunStatus.WAITING.value, playbook, run_id, RunStatus.STARTED.value)).fetchone() is None:
+            raise Problem("conflict", "the run is not waiting to open a request")
+
+    def close_request(self, fx: Effects, playbook: str, run_id: str, ending: Ending) -> Row | None:
+        keys = [timer_key(kind, playbook, run_id) for kind in ("expire", "attempt", "lost")]
+        row = self.conn.execute(_PG_CLOSE_REQUEST_SQL[ending.request],
+                                (ending.request.value, playbook, run_id, playbook, *keys)).fetchone()
+        if row is not None:
+            fx.timers.extend((key, None) for key in keys)
+        return row
+
+    def record_answer(self, fx: Effects, req: Row, answer: Any, *, by: str, now: int,
+                      claimed_for: str | None = None, reply_id: str | None = None) -> None:
+        payload = _answer_payload(answer, claimed_for, reply_id)
+        text, playbook, run_id = dumps(payload), req["playbook"], req["run_id"]
+        row = self.conn.execute(_PG_RECORD_ANSWER_SQL, (
+            playbook, run_id, playbook, run_id, now, by, text, len(text.encode()), self.daemon,
+            dumps(answer), by, now, claimed_for, reply_id, req["seq"])).fetchone()
+        if row is None:
+            raise Problem("not_found", f"no run {run_id} in this playbook")
+        if not row["answered"]:
+            raise Problem("not_open", "the request has ended; it takes no answer", kind="ended")
+        self._published(fx, row["id"], playbook, run_id, "request_answered", now, by, payload)
+
+    def answer(self, fx: Effects, req: Row, answer: Any, *, by: str, now: int, claimed_for: str | None = None,
+               reply_id: str | None = None) -> Row:
+        # One statement for the three of SQLiteTx.answer (_PG_ANSWER_SQL), guarded as they are.
+        playbook, run_id = req["playbook"], req["run_id"]
+        answered = _answer_payload(answer, claimed_for, reply_id)
+        ended = _ending_payload(RunStatus.SUCCEEDED, None, answer, None)
+        a_text, e_text, answer_text = dumps(answered), dumps(ended), dumps(answer)
+        keys = [timer_key(kind, playbook, run_id) for kind in ("expire", "attempt", "lost")]
+        result = self.conn.execute(_PG_ANSWER_SQL, (
+            req["seq"], answer_text, now, by, playbook, run_id,
+            playbook, run_id, now, by, self.daemon, a_text, len(a_text.encode()), e_text, len(e_text.encode()),
+            answer_text, by, now, claimed_for, reply_id, req["seq"], playbook, *keys))
+        row = result.fetchone()
+        if row is None:                          # which guard held it back, for the problem
+            now_req = self.request_by_seq(req["seq"])
+            if now_req is None or now_req["status"] != RequestStatus.OPEN.value \
+                    or now_req["delivery_state"] == DeliveryState.CANCELLING.value:
+                raise Problem("not_open", "the request has ended; it takes no answer", kind="ended")
+            raise Problem("conflict", "the run has already ended")
+        self._published(fx, row["answered_event"], playbook, run_id, "request_answered", now, by, answered)
+        fx.timers.extend((key, None) for key in keys)
+        self._published(fx, row["ended_event"], playbook, run_id, "run_succeeded", now, by, ended)
+        fx.wakes.append((playbook, run_id))
+        if row["run_parent"] is not None:
+            self.set_timer(fx, timer_key("workflow", playbook, row["run_parent"]), now)
+        return _tail_row(row, 3)
 
     def list_definitions(self, playbook: str, type_: str | None = None) -> list[Row]:
         # SQLite takes a bare column from the row of MAX(); PostgreSQL says which row with DISTINCT ON.
@@ -4738,10 +5018,10 @@ class PostgresTx(SQLiteTx):
     def before_commit(self, changes: list[Effects]) -> None:
         """Tell the other daemons what the changes mean for them (due times, wake-ups, new events,
         invalidated caches): NOTIFY in the changing transaction, so they hear it at the COMMIT, and
-        never of a change rolled back."""
+        never of a change rolled back. Sent with the COMMIT, as literals (JSON: quotes doubled)."""
         if self.daemon is not None:
             for payload in _bus_payloads(self.daemon, changes):
-                self.conn.execute("SELECT pg_notify(?, ?)", (PG_CHANNEL, payload))
+                self.conn.defer(f"NOTIFY {PG_CHANNEL}, '" + payload.replace("'", "''") + "'")
 
     # A whole database copied (see SQLiteTx).
 
@@ -5182,7 +5462,8 @@ class PostgresStore(Store):
             self._listener.gone = lambda: loop.call_soon_threadsafe(bus.gone)
         self._listener.start()
         self._writer = _DbThread(lambda: self._connect_tx(True), loop, writer=True,
-                                 sink=lambda fx: self.on_commit and self.on_commit(fx))
+                                 sink=lambda fx: self.on_commit and self.on_commit(fx),
+                                 on_batch=lambda n, s: self.on_batch and self.on_batch(n, s))
         self._reader = _DbThread(lambda: self._connect_tx(False), loop, writer=False)
         for t in (self._writer, self._reader):
             t.start()
@@ -5191,7 +5472,7 @@ class PostgresStore(Store):
                 raise t.start_error
 
     def _connect_tx(self, writer: bool) -> PostgresTx:
-        setup = (f"SET lock_timeout = {PG_LOCK_TIMEOUT_MS}",) if writer else ()
+        setup = (f"SET lock_timeout = {PG_LOCK_TIMEOUT_MS}", "SET standard_conforming_strings = on") if writer else ()
         return PostgresTx(_PgConn(self.path, setup), self.daemon_id)
 
     async def claim(self, key: str, *, due_by: int | None = None) -> bool:
@@ -6213,11 +6494,9 @@ class _EngineRuns:
         limit = self.open_limit
 
         def change(tx: Tx, fx: Effects) -> tuple[dict[str, Any], bool]:
-            row = tx.run(playbook, run_id)
-            if row is not None:
-                return rerun_check(row, type_, name, input_sha), False
-            tx.insert_run(playbook=playbook, run_id=run_id, type_=type_, name=name, version=version,
-                          input_text=input_text, input_sha=input_sha, parent=parent, now=now, by=caller.id)
+            if not tx.insert_run(playbook=playbook, run_id=run_id, type_=type_, name=name, version=version,
+                                 input_text=input_text, input_sha=input_sha, parent=parent, now=now, by=caller.id):
+                return rerun_check(tx.run(playbook, run_id), type_, name, input_sha), False
             end = ending
             if end is None and (doc.output_schema is not None or doc.deliver is not None):
                 if not tx.take_request_slot(playbook, limit):
@@ -6642,11 +6921,7 @@ class _EngineInbox:
         """The one fact of an answer: request_answered, the request closed, the run succeeded.
 
         Returns the closed request's row (its answer columns filled)."""
-        playbook, run_id = row["playbook"], row["run_id"]
-        tx.record_answer(fx, row, answer, by=by, now=now, claimed_for=claimed_for, reply_id=reply_id)
-        closed = tx.close_request(fx, playbook, run_id, ENDINGS["answered"])
-        tx.end_run(fx, playbook, run_id, RunStatus.SUCCEEDED, now=now, by=by, output=answer)
-        return closed
+        return tx.answer(fx, row, answer, by=by, now=now, claimed_for=claimed_for, reply_id=reply_id)
 
     @staticmethod
     def _answer_state_check(req: Row, answer: Any) -> bool:
