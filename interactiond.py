@@ -4618,41 +4618,40 @@ _PG_NAMES: dict[str, dict[str, int]] = {}
 
 class _PgResult:
     """A statement's result as sqlite3's cursor gives it to the store: fetchone, fetchall, iteration
-    (rows as PgRow) and rowcount. psycopg hands over plain tuples; their names are the statement's,
-    read once (building them from each result's description was a fifth of the writer's time)."""
+    (rows as PgRow) and rowcount. It is read whole at once, so the connection's one cursor serves
+    the next statement (a cursor made per statement was half of psycopg's time for one). psycopg
+    hands over plain tuples; their names are the statement's, read once (building them from each
+    result's description was a fifth of the writer's time)."""
 
-    __slots__ = ("cur", "sql")
+    __slots__ = ("rows", "rowcount", "_next")
 
     def __init__(self, cur: Any, sql: str) -> None:
-        self.cur = cur
-        self.sql = sql
-
-    def _names(self) -> dict[str, int]:
-        names = _PG_NAMES.get(self.sql)
-        if names is None:
-            names = {}
-            res = self.cur.pgresult
-            for i in range(res.nfields if res is not None else 0):
-                names.setdefault(res.fname(i).decode(), i)   # a name twice (a join's *): the first, as sqlite3.Row
-            if len(_PG_NAMES) > 4096:                 # statements made from lists of varying length
-                _PG_NAMES.clear()
-            _PG_NAMES[self.sql] = names
-        return names
-
-    @property
-    def rowcount(self) -> int:
-        return self.cur.rowcount
+        self.rowcount = cur.rowcount
+        res = cur.pgresult
+        self.rows: list[PgRow] = []
+        if res is not None and res.nfields:
+            values = cur.fetchall()
+            if values:
+                names = _PG_NAMES.get(sql)
+                if names is None:
+                    names = {}
+                    for i in range(res.nfields):
+                        names.setdefault(res.fname(i).decode(), i)   # a name twice (a join's *): the first
+                    if len(_PG_NAMES) > 4096:             # statements made from lists of varying length
+                        _PG_NAMES.clear()
+                    _PG_NAMES[sql] = names
+                self.rows = [PgRow(v, names) for v in values]
+        self._next = 0
 
     def fetchone(self) -> PgRow | None:
-        values = self.cur.fetchone()
-        return None if values is None else PgRow(values, self._names())
+        if self._next >= len(self.rows):
+            return None
+        self._next += 1
+        return self.rows[self._next - 1]
 
     def fetchall(self) -> list[PgRow]:
-        rows = self.cur.fetchall()
-        if not rows:
-            return []
-        names = self._names()
-        return [PgRow(values, names) for values in rows]
+        rows, self._next = self.rows[self._next:], len(self.rows)
+        return rows
 
     def __iter__(self) -> Any:
         return iter(self.fetchall())
@@ -4675,12 +4674,13 @@ class _PgConn:
     query, or with the COMMIT. Each round trip to the server is one wait of the writer thread,
     which every change of a group commit shares."""
 
-    __slots__ = ("url", "setup", "raw", "pending")
+    __slots__ = ("url", "setup", "raw", "cur", "pending")
 
     def __init__(self, url: str, setup: tuple[str, ...] = ()) -> None:
         self.url = url
         self.setup = setup
         self.raw: Any = None
+        self.cur: Any = None
         self.pending: list[str] = []
         self.reopen()
 
@@ -4699,6 +4699,7 @@ class _PgConn:
         for sql in self.setup:
             raw.execute(sql)
         self.raw = raw
+        self.cur = raw.cursor()
         self.pending = []
 
     @property
@@ -4708,7 +4709,9 @@ class _PgConn:
     def execute(self, sql: str, params: Any = ()) -> _PgResult:
         if self.pending:
             self.flush()
-        return _PgResult(self.raw.execute(_pg_sql(sql), params), sql)
+        cur = self.cur
+        cur.execute(_pg_sql(sql), params)
+        return _PgResult(cur, sql)
 
     def defer(self, sql: str) -> None:
         """Send a statement without parameters with the next round trip (see the class)."""
@@ -4721,7 +4724,8 @@ class _PgConn:
         self.pending = []
         if not text:
             return None
-        cur = self.raw.execute(text, prepare=False)
+        cur = self.cur
+        cur.execute(text, prepare=False)
         while cur.nextset():
             pass
         return cur
