@@ -4674,7 +4674,7 @@ class _PgConn:
     query, or with the COMMIT. Each round trip to the server is one wait of the writer thread,
     which every change of a group commit shares."""
 
-    __slots__ = ("url", "setup", "raw", "cur", "pending")
+    __slots__ = ("url", "setup", "raw", "cur", "pending", "held", "run_row")
 
     def __init__(self, url: str, setup: tuple[str, ...] = ()) -> None:
         self.url = url
@@ -4682,6 +4682,10 @@ class _PgConn:
         self.raw: Any = None
         self.cur: Any = None
         self.pending: list[str] = []
+        #: An operation held back to join the next one (PostgresTx.open_request): run before anything else.
+        self.held: Callable[[], None] | None = None
+        #: (playbook, run_id, row): a run's row as this transaction's last statement on `runs` returned it.
+        self.run_row: tuple[str, str, Any] | None = None
         self.reopen()
 
     def reopen(self) -> None:
@@ -4701,25 +4705,41 @@ class _PgConn:
         self.raw = raw
         self.cur = raw.cursor()
         self.pending = []
+        self.held = self.run_row = None
 
     @property
     def lost(self) -> bool:
         return self.raw is None or self.raw.closed or self.raw.broken
 
     def execute(self, sql: str, params: Any = ()) -> _PgResult:
+        if self.held is not None:
+            self.release_held()
         if self.pending:
             self.flush()
+        if self.run_row is not None and "runs" in sql:
+            self.run_row = None                  # the row may change: read it again
         cur = self.cur
         cur.execute(_pg_sql(sql), params)
         return _PgResult(cur, sql)
 
+    def release_held(self) -> None:
+        held, self.held = self.held, None
+        if held is not None:
+            held()
+
     def defer(self, sql: str) -> None:
         """Send a statement without parameters with the next round trip (see the class)."""
+        if self.held is not None:
+            self.release_held()
+        self.run_row = None
         self.pending.append(sql)
 
     def flush(self, last: str | None = None) -> Any:
         """Send the deferred statements (and `last`) in one simple query: one round trip. The cursor
         of the last one's result, or None when there was nothing to send."""
+        if self.held is not None:
+            self.release_held()
+        self.run_row = None
         text = "; ".join(self.pending + ([last] if last else []))
         self.pending = []
         if not text:
@@ -4763,6 +4783,11 @@ _PG_END_RUN_SQL: Final = (
 _PG_OPEN_REQUEST_SQL: Final = (
     f"WITH q AS ({_INSERT_REQUEST_SQL} RETURNING 1) UPDATE runs SET status = ? WHERE playbook = ? AND run_id = ?"
     " AND status = ? AND EXISTS (SELECT 1 FROM q) RETURNING 1")
+_PG_ASK_SQL: Final = (
+    f"WITH q AS ({_INSERT_REQUEST_SQL} RETURNING 1), r AS (UPDATE runs SET status = ?, events = events + 1"
+    " WHERE playbook = ? AND run_id = ? AND status = ? AND EXISTS (SELECT 1 FROM q) RETURNING *),"
+    f" e AS ({_PG_EVENT_COLUMNS} SELECT ?, ?, r.events, ?, ?, ?, ?, ?, ? FROM r RETURNING id)"
+    " SELECT e.id AS event_id, r.* FROM e, r")
 _PG_CLOSE_REQUEST_SQL: Final = {
     to: f"WITH q AS ({sql} RETURNING *), p AS (UPDATE playbooks SET open_requests = open_requests - 1 WHERE id = ?"
         " AND EXISTS (SELECT 1 FROM q)), t AS (DELETE FROM timers WHERE key IN (?, ?, ?) AND EXISTS (SELECT 1 FROM q))"
@@ -4816,7 +4841,7 @@ class PostgresTx(SQLiteTx):
     def __init__(self, conn: _PgConn, daemon: str | None = None) -> None:
         super().__init__(conn)  # type: ignore[arg-type]
         self.daemon = daemon
-        self._open_savepoint = False
+        self._open_savepoint: bool | None = None     # None: no write transaction open
 
     @property
     def errors(self) -> tuple[type[BaseException], ...]:  # type: ignore[override]
@@ -4847,6 +4872,7 @@ class PostgresTx(SQLiteTx):
                 self.conn.raw.execute("ROLLBACK")
             raise
         self._open_savepoint = True
+        self.conn.held = self.conn.run_row = None
 
     # A change's savepoint, and the notifications: deferred, so they cost no round trip of their own.
 
@@ -4862,16 +4888,20 @@ class PostgresTx(SQLiteTx):
 
     def rollback_savepoint(self) -> None:
         self._open_savepoint = False
+        self.conn.held = None                   # the change that held it back has failed
         self.conn.defer("ROLLBACK TO change")
         self.conn.defer("RELEASE change")
 
     def commit(self) -> None:
+        self._open_savepoint = None
         cur = self.conn.flush("COMMIT")
         if cur.statusmessage != "COMMIT":       # the server ends a failed transaction so, silently
             raise RuntimeError("the transaction had failed and was rolled back at its commit")
 
     def rollback(self) -> None:
+        self._open_savepoint = None
         self.conn.pending = []
+        self.conn.held = self.conn.run_row = None
         self.conn.raw.execute("ROLLBACK")
 
     def ready(self) -> None:
@@ -4894,6 +4924,20 @@ class PostgresTx(SQLiteTx):
     def append_event(self, fx: Effects | None, playbook: str, run_id: str | None, type_: str, at: int,
                      by: str | None, payload: dict[str, Any], *, run_seq: int | None = None) -> int:
         text = dumps(payload)
+        held = self.conn.held
+        joins = getattr(held, "joins", None)
+        if joins is not None and joins[:2] == (playbook, run_id) and run_seq is None:
+            # The request held back (open_request), its run waiting, and this event: one statement,
+            # which leaves the run's row for the change's last look at it (run).
+            self.conn.held = None
+            row = self.conn.execute(_PG_ASK_SQL, (*joins[2][:18], RunStatus.WAITING.value, playbook, run_id,
+                                                  RunStatus.STARTED.value, playbook, run_id, type_, at, by, text,
+                                                  len(text.encode()), self.daemon)).fetchone()
+            if row is None:
+                raise Problem("conflict", "the run is not waiting to open a request")
+            self.conn.run_row = (playbook, run_id, _tail_row(row, 1))
+            self._published(fx, row[0], playbook, run_id, type_, at, by, payload)
+            return row[0]
         if run_id is not None and run_seq is None:   # the run's counter and the event: one statement
             row = self.conn.execute(_PG_COUNTED_EVENT_SQL, (playbook, run_id, playbook, run_id, type_, at, by, text,
                                                             len(text.encode()), self.daemon)).fetchone()
@@ -4940,11 +4984,26 @@ class PostgresTx(SQLiteTx):
                                  answer_schema=answer_schema, server=server, tool=tool, delivery=delivery,
                                  asked_at=asked_at, expires_at=expires_at, deliver_args=deliver_args, notified=True)
             return
-        if self.conn.execute(_PG_OPEN_REQUEST_SQL, (
-                request_id, playbook, run_id, type_, name, version, party, answerer, message, answer_schema, server,
-                tool, RequestStatus.OPEN.value, 1, delivery.value, asked_at, expires_at, deliver_args,
-                RunStatus.WAITING.value, playbook, run_id, RunStatus.STARTED.value)).fetchone() is None:
-            raise Problem("conflict", "the run is not waiting to open a request")
+        values = (request_id, playbook, run_id, type_, name, version, party, answerer, message, answer_schema, server,
+                  tool, RequestStatus.OPEN.value, 1, delivery.value, asked_at, expires_at, deliver_args,
+                  RunStatus.WAITING.value, playbook, run_id, RunStatus.STARTED.value)
+
+        def now() -> None:
+            if self.conn.execute(_PG_OPEN_REQUEST_SQL, values).fetchone() is None:
+                raise Problem("conflict", "the run is not waiting to open a request")
+        if self._open_savepoint is None:        # outside a write: at once
+            now()
+            return
+        # Within a write it waits for the next operation: the run's own event (interaction_requested,
+        # which always follows) joins it in one statement; anything else runs it first, alone.
+        now.joins = (playbook, run_id, values)  # type: ignore[attr-defined]
+        self.conn.held = now
+
+    def run(self, playbook: str, run_id: str) -> Row | None:
+        kept = self.conn.run_row
+        if kept is not None and kept[0] == playbook and kept[1] == run_id:
+            return kept[2]                       # as this transaction last wrote it, no statement on runs since
+        return super().run(playbook, run_id)
 
     def close_request(self, fx: Effects, playbook: str, run_id: str, ending: Ending) -> Row | None:
         keys = [timer_key(kind, playbook, run_id) for kind in ("expire", "attempt", "lost")]

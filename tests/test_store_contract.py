@@ -361,6 +361,50 @@ def test_an_answer_is_recorded_its_request_closed_and_its_run_ended_together_onc
     assert info.value.name == "conflict"
 
 
+def _open(tx, run_id: str, **kw) -> None:
+    tx.open_request(request_id=f"int_{run_id}", playbook=PB, run_id=run_id, type_="interaction", name="approve",
+                    version=1, party="ann", answerer="ann", message="ok?", answer_schema='{"type":"object"}',
+                    server=None, tool=None, delivery=itd.DeliveryState.IN_INBOX, asked_at=NOW, expires_at=NOW + 60_000,
+                    deliver_args=None, **kw)
+
+
+def test_a_request_its_event_and_the_run_read_after_within_a_write_are_as_if_one_by_one(tx):
+    for r in ("r1", "r2", "r3", "r4"):
+        tx.insert_run(playbook=PB, run_id=r, type_="interaction", name="approve", version=1, input_text="{}",
+                      input_sha="x", parent=None, now=NOW, by="tok_1")
+    tx.conn.execute("UPDATE runs SET status = 'rejected' WHERE run_id = 'r4'")
+    fx = itd.Effects()
+    tx.begin()
+    tx.savepoint()
+    _open(tx, "r1")                                          # its event follows: one statement on PostgreSQL
+    event_id = tx.append_event(fx, PB, "r1", "interaction_requested", NOW, "tok_1", {"to": "ann"})
+    seen = tx.run(PB, "r1")
+    tx.set_timer(fx, itd.timer_key("expire", PB, "r1"), NOW + 60_000)
+    assert dict(tx.run(PB, "r1")) == dict(seen)
+    tx.release_savepoint()
+    tx.savepoint()
+    _open(tx, "r2")                                          # something else comes first: it goes first
+    assert tx.request(PB, "r2")["status"] == "open"
+    tx.release_savepoint()
+    tx.savepoint()
+    _open(tx, "r3")                                          # its change fails before anything else
+    tx.rollback_savepoint()
+    tx.savepoint()
+    with pytest.raises(itd.Problem) as info:                 # r4 has ended: the guard holds
+        _open(tx, "r4")
+        tx.append_event(itd.Effects(), PB, "r4", "interaction_requested", NOW, "tok_1", {})
+    assert info.value.name == "conflict"
+    tx.rollback_savepoint()
+    tx.commit()
+    run = tx.run(PB, "r1")
+    assert dict(run) == dict(seen) and (run["status"], run["events"]) == ("waiting", 1)
+    assert [(e["id"], e["run_seq"], e["type"]) for e in tx.run_events(PB, "r1", after=0, limit=5)] == \
+        [(event_id, 1, "interaction_requested")]
+    assert (tx.run(PB, "r2")["status"], tx.request(PB, "r3"), tx.run(PB, "r3")["status"]) == ("waiting", None, "started")
+    assert tx.request(PB, "r4") is None
+    assert tx.timer_due(itd.timer_key("expire", PB, "r1")) == NOW + 60_000
+
+
 def test_listings_sort_as_sqlite_does(tx):
     save = dict(playbook=PB, type_="interaction", overview="o", uses=[], now=NOW, by="tok_1")
     for name in ("b-x", "a_y", "B", "ab"):
