@@ -236,3 +236,14 @@ CREATE TABLE IF NOT EXISTS clock (
     one    BOOLEAN PRIMARY KEY DEFAULT TRUE CHECK (one),
     now_ms BIGINT NOT NULL
 );
+
+-- Work one daemon does at a time, by the key of its timer (read:PLAYBOOK:ID, a conversation's reading;
+-- workflow:PLAYBOOK:RUN, a workflow run's steps): claimed by one guarded statement, renewed by the
+-- holder's heartbeat, deleted when done. A lease past until_ms (the server's clock), or whose daemon
+-- has left, may be claimed by another; a daemon that finds another gone takes its leases over.
+CREATE TABLE IF NOT EXISTS leases (
+    key      TEXT PRIMARY KEY,
+    daemon   TEXT NOT NULL,                          -- daemons.id of the holder
+    until_ms BIGINT NOT NULL,
+    again    BOOLEAN NOT NULL DEFAULT FALSE          -- another daemon asked for the work meanwhile
+);

@@ -23,6 +23,15 @@ Figures (SPEC.md section 13):
 Each throughput carries the daemon's CPU per operation (from /proc, all threads), the bare
 handler its CPU per request. --check compares with the run recorded in bench/last.json (--record
 writes it) and exits 1 when a figure is more than 15% worse.
+
+PostgreSQL (SPEC.md section 17; `--only postgres`; skipped, with a line saying why, when no server
+answers at $INTERACTIOND_BENCH_PG_DSN, else $INTERACTIOND_TEST_PG_DSN, else the local socket):
+  pg_create_answer_per_s       create+answer, one daemon on a fresh database, 16 clients  >= 50% of SQLite's
+  pg_cpu_ms_per_pair           daemon CPU per pair on PostgreSQL                        <= 1.3x SQLite's
+  pg_answer_ratio              answers with the open requests seeded / the limit        (reported)
+  pg_two_daemons_per_s         create+answer, two daemons, clients spread over both      > one daemon's
+  pg_wake_p50_ms, pg_wake_p99_ms  a long poll on one daemon, the answer given on another  p99 < 50 ms
+(SQLite's create+answer is measured again beside PostgreSQL's, round for round, for the ratios.)
 """
 from __future__ import annotations
 
@@ -31,6 +40,7 @@ import asyncio
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import statistics
@@ -676,6 +686,192 @@ def record(figures: list[dict[str, Any]], args: argparse.Namespace) -> None:
     note(f"recorded in {LAST.relative_to(ROOT)}")
 
 
+# -- PostgreSQL -----------------------------------------------------------------------------------
+
+PG_DSN = os.environ.get("INTERACTIOND_BENCH_PG_DSN") or os.environ.get("INTERACTIOND_TEST_PG_DSN") \
+    or "postgresql:///postgres"
+
+
+class _ServedIn(Proc):
+    """`interactiond serve` in a directory of its own: daemons of one PostgreSQL database each keep
+    their lock, token and URL files in their working directory."""
+
+    def __init__(self, db: str, cwd: Path, env: dict[str, str] | None = None) -> None:
+        cwd.mkdir(parents=True, exist_ok=True)
+        self.argv = [sys.executable, "-m", "interactiond", "serve", "--db", db, "--host", "127.0.0.1", "--port", "0"]
+        self.log = open(cwd / "daemon.log", "ab")
+        self.started = time.perf_counter()
+        self.p = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=self.log, cwd=cwd,
+                                  env={**_daemon_env(), "PYTHONPATH": str(ROOT), **(env or {})})
+        self.url = ""
+        self.wait_url()
+        token = next(cwd.glob("*.token"), None) or Path(db + ".token")
+        self.token = token.read_text().strip()
+
+
+def _pg_server() -> tuple[Any, str]:
+    """An admin connection to the PostgreSQL server the figures use, or why there is none."""
+    try:
+        import psycopg
+    except ImportError:
+        return None, "psycopg is not installed (pip install 'interactiond[postgres]')"
+    try:
+        return psycopg.connect(PG_DSN, autocommit=True, connect_timeout=5), ""
+    except Exception as exc:
+        return None, f"no PostgreSQL server at {PG_DSN}: {(str(exc).strip().splitlines() or [type(exc).__name__])[0]}"
+
+
+def _pg_url(name: str) -> str:
+    from urllib.parse import urlsplit
+    parts = urlsplit(PG_DSN)
+    return f"{parts.scheme}://{parts.netloc}/{name}" + (f"?{parts.query}" if parts.query else "")
+
+
+def _postgres_cpu_ticks() -> int:
+    """utime+stime of every PostgreSQL server process on this machine (the server's share of the work;
+    other databases' work on it counts too)."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        if "(postgres)" in text[:80]:
+            fields = text[text.rindex(")") + 2:].split()
+            total += int(fields[11]) + int(fields[12])
+    return total
+
+
+async def _paired_rounds(sides: dict[str, tuple[list[Api], list[Proc]]], n: int, rounds: int) -> dict[str, dict[str, float]]:
+    """Create+answer rate of each side (its clients spread over its daemons), in rounds taken in turn, so
+    the machine's noise falls on every side alike: the best round's pairs/s, and the daemons' CPU per pair
+    over every round."""
+    answer = {"verdict": "approve", "note": "Ship it."}
+    out: dict[str, dict[str, float]] = {}
+    for name, (apis, procs) in sides.items():
+        async def pair(i: int, apis: list[Api] = apis) -> None:
+            api = apis[i % len(apis)]
+            run = await api.run("approve", brief(i))
+            await api.answer(run["run_id"], answer)
+        out[name] = {"pair": pair, "best": 0.0, "ticks": 0, "server": 0}  # type: ignore[dict-item]
+        await pool(100, pair)                            # warm-up
+    for r in range(rounds):
+        for name, (apis, procs) in sides.items():
+            side = out[name]
+            c0, s0 = sum(p.cpu_ticks() for p in procs), _postgres_cpu_ticks()
+            t = await pool(n, lambda i, pair=side["pair"], base=(r + 1) * 10_000: pair(base + i))
+            side["ticks"] += sum(p.cpu_ticks() for p in procs) - c0
+            side["server"] += _postgres_cpu_ticks() - s0
+            side["best"] = max(side["best"], n / t)
+    return {name: {"per_s": side["best"], "cpu_ms": side["ticks"] / CLK_TCK / (rounds * n) * 1000,
+                   "server_cpu_ms": side["server"] / CLK_TCK / (rounds * n) * 1000}
+            for name, side in out.items()}
+
+
+async def postgres_figures(args: argparse.Namespace, work: Path) -> None:
+    """The PostgreSQL figures: one daemon against SQLite's in the same run, two daemons, cross-daemon wake."""
+    admin, why = _pg_server()
+    if admin is None:
+        note(f"PostgreSQL figures skipped: {why}")
+        return
+    rounds = 2 if args.quick else 3
+    n_pairs = 300 if args.quick else 1000
+    n_open = 2000 if args.quick else 10_000
+    n_answer = 600 if args.quick else 1500
+    n_lat = 100 if args.quick else 400
+    name = "itd_bench_" + secrets.token_hex(4)
+    admin.execute(f"CREATE DATABASE {name}")
+    url = _pg_url(name)
+    env = {"INTERACTION_OPEN_REQUESTS": str(n_open + rounds * (n_answer + 2 * n_pairs) + 5000)}
+    procs: list[Proc] = []
+    apis: list[Api] = []
+    try:
+        lite = _ServedIn(str(work / "pg-reference.db"), work / "sqlite", env)
+        one = _ServedIn(url, work / "pg-a", env)
+        procs += [lite, one]
+        lite_api, pg_api = Api(lite.url, lite.token), Api(one.url, one.token)
+        apis += [lite_api, pg_api]
+        for api in (lite_api, pg_api):
+            status, _ = await api.call("POST", "/definitions", {"type": "interaction", "name": "approve",
+                                                                "source": APPROVE})
+            assert status in (200, 201), status
+        got = await _paired_rounds({"sqlite": ([lite_api], [lite]), "postgres": ([pg_api], [one])}, n_pairs, rounds)
+        sq, pg = got["sqlite"], got["postgres"]
+        figure("pg_create_answer_per_s", pg["per_s"], "pairs/s", ">= 50% of SQLite's in the same run",
+               pg["per_s"] >= 0.5 * sq["per_s"], sqlite_per_s=round(sq["per_s"], 1),
+               ratio=round(pg["per_s"] / sq["per_s"], 3),
+               note=f"POST /runs then POST /runs/{{id}}/answer, 16 clients, one daemon; best of {rounds} rounds,"
+                    " taken in turn with SQLite's")
+        figure("pg_cpu_ms_per_pair", pg["cpu_ms"], "ms", "<= 1.3x SQLite's", pg["cpu_ms"] <= 1.3 * sq["cpu_ms"],
+               sqlite_cpu_ms_per_pair=round(sq["cpu_ms"], 3), ratio=round(pg["cpu_ms"] / sq["cpu_ms"], 3),
+               server_cpu_ms_per_pair=round(pg["server_cpu_ms"], 3),
+               note="the daemon's CPU (all threads); server_cpu_ms_per_pair: every postgres process on the machine")
+        await lite_api.close()
+        apis.remove(lite_api)
+        lite.kill(signal.SIGTERM)
+        procs.remove(lite)
+
+        # Answers with the open requests seeded, in rounds between rounds of the bare handler.
+        bare_proc = Proc([sys.executable, "-c", BARE_SERVER])
+        procs.append(bare_proc)
+        bare = Api(bare_proc.wait_url(), "none")
+        apis.append(bare)
+        run_ids: list[str] = []
+
+        async def seed(i: int) -> None:
+            run_ids.append((await pg_api.run("approve", brief(i)))["run_id"])
+        t0 = time.perf_counter()
+        await pool(n_open + rounds * n_answer, seed)
+        seed_rate = (n_open + rounds * n_answer) / (time.perf_counter() - t0)
+        answer_rates, limits = [], []
+        for r in range(rounds):
+            limits.append(await bare_rate(bare, 1500 if args.quick else 4000))
+            batch = run_ids[r * n_answer:(r + 1) * n_answer]
+            answer_rates.append(n_answer / await pool(n_answer, lambda i, b=batch: pg_api.answer(
+                b[i], {"verdict": "approve"})))
+        ans_rate = max(answer_rates)
+        figure("pg_answer_ratio", ans_rate / max(limits), "ratio", "(reported; SQLite's bar is >= 0.5)", None,
+               answers_per_s=round(ans_rate, 1), rounds=[round(x) for x in answer_rates], bare_per_s=round(max(limits), 1),
+               runs_per_s=round(seed_rate, 1),
+               note=f"{rounds} rounds of {n_answer} answers with {n_open}+ open, 16 clients, one daemon, best round")
+
+        # Two daemons on the database, the clients spread over both.
+        two = _ServedIn(url, work / "pg-b", env)
+        procs.append(two)
+        pg_api2 = Api(two.url, two.token)
+        apis.append(pg_api2)
+        got = await _paired_rounds({"one": ([pg_api], [one]), "two": ([pg_api, pg_api2], [one, two])}, n_pairs, rounds)
+        figure("pg_two_daemons_per_s", got["two"]["per_s"], "pairs/s", "> one daemon's in the same run",
+               got["two"]["per_s"] > got["one"]["per_s"], one_daemon_per_s=round(got["one"]["per_s"], 1),
+               cpu_ms_per_pair=round(got["two"]["cpu_ms"], 3), one_daemon_cpu_ms_per_pair=round(got["one"]["cpu_ms"], 3),
+               note=f"16 clients, each pair on one of the two daemons in turn; best of {rounds} rounds, taken in turn"
+                    " with one daemon's; cpu: both daemons")
+
+        # A long poll on one daemon, the answer given on the other.
+        waiter = Api(one.url, one.token)
+        apis.append(waiter)
+        wake = []
+        for i in range(n_lat):
+            run = await pg_api.run("approve", brief(i))
+            wait = asyncio.ensure_future(waiter.call("POST", f"/runs/{run['run_id']}/wait?timeout=30"))
+            await asyncio.sleep(0.02)
+            t0 = time.perf_counter()
+            await pg_api2.answer(run["run_id"], {"verdict": "approve"})
+            status, ended = await wait
+            wake.append((time.perf_counter() - t0) * 1000)
+            assert status == 200 and ended["status"] == "succeeded", (status, ended)
+        figure("pg_wake_p50_ms", statistics.median(wake), "ms", "(reported)", None)
+        figure("pg_wake_p99_ms", pct(wake, 99), "ms", "< 50", pct(wake, 99) < 50,
+               note="a long poll on daemon A; from sending the answer to daemon B to the waiter's response")
+    finally:
+        for api in apis:
+            await api.close()
+        for proc in procs:
+            proc.kill(signal.SIGTERM)
+        admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        admin.close()
+
+
 async def amain(args: argparse.Namespace) -> int:
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="interactiond-bench-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -687,6 +883,8 @@ async def amain(args: argparse.Namespace) -> int:
             await storage_figure(args, work)
         if not args.only or "reads" in args.only:
             await reads_figure(args, work)
+        if not args.only or "postgres" in args.only:
+            await postgres_figures(args, work)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -715,7 +913,7 @@ async def amain(args: argparse.Namespace) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer samples: a run of about a minute")
-    parser.add_argument("--only", type=lambda s: s.split(","), help="main, storage and/or reads")
+    parser.add_argument("--only", type=lambda s: s.split(","), help="main, storage, reads and/or postgres")
     parser.add_argument("--keep", help="work in this directory and keep it (logs, databases)")
     parser.add_argument("--check", action="store_true", help="exit 1 when a figure is more than 15%% worse than"
                         " the run recorded in bench/last.json (or misses a bar it met)")

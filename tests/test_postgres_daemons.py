@@ -230,3 +230,225 @@ async def test_an_expiry_due_on_two_daemons_advancing_together_fires_once(two):
         assert tx.all_timers() == []
     finally:
         tx.close()
+
+
+# Leases: work one daemon does at a time, and the work of daemons that are gone.
+
+
+def _as(tx, daemon: str | None):
+    tx.daemon = daemon
+    return tx
+
+
+def test_a_lease_is_held_by_one_daemon_until_released_or_its_holder_is_gone(pg):
+    tx = itd.open_sync(pg)
+    try:
+        for d in ("dmn_a", "dmn_b", "dmn_c"):
+            tx.register_daemon(d, "elsewhere", 1)
+        key = f"read:{PB}:1"
+        assert _as(tx, "dmn_a").claim_lease(key) is True
+        assert _as(tx, "dmn_a").claim_lease(key) is False          # not twice, not even by its holder
+        assert _as(tx, "dmn_b").claim_lease(key) is False          # b is refused, and a is told
+        assert _as(tx, "dmn_b").release_lease(key) is False        # only the holder releases
+        assert _as(tx, "dmn_a").release_lease(key) is True         # b asked meanwhile: a's to do again
+        assert _as(tx, "dmn_b").claim_lease(key) is True
+        assert _as(tx, "dmn_b").release_lease(key) is False        # nobody asked
+        assert tx.conn.execute("SELECT COUNT(*) FROM leases").fetchone()[0] == 0
+        # A holder that stops beating loses its lease when the lease ends; one that left, at once.
+        assert _as(tx, "dmn_a").claim_lease(key) is True
+        tx.conn.execute("UPDATE leases SET until_ms = until_ms - ? WHERE key = ?", (itd._lease_ms() + 1, key))
+        assert _as(tx, "dmn_c").claim_lease(key) is True
+        tx.leave("dmn_c")
+        assert _as(tx, "dmn_b").claim_lease(key) is True
+        # With a due time, only a due timer is claimed.
+        fx = itd.Effects()
+        wkey = f"read:{PB}:2"
+        tx.set_timer(fx, wkey, START_MS + 1000)
+        assert _as(tx, "dmn_a").claim_lease(wkey, due_by=START_MS) is False
+        assert _as(tx, "dmn_a").claim_lease(f"read:{PB}:3", due_by=START_MS + 1000) is False   # no timer at all
+        assert _as(tx, "dmn_a").claim_lease(wkey, due_by=START_MS + 1000) is True
+    finally:
+        tx.close()
+
+
+def test_the_heartbeat_renews_the_leases_of_its_daemon_and_finds_the_daemons_that_are_gone(pg):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    tx = itd.open_sync(pg)
+    try:
+        tx.register_daemon("dmn_a", "elsewhere", 1)
+        tx.register_daemon("dmn_late", "elsewhere", 2)
+        tx.register_daemon("dmn_here", itd._HOST, os.getpid())
+        tx.register_daemon("dmn_crashed", itd._HOST, gone.pid)          # (its process ends after)
+        _as(tx, "dmn_a").claim_lease("workflow:x:1")
+        tx.conn.execute("UPDATE leases SET until_ms = 0")
+        assert tx.beat("dmn_a")
+        assert tx.conn.execute("SELECT until_ms FROM leases").fetchone()[0] > time.time() * 1000   # the server's clock
+        tx.conn.execute("UPDATE daemons SET seen_at = seen_at - ? WHERE id = 'dmn_late'", (itd._lease_ms() + 1,))
+        assert sorted(tx.reap_daemons(itd._HOST, os.getpid())) == ["dmn_crashed", "dmn_late"]
+        assert tx.reap_daemons(itd._HOST, os.getpid()) == []         # each is found gone once
+        assert {r["id"] for r in tx.live_daemons()} == {"dmn_a", "dmn_here"}
+    finally:
+        tx.close()
+
+
+# Taking over what a daemon that is gone held, on a live daemon's heartbeat.
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+SEED_CHAT = (ROOT / "tests" / "fixtures" / "seed-chat-approval.md").read_text()
+
+
+@pytest.fixture
+async def chat(pg, tmp_path, aiohttp_client, monkeypatch):
+    """A daemon whose playbook delivers through the example chat server, beating every 50 ms."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import chat_server
+
+    monkeypatch.setattr(itd, "DAEMON_BEAT_S", 0.05)
+    chat_db = str(tmp_path / "chat.db")
+    config = itd.Config(servers={"chat": itd.ServerConfig(
+        "chat", command=(sys.executable, str(ROOT / "examples" / "chat_server.py"), "serve", "--db", chat_db))},
+        playbooks={PB: ("chat",)})
+    d = await start_daemon(aiohttp_client, pg, config=config)
+    d.chat, d.chat_server = chat_db, chat_server
+    await d.define("chat-approval", SEED_CHAT)
+    return d
+
+
+async def _until(what, seconds: float = 10.0):
+    """Poll `what()` (async) in real time until it is truthy: another daemon's heartbeat acts on its own."""
+    for _ in range(int(seconds / 0.02)):
+        got = await what()
+        if got:
+            return got
+        await asyncio.sleep(0.02)
+    return await what()
+
+
+def _other_daemon(db: str, daemon: str) -> None:
+    tx = itd.open_sync(db)
+    tx.register_daemon(daemon, "elsewhere", 1)
+    tx.close()
+
+
+def _gone(db: str, daemon: str) -> None:
+    """The daemon stopped beating a lease ago (a crash on another machine)."""
+    tx = itd.open_sync(db)
+    tx.conn.execute("UPDATE daemons SET seen_at = seen_at - ? WHERE id = ?", (itd._lease_ms() + 1, daemon))
+    tx.close()
+
+
+async def test_an_attempt_in_flight_on_a_live_daemon_is_its_own_and_counts_lost_once_that_daemon_is_gone(chat):
+    d = chat
+    _other_daemon(d.db, "dmn_x")
+    # A run whose first attempt dmn_x began (its delivery_started event) and never ended.
+    _, run = await d.run("chat-approval", {"owner": "ana", "draft": "x"})
+    run_id = run["run_id"]
+    await d.advance("PT0S")
+    tx = itd.open_sync(d.db)
+    tx.conn.execute("UPDATE requests SET delivery_state = 'delivering', sent_conversation = NULL, sent_id = NULL,"
+                    " conversation = NULL, reading = NULL WHERE run_id = ?", (run_id,))
+    tx.conn.execute("UPDATE events SET daemon = 'dmn_x' WHERE run_id = ? AND type = 'delivery_started'", (run_id,))
+    tx.conn.execute("DELETE FROM events WHERE run_id = ? AND type = 'delivery_succeeded'", (run_id,))
+    tx.conn.execute("UPDATE runs SET events = events - 1 WHERE run_id = ?", (run_id,))
+    tx.set_timer(itd.Effects(), itd.timer_key("lost", PB, run_id), d.clock.now_ms() + 60_000)
+    tx.close()
+    d.engine.wheel.set(itd.timer_key("lost", PB, run_id), d.clock.now_ms() + 60_000)
+
+    async def request():
+        return (await d.call("GET", "/interactions"))[1]["data"][0]
+    await d.advance("PT2M")                        # its `lost` timer fires here: dmn_x is alive, it is dmn_x's
+    assert (await request())["delivery_state"] == "delivering"
+    types = [e["type"] for e in (await d.call("GET", f"/runs/{run_id}/events"))[1]["data"]]
+    assert "delivery_failed" not in types
+    _gone(d.db, "dmn_x")                           # ... until dmn_x is gone: this daemon's heartbeat notices
+    got = await _until(lambda: _delivered(d, run_id))
+    assert got["delivery_state"] == "delivered" and got["attempts"] == 2, got
+    failed = [e for e in (await d.call("GET", f"/runs/{run_id}/events"))[1]["data"] if e["type"] == "delivery_failed"]
+    assert [e["payload"]["because"] for e in failed] == ["lost"]
+
+
+async def _delivered(d, run_id):
+    await d.advance("PT0S")
+    got = (await d.call("GET", "/interactions"))[1]["data"][0]
+    return got if got["delivery_state"] == "delivered" else None
+
+
+async def test_a_conversation_is_read_by_the_daemon_that_holds_its_lease(chat):
+    d = chat
+    _, run = await d.run("chat-approval", {"owner": "ana", "draft": "x"})
+    run_id = run["run_id"]
+    await d.advance("PT0S")
+    tx = itd.open_sync(d.db)
+    reading = tx.request(PB, run_id)["reading"]
+    key = itd.timer_key("read", PB, str(reading))
+    tx.register_daemon("dmn_x", "elsewhere", 1)
+    assert _as(tx, "dmn_x").claim_lease(key)       # another daemon reads this conversation now
+    tx.close()
+    ts = d.chat_server.messages(d.chat, "ana")[0]["ts"]
+    d.chat_server.say(d.chat, "ana", "ana", "approve", thread_ts=ts)
+    await d.advance("PT2M")
+    assert d.chat_server.calls(d.chat, "thread_replies") == 0
+    assert (await d.call("GET", f"/runs/{run_id}"))[1]["status"] == "waiting"
+    _gone(d.db, "dmn_x")                           # the holder is gone: its reading is this daemon's now
+
+    async def succeeded():
+        await d.advance("PT0S")
+        run = (await d.call("GET", f"/runs/{run_id}"))[1]
+        return run if run["status"] == "succeeded" else None
+    got = await _until(succeeded)
+    assert got is not None and got["output"]["verdict"] == "approve"
+    assert d.chat_server.calls(d.chat, "thread_replies") == 1
+    tx = itd.open_sync(d.db)
+    assert tx.conn.execute("SELECT COUNT(*) FROM leases").fetchone()[0] == 0      # released after the read
+    tx.close()
+
+
+WORKFLOW = """\
+document: {dsl: '1.0.3', namespace: tests, name: ask-twice, version: '1.0.0'}
+do:
+  - first:
+      call: run_definition
+      with: { type: interaction, name: approve, input: '${ $data }' }
+  - second:
+      call: run_definition
+      with: { type: interaction, name: approve, input: '${ $workflow.input }' }
+"""
+
+
+async def test_a_workflow_run_is_driven_by_the_daemon_that_holds_its_lease(pg, aiohttp_client, monkeypatch):
+    from daemon_kit import APPROVAL
+
+    monkeypatch.setattr(itd, "DAEMON_BEAT_S", 0.05)
+    d = await start_daemon(aiohttp_client, pg)
+    await d.define("approve", APPROVAL)
+    status, _ = await d.call("POST", "/definitions", {"type": "workflow", "name": "ask-twice", "source": WORKFLOW})
+    assert status == 201
+    _other_daemon(pg, "dmn_x")
+    tx = itd.open_sync(pg)
+    _as(tx, "dmn_x").claim_lease(itd.timer_key("workflow", PB, "wf-1"))   # dmn_x drives this run
+    tx.close()
+    status, run = await d.call("POST", "/runs", {"type": "workflow", "name": "ask-twice", "input": INPUT,
+                                                 "run_id": "wf-1"})
+    assert status == 202
+    await d.advance("PT0S")
+    assert (await d.call("GET", "/runs/wf-1"))[1]["status"] == "started"       # not this daemon's to drive
+    assert (await d.call("GET", "/interactions"))[1]["data"] == []
+    tx = itd.open_sync(pg)
+    assert _as(tx, "dmn_x").release_lease(itd.timer_key("workflow", PB, "wf-1")) is True   # asked meanwhile
+    tx.close()
+    _gone(pg, "dmn_x")
+    # dmn_x "released" without driving (as a crash would leave it): the take-over arms the run again.
+    tx = itd.open_sync(pg)
+    _as(tx, "dmn_x").claim_lease(itd.timer_key("workflow", PB, "wf-1"))
+    tx.close()
+
+    async def asked():
+        await d.advance("PT0S")
+        return (await d.call("GET", "/interactions"))[1]["data"]
+    first = await _until(asked)
+    assert len(first) == 1
+    status, _ = await d.call("POST", f"/runs/{first[0]['run_id']}/answer", {"answer": {"verdict": "approve"}})
+    await d.advance("PT0S")
+    second = (await d.call("GET", "/interactions"))[1]["data"]
+    assert len(second) == 1 and second[0]["run_id"] != first[0]["run_id"]

@@ -312,6 +312,62 @@ def test_an_answer_is_recorded_once_on_an_open_request(tx):
     assert v2["status"] == "answered" and v2["run_input"] == "{}"
 
 
+def test_an_answer_is_recorded_its_request_closed_and_its_run_ended_together_once(tx):
+    import json
+
+    _run_with_request(tx, "r1")
+    fx = itd.Effects()
+    closed = tx.answer_request(fx, tx.request(PB, "r1"), {"verdict": "approve"}, by="tok_1", now=NOW + 5,
+                       claimed_for="bo", reply_id="m9")
+    assert (closed["status"], closed["open"], closed["answered_by"], closed["answered_at"], closed["claimed_for"],
+            closed["reply_id"], json.loads(closed["answer"])) == ("answered", 0, "tok_1", NOW + 5, "bo", "m9",
+                                                                  {"verdict": "approve"})
+    assert dict(closed) == dict(tx.request(PB, "r1"))
+    run = tx.run(PB, "r1")
+    assert (run["status"], run["kind"], json.loads(run["output"]), run["ended_at"], run["settled_by"], run["events"]) \
+        == ("succeeded", None, {"verdict": "approve"}, NOW + 5, "tok_1", 3)     # interaction_requested's seq is 1
+    events = tx.run_events(PB, "r1", after=0, limit=10)
+    assert [(e["type"], e["run_seq"], e["by"]) for e in events] == [("request_answered", 2, "tok_1"),
+                                                                    ("run_succeeded", 3, "tok_1")]
+    assert events[0]["id"] < events[1]["id"] and closed["answer_id"] == events[0]["id"]
+    assert json.loads(events[0]["payload"]) == {"answer": {"verdict": "approve"}, "claimed_for": "bo",
+                                                "reply": {"id": "m9"}}
+    assert json.loads(events[1]["payload"]) == {"status": "succeeded", "kind": None, "output": {"verdict": "approve"}}
+    assert [(e["id"], e["type"], e["by"], e["payload"]) for e in fx.published] == \
+        [(e["id"], e["type"], e["by"], json.loads(e["payload"])) for e in events]
+    assert fx.timers == [(itd.timer_key(k, PB, "r1"), None) for k in ("expire", "attempt", "lost", "remind", "escalate")]
+    assert fx.wakes == [(PB, "r1")] and _open_count(tx) == 0 and tx.all_timers() == []
+    with pytest.raises(itd.Problem) as info:                    # once
+        tx.answer_request(itd.Effects(), closed, {"verdict": "revise"}, by="tok_2", now=NOW + 6)
+    assert info.value.name == "conflict"                       # the run ended: its change rolls back what it wrote
+
+    # Not while an attempt in flight is being cancelled; a workflow's child wakes its parent.
+    _run_with_request(tx, "r2", deliver=True)
+    assert tx.begin_attempt(PB, "r2", now=NOW) is not None and tx.cancel_delivery(PB, "r2")
+    with pytest.raises(itd.Problem) as info:
+        tx.answer_request(itd.Effects(), tx.request(PB, "r2"), {}, by="tok_1", now=NOW)
+    assert info.value.name == "not_open"                       # (the change that tried it rolls back)
+    tx.conn.execute("UPDATE runs SET parent = 'wf-1' WHERE run_id = 'r1'")
+    _run_with_request(tx, "r3")
+    tx.conn.execute("UPDATE runs SET parent = 'wf-1' WHERE run_id = 'r3'")
+    fx = itd.Effects()
+    tx.answer_request(fx, tx.request(PB, "r3"), {}, by="tok_1", now=NOW + 7)
+    assert (itd.timer_key("workflow", PB, "wf-1"), NOW + 7) in fx.timers
+    # A run that ended while its request stood open (it cannot, but the guard holds): conflict.
+    _run_with_request(tx, "r4")
+    tx.conn.execute("UPDATE runs SET status = 'rejected' WHERE run_id = 'r4'")
+    with pytest.raises(itd.Problem) as info:
+        tx.answer_request(itd.Effects(), tx.request(PB, "r4"), {}, by="tok_1", now=NOW)
+    assert info.value.name == "conflict"
+
+
+def _open(tx, run_id: str, **kw) -> None:
+    tx.open_request(request_id=f"int_{run_id}", playbook=PB, run_id=run_id, type_="interaction", name="approve",
+                    version=1, party="ann", answerer="ann", message="ok?", answer_schema='{"type":"object"}',
+                    server=None, tool=None, delivery=itd.DeliveryState.IN_INBOX, asked_at=NOW, expires_at=NOW + 60_000,
+                    deliver_args=None, **kw)
+
+
 def test_listings_sort_as_sqlite_does(tx):
     save = dict(playbook=PB, type_="interaction", overview="o", uses=[], now=NOW, by="tok_1")
     for name in ("b-x", "a_y", "B", "ab"):
