@@ -5593,7 +5593,7 @@ class _PgConn:
     query, or with the COMMIT. Each round trip to the server is one wait of the writer thread,
     which every change of a group commit shares."""
 
-    __slots__ = ("url", "setup", "raw", "cur", "pending", "held", "run_row", "names")
+    __slots__ = ("url", "setup", "raw", "cur", "pending", "names")
 
     def __init__(self, url: str, setup: tuple[str, ...] = ()) -> None:
         self.url = url
@@ -5601,10 +5601,6 @@ class _PgConn:
         self.raw: Any = None
         self.cur: Any = None
         self.pending: list[str] = []
-        #: An operation held back to join the next one (PostgresTx.open_request): run before anything else.
-        self.held: Callable[[], None] | None = None
-        #: (playbook, run_id, row): a run's row as this transaction's last statement on `runs` returned it.
-        self.run_row: tuple[str, str, Any] | None = None
         #: The column names of each statement's result, by its text, read once from its first result:
         #: this connection's (one database's column order), forgotten when its schema changes.
         self.names: dict[str, dict[str, int]] = {}
@@ -5627,41 +5623,25 @@ class _PgConn:
         self.raw = raw
         self.cur = raw.cursor()
         self.pending = []
-        self.held = self.run_row = None
 
     @property
     def lost(self) -> bool:
         return self.raw is None or self.raw.closed or self.raw.broken
 
     def execute(self, sql: str, params: Any = ()) -> _PgResult:
-        if self.held is not None:
-            self.release_held()
         if self.pending:
             self.flush()
-        if self.run_row is not None and "runs" in sql:
-            self.run_row = None                  # the row may change: read it again
         cur = self.cur
         cur.execute(_pg_sql(sql), params)
         return _PgResult(cur, sql, self.names)
 
-    def release_held(self) -> None:
-        held, self.held = self.held, None
-        if held is not None:
-            held()
-
     def defer(self, sql: str) -> None:
         """Send a statement without parameters with the next round trip (see the class)."""
-        if self.held is not None:
-            self.release_held()
-        self.run_row = None
         self.pending.append(sql)
 
     def flush(self, last: str | None = None) -> Any:
         """Send the deferred statements (and `last`) in one simple query: one round trip. The cursor
         of the last one's result, or None when there was nothing to send."""
-        if self.held is not None:
-            self.release_held()
-        self.run_row = None
         text = "; ".join(self.pending + ([last] if last else []))
         self.pending = []
         if not text:
@@ -5745,7 +5725,6 @@ class PostgresTx(SQLiteTx):
                 self.conn.raw.execute("ROLLBACK")
             raise
         self._open_savepoint = True
-        self.conn.held = self.conn.run_row = None
 
     # A change's savepoint, and the notifications: deferred, so they cost no round trip of their own.
 
@@ -5761,7 +5740,6 @@ class PostgresTx(SQLiteTx):
 
     def rollback_savepoint(self) -> None:
         self._open_savepoint = False
-        self.conn.held = None                   # the change that held it back has failed
         self.conn.defer("ROLLBACK TO change")
         self.conn.defer("RELEASE change")
 
@@ -5774,7 +5752,6 @@ class PostgresTx(SQLiteTx):
     def rollback(self) -> None:
         self._open_savepoint = None
         self.conn.pending = []
-        self.conn.held = self.conn.run_row = None
         self.conn.raw.execute("ROLLBACK")
 
     def ready(self) -> None:
