@@ -1,0 +1,123 @@
+"""The PostgreSQL store's round trips: within a write, statements whose results nobody reads yet travel
+together, and a guard is checked when its result comes back. What a change does must stay its own:
+a failed guard or a refused statement fails that change alone, the others of its group commit keep
+what they wrote, and every published event carries its id once the change commits."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import interactiond as itd
+from daemon_kit import START_MS, fresh_postgres
+
+PB = "local/default"
+
+
+@pytest.fixture
+def pg():
+    with fresh_postgres() as url:
+        yield url
+
+
+def _runs(url: str, *run_ids: str) -> None:
+    tx = itd.open_sync(url)
+    try:
+        tx.ensure_playbook(PB, now=START_MS)
+        for run_id in run_ids:
+            assert tx.insert_run(playbook=PB, run_id=run_id, type_="interaction", name="approve", version=1,
+                                 input_text="{}", input_sha="x", parent=None, now=START_MS, by="tok_x")
+    finally:
+        tx.close()
+
+
+async def _store(url: str, committed: list[itd.Effects], batches: list[int]) -> itd.Store:
+    store = itd.Store(url, on_commit=committed.append)
+    store.on_batch = lambda n, seconds: batches.append(n)
+    await store.open()
+    return store
+
+
+def _end(run_id: str):
+    def change(tx, fx):
+        tx.end_run(fx, PB, run_id, itd.RunStatus.SUCCEEDED, now=START_MS + 1, by="tok_x", output={"ok": run_id})
+        return run_id
+    return change
+
+
+async def test_a_failed_guard_fails_its_own_change_and_no_other_of_its_commit(pg):
+    _runs(pg, "r1", "r2", "r3")
+    committed: list[itd.Effects] = []
+    batches: list[int] = []
+    store = await _store(pg, committed, batches)
+    try:
+        await store.write(_end("r2"))                       # r2 has ended: ending it again is a conflict
+        committed.clear()
+        batches.clear()
+        # Asked for in one turn of the loop: one group commit of three changes.
+        got = await asyncio.gather(store.write(_end("r1")), store.write(_end("r2")), store.write(_end("r3")),
+                                   return_exceptions=True)
+        assert batches == [3]
+        assert got[0] == "r1" and got[2] == "r3"
+        assert isinstance(got[1], itd.Problem) and (got[1].name, got[1].status) == ("conflict", 409)
+        rows = await store.read(lambda tx: [dict(r) for r in tx.conn.execute(
+            "SELECT id, run_id, type, run_seq FROM events ORDER BY id").fetchall()])
+        assert [(r["run_id"], r["type"], r["run_seq"]) for r in rows] == [
+            ("r2", "run_succeeded", 1), ("r1", "run_succeeded", 1), ("r3", "run_succeeded", 1)]
+        runs = await store.read(lambda tx: {r: tx.run(PB, r)["events"] for r in ("r1", "r2", "r3")})
+        assert runs == {"r1": 1, "r2": 1, "r3": 1}          # the refused change counted nothing
+        # Only the changes that committed publish, and each event with the id the table gave it.
+        assert [(e["run_id"], e["id"]) for fx in committed for e in fx.published] == \
+            [(r["run_id"], r["id"]) for r in rows[1:]]
+    finally:
+        await store.close()
+
+
+async def test_a_statement_refused_after_its_change_returned_fails_that_change_alone(pg):
+    _runs(pg)
+    committed: list[itd.Effects] = []
+    batches: list[int] = []
+    store = await _store(pg, committed, batches)
+
+    def daemon_row(name: str):
+        def change(tx, fx):             # no result is read: the statement goes with the change's end
+            tx.conn.execute("INSERT INTO daemons (id, host, pid, started_at, seen_at) VALUES (?, 'h', 1, 0, 0)",
+                            (name,))
+            return name
+        return change
+
+    try:
+        got = await asyncio.gather(store.write(daemon_row("dmn_a")), store.write(daemon_row("dmn_a")),
+                                   store.write(daemon_row("dmn_b")), return_exceptions=True)
+        assert batches == [3]
+        assert got[0] == "dmn_a" and got[2] == "dmn_b"
+        assert not isinstance(got[1], str)                  # the second dmn_a: a unique key refused it
+        names = await store.read(lambda tx: sorted(r[0] for r in tx.conn.execute(
+            "SELECT id FROM daemons WHERE host = 'h'").fetchall()))
+        assert names == ["dmn_a", "dmn_b"]
+    finally:
+        await store.close()
+
+
+async def test_a_change_that_fails_before_anything_was_sent_leaves_the_rest_of_its_commit(pg):
+    _runs(pg, "r1", "r2")
+    committed: list[itd.Effects] = []
+    batches: list[int] = []
+    store = await _store(pg, committed, batches)
+
+    def refuses(tx, fx):
+        tx.set_timer(fx, "expire:x:y", START_MS)          # queued, never sent: dropped with the change
+        raise itd.Problem("invalid_input", "no")
+
+    try:
+        got = await asyncio.gather(store.write(refuses), store.write(_end("r1")), store.write(_end("r2")),
+                                   return_exceptions=True)
+        assert batches == [3]
+        assert isinstance(got[0], itd.Problem) and got[1:] == ["r1", "r2"]
+        timers = await store.read(lambda tx: tx.all_timers())
+        assert timers == []
+        ended = await store.read(lambda tx: [tx.run(PB, r)["status"] for r in ("r1", "r2")])
+        assert ended == ["succeeded", "succeeded"]
+        assert all(type(e["id"]) is int for fx in committed for e in fx.published)
+    finally:
+        await store.close()
