@@ -3976,6 +3976,8 @@ class _DbThread(threading.Thread):
                     # PostgreSQL, the connection was lost): the changes before this one are gone
                     # too, and the ones after it must not run outside one.
                     failure = tx.problem(exc)
+                    with contextlib.suppress(*tx.errors):
+                        tx.rollback()           # what is left of it (PostgreSQL: a failed transaction ends so)
                     return [(f, None, failure, None) for f, *_ in out] + [(f, None, failure, None) for _, f, _ in batch[i:]]
                 with contextlib.suppress(*tx.errors):
                     tx.rollback_savepoint()
@@ -4062,6 +4064,17 @@ class _Checkpointer(threading.Thread):
         self.due.set()
 
 
+class Committed:
+    """What a change returns when its result is made from rows it wrote: `make()` runs once the
+    transaction has committed. On PostgreSQL those rows then come back with the commit's round trip
+    (PostgresTx), where reading them inside the change would cost the change a round trip of its own."""
+
+    __slots__ = ("make",)
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self.make = make
+
+
 def _settle_all(settled: list[tuple[Any, ...]], sink: Callable[[Effects], None] | None) -> None:
     for fut, result, exc, fx in settled:
         if fx is not None and sink is not None:
@@ -4071,6 +4084,11 @@ def _settle_all(settled: list[tuple[Any, ...]], sink: Callable[[Effects], None] 
                 log.exception("applying the effects of a committed change failed")
         if fut.done():
             continue
+        if exc is None and type(result) is Committed:
+            try:
+                result = result.make()
+            except Exception as made:
+                exc = made
         if exc is not None:
             fut.set_exception(exc)
         else:
@@ -4526,12 +4544,17 @@ class SQLiteTx:
     def _closed(self, fx: Effects, playbook: str, run_id: str) -> Row:
         """After a request closed: the counter follows, its timers go; the closed row."""
         conn = self.conn
-        row = conn.execute(_REQUEST_ROW + " WHERE q.playbook = ? AND q.run_id = ?", (playbook, run_id)).fetchone()
+        row = self._one(conn.execute(_REQUEST_ROW + " WHERE q.playbook = ? AND q.run_id = ?", (playbook, run_id)))
         conn.execute("UPDATE playbooks SET open_requests = open_requests - 1 WHERE id = ?", (playbook,))
         keys = [timer_key(kind, playbook, run_id) for kind in ("expire", "attempt", "lost", "remind", "escalate")]
         conn.execute("DELETE FROM timers WHERE key IN (?, ?, ?, ?, ?)", keys)  # one statement, not five
         fx.timers.extend((key, None) for key in keys)
         return row
+
+    @staticmethod
+    def _one(result: Any) -> Row:
+        """The one row a statement returns (PostgresTx: read when first looked at)."""
+        return result.fetchone()
 
     def answer_request(self, fx: Effects, req: Row, answer: Any, *, by: str, now: int,
                        claimed_for: str | None = None, reply_id: str | None = None,
@@ -5560,7 +5583,7 @@ class PgRow:
         return len(self._values)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, PgRow) and self._names == other._names and tuple(self) == tuple(other)
+        return isinstance(other, PgRow) and self.keys() == other.keys() and tuple(self) == tuple(other)
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -5568,6 +5591,37 @@ class PgRow:
         return f"PgRow({dict(zip(self._names, self._values))!r})"
 
 
+
+
+class _PgLazyRow(PgRow):
+    """The one row of a statement still in its connection's queue, read when first looked at (by
+    the change's end its round trip has gone, so reading it then costs none)."""
+
+    __slots__ = ("_result",)
+
+    def __init__(self, result: "_PgResult") -> None:     # PgRow's own slots stay unset: _row() reads
+        self._result = result
+
+    def _row(self) -> PgRow:
+        row = self._result.rows[0] if self._result.rows else None
+        if row is None:
+            raise RuntimeError("the statement returned no row")
+        return row
+
+    def __getitem__(self, key: str | int) -> Any:
+        return self._row()[key]
+
+    def keys(self) -> list[str]:
+        return self._row().keys()
+
+    def __iter__(self) -> Any:
+        return iter(self._row())
+
+    def __len__(self) -> int:
+        return len(self._row())
+
+    def __repr__(self) -> str:
+        return repr(self._row())
 
 
 class _PgResult:
@@ -5794,10 +5848,23 @@ class _PgConn:
                 pg.send_query_prepared(name, values, param_formats=formats)
             sent.append(result)
         pg.pipeline_sync()
+        fd = pg.socket
+        while pg.flush():                   # the connection is non-blocking: what is left to send, sent
+            select.select((), (fd,), ())
+        gap = False
         while True:
+            # libpq's PQgetResult waits for the server holding the GIL (psycopg calls it only once a
+            # result is in): the wait is made here, in select, which lets the event loop run meanwhile.
+            while pg.is_busy():
+                select.select((fd,), (), ())
+                pg.consume_input()
             res = pg.get_result()
-            if res is None:
+            if res is None:             # between two statements' results; twice in a row, or on a
+                if gap or pg.status == pq.ConnStatus.BAD:       # broken connection: no more will come
+                    raise _psycopg().OperationalError("the connection to the server was lost")
+                gap = True
                 continue
+            gap = False
             if res.status == pq.ExecStatus.PIPELINE_SYNC:
                 break
             got.append(res)
@@ -5917,6 +5984,9 @@ class PostgresTx(SQLiteTx):
         conn = self.conn
         if conn.lost:
             conn.reopen()
+        elif conn.pg.transaction_status != _psycopg().pq.TransactionStatus.IDLE:
+            conn.queue = []
+            conn.execute("ROLLBACK")            # a transaction left open by a failure: never built upon
         conn.queue = []
         conn.in_tx = True
         conn.fresh = True
@@ -6051,6 +6121,10 @@ class PostgresTx(SQLiteTx):
         if result._rows is None:
             return result, _PgRunSeq()
         return result._rows[0]["parent"], result._rows[0]["events"]
+
+    @staticmethod
+    def _one(result: Any) -> Row:
+        return _PgLazyRow(result) if result._rows is None else result.fetchone()
 
     def _parent_moves_on(self, fx: Effects, playbook: str, parent: Any, now: int) -> None:
         if type(parent) is _PgResult:             # known when the ending comes back: by the commit at the latest
@@ -8225,7 +8299,7 @@ class Inbox:
                                      errors=errors)
             closed = self._record_answer(tx, fx, row, answer, claimed_for, by, now)
             if idempotency is None:
-                return answer_fact(closed), True
+                return Committed(lambda: (answer_fact(closed), True))
             response = idempotency.response(closed)
             tx.remember_response(caller=idempotency.caller, key=idempotency.key, body_sha=idempotency.body_sha,
                                  response=response, now=now)

@@ -121,3 +121,29 @@ async def test_a_change_that_fails_before_anything_was_sent_leaves_the_rest_of_i
         assert all(type(e["id"]) is int for fx in committed for e in fx.published)
     finally:
         await store.close()
+
+
+async def test_the_event_loop_runs_while_a_write_waits_on_the_server(pg):
+    # Another daemon's write holds the database's write lock. Ours waits for it in its round trip,
+    # and the event loop meanwhile goes on serving: here it is the loop itself that ends the other
+    # write. A wait that held the loop (the GIL) would run into the lock timeout instead.
+    import psycopg
+
+    _runs(pg)
+    store = await _store(pg, [], [])
+    other = psycopg.connect(pg, autocommit=True)
+    try:
+        other.execute("BEGIN")
+        other.execute("SELECT pg_advisory_xact_lock(%s)", (itd._PG_WRITE_LOCK,))
+        write = asyncio.ensure_future(store.write(lambda tx, fx: tx.ensure_playbook("acme/other", now=START_MS)))
+        turns = 0
+        while turns < 20 and not write.done():
+            await asyncio.sleep(0.01)
+            turns += 1
+        assert not write.done()                 # still waiting for the lock, and the loop turned meanwhile
+        other.execute("COMMIT")
+        await asyncio.wait_for(write, 30)
+        assert await store.read(lambda tx: tx.conn.execute("SELECT COUNT(*) FROM playbooks").fetchone()[0]) == 2
+    finally:
+        other.close()
+        await store.close()

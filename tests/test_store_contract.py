@@ -510,10 +510,19 @@ async def test_a_write_held_up_past_the_lock_timeout_is_unavailable_and_writes_n
             other.execute("SELECT pg_advisory_xact_lock(%s)", (itd._PG_WRITE_LOCK,))
             with pytest.raises(itd.Problem) as info:
                 await store.write(lambda tx, fx: tx.ensure_playbook(PB, now=NOW))
+            # Several changes in one group commit meet the held lock too, the first of them reading
+            # (so the lock's failure comes back inside a change): every one is unavailable.
+            several = await asyncio.gather(*(store.write(lambda tx, fx, i=i: (tx.ensure_playbook(f"acme/p{i}", now=NOW),
+                                                                                tx.clock_kept()))
+                                              for i in range(3)), return_exceptions=True)
         assert (info.value.name, info.value.status, info.value.kind) == ("unavailable", 503, "database_busy")
+        assert [(p.name, p.kind) for p in several] == [("unavailable", "database_busy")] * 3
         assert await store.read(lambda tx: tx.conn.execute("SELECT COUNT(*) FROM playbooks").fetchone()[0]) == 0
-        await store.write(lambda tx, fx: tx.ensure_playbook(PB, now=NOW))      # the lock gone: written
-        assert await store.read(lambda tx: tx.conn.execute("SELECT COUNT(*) FROM playbooks").fetchone()[0]) == 1
+        # The lock gone, the writer's connection is in no failed transaction: the next writes are written.
+        await store.write(lambda tx, fx: tx.ensure_playbook(PB, now=NOW))
+        await asyncio.gather(store.write(lambda tx, fx: tx.ensure_playbook("acme/q1", now=NOW)),
+                             store.write(lambda tx, fx: tx.ensure_playbook("acme/q2", now=NOW)))
+        assert await store.read(lambda tx: tx.conn.execute("SELECT COUNT(*) FROM playbooks").fetchone()[0]) == 3
     finally:
         other.close()
         await store.close()
