@@ -11481,7 +11481,8 @@ async def h_metrics(request: web.Request) -> web.Response:
 async def observe_middleware(request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
     """Give the request an id (the client's `X-Request-Id` when it is a plain one), time it by its
     route for the metrics, and write the access line when asked (`serve --access-log`); within it,
-    api_middleware (one middleware for aiohttp, not two: each costs the request a layer)."""
+    api_middleware, and after it the typed API's `code` on a /v2 problem (one middleware for
+    aiohttp, not three: each costs every request a layer)."""
     rid = request.headers.get("X-Request-Id", "")
     if not rid or not _REQUEST_ID_RE.fullmatch(rid):
         rid = _next_request_id()
@@ -11493,6 +11494,8 @@ async def observe_middleware(request: web.Request, handler: Callable[[web.Reques
         status = resp.status
         if not resp.prepared:
             resp.headers["X-Request-Id"] = rid
+        if request.path.startswith("/v2/"):
+            _v2_code(resp)
         return resp
     except web.HTTPException as exc:
         status = exc.status
@@ -13250,22 +13253,29 @@ ROUTES.extend(TYPED_ROUTES)                 # served by build_app's loop and doc
 ROUTE_BY_HANDLER.update({r.handler: r for r in TYPED_ROUTES})
 
 
-@web.middleware
-async def _v2_codes(request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
+def _v2_code(resp: web.StreamResponse) -> None:
     """Every problem on /v2 carries `code` beside the problem fields, also those of auth and routing."""
-    resp = await handler(request)
-    if (request.path.startswith("/v2/") and isinstance(resp, web.Response)
-            and resp.content_type == "application/problem+json" and isinstance(resp.body, bytes)):
+    if (isinstance(resp, web.Response) and resp.content_type == "application/problem+json"
+            and isinstance(resp.body, bytes)):
         body = json.loads(resp.body)
         if "code" not in body:
             body["code"] = str(body.get("type", "")).rsplit("/", 1)[-1]
             resp.text = dumps(body)         # its headers stand (WWW-Authenticate, X-Request-Id)
+
+
+@web.middleware
+async def _v2_codes(request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
+    """_v2_code as a middleware of its own, for an app without observe_middleware (which does it)."""
+    resp = await handler(request)
+    if request.path.startswith("/v2/"):
+        _v2_code(resp)
     return resp
 
 
 def mount_typed_api(app: web.Application) -> None:
     """What the typed API needs of an app beyond its routes: `code` on its problems, streams ended at shutdown."""
-    app.middlewares.insert(0, _v2_codes)
+    if observe_middleware not in app.middlewares:
+        app.middlewares.insert(0, _v2_codes)
     app[SSE_TASKS_KEY] = set()
 
     async def end_streams(app: web.Application) -> None:
