@@ -113,6 +113,8 @@ for _name in _DEFERRED:
     del sys.modules[_name]
 from jsonschema.exceptions import SchemaError, ValidationError
 from liquid import Environment, RenderContext, StrictDefaultUndefined
+from liquid.builtin.content import ContentNode
+from liquid.builtin.expressions import FilteredExpression, Path as LiquidPath
 from liquid.builtin.output import Output, OutputNode
 from liquid.builtin.tags.echo_tag import EchoNode, EchoTag
 from liquid.exceptions import LiquidError, ResourceLimitError, UndefinedError
@@ -1342,10 +1344,59 @@ def _unreserve(source: str) -> str:
     return _LIQUID_MARKUP_RE.sub(lambda m: _RESERVED_MEMBER_RE.sub(member, m.group(0)), source)
 
 
+# Plain templates. Most templates only print names: `{{ input.owner }}`, or a message of text
+# with `{{ input.brief }}` in it. Such a template renders without Liquid: each name is looked up in
+# the context as Liquid looks it up (a dict's member at each step), and the text is joined as
+# Liquid's output buffer writes it (each piece counted against TEMPLATE_OUTPUT_LIMIT in UTF-8, its
+# \r\n and \r made \n piece by piece). Anything else goes to Liquid, which says what is wrong: a name
+# not there, a member of something that is not a dict, an object or a list inside text, a text past
+# the limit, a lone surrogate. The bench's `to` 3.2 -> 0.2 us, its message 9.9 -> 0.8 us.
+
+#: Names Liquid itself puts in a render's scope above the context (BoundTemplate's namespace): a
+#: template that reads one is always rendered by Liquid.
+_LIQUID_OWN_NAMES: Final = frozenset({"partial", "template"})
+_MISSING: Final = object()
+
+
+def _plain_parts(nodes: list[Any]) -> tuple[str | tuple[str, ...], ...] | None:
+    """A template's nodes as text and plain names (`{{ name }}`, `{{ input.a.b }}`: no filter, no
+    index, no name inside a name), or None when a node is anything else."""
+    parts: list[str | tuple[str, ...]] = []
+    for node in nodes:
+        if type(node) is ContentNode:
+            parts.append(node.text)
+        elif type(node) is _OutputNode:
+            expr = node.expression
+            if type(expr) is not FilteredExpression or expr.filters or type(expr.left) is not LiquidPath:
+                return None
+            path = expr.left.path
+            if not path or any(type(seg) is not str for seg in path) or path[0] in _LIQUID_OWN_NAMES:
+                return None
+            parts.append(tuple(path))
+        else:
+            return None
+    return tuple(parts)
+
+
+def _plain_value(ctx: Mapping[str, Any], path: tuple[str, ...]) -> Any:
+    """The value a plain name reads, or _MISSING where Liquid would have to say why there is none."""
+    value = ctx.get(path[0], _MISSING)
+    for key in path[1:]:
+        if type(value) is not dict:
+            return _MISSING
+        value = value.get(key, _MISSING)
+    return value
+
+
+def _liquid_newlines(text: str) -> str:
+    """What Liquid's output buffer (a StringIO with universal newlines) keeps of one piece written."""
+    return text.replace("\r\n", "\n").replace("\r", "\n") if "\r" in text else text
+
+
 class Template:
     """A compiled template and the line of the document it starts on."""
 
-    __slots__ = ("source", "line", "_bound", "_whole")
+    __slots__ = ("source", "line", "_bound", "_whole", "_parts")
 
     def __init__(self, source: str, line: int = 1) -> None:
         self.source = source
@@ -1353,6 +1404,7 @@ class Template:
         self._bound = LIQUID.from_string(_unreserve(source))  # LiquidError when it does not compile
         nodes = self._bound.nodes
         self._whole = nodes[0] if len(nodes) == 1 and isinstance(nodes[0], _OutputNode) else None
+        self._parts = _plain_parts(nodes)     # None: Liquid renders it
 
     def __repr__(self) -> str:
         return f"Template({self.source!r}, line={self.line})"
@@ -1367,10 +1419,24 @@ class Template:
         """The top-level names the template reads (`input`, `today`, `sent`, ...)."""
         return frozenset(self._bound.global_variables())
 
+    @property
+    def plain(self) -> bool:
+        """True when the template renders without Liquid where its names are there (see above)."""
+        return self._parts is not None
+
     def render(self, ctx: Mapping[str, Any]) -> Any:
         """The value of a whole expression, typed; the rendered text of anything else."""
         if self._whole is None:
             return self.render_text(ctx)
+        if self._parts is not None:
+            value = _plain_value(ctx, self._parts[0])   # type: ignore[arg-type]
+            if value is not _MISSING:
+                return _plain(value)
+        return self._liquid_value(ctx)
+
+    def _liquid_value(self, ctx: Mapping[str, Any]) -> Any:
+        """`render` of a whole expression by Liquid."""
+        assert self._whole is not None
         expr = self._whole.expression
         try:
             value = expr.evaluate(RenderContext(self._bound, globals=ctx))
@@ -1382,6 +1448,28 @@ class Template:
 
     def render_text(self, ctx: Mapping[str, Any]) -> str:
         """The rendered text, whatever the template is."""
+        if self._parts is not None:
+            pieces = []
+            for part in self._parts:
+                if type(part) is str:
+                    pieces.append(part)
+                    continue
+                value = _plain_value(ctx, part)
+                if value is _MISSING or isinstance(value, (Mapping, list, tuple)):
+                    break
+                pieces.append(value if type(value) is str else to_liquid_string(value, False))
+            else:
+                text = "".join(pieces)
+                try:
+                    size = len(text.encode())
+                except UnicodeEncodeError:
+                    size = TEMPLATE_OUTPUT_LIMIT + 1
+                if size <= TEMPLATE_OUTPUT_LIMIT:
+                    return "".join(map(_liquid_newlines, pieces)) if "\r" in text else text
+        return self._liquid_text(ctx)
+
+    def _liquid_text(self, ctx: Mapping[str, Any]) -> str:
+        """`render_text` by Liquid."""
         try:
             return self._bound.render(ctx)
         except Exception as exc:
