@@ -732,6 +732,11 @@ class _Ulid:
         self._last_rand = 0
         self._pool = b""
         self._taken = 0
+        if hasattr(os, "register_at_fork"):    # a forked child draws its own: never the parent's next ids
+            os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        self._pool, self._taken, self._last_ms = b"", 0, -1
 
     def _random_start(self) -> int:
         """79 random bits (one short of 80, so a millisecond's ids have room to count up)."""

@@ -288,3 +288,17 @@ def test_ulid_random_starts_are_drawn_in_bulk_and_never_repeat():
     starts += [ulid._random_start() for _ in range(per_pool * 2)]
     assert ulid._pool is not pool                                   # drawn again
     assert len(set(starts)) == len(starts) and all(0 <= s < 2 ** 79 for s in starts)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_forked_child_draws_ulids_of_its_own():
+    interactiond.new_ulid()                        # the parent has a pool and a millisecond
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                   # the child: its next id, then out at once
+        os.write(write, interactiond.new_ulid().encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    child = os.read(read, 26).decode()
+    mine = interactiond.new_ulid()
+    assert child[10:] != mine[10:] and child != mine
