@@ -1378,7 +1378,6 @@ def _unreserve(source: str) -> str:
 #: Names Liquid itself puts in a render's scope above the context (BoundTemplate's namespace): a
 #: template that reads one is always rendered by Liquid.
 _LIQUID_OWN_NAMES: Final = frozenset({"partial", "template"})
-_MISSING: Final = object()
 
 
 def _plain_parts(nodes: list[Any]) -> tuple[str | tuple[str, ...], ...] | None:
