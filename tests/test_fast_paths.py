@@ -273,3 +273,32 @@ def test_ulids_spell_their_time_and_order_in_crockfords_base32():
         for ch in ulid:
             value = value * 32 + letters.index(ch)
         assert value < 2 ** 128 and before <= value >> 80 <= after     # 48 bits of milliseconds, then 80
+
+
+def test_ulid_random_starts_are_drawn_in_bulk_and_never_repeat():
+    """Each millisecond's random start comes from os.urandom, RANDOM_POOL bytes at a time: the
+    pool is used ten bytes a draw, then drawn anew, and no two starts are the same."""
+    ulid = interactiond._Ulid()
+    per_pool = interactiond._Ulid.RANDOM_POOL // 10
+    first = ulid._random_start()
+    pool = ulid._pool
+    assert len(pool) == interactiond._Ulid.RANDOM_POOL and first == int.from_bytes(pool[:10], "big") >> 1
+    starts = [first] + [ulid._random_start() for _ in range(per_pool - 1)]
+    assert ulid._pool is pool and starts[-1] == int.from_bytes(pool[-10:], "big") >> 1
+    starts += [ulid._random_start() for _ in range(per_pool * 2)]
+    assert ulid._pool is not pool                                   # drawn again
+    assert len(set(starts)) == len(starts) and all(0 <= s < 2 ** 79 for s in starts)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_forked_child_draws_ulids_of_its_own():
+    interactiond.new_ulid()                        # the parent has a pool and a millisecond
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                   # the child: its next id, then out at once
+        os.write(write, interactiond.new_ulid().encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    child = os.read(read, 26).decode()
+    mine = interactiond.new_ulid()
+    assert child[10:] != mine[10:] and child != mine

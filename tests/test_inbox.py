@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 
@@ -347,6 +348,20 @@ async def test_openapi_matches_routes(d):
     assert {p for _, p in served if p.startswith("/v1/")} <= {p for _, p in documented}
     status = (await d.client.get("/problems/unanswered")).status
     assert status == 200
+
+
+async def test_every_route_resolves_to_its_handler(d):
+    """The router adds runs and answers first; each path of ROUTES still reaches its own handler."""
+    from aiohttp.test_utils import make_mocked_request
+    app = d.client.app
+    for r in itd.ROUTES:
+        path = re.sub(r"{(\w+)}", lambda m: "x" if m.group(1) != "org" else "acme", r.path)
+        info = await app.router.resolve(make_mocked_request(r.method, path, app=app))
+        assert info.handler is r.handler, (r.method, r.path)
+    first = [res.canonical for res in app.router.resources()][:2]
+    assert set(first) == {itd.PB + "/runs", itd.PB + "/runs/{run_id}/answer"}
+    resp = await d.client.put(d.url("/runs"), headers=d.auth())
+    assert resp.status == 405 and (await resp.json())["status"] == 405
 
 
 def test_embedded_schema_equals_schema_sql():

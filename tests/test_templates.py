@@ -225,3 +225,80 @@ def test_place_table():
     assert PLACES["replies.conversation"].reads == {"to", "sent.conversation", "sent.id"}
     assert PLACES["replies.with"].reads == {"to", "sent.conversation", "sent.id", "conversation", "since"}
     assert PLACES["tell.with"].reads == {"to", "sent.conversation", "sent.id", "message"}
+
+
+# Plain templates ##################################################################################
+#
+# A template that only prints names renders without Liquid; whatever the context, its result (or
+# its failure, kind and words) is Liquid's.
+
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+_NAMES = ["a", "b", "size", "first", "last", "limit", "x"]
+_TEXT = st.text(alphabet="ab \r\n\t-é😀", max_size=8)
+_SCALARS = (st.none() | st.booleans() | st.integers(-10**20, 10**20) | st.floats(allow_nan=True) | _TEXT
+            | st.sampled_from(["\ud800", "x\r\n", "\r", "y" * (itd.TEMPLATE_OUTPUT_LIMIT // 2 + 1), "ü" * 40_000]))
+_VALUES = st.recursive(_SCALARS, lambda inner: st.lists(inner, max_size=3)
+                       | st.dictionaries(st.sampled_from(_NAMES), inner, max_size=4), max_leaves=8)
+_PATHS = st.tuples(st.sampled_from(["input", "input", "input", "today", "request", "partial", "template", "nope"]),
+                   st.lists(st.sampled_from(_NAMES), max_size=3))
+_TAILS = st.sampled_from(["", "", "", " | upcase", " | size", "[0]", ".first.a"])
+
+
+@st.composite
+def _outputs(draw: st.DrawFn) -> str:
+    root, members = draw(_PATHS)
+    left, right = draw(st.sampled_from(["{{", "{{-"])), draw(st.sampled_from(["}}", "-}}"]))
+    return f"{left} {'.'.join([root, *members])}{draw(_TAILS)} {right}"
+
+
+_SOURCES = st.lists(_TEXT | _outputs(), min_size=1, max_size=5).map("".join)
+_CONTEXTS = st.fixed_dictionaries({"input": _VALUES, "today": _TEXT, "now": _TEXT},
+                                  optional={"request": st.dictionaries(st.sampled_from(_NAMES), _VALUES, max_size=2)})
+
+
+def _outcome(call: Any) -> tuple[Any, ...]:
+    try:
+        value = call()
+    except RenderError as exc:
+        return ("error", exc.kind, exc.message)
+    return ("value", type(value), value if value == value else "nan")
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(_SOURCES, _CONTEXTS)
+def test_a_plain_template_renders_as_liquid_does(source, ctx):
+    try:
+        template = Template(source)
+    except Exception:
+        return                                    # not a template (Liquid refuses it): nothing to render
+    assert _outcome(lambda: template.render_text(ctx)) == _outcome(lambda: template._liquid_text(ctx)), source
+    if template.whole:
+        assert _outcome(lambda: template.render(ctx)) == _outcome(lambda: template._liquid_value(ctx)), source
+
+
+@pytest.mark.parametrize("source, plain", [
+    ("{{ input.owner }}", True),
+    ("Please review this brief:\n\n{{ input.brief }}\n\nApprove it, or ask for a revision.\n", True),
+    ("{{- input.a.b -}} and {{ today }}", True),
+    ("no names at all", True),
+    ("{{ input.owner | upcase }}", False),
+    ("{{ input.tags[0] }}", False),
+    ("{% if input.ok %}yes{% endif %}", False),
+    ("{{ partial }}", False),
+])
+def test_which_templates_render_without_liquid(source, plain):
+    assert Template(source).plain is plain
+
+
+def test_the_plain_path_gives_liquids_text_and_values():
+    message = Template("Brief:\r\n{{ input.brief }}\rend {{ input.n }} {{ input.ok }} {{ input.none }}.")
+    ctx = {"input": {"brief": "one\r\ntwo", "n": 1.5, "ok": False, "none": None}}
+    assert message.render_text(ctx) == message._liquid_text(ctx) == "Brief:\none\ntwo\nend 1.5 false ."
+    to = Template("{{ input.owner }}")
+    assert to.render({"input": {"owner": "ana"}}) == "ana"
+    assert render_kind(to, ctx={"input": {}}) == "undefined"
+    assert render_kind(message, "render_text", {"input": {"brief": {"k": 1}}}) == "structure"
+    assert render_kind(message, "render_text", {"input": {"brief": "\ud800", "n": 1, "ok": 1, "none": 1}}) == "error"
+    big = {"input": {"brief": "x" * itd.TEMPLATE_OUTPUT_LIMIT, "n": 1, "ok": 1, "none": 1}}
+    assert render_kind(message, "render_text", big) == "limit"

@@ -315,6 +315,25 @@ async def test_problems_on_v2_carry_a_code(d):
     # v1 problems stay as they were.
     status, body = await d.call("GET", "/runs/nope")
     assert status == 404 and "code" not in body
+    resp = await d.client.get("/v2/nothing-here")       # routing's own problem, with its request id
+    body = await resp.json()
+    assert resp.status == 404 and body["code"] == "not_found" and resp.headers["X-Request-Id"]
+
+
+async def test_typed_api_mounted_on_an_app_of_its_own_codes_its_problems(aiohttp_client):
+    """Without the daemon's observe_middleware, mount_typed_api brings the `code` middleware itself."""
+    async def refuse(request: web.Request) -> web.Response:
+        return itd.problem_response(itd.Problem("forbidden", "no"))
+    app = web.Application()
+    app.router.add_get("/v2/x", refuse)
+    app.router.add_get("/v1/x", refuse)
+    itd.mount_typed_api(app)
+    client = await aiohttp_client(app)
+    resp = await client.get("/v2/x")
+    assert resp.status == 403 and (await resp.json())["code"] == "forbidden"
+    resp = await client.get("/v1/x")
+    assert resp.status == 403 and "code" not in await resp.json()
+    assert itd.observe_middleware not in app.middlewares
 
 
 # -- v1 and v2 are one inbox --------------------------------------------------------------------
