@@ -4604,13 +4604,17 @@ class SQLiteTx:
 
     def _closed(self, fx: Effects, playbook: str, run_id: str) -> Row:
         """After a request closed: the counter follows, its timers go; the closed row."""
+        row = self.conn.execute(_REQUEST_ROW + " WHERE q.playbook = ? AND q.run_id = ?", (playbook, run_id)).fetchone()
+        self._request_gone(fx, playbook, run_id)
+        return row
+
+    def _request_gone(self, fx: Effects, playbook: str, run_id: str) -> None:
+        """After a request closed: the counter follows, its timers go."""
         conn = self.conn
-        row = conn.execute(_REQUEST_ROW + " WHERE q.playbook = ? AND q.run_id = ?", (playbook, run_id)).fetchone()
         conn.execute("UPDATE playbooks SET open_requests = open_requests - 1 WHERE id = ?", (playbook,))
         keys = [timer_key(kind, playbook, run_id) for kind in ("expire", "attempt", "lost", "remind", "escalate")]
         conn.execute("DELETE FROM timers WHERE key IN (?, ?, ?, ?, ?)", keys)  # one statement, not five
         fx.timers.extend((key, None) for key in keys)
-        return row
 
     def answer_request(self, fx: Effects, req: Row, answer: Any, *, by: str, now: int,
                        claimed_for: str | None = None, reply_id: str | None = None,
@@ -4619,15 +4623,25 @@ class SQLiteTx:
         write it, in seven statements rather than ten: the run ends (guarded: live, else `conflict`)
         counting request_answered and run_succeeded at once; both are appended; the answer is written
         on the request as it closes (guarded: open and not being cancelled, else `not_open`); the
-        counter follows and the timers go. The closed row."""
+        counter follows and the timers go.
+
+        The closed row: `req` (as read in this change) with what the answer wrote, not read back (a
+        tenth of an answer's statements) where request_answered's id is known already, as it is on a
+        file; a server's comes back with the next round trip, and the row is read then."""
         playbook, run_id = req["playbook"], req["run_id"]
         reply = {"id": reply_id, **({"sender": reply_sender} if reply_sender is not None else {})}
         answer_id = self._end_run(fx, playbook, run_id, RunStatus.SUCCEEDED, now=now, by=by, output=answer,
                                   before=("request_answered", {"answer": answer, "claimed_for": claimed_for,
                                           **({"reply": reply} if reply_id is not None else {})}))
-        self._answer_closes(answer_id, (dumps(answer), answer_id, by, now, claimed_for, reply_id, reply_sender,
-                                        req["seq"]))
-        return self._closed(fx, playbook, run_id)
+        text = dumps(answer)
+        self._answer_closes(answer_id, (text, answer_id, by, now, claimed_for, reply_id, reply_sender, req["seq"]))
+        if type(answer_id) is not int:
+            return self._closed(fx, playbook, run_id)
+        self._request_gone(fx, playbook, run_id)
+        closed = dict(req)
+        closed.update(answer=text, answer_id=answer_id, answered_by=by, answered_at=now, claimed_for=claimed_for,
+                      reply_id=reply_id, reply_sender=reply_sender, status=RequestStatus.ANSWERED.value, open=0)
+        return closed
 
     def _answer_closes(self, answer_id: Any, values: tuple[Any, ...]) -> None:
         """The answer written on the request as it closes (guarded: open and not being cancelled, else
@@ -7865,8 +7879,13 @@ class Runs:
             if end is not None:
                 tx.end_run(fx, playbook, run_id, _status_of(end), now=now, by=caller.id,
                            kind=end.kind, problem=end)
-            else:
-                self._open_request(tx, fx, playbook, run_id, type_, name, version, doc, prepared, now, caller.id)
+            elif self._open_request(tx, fx, playbook, run_id, type_, name, version, doc, prepared, now, caller.id):
+                # The run as this change wrote it, waiting for its request, not read back (a ninth of a
+                # run's statements).
+                return run_object({"run_id": run_id, "playbook": playbook, "type": type_, "name": name,
+                                   "version": version, "status": RunStatus.WAITING.value, "kind": None,
+                                   "input": input_text, "output": None, "problem": None, "created_at": now,
+                                   "ended_at": None, "settled_by": None}), True
             return run_object(tx.run(playbook, run_id)), True
 
         run, fresh = await self.store.write(change)
@@ -7875,7 +7894,9 @@ class Runs:
         return run, fresh
 
     def _open_request(self, tx: Tx, fx: Effects, playbook: str, run_id: str, type_: str,
-                      name: str, version: int, doc: Any, prepared: dict[str, Any], now: int, by: str) -> None:
+                      name: str, version: int, doc: Any, prepared: dict[str, Any], now: int, by: str) -> bool:
+        """Open the run's request; True when the run now waits for it, False when it ended (a
+        notification the inbox only shows)."""
         answer_schema = prepared.get("answer_schema", doc.output_schema)
         notification = answer_schema is None
         deliver = doc.deliver
@@ -7897,11 +7918,12 @@ class Runs:
             run_seq=run_seq)
         if inbox_note:
             tx.end_run(fx, playbook, run_id, RunStatus.SUCCEEDED, now=now, by=by, output={})
-            return
+            return False
         tx.set_timer(fx, timer_key("expire", playbook, run_id), prepared["expires_at"])
         Reminders.arm(tx, fx, playbook, run_id, prepared.get("follow_up"))
         if deliver is not None:
             tx.set_timer(fx, timer_key("attempt", playbook, run_id), now)
+        return True
 
     async def get_run(self, caller: Caller, playbook: str, run_id: str) -> dict[str, Any]:
         row = await self.store.read(lambda tx: tx.run(playbook, run_id))
