@@ -4,6 +4,8 @@ states it may leave, and a move the transition tables refuse writes nothing and 
 from __future__ import annotations
 
 import asyncio
+import sqlite3
+import threading
 from pathlib import Path
 
 import pytest
@@ -447,6 +449,92 @@ async def test_a_failing_change_rolls_back_alone_and_effects_follow_the_commit(d
             await store.write(lambda tx, fx: tx.end_run(fx, PB, "nope", S.SUCCEEDED, now=NOW, by="x"))
         assert info.value.name == "conflict"
     finally:
+        await store.close()
+
+
+async def test_a_file_commits_a_turns_changes_on_the_loop_and_a_failing_one_alone(tmp_path):
+    """On a file, with the write lock free and the writer thread idle, a turn's changes run and commit
+    on the event loop's thread, one transaction; a change that raises is undone alone there too, and
+    each change's effects follow the commit."""
+    store = itd.Store(str(tmp_path / "t.db"))
+    seen: list[itd.Effects] = []
+    store.on_commit = seen.append
+    await store.open()
+    try:
+        await store.write(lambda tx, fx: tx.ensure_playbook(PB, now=NOW))
+        threads: list[threading.Thread] = []
+
+        def good(name):
+            def change(tx, fx):
+                threads.append(threading.current_thread())
+                tx.set_timer(fx, f"expire:{PB}:{name}", NOW)
+                return name
+            return change
+
+        def bad(tx, fx):
+            threads.append(threading.current_thread())
+            tx.set_timer(fx, f"expire:{PB}:bad", NOW)
+            tx.conn.execute("INSERT INTO playbooks (id, created_at) VALUES (?, 0)", (PB,))   # taken: fails
+
+        results = await asyncio.gather(store.write(good("a")), store.write(bad), store.write(good("b")),
+                                       return_exceptions=True)
+        assert results[0] == "a" and results[2] == "b" and isinstance(results[1], itd.Problem | Exception)
+        assert threads == [threading.main_thread()] * 3
+        keys = await store.read(lambda tx: sorted(k for k, _ in tx.all_timers()))
+        assert keys == [f"expire:{PB}:a", f"expire:{PB}:b"]
+        assert [fx.timers for fx in seen[-2:]] == [[(f"expire:{PB}:a", NOW)], [(f"expire:{PB}:b", NOW)]]
+        with pytest.raises(itd.Problem) as info:                # alone in its transaction: rolled back whole
+            await store.write(lambda tx, fx: (tx.set_timer(fx, f"expire:{PB}:c", NOW),
+                                              tx.end_run(fx, PB, "nope", S.SUCCEEDED, now=NOW, by="x")))
+        assert info.value.name == "conflict"
+        assert await store.read(lambda tx: tx.timer_due(f"expire:{PB}:c")) is None
+        assert await store.write(lambda tx, fx: tx.conn.in_transaction) is True
+        assert not store._writer.conn.in_transaction
+    finally:
+        await store.close()
+
+
+async def test_a_file_locked_elsewhere_leaves_the_loop_free_and_the_writer_thread_commits_in_order(tmp_path):
+    """Another connection holds the write lock: the loop does not wait for it (it goes on with its turns),
+    the writer thread does, and commits that change and the ones asked for after it, in order; once
+    they have settled, the next change commits on the loop again."""
+    db = str(tmp_path / "t.db")
+    store = itd.Store(db)
+    await store.open()
+    holder = sqlite3.connect(db, isolation_level=None)
+    try:
+        await store.write(lambda tx, fx: tx.ensure_playbook(PB, now=NOW))
+        order: list[tuple[str, threading.Thread]] = []
+
+        def change(name):
+            def run(tx, fx):
+                order.append((name, threading.current_thread()))
+                tx.set_timer(fx, f"expire:{PB}:{name}", NOW)
+                return name
+            return run
+
+        loop = asyncio.get_running_loop()
+        holder.execute("BEGIN IMMEDIATE")
+        began = loop.time()
+        first = store.write(change("first"))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)                      # the hand-over's turn has run
+        second = store.write(change("second"))      # the first is still the thread's: this one follows it
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        # The busy timeout is 5 s: a loop that waited for the lock would have taken that long here.
+        assert loop.time() - began < 2.5
+        assert not first.done() and not second.done() and order == []
+        loop.call_soon(holder.execute, "ROLLBACK")  # the loop, free, lets the lock go
+        assert await first == "first" and await second == "second"
+        assert [name for name, _ in order] == ["first", "second"]
+        assert all(t is not threading.main_thread() for _, t in order)
+        assert await store.write(change("third")) == "third"
+        assert order[-1] == ("third", threading.main_thread())
+        assert await store.read(lambda tx: sorted(k for k, _ in tx.all_timers())) == [
+            f"expire:{PB}:first", f"expire:{PB}:second", f"expire:{PB}:third"]
+    finally:
+        holder.close()
         await store.close()
 
 
