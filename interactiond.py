@@ -4749,6 +4749,12 @@ class SQLiteTx:
         """The one row a statement returns (PostgresTx: read when first looked at)."""
         return result.fetchone()
 
+    @staticmethod
+    def _as_written(row: Row) -> dict[str, Any]:
+        """A row read in this change, to be updated with what the change wrote on it (PostgresTx:
+        some of those values still to come back from the server)."""
+        return dict(row)
+
     def answer_request(self, fx: Effects, req: Row, answer: Any, *, by: str, now: int,
                        claimed_for: str | None = None, reply_id: str | None = None,
                        reply_sender: str | None = None) -> Row:
@@ -4768,10 +4774,8 @@ class SQLiteTx:
                                           **({"reply": reply} if reply_id is not None else {})}))
         text = dumps(answer)
         self._answer_closes(answer_id, (text, answer_id, by, now, claimed_for, reply_id, reply_sender, req["seq"]))
-        if type(answer_id) is not int:
-            return self._closed(fx, playbook, run_id)
         self._request_gone(fx, playbook, run_id)
-        closed = dict(req)
+        closed = self._as_written(req)
         closed.update(answer=text, answer_id=answer_id, answered_by=by, answered_at=now, claimed_for=claimed_for,
                       reply_id=reply_id, reply_sender=reply_sender, status=RequestStatus.ANSWERED.value, open=0)
         return closed
@@ -5827,6 +5831,33 @@ class _PgLazyRow(PgRow):
         return repr(self._row())
 
 
+class _PgAsWritten(dict):  # type: ignore[type-arg]
+    """A row as a change wrote it, some of whose values (an event's id) are still to come back from
+    the server: each is read when looked at, by the change's end without a round trip of its own."""
+
+    def __getitem__(self, key: str) -> Any:
+        value = dict.__getitem__(self, key)
+        return value.rows[0][0] if type(value) is _PgResult else value
+
+    def __iter__(self) -> Any:                  # so dict(row) and {**row} go through __getitem__
+        return dict.__iter__(self)
+
+    def settle(self) -> None:
+        """Put each value that has come back in its place (after the commit)."""
+        for key, value in dict.items(self):
+            if type(value) is _PgResult:
+                dict.__setitem__(self, key, value._rows[0][0] if value._rows else None)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if key in self else default
+
+    def values(self) -> Any:
+        return [self[k] for k in self]
+
+    def items(self) -> Any:
+        return [(k, self[k]) for k in self]
+
+
 class _PgResult:
     """A statement's result as sqlite3's cursor gives it to the store: fetchone, fetchall, iteration
     (rows as PgRow) and rowcount. Within a write transaction the statement waits in its connection's
@@ -6169,7 +6200,7 @@ class PostgresTx(SQLiteTx):
         self._open_savepoint: bool | None = None     # None: no write transaction open
         self._opening: list[_PgResult] = []          # BEGIN, the lock, the first savepoint
         self._mark = (0, 0, 0)                       # (round trips, queued, later) when the change began
-        self._ids: list[dict[str, Any]] = []         # published events whose ids are still to come back
+        self._ids: list[dict[str, Any]] = []         # published events (and rows as written) whose ids are still to come back
         self._later: list[Callable[[], None]] = []    # what waits on a result, done before the commit
 
     @property
@@ -6234,6 +6265,9 @@ class PostgresTx(SQLiteTx):
         if done.statusmessage != "COMMIT":      # the server ends a failed transaction so, silently
             raise RuntimeError("the transaction had failed and was rolled back at its commit")
         for event in self._ids:                 # every id has come back by now (a rolled-back change's: None)
+            if type(event) is _PgAsWritten:
+                event.settle()
+                continue
             result = event["id"]
             event["id"] = result._rows[0][0] if result._rows else None
         self._ids = []
@@ -6328,6 +6362,11 @@ class PostgresTx(SQLiteTx):
     @staticmethod
     def _one(result: Any) -> Row:
         return _PgLazyRow(result) if result._rows is None else result.fetchone()
+
+    def _as_written(self, row: Row) -> dict[str, Any]:
+        written = _PgAsWritten(row)
+        self._ids.append(written)               # its values that come back, put in place by the commit
+        return written
 
     def _parent_moves_on(self, fx: Effects, playbook: str, parent: Any, now: int) -> None:
         if type(parent) is _PgResult:             # known when the ending comes back: by the commit at the latest
