@@ -5810,10 +5810,10 @@ class _PgLazyRow(PgRow):
         self._result = result
 
     def _row(self) -> PgRow:
-        row = self._result.rows[0] if self._result.rows else None
-        if row is None:
+        rows = self._result.rows
+        if not rows:
             raise RuntimeError("the statement returned no row")
-        return row
+        return rows[0]
 
     def __getitem__(self, key: str | int) -> Any:
         return self._row()[key]
@@ -5837,16 +5837,10 @@ class _PgAsWritten(dict):  # type: ignore[type-arg]
 
     def __getitem__(self, key: str) -> Any:
         value = dict.__getitem__(self, key)
-        return value.rows[0][0] if type(value) is _PgResult else value
+        return value.value if type(value) is _PgResult else value
 
     def __iter__(self) -> Any:                  # so dict(row) and {**row} go through __getitem__
         return dict.__iter__(self)
-
-    def settle(self) -> None:
-        """Put each value that has come back in its place (after the commit)."""
-        for key, value in dict.items(self):
-            if type(value) is _PgResult:
-                dict.__setitem__(self, key, value._rows[0][0] if value._rows else None)
 
     def get(self, key: str, default: Any = None) -> Any:
         return self[key] if key in self else default
@@ -5898,6 +5892,11 @@ class _PgResult:
     def statusmessage(self) -> str:
         self._settled()
         return self._status.decode()
+
+    @property
+    def value(self) -> Any:
+        """The first column of the first row (an id the statement returned)."""
+        return self.rows[0][0]
 
     def fetchone(self) -> PgRow | None:
         rows = self.rows
@@ -5990,7 +5989,7 @@ class _PgConn:
     def execute(self, sql: str, params: Any = ()) -> _PgResult:
         if params:
             if any(type(p) is _PgResult for p in params):     # a value still to come back (an event's id)
-                params = [p.rows[0][0] if type(p) is _PgResult else p for p in params]
+                params = [p.value if type(p) is _PgResult else p for p in params]
             values = self.tf.dump_sequence(params, (self.auto,) * len(params))
             types, formats = tuple(self.tf.types), self.tf.formats
         else:
@@ -6054,7 +6053,7 @@ class _PgConn:
                     if failure is None and res.status == pq.ExecStatus.FATAL_ERROR:
                         failure = psycopg.errors.error_from_result(res)
             elif res.status != pq.ExecStatus.PIPELINE_ABORTED:   # an aborted one is left unsettled
-                err = self._settle(for_, res, raise_=False)
+                err = self._settle(for_, res)
                 if failure is None:
                     failure = err
         if failure is not None:
@@ -6104,15 +6103,13 @@ class _PgConn:
             got.append(res)
         pg.exit_pipeline_mode()
 
-    def _settle(self, result: _PgResult, res: Any, raise_: bool = True) -> BaseException | None:
+    def _settle(self, result: _PgResult, res: Any) -> BaseException | None:
+        """Fill `result` from the server's `res`; the error it holds (the statement's, or its guard's), if any."""
         pq = _psycopg().pq
         status = res.status
         if status == pq.ExecStatus.FATAL_ERROR:
-            error = _psycopg().errors.error_from_result(res)
-            result._error = error
-            if raise_:
-                raise error
-            return error
+            result._error = _psycopg().errors.error_from_result(res)
+            return result._error
         rows: list[PgRow] = []
         if status == pq.ExecStatus.TUPLES_OK and res.ntuples:
             sql = result._sql
@@ -6132,10 +6129,7 @@ class _PgConn:
         result._status = res.command_status or b""
         if result._check is not None and not (rows or result._rowcount > 0):
             result._error = result._check()         # a guard that failed (see expect)
-            if raise_:
-                raise result._error
-            return result._error
-        return None
+        return result._error
 
     def close(self) -> None:
         self.queue = []
@@ -6216,12 +6210,11 @@ class PostgresTx(SQLiteTx):
         # in no cycle with one: it is SQLite's BEGIN IMMEDIATE, for every daemon on the database.
         # BEGIN, the lock and the first change's savepoint travel with the change's first round trip.
         conn = self.conn
+        conn.queue, conn.in_tx = [], False
         if conn.lost:
             conn.reopen()
         elif conn.pg.transaction_status != _psycopg().pq.TransactionStatus.IDLE:
-            conn.queue = []
             conn.execute("ROLLBACK")            # a transaction left open by a failure: never built upon
-        conn.queue = []
         conn.in_tx = True
         conn.fresh = True
         self._ids = []
@@ -6264,12 +6257,10 @@ class PostgresTx(SQLiteTx):
             conn.in_tx = False
         if done.statusmessage != "COMMIT":      # the server ends a failed transaction so, silently
             raise RuntimeError("the transaction had failed and was rolled back at its commit")
-        for event in self._ids:                 # every id has come back by now (a rolled-back change's: None)
-            if type(event) is _PgAsWritten:
-                event.settle()
-                continue
-            result = event["id"]
-            event["id"] = result._rows[0][0] if result._rows else None
+        for written in self._ids:               # every id has come back by now (a rolled-back change's: None)
+            for key, value in dict.items(written):
+                if type(value) is _PgResult:
+                    dict.__setitem__(written, key, value._rows[0][0] if value._rows else None)
         self._ids = []
 
     def rollback(self) -> None:
