@@ -4050,7 +4050,7 @@ class _DbThread(threading.Thread):
             _settle_all([(fut, None, failure, None) for _, fut, _ in batch], None)
             return True
         began = time.perf_counter()
-        settled = self._run_begun(batch)
+        settled = self.tx.run_begun(batch)
         if self.on_batch is not None:
             self.on_batch(len(batch), time.perf_counter() - began)
         if self.checkpointer is not None:
@@ -4106,55 +4106,7 @@ class _DbThread(threading.Thread):
         except BaseException as exc:
             failure = tx.problem(exc)
             return [(fut, None, failure, None) for _, fut, _ in batch]
-        return self._run_begun(batch)
-
-    def _run_begun(self, batch: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-        """Run each change of a batch in the transaction just begun, and commit: (future, result,
-        problem, effects) of each. A change that raises is undone alone; a commit that fails fails all."""
-        tx = self.tx
-        out: list[tuple[Any, ...]] = []
-        if len(batch) == 1:
-            # A change alone needs no SAVEPOINT of its own: the transaction is its; two statements
-            # fewer, and each statement lets the event loop take the GIL the writer then waits for.
-            fn, fut, fx = batch[0]
-            try:
-                out.append((fut, fn(self.tx, fx), None, fx))
-            except BaseException as exc:
-                with contextlib.suppress(*tx.errors):
-                    tx.rollback()
-                return [(fut, None, tx.problem(exc), None)]
-            batch = []
-        for i, (fn, fut, fx) in enumerate(batch):
-            try:
-                tx.savepoint()
-                result = fn(self.tx, fx)
-                tx.release_savepoint()
-            except BaseException as exc:
-                if not tx.in_transaction():
-                    # A full disk or an I/O error rolled the whole transaction back (or, on
-                    # PostgreSQL, the connection was lost): the changes before this one are gone
-                    # too, and the ones after it must not run outside one.
-                    failure = tx.problem(exc)
-                    with contextlib.suppress(*tx.errors):
-                        tx.rollback()           # what is left of it (PostgreSQL: a failed transaction ends so)
-                    return [(f, None, failure, None) for f, *_ in out] + [(f, None, failure, None) for _, f, _ in batch[i:]]
-                with contextlib.suppress(*tx.errors):
-                    tx.rollback_savepoint()
-                out.append((fut, None, tx.problem(exc), None))
-            else:
-                out.append((fut, result, None, fx))
-        try:
-            tx.before_commit([fx for *_, fx in out if fx is not None])
-            tx.commit()
-        except BaseException as exc:
-            with contextlib.suppress(*tx.errors):
-                tx.rollback()
-            # A Problem here is a change's own guard, settled with the commit's round trip (PostgresTx):
-            # it comes back as it is, as it would have from the change.
-            failure = exc if isinstance(exc, Problem) else tx.problem(exc, f"the database refused the write: {exc}")
-            return [(fut, None, failure, None) for fut, *_ in out]
-        return out
-
+        return self.tx.run_begun(batch)
 
 def _db_problem(exc: BaseException, otherwise: str | None = None) -> BaseException:
     """A locked, full or failing database as a problem that says so (nothing of the change was written);
@@ -4329,6 +4281,10 @@ class Store:
     def write(self, change: Callable[[sqlite3.Connection, Effects], Any]) -> asyncio.Future[Any]:
         """Run `change(conn, effects)` in the next group commit; resolves after COMMIT.
 
+        A change reaches the database through `conn` and the daemon through `effects` only, and may
+        run more than once before it commits (on PostgreSQL, when another change of its group commit
+        fails late: PostgresTx.run_begun); what it leaves elsewhere it leaves from its result.
+
         The changes and readings asked for in one turn of the event loop go to their threads
         together, at the end of the turn: one wake-up of each thread per turn, not one per call.
         Waking a thread costs the loop a system call and, on a busy machine, its core for a while
@@ -4475,6 +4431,51 @@ class SQLiteTx:
     def in_transaction(self) -> bool:
         """Whether the transaction still stands after an error (a full disk rolls it all back)."""
         return self.conn.in_transaction
+
+    def run_begun(self, batch: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+        """Run each change `(change, future, effects)` of a batch in the transaction just begun, and
+        commit: (future, result, problem, effects) of each. A change that raises is undone alone (its
+        savepoint); a commit that fails fails all. The writer thread (and the loop's commit_here)
+        drives this; the backend says how its changes travel."""
+        out: list[tuple[Any, ...]] = []
+        if len(batch) == 1:
+            # A change alone needs no SAVEPOINT of its own: the transaction is its; two statements
+            # fewer, and each statement lets the event loop take the GIL the writer then waits for.
+            fn, fut, fx = batch[0]
+            try:
+                out.append((fut, fn(self, fx), None, fx))
+            except BaseException as exc:
+                with contextlib.suppress(*self.errors):
+                    self.rollback()
+                return [(fut, None, self.problem(exc), None)]
+            batch = []
+        for i, (fn, fut, fx) in enumerate(batch):
+            try:
+                self.savepoint()
+                result = fn(self, fx)
+                self.release_savepoint()
+            except BaseException as exc:
+                if not self.in_transaction():
+                    # A full disk or an I/O error rolled the whole transaction back: the changes
+                    # before this one are gone too, and the ones after it must not run outside one.
+                    failure = self.problem(exc)
+                    with contextlib.suppress(*self.errors):
+                        self.rollback()
+                    return [(f, None, failure, None) for f, *_ in out] + [(f, None, failure, None) for _, f, _ in batch[i:]]
+                with contextlib.suppress(*self.errors):
+                    self.rollback_savepoint()
+                out.append((fut, None, self.problem(exc), None))
+            else:
+                out.append((fut, result, None, fx))
+        try:
+            self.before_commit([fx for *_, fx in out if fx is not None])
+            self.commit()
+        except BaseException as exc:
+            with contextlib.suppress(*self.errors):
+                self.rollback()
+            failure = self.problem(exc, f"the database refused the write: {exc}")
+            return [(fut, None, failure, None) for fut, *_ in out]
+        return out
 
     def before_commit(self, changes: list[Effects]) -> None:
         """Last in the transaction, with the effects of the changes it commits: nothing to tell others
@@ -5858,11 +5859,12 @@ class _PgResult:
     queue until something reads a result (this one or a later one's) or the change ends: every
     statement whose result nobody reads travels with the next round trip (see _PgConn)."""
 
-    __slots__ = ("_conn", "_sql", "_rows", "_rowcount", "_status", "_error", "_next", "_check")
+    __slots__ = ("_conn", "_sql", "_rows", "_rowcount", "_status", "_error", "_next", "_check", "_owner")
 
     def __init__(self, conn: "_PgConn", sql: str) -> None:
         self._conn = conn
         self._sql = sql
+        self._owner = conn.owner                   # the change of its group commit that sent it (PostgresTx)
         self._check: Callable[[], BaseException] | None = None     # see _PgConn.expect
         self._rows: list[PgRow] | None = None      # None: not yet back from the server
         self._rowcount = -1
@@ -5946,7 +5948,8 @@ class _PgConn:
     whose result nobody reads (an event, a timer, a counter, the savepoint's edges, a notification)
     costs no wait of its own. Outside a transaction every statement runs at once."""
 
-    __slots__ = ("url", "setup", "raw", "pg", "tf", "auto", "queue", "names", "prepared", "in_tx", "syncs", "fresh")
+    __slots__ = ("url", "setup", "raw", "pg", "tf", "auto", "queue", "names", "prepared", "in_tx", "syncs", "fresh",
+                 "owner", "failed")
 
     def __init__(self, url: str, setup: tuple[str, ...] = ()) -> None:
         self.url = url
@@ -5960,6 +5963,9 @@ class _PgConn:
         self.in_tx = False          # between begin and commit/rollback: statements queue
         self.syncs = 0              # round trips so far (a change's savepoint knows whether its own went)
         self.fresh = False          # the transaction's first round trip is still to come
+        self.owner = -1             # which change of a group commit the statements now sent are (-1: none)
+        #: The first statement (or guard) that failed since the writer last looked: (its owner, the error).
+        self.failed: tuple[int, BaseException] | None = None
         self.reopen()
 
     def reopen(self) -> None:
@@ -6046,17 +6052,20 @@ class _PgConn:
                 self.raw.close()              # half a pipeline, or the connection gone: closed, opened at the next use
             raise
         failure: BaseException | None = None
-        for for_, res in zip(sent, got):
-            if isinstance(for_, tuple):                      # a prepare
+        owner = -1
+        for k, (for_, res) in enumerate(zip(sent, got)):
+            if isinstance(for_, tuple):                      # a prepare (of the statement sent next)
                 if res.status != pq.ExecStatus.COMMAND_OK:
                     self.prepared.pop(for_, None)
                     if failure is None and res.status == pq.ExecStatus.FATAL_ERROR:
-                        failure = psycopg.errors.error_from_result(res)
+                        failure, owner = psycopg.errors.error_from_result(res), sent[k + 1]._owner
             elif res.status != pq.ExecStatus.PIPELINE_ABORTED:   # an aborted one is left unsettled
                 err = self._settle(for_, res)
-                if failure is None:
-                    failure = err
+                if failure is None and err is not None:
+                    failure, owner = err, for_._owner
         if failure is not None:
+            if self.failed is None:
+                self.failed = (owner, failure)
             for *_, result in queue:
                 if result._rows is None and result._error is None:
                     result._error = failure
@@ -6195,7 +6204,7 @@ class PostgresTx(SQLiteTx):
         self._opening: list[_PgResult] = []          # BEGIN, the lock, the first savepoint
         self._mark = (0, 0, 0)                       # (round trips, queued, later) when the change began
         self._ids: list[dict[str, Any]] = []         # published events (and rows as written) whose ids are still to come back
-        self._later: list[Callable[[], None]] = []    # what waits on a result, done before the commit
+        self._later: list[tuple[int, Callable[[], None]]] = []   # (its change, what waits on a result): done at the end
 
     @property
     def errors(self) -> tuple[type[BaseException], ...]:  # type: ignore[override]
@@ -6217,35 +6226,123 @@ class PostgresTx(SQLiteTx):
             conn.execute("ROLLBACK")            # a transaction left open by a failure: never built upon
         conn.in_tx = True
         conn.fresh = True
+        conn.owner, conn.failed = -1, None
         self._ids = []
         self._later = []
         self._opening = [conn.execute("BEGIN"), conn.execute(_PG_LOCK_SQL), conn.execute("SAVEPOINT change")]
         self._open_savepoint = True
         self._mark = (conn.syncs, len(conn.queue), 0)
 
-    # A change's savepoint: its edges cost no round trip of their own; its end is one (its statements'
-    # failures are its own, never the next change's).
+    # A group commit's changes, each in a savepoint whose edges cost no round trip of their own; nor
+    # does a change's end. Its statements go with whichever round trip comes next: a later change's
+    # read, or the group commit's end. A group of n changes costs the round trips their reads need and
+    # one or two more, where waiting at each change's end cost n more.
 
-    def savepoint(self) -> None:
-        if self._open_savepoint:                # the first change's, opened with the transaction
-            self._open_savepoint = False
-        else:
-            self.conn.execute("SAVEPOINT change")
-        self._mark = (self.conn.syncs, len(self.conn.queue), len(self._later))
+    def run_begun(self, batch: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+        """SQLiteTx.run_begun, on the server. A change that raises is undone alone (ROLLBACK TO its
+        savepoint). A failure that comes back once its change has ended - a guard, a refused statement,
+        with a later change's round trip or the commit's - undoes the whole transaction: that change
+        fails with its problem and every other runs again, in a new transaction, whatever it did the
+        first time (the later ones may have read what it wrote). So a change must be safe to run again:
+        it reaches the database through `tx` and the daemon through `fx` only (fresh each run), and
+        keeps nothing of a run that did not commit."""
+        settled: list[tuple[Any, ...]] = []     # changes that failed late: their problem stands
+        items = list(batch)
+        while True:
+            out, late = self._run_changes(items)
+            if late is None:
+                return settled + out
+            j, exc = late
+            settled.append((items[j][1], None, self.problem(exc), None))
+            items = [(fn, fut, Effects()) for k, (fn, fut, _) in enumerate(items) if k != j]
+            with contextlib.suppress(*self.errors):
+                self.rollback()
+            if not items:
+                return settled
+            try:
+                self.begin()
+            except BaseException as again:
+                failure = self.problem(again)
+                return settled + [(fut, None, failure, None) for _, fut, _ in items]
 
-    def release_savepoint(self) -> None:
-        self._open_savepoint = False
-        self.conn.sync()                        # a failure here is still the change's to roll back
-        self.conn.execute("RELEASE change")
+    def _run_changes(self, items: list[tuple[Any, ...]]) -> tuple[list[tuple[Any, ...]], tuple[int, BaseException] | None]:
+        """One try at a group commit: what each change came to, or (None for all) the change that failed
+        late and why."""
+        conn = self.conn
 
-    def rollback_savepoint(self) -> None:
-        self._open_savepoint = False
+        def lost(exc: BaseException) -> list[tuple[Any, ...]]:
+            # The connection was lost, or BEGIN or its lock failed: there is no transaction to go on in.
+            failure = self.problem(exc)
+            with contextlib.suppress(*self.errors):
+                self.rollback()
+            return [(fut, None, failure, None) for _, fut, _ in items]
+
+        out: list[tuple[Any, ...]] = []
+        for i, (fn, fut, fx) in enumerate(items):
+            self._change_begins(i)
+            try:
+                result = fn(self, fx)
+                if conn.failed is not None:         # a failure the change's code let pass
+                    raise conn.failed[1]
+            except BaseException as exc:
+                if not self.in_transaction():
+                    return lost(exc), None
+                owner, why = conn.failed if conn.failed is not None else (i, exc)
+                if owner != i:
+                    return out, (owner, why)        # an earlier change's, found by this one's round trip
+                conn.failed = None
+                self._change_undone()
+                out.append((fut, None, self.problem(exc), None))
+            else:
+                out.append((fut, result, None, fx))
+        try:
+            later, self._later = self._later, []
+            for owner, then in later:           # e.g. a parent woken by its child's ending, once the ending is back
+                conn.owner = owner
+                then()
+            conn.owner = -1
+            if any(r._check is not None for *_, r in conn.queue):
+                conn.sync()                     # the guards still out come back before the commit is sent
+            if conn.failed is not None:
+                raise conn.failed[1]
+        except BaseException as exc:
+            if not self.in_transaction() or (conn.failed is None and conn.owner < 0):
+                return lost(exc), None
+            return out, conn.failed if conn.failed is not None else (conn.owner, exc)
+        try:
+            self.before_commit([fx for *_, fx in out if fx is not None])
+            self.commit()
+        except BaseException as exc:
+            failed, lost_now = conn.failed, conn.lost
+            with contextlib.suppress(*self.errors):
+                self.rollback()
+            if failed is not None and failed[0] >= 0 and not lost_now:
+                return out, failed              # a change's statement, refused in the commit's round trip
+            failure = self.problem(exc, f"the database refused the write: {exc}")
+            return [(fut, None, failure, None) for fut, *_ in out], None
+        return out, None
+
+    def _change_begins(self, i: int) -> None:
+        conn = self.conn
+        if i > 0:
+            if self._open_savepoint:
+                conn.execute("RELEASE change")  # the change before's, which stands
+            conn.owner = i
+            conn.execute("SAVEPOINT change")
+        conn.owner = i
+        self._open_savepoint = True
+        self._mark = (conn.syncs, len(conn.queue), len(self._later))
+
+    def _change_undone(self) -> None:
+        """The change now running raised: what it wrote is undone, the changes before it stand."""
+        conn = self.conn
         syncs, queued, later = self._mark
         del self._later[later:]                 # the failed change's own
-        if self.conn.syncs == syncs:            # the failed change's statements never left: drop them
-            del self.conn.queue[queued:]
-        self.conn.execute("ROLLBACK TO change")
-        self.conn.execute("RELEASE change")
+        if conn.syncs == syncs:                 # its statements never left: dropped
+            del conn.queue[queued:]
+        conn.execute("ROLLBACK TO change")
+        conn.execute("RELEASE change")
+        self._open_savepoint = False
 
     def commit(self) -> None:
         self._open_savepoint = None
@@ -6269,6 +6366,7 @@ class PostgresTx(SQLiteTx):
         conn = self.conn
         conn.queue = []
         conn.in_tx = False
+        conn.owner, conn.failed = -1, None
         if not conn.lost and conn.pg.transaction_status != _psycopg().pq.TransactionStatus.IDLE:
             conn.execute("ROLLBACK")
 
@@ -6362,7 +6460,8 @@ class PostgresTx(SQLiteTx):
     def _parent_moves_on(self, fx: Effects, playbook: str, parent: Any, now: int) -> None:
         if type(parent) is _PgResult:             # known when the ending comes back: by the commit at the latest
             ended = parent
-            self._later.append(lambda: SQLiteTx._parent_moves_on(self, fx, playbook, ended.rows[0]["parent"], now))
+            self._later.append((self.conn.owner,
+                                lambda: SQLiteTx._parent_moves_on(self, fx, playbook, ended.rows[0]["parent"], now)))
         else:
             super()._parent_moves_on(fx, playbook, parent, now)
 
@@ -6402,9 +6501,6 @@ class PostgresTx(SQLiteTx):
         """Tell the other daemons what the changes mean for them (due times, wake-ups, new events,
         invalidated caches): NOTIFY in the changing transaction, so they hear it at the COMMIT, and
         never of a change rolled back. Sent with the COMMIT, in its round trip."""
-        later, self._later = self._later, []
-        for then in later:
-            then()
         if self.daemon is not None:
             for payload in _bus_payloads(self.daemon, changes):
                 self.conn.execute("SELECT pg_notify(?, ?)", (PG_CHANNEL, payload))
@@ -8876,6 +8972,7 @@ class Readings:
         tellings: list[tuple[Row, str]] = []
 
         def change(tx: Tx, fx: Effects) -> None:
+            tellings.clear()                    # what a run of the change that did not commit found
             tx.release_lease(key)
             if not tx.take_timer(fx, key, now):
                 return

@@ -147,3 +147,63 @@ async def test_the_event_loop_runs_while_a_write_waits_on_the_server(pg):
     finally:
         other.close()
         await store.close()
+
+
+def _marked_then_guarded(tx, fx):
+    """Writes a marker event, then a guarded statement whose guard fails (no run `nope`) and whose
+    result nobody reads in the change: the marker must not stay."""
+    tx.append_event(fx, PB, None, "marker", START_MS, "tok_x", {})
+    moved = tx.conn.execute("UPDATE runs SET status = 'cancelled' WHERE run_id = ? RETURNING 1", ("nope",))
+    tx.conn.expect(moved, lambda: itd.Problem("conflict", "no run nope"))
+    return "marked"
+
+
+def _markers(tx) -> int:
+    return tx.conn.execute("SELECT COUNT(*) FROM events WHERE type = 'marker'").fetchone()[0]
+
+
+async def test_a_change_alone_whose_guard_fails_leaves_nothing_written(pg):
+    # The guard's result comes back after the change has returned; the commit must not go with it.
+    _runs(pg)
+    committed: list[itd.Effects] = []
+    store = await _store(pg, committed, [])
+    try:
+        with pytest.raises(itd.Problem) as got:
+            await store.write(_marked_then_guarded)
+        assert got.value.name == "conflict"
+        assert await store.read(_markers) == 0
+        assert committed == []
+    finally:
+        await store.close()
+
+
+async def test_a_guard_that_fails_after_its_change_ended_fails_that_change_and_the_rest_run_again(pg):
+    # Change 1's guard comes back with change 2's read, in the middle of change 2: change 1 fails,
+    # and the others run again in a new transaction, on what the database holds without change 1.
+    _runs(pg, "r1")
+    committed: list[itd.Effects] = []
+    batches: list[int] = []
+    store = await _store(pg, committed, batches)
+    runs: list[str] = []
+
+    def counts(tx, fx):
+        runs.append("counts")
+        n = _markers(tx)
+        tx.append_event(fx, PB, "r1", "counted", START_MS, "tok_x", {"markers": n})
+        return n
+
+    try:
+        got = await asyncio.gather(store.write(_end("r1")), store.write(_marked_then_guarded), store.write(counts),
+                                   return_exceptions=True)
+        assert batches == [3]
+        assert got[0] == "r1"
+        assert isinstance(got[1], itd.Problem) and got[1].name == "conflict"
+        assert got[2] == 0 and runs == ["counts", "counts"]     # cut short by change 1's failure, then run again
+        rows = await store.read(lambda tx: [(r[0], r[1], r[2]) for r in tx.conn.execute(
+            "SELECT id, type, payload FROM events ORDER BY id").fetchall()])
+        assert [t for _, t, _ in rows] == ["run_succeeded", "counted"]
+        assert '"markers":0' in rows[1][2].replace(" ", "")
+        # Only what committed is published, once, with the ids the table gave.
+        assert [(e["id"], e["type"]) for fx in committed for e in fx.published] == [(i, t) for i, t, _ in rows]
+    finally:
+        await store.close()
