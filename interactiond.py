@@ -4047,7 +4047,7 @@ class _DbThread(threading.Thread):
                 return False
         except BaseException as exc:
             failure = self.tx.problem(exc)
-            _settle_all([(fut, None, failure, None) for _, fut, _ in batch], None)
+            _settle_all([(fut, None, failure, None) for _, fut, *_ in batch], None)
             return True
         began = time.perf_counter()
         settled = self.tx.run_begun(batch)
@@ -4105,7 +4105,7 @@ class _DbThread(threading.Thread):
             tx.begin()
         except BaseException as exc:
             failure = tx.problem(exc)
-            return [(fut, None, failure, None) for _, fut, _ in batch]
+            return [(fut, None, failure, None) for _, fut, *_ in batch]
         return self.tx.run_begun(batch)
 
 def _db_problem(exc: BaseException, otherwise: str | None = None) -> BaseException:
@@ -4278,8 +4278,13 @@ class Store:
             await asyncio.get_running_loop().run_in_executor(None, self._checkpointer.join, 5.0)
         self._writer = self._reader = self._checkpointer = None
 
-    def write(self, change: Callable[[sqlite3.Connection, Effects], Any]) -> asyncio.Future[Any]:
+    def write(self, change: Callable[[sqlite3.Connection, Effects], Any],
+              ahead: tuple[str, str, str] | None = None) -> asyncio.Future[Any]:
         """Run `change(conn, effects)` in the next group commit; resolves after COMMIT.
+
+        `ahead` names what the change reads first - ("request", playbook, run_id): the request of a
+        run - which a server's store may read for the whole group commit in one round trip, before
+        its changes run (PostgresTx.run_begun); a file's reads it as the change asks.
 
         A change reaches the database through `conn` and the daemon through `effects` only, and may
         run more than once before it commits (on PostgreSQL, when another change of its group commit
@@ -4292,7 +4297,7 @@ class Store:
         a tenth of the loop's time when it was one per call."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._writes.append((change, fut, Effects()))
+        self._writes.append((change, fut, Effects(), ahead))
         if not self._handing_over:
             self._handing_over = True
             loop.call_soon(self._hand_over)
@@ -4441,7 +4446,7 @@ class SQLiteTx:
         if len(batch) == 1:
             # A change alone needs no SAVEPOINT of its own: the transaction is its; two statements
             # fewer, and each statement lets the event loop take the GIL the writer then waits for.
-            fn, fut, fx = batch[0]
+            fn, fut, fx, _ = batch[0]
             try:
                 out.append((fut, fn(self, fx), None, fx))
             except BaseException as exc:
@@ -4449,7 +4454,7 @@ class SQLiteTx:
                     self.rollback()
                 return [(fut, None, self.problem(exc), None)]
             batch = []
-        for i, (fn, fut, fx) in enumerate(batch):
+        for i, (fn, fut, fx, _) in enumerate(batch):
             try:
                 self.savepoint()
                 result = fn(self, fx)
@@ -4461,7 +4466,7 @@ class SQLiteTx:
                     failure = self.problem(exc)
                     with contextlib.suppress(*self.errors):
                         self.rollback()
-                    return [(f, None, failure, None) for f, *_ in out] + [(f, None, failure, None) for _, f, _ in batch[i:]]
+                    return [(f, None, failure, None) for f, *_ in out] + [(f, None, failure, None) for _, f, *_ in batch[i:]]
                 with contextlib.suppress(*self.errors):
                     self.rollback_savepoint()
                 out.append((fut, None, self.problem(exc), None))
@@ -5949,7 +5954,7 @@ class _PgConn:
     costs no wait of its own. Outside a transaction every statement runs at once."""
 
     __slots__ = ("url", "setup", "raw", "pg", "tf", "auto", "queue", "names", "prepared", "in_tx", "syncs", "fresh",
-                 "owner", "failed")
+                 "owner", "failed", "stale")
 
     def __init__(self, url: str, setup: tuple[str, ...] = ()) -> None:
         self.url = url
@@ -5966,6 +5971,7 @@ class _PgConn:
         self.owner = -1             # which change of a group commit the statements now sent are (-1: none)
         #: The first statement (or guard) that failed since the writer last looked: (its owner, the error).
         self.failed: tuple[int, BaseException] | None = None
+        self.stale: set[int] = set()        # the changes whose assumptions a guard found false (_Stale)
         self.reopen()
 
     def reopen(self) -> None:
@@ -6061,6 +6067,8 @@ class _PgConn:
                         failure, owner = psycopg.errors.error_from_result(res), sent[k + 1]._owner
             elif res.status != pq.ExecStatus.PIPELINE_ABORTED:   # an aborted one is left unsettled
                 err = self._settle(for_, res)
+                if err is not None and type(err) is _Stale:
+                    self.stale.add(for_._owner)
                 if failure is None and err is not None:
                     failure, owner = err, for_._owner
         if failure is not None:
@@ -6173,6 +6181,17 @@ _PG_COUNTED_EVENT_SQL: Final = (
     "WITH r AS (UPDATE runs SET events = events + 1 WHERE playbook = ? AND run_id = ? RETURNING events) "
     + _PG_EVENT_COLUMNS + " SELECT ?, ?, r.events, ?, ?, ?, ?, ?, ? FROM r RETURNING id")
 
+#: A run that opens a request inserted, and its request counted (see SQLiteTx.insert_asking_run).
+_PG_ASKING_RUN_SQL: Final = (
+    "WITH ins AS (" + _INSERT_RUN_SQL + " RETURNING seq), slot AS (UPDATE playbooks SET open_requests ="
+    " open_requests + 1 WHERE id = ? AND open_requests < ? AND EXISTS (SELECT 1 FROM ins) RETURNING id)")
+#: A request's row (SQLiteTx.request) with its row version, which any write of the row changes.
+_PG_REQUEST_AHEAD_SQL: Final = _REQUEST_ROW.replace(
+    " FROM requests q", ", CAST(q.ctid AS TEXT) AS row_version FROM requests q", 1) + " WHERE q.playbook = ? AND q.run_id = ?"
+
+
+class _Stale(Exception):
+    """What a change went on from assuming (PostgresTx.assume) is not so: it runs again, reading first."""
 
 
 class _PgRunSeq:
@@ -6193,14 +6212,16 @@ class PostgresTx(SQLiteTx):
     whose SQL differs between the dialects, and what several daemons sharing the database need.
     `daemon` is the id of the daemon whose store it serves (None for the command line)."""
 
-    __slots__ = ("daemon", "_open_savepoint", "_opening", "_mark", "_ids", "_later")
+    __slots__ = ("daemon", "_savepoint_of", "_opening", "_mark", "_ids", "_later", "_early", "assume")
 
     conn: _PgConn
 
     def __init__(self, conn: _PgConn, daemon: str | None = None) -> None:
         super().__init__(conn)  # type: ignore[arg-type]
         self.daemon = daemon
-        self._open_savepoint: bool | None = None     # None: no write transaction open
+        self._savepoint_of: int | None = None        # the change whose savepoint is open, if any
+        self._early: dict[tuple[str, str, str], _PgResult] = {}   # what the group commit read ahead (run_begun)
+        self.assume = False                          # whether the change now running may (run_begun)
         self._opening: list[_PgResult] = []          # BEGIN, the lock, the first savepoint
         self._mark = (0, 0, 0)                       # (round trips, queued, later) when the change began
         self._ids: list[dict[str, Any]] = []         # published events (and rows as written) whose ids are still to come back
@@ -6227,10 +6248,12 @@ class PostgresTx(SQLiteTx):
         conn.in_tx = True
         conn.fresh = True
         conn.owner, conn.failed = -1, None
+        conn.stale.clear()
         self._ids = []
         self._later = []
         self._opening = [conn.execute("BEGIN"), conn.execute(_PG_LOCK_SQL), conn.execute("SAVEPOINT change")]
-        self._open_savepoint = True
+        self._savepoint_of = 0
+        self._early = {}
         self._mark = (conn.syncs, len(conn.queue), 0)
 
     # A group commit's changes, each in a savepoint whose edges cost no round trip of their own; nor
@@ -6245,16 +6268,27 @@ class PostgresTx(SQLiteTx):
         fails with its problem and every other runs again, in a new transaction, whatever it did the
         first time (the later ones may have read what it wrote). So a change must be safe to run again:
         it reaches the database through `tx` and the daemon through `fx` only (fresh each run), and
-        keeps nothing of a run that did not commit."""
+        keeps nothing of a run that did not commit.
+
+        A change may also go on from what it assumes (`assume`) rather than wait for a round trip to
+        know it: that its new run was inserted and counted, that the request it reads first (`ahead`)
+        is as the group commit read it at its start. A guard checks each assumption where the change
+        relies on it; one found false (_Stale) has that change run again, reading first."""
         settled: list[tuple[Any, ...]] = []     # changes that failed late: their problem stands
+        careful: set[int] = set()               # changes (their futures' ids) that assume nothing
         items = list(batch)
         while True:
-            out, late = self._run_changes(items)
+            out, late = self._run_changes(items, careful)
             if late is None:
                 return settled + out
             j, exc = late
-            settled.append((items[j][1], None, self.problem(exc), None))
-            items = [(fn, fut, Effects()) for k, (fn, fut, _) in enumerate(items) if k != j]
+            careful.update(id(items[k][1]) for k in self.conn.stale)    # every change found to assume wrong
+            if type(exc) is _Stale:
+                careful.add(id(items[j][1]))
+            else:
+                settled.append((items[j][1], None, self.problem(exc), None))
+                del items[j]
+            items = [(fn, fut, Effects(), ahead) for fn, fut, _, ahead in items]
             with contextlib.suppress(*self.errors):
                 self.rollback()
             if not items:
@@ -6263,9 +6297,10 @@ class PostgresTx(SQLiteTx):
                 self.begin()
             except BaseException as again:
                 failure = self.problem(again)
-                return settled + [(fut, None, failure, None) for _, fut, _ in items]
+                return settled + [(fut, None, failure, None) for _, fut, *_ in items]
 
-    def _run_changes(self, items: list[tuple[Any, ...]]) -> tuple[list[tuple[Any, ...]], tuple[int, BaseException] | None]:
+    def _run_changes(self, items: list[tuple[Any, ...]],
+                     careful: set[int]) -> tuple[list[tuple[Any, ...]], tuple[int, BaseException] | None]:
         """One try at a group commit: what each change came to, or (None for all) the change that failed
         late and why."""
         conn = self.conn
@@ -6275,26 +6310,41 @@ class PostgresTx(SQLiteTx):
             failure = self.problem(exc)
             with contextlib.suppress(*self.errors):
                 self.rollback()
-            return [(fut, None, failure, None) for _, fut, _ in items]
+            return [(fut, None, failure, None) for _, fut, *_ in items]
 
+        for _, fut, _, ahead in items:          # what the changes read first, in one round trip for all
+            if ahead is not None and id(fut) not in careful and ahead not in self._early:
+                self._early[ahead] = self._read_ahead(ahead)
         out: list[tuple[Any, ...]] = []
-        for i, (fn, fut, fx) in enumerate(items):
+        i = 0
+        while i < len(items):
+            fn, fut, fx, _ = items[i]
             self._change_begins(i)
+            self.assume = id(fut) not in careful
             try:
                 result = fn(self, fx)
                 if conn.failed is not None:         # a failure the change's code let pass
                     raise conn.failed[1]
             except BaseException as exc:
+                self.assume = False
                 if not self.in_transaction():
                     return lost(exc), None
                 owner, why = conn.failed if conn.failed is not None else (i, exc)
+                if owner < 0:                       # the group's own statement (a read ahead): all fail
+                    return lost(why), None
                 if owner != i:
                     return out, (owner, why)        # an earlier change's, found by this one's round trip
                 conn.failed = None
                 self._change_undone()
+                if type(why) is _Stale:             # it assumed wrong: again, reading first
+                    careful.add(id(fut))
+                    items[i] = (fn, fut, Effects(), None)
+                    continue
                 out.append((fut, None, self.problem(exc), None))
             else:
                 out.append((fut, result, None, fx))
+            i += 1
+        self.assume = False
         try:
             later, self._later = self._later, []
             for owner, then in later:           # e.g. a parent woken by its child's ending, once the ending is back
@@ -6306,7 +6356,7 @@ class PostgresTx(SQLiteTx):
             if conn.failed is not None:
                 raise conn.failed[1]
         except BaseException as exc:
-            if not self.in_transaction() or (conn.failed is None and conn.owner < 0):
+            if not self.in_transaction() or (conn.failed or (conn.owner, None))[0] < 0:
                 return lost(exc), None
             return out, conn.failed if conn.failed is not None else (conn.owner, exc)
         try:
@@ -6324,13 +6374,13 @@ class PostgresTx(SQLiteTx):
 
     def _change_begins(self, i: int) -> None:
         conn = self.conn
-        if i > 0:
-            if self._open_savepoint:
+        if self._savepoint_of != i:
+            if self._savepoint_of is not None:
                 conn.execute("RELEASE change")  # the change before's, which stands
             conn.owner = i
             conn.execute("SAVEPOINT change")
         conn.owner = i
-        self._open_savepoint = True
+        self._savepoint_of = i
         self._mark = (conn.syncs, len(conn.queue), len(self._later))
 
     def _change_undone(self) -> None:
@@ -6342,10 +6392,10 @@ class PostgresTx(SQLiteTx):
             del conn.queue[queued:]
         conn.execute("ROLLBACK TO change")
         conn.execute("RELEASE change")
-        self._open_savepoint = False
+        self._savepoint_of = None
 
     def commit(self) -> None:
-        self._open_savepoint = None
+        self._savepoint_of = None
         conn = self.conn
         done = conn.execute("COMMIT")
         try:
@@ -6361,7 +6411,7 @@ class PostgresTx(SQLiteTx):
         self._ids = []
 
     def rollback(self) -> None:
-        self._open_savepoint = None
+        self._savepoint_of = None
         self._later = []
         conn = self.conn
         conn.queue = []
@@ -6428,13 +6478,33 @@ class PostgresTx(SQLiteTx):
 
     def insert_asking_run(self, *, playbook: str, run_id: str, type_: str, name: str, version: int, input_text: str,
                           input_sha: str, parent: str | None, now: int, by: str, limit: int) -> tuple[bool, bool]:
-        row = self.conn.execute(
-            "WITH ins AS (" + _INSERT_RUN_SQL + " RETURNING seq), slot AS (UPDATE playbooks SET open_requests ="
-            " open_requests + 1 WHERE id = ? AND open_requests < ? AND EXISTS (SELECT 1 FROM ins) RETURNING id)"
-            " SELECT EXISTS (SELECT 1 FROM ins), EXISTS (SELECT 1 FROM slot)",
-            (playbook, run_id, type_, name, version, input_text, input_sha, RunStatus.STARTED.value, 0, parent, None,
-             now, by, playbook, limit)).fetchone()
+        values = (playbook, run_id, type_, name, version, input_text, input_sha, RunStatus.STARTED.value, 0, parent,
+                  None, now, by, playbook, limit)
+        if self.assume:                         # inserted and counted, as nearly always: guarded, not waited for
+            result = self.conn.execute(_PG_ASKING_RUN_SQL + " SELECT 1 FROM slot", values)
+            self.conn.expect(result, _Stale)
+            return True, True
+        row = self.conn.execute(_PG_ASKING_RUN_SQL + " SELECT EXISTS (SELECT 1 FROM ins), EXISTS (SELECT 1 FROM slot)",
+                                values).fetchone()
         return bool(row[0]), bool(row[1])
+
+    def _read_ahead(self, ahead: tuple[str, str, str]) -> _PgResult:
+        kind, playbook, run_id = ahead
+        if kind != "request":
+            raise ValueError(f"nothing of kind {kind!r} is read ahead")
+        return self.conn.execute(_PG_REQUEST_AHEAD_SQL, (playbook, run_id))
+
+    def request(self, playbook: str, run_id: str) -> Row | None:
+        early = self._early.pop(("request", playbook, run_id), None)
+        if early is None or not self.assume or not early.rows:
+            return super().request(playbook, run_id)
+        # As the group commit read it at its start: the row version the change relies on is guarded
+        # (a change before this one in the group that wrote the row left a new version).
+        got = early.rows[0]
+        unchanged = self.conn.execute("SELECT 1 FROM requests WHERE seq = ? AND ctid = CAST(? AS tid)",
+                                      (got["seq"], got["row_version"]))
+        self.conn.expect(unchanged, _Stale)
+        return PgRow(got._values[:-1], {k: i for k, i in got._names.items() if k != "row_version"})
 
     def _run_waits(self, playbook: str, run_id: str) -> Any:
         result = self.conn.execute(_RUN_WAITS_SQL, (playbook, run_id))
@@ -8647,7 +8717,7 @@ class Inbox:
             tx.remember_response(caller=idempotency.caller, key=idempotency.key, body_sha=idempotency.body_sha,
                                  response=response, now=now)
             return response, True
-        return await self.store.write(change)
+        return await self.store.write(change, ahead=("request", playbook, run_id))
 
     async def replayed(self, key: IdempotencyKey) -> dict[str, Any] | None:
         """The response first given under `key` (a replay), or None when the key is new; the problem

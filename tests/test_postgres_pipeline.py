@@ -207,3 +207,93 @@ async def test_a_guard_that_fails_after_its_change_ended_fails_that_change_and_t
         assert [(e["id"], e["type"]) for fx in committed for e in fx.published] == [(i, t) for i, t, _ in rows]
     finally:
         await store.close()
+
+
+# A change may go on from what it assumes, rather than wait for a round trip to know it: that the
+# run it inserts was inserted and counted, that the request it reads first is as the group commit
+# read it at its start. Where an assumption is false, the change runs again, reading first.
+
+
+def _requests(url: str, *run_ids: str) -> None:
+    tx = itd.open_sync(url)
+    try:
+        tx.ensure_playbook(PB, now=START_MS)
+        for run_id in run_ids:
+            assert tx.insert_asking_run(playbook=PB, run_id=run_id, type_="interaction", name="approve", version=1,
+                                        input_text="{}", input_sha="x", parent=None, now=START_MS, by="tok_x",
+                                        limit=10) == (True, True)
+            tx.open_request(request_id=f"int_{run_id}", playbook=PB, run_id=run_id, type_="interaction",
+                            name="approve", version=1, party="ann", answerer="ann", message="ok?",
+                            answer_schema='{"type":"object"}', server=None, tool=None,
+                            delivery=itd.DeliveryState.IN_INBOX, asked_at=START_MS, expires_at=START_MS + 60_000,
+                            deliver_args=None)
+    finally:
+        tx.close()
+
+
+def _answers(run_id: str, runs: list[str]):
+    def change(tx, fx):
+        runs.append(run_id)
+        row = tx.request(PB, run_id)
+        if row["status"] != "open":
+            raise itd.Problem("not_open", f"the request has ended ({row['status']})")
+        tx.answer_request(fx, row, {"ok": run_id}, by="tok_x", now=START_MS + 2)
+        return row["status"], row["message"]
+    return change
+
+
+async def test_a_request_read_ahead_and_written_before_its_answer_runs_is_read_again(pg):
+    _requests(pg, "r1", "r2")
+    committed: list[itd.Effects] = []
+    batches: list[int] = []
+    store = await _store(pg, committed, batches)
+    runs: list[str] = []
+
+    def expires(tx, fx):
+        return tx.close_request(fx, PB, "r1", itd.ENDINGS["expired"])["status"]
+
+    try:
+        got = await asyncio.gather(store.write(expires),
+                                   store.write(_answers("r1", runs), ahead=("request", PB, "r1")),
+                                   store.write(_answers("r2", runs), ahead=("request", PB, "r2")),
+                                   return_exceptions=True)
+        assert batches == [3]
+        assert got[0] == "expired"
+        # r1's answer first went on from the row read at the group's start (open), then again from
+        # the row as the expiry left it; r2's, read ahead and untouched, stood.
+        assert isinstance(got[1], itd.Problem) and got[1].name == "not_open"
+        assert got[2] == ("open", "ok?")
+        assert runs.count("r1") == 2
+        state = await store.read(lambda tx: {r: (tx.request(PB, r)["status"], tx.run(PB, r)["status"])
+                                             for r in ("r1", "r2")})
+        assert state == {"r1": ("expired", "waiting"), "r2": ("answered", "succeeded")}
+        answered = [e["run_id"] for fx in committed for e in fx.published if e["type"] == "request_answered"]
+        assert answered == ["r2"]
+    finally:
+        await store.close()
+
+
+async def test_a_run_assumed_inserted_and_counted_is_inserted_again_reading_first_when_it_was_not(pg):
+    _requests(pg, "taken")
+    store = await _store(pg, [], [])
+    runs: list[str] = []
+
+    def asks(run_id: str, limit: int):
+        def change(tx, fx):
+            runs.append(run_id)
+            return tx.insert_asking_run(playbook=PB, run_id=run_id, type_="interaction", name="approve", version=1,
+                                        input_text="{}", input_sha="x", parent=None, now=START_MS, by="tok_x",
+                                        limit=limit)
+        return change
+
+    try:
+        got = await asyncio.gather(store.write(asks("taken", 10)), store.write(asks("fresh", 10)),
+                                   store.write(asks("full", 2)))
+        assert got == [(False, False), (True, True), (True, False)]     # run id taken; new; no slot left
+        # The guards of both wrong assumptions came back at the group's end: one more try for the group.
+        assert runs == ["taken", "fresh", "full"] * 2
+        counted = await store.read(lambda tx: tx.conn.execute(
+            "SELECT open_requests FROM playbooks WHERE id = ?", (PB,)).fetchone()[0])
+        assert counted == 2
+    finally:
+        await store.close()
