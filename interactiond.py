@@ -5456,6 +5456,10 @@ PG_LOCK_TIMEOUT_MS: Final = 5000
 PG_CONNECT_TIMEOUT_S: Final = 10
 #: Each daemon on a database beats this often (daemons.seen_at) ...
 DAEMON_BEAT_S: Final = 5.0
+#: A daemon refreshes the tables' statistics (PostgresTx.refresh_statistics) after its writer has
+#: committed this many changes, and again each time it has committed this factor more.
+PG_ANALYZE_FIRST: Final = 256
+PG_ANALYZE_GROWTH: Final = 8
 #: ... and is dead once unseen this long: a live daemon's heartbeat (or a start) takes its work
 #: over - its calls in flight end, its attempts in flight count as lost, its leases are dropped.
 #: The work a daemon holds (leases) is renewed by its heartbeat to this long ahead.
@@ -6631,6 +6635,15 @@ class PostgresTx(SQLiteTx):
         self.conn.execute(f"INSERT INTO daemons (id, host, pid, started_at, seen_at) VALUES (?, ?, ?, {_PG_NOW_SQL},"
                           f" {_PG_NOW_SQL})", (daemon, host, pid))
 
+    def refresh_statistics(self) -> None:
+        """ANALYZE the tables the changes address by key. A statement's plan is made once per
+        connection (its fifth run), from the statistics of the moment, and made again when they
+        change; made before a table had any, it may take a key lookup for a scan of an index on a
+        leading column the two share (a run's events numbered by scanning every run of its playbook:
+        answers ~4x slower with 3,000 open). The server's autovacuum refreshes them too, but looks at
+        most once a minute. A role that does not own the tables is told so by a warning, and skipped."""
+        self.conn.execute("ANALYZE runs, requests, events, timers")
+
     def beat(self, daemon: str) -> bool:
         """A live daemon's heartbeat, which renews the leases it holds; False when its row has gone (it is
         entered again)."""
@@ -6860,6 +6873,7 @@ class _PgListener(threading.Thread):
         self.deliver: Callable[[str], None] | None = None      # a notification's payload, to the bus
         self.lost: Callable[[], None] | None = None            # the connection came back: resync
         self.gone: Callable[[], None] | None = None            # other daemons were found gone
+        self._analyze = threading.Event()                       # the tables' statistics to be refreshed
         self._wake_r, self._wake_w = os.pipe()
 
     def register(self) -> None:
@@ -6886,6 +6900,8 @@ class _PgListener(threading.Thread):
                                             max(0.0, next_beat - time.monotonic()))
                 if self.halt.is_set():
                     break
+                if self._wake_r in ready:
+                    os.read(self._wake_r, 512)
                 if time.monotonic() >= next_beat:
                     if not tx.beat(self.daemon_id):
                         tx.register_daemon(self.daemon_id, _HOST, os.getpid())
@@ -6895,6 +6911,9 @@ class _PgListener(threading.Thread):
                 # What arrived (and what a beat's query read meanwhile, kept by libpq for here), read
                 # from libpq itself: psycopg's notifies() cost ~50 us a call. This daemon's own
                 # notifications come back too: dropped here, without waking the loop.
+                if self._analyze.is_set():
+                    self._analyze.clear()
+                    tx.refresh_statistics()
                 pg = tx.conn.pg
                 pg.consume_input()
                 while (note := pg.notifies()) is not None:
@@ -6919,6 +6938,12 @@ class _PgListener(threading.Thread):
 
     def stop(self) -> None:
         self.halt.set()
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+
+    def analyze_soon(self) -> None:
+        """Have the tables' statistics refreshed (PostgresTx.refresh_statistics), here, not on the caller's thread."""
+        self._analyze.set()
         with contextlib.suppress(OSError):
             os.write(self._wake_w, b"x")
 
@@ -6998,6 +7023,8 @@ class PostgresStore(Store):
     def __init__(self, path: str, on_commit: Callable[[Effects], None] | None = None) -> None:
         super().__init__(path, on_commit)
         self.daemon_id = "dmn_" + new_ulid().lower()
+        self._changes = 0                           # committed by this daemon's writer
+        self._analyze_at = PG_ANALYZE_FIRST         # ... when the tables' statistics are next refreshed
         self._listener: _PgListener | None = None
         self._bus: PgBus | None = None
 
@@ -7024,14 +7051,22 @@ class PostgresStore(Store):
             self._listener.gone = lambda: loop.call_soon_threadsafe(bus.gone)
         self._listener.start()
         self._writer = _DbThread(lambda: self._connect_tx(True), loop, writer=True,
-                                 sink=lambda fx: self.on_commit and self.on_commit(fx),
-                                 on_batch=lambda n, s: self.on_batch and self.on_batch(n, s))
+                                 sink=lambda fx: self.on_commit and self.on_commit(fx), on_batch=self._batched)
         self._reader = _DbThread(lambda: self._connect_tx(False), loop, writer=False)
         for t in (self._writer, self._reader):
             t.start()
             t.ready.wait()
             if t.start_error:
                 raise t.start_error
+
+    def _batched(self, changes: int, seconds: float) -> None:
+        """Each group commit, on the writer's thread: counted for the metrics, and for the statistics."""
+        if self.on_batch is not None:
+            self.on_batch(changes, seconds)
+        self._changes += changes
+        if self._changes >= self._analyze_at and self._listener is not None:
+            self._analyze_at *= PG_ANALYZE_GROWTH
+            self._listener.analyze_soon()
 
     def _connect_tx(self, writer: bool) -> PostgresTx:
         # A prepared statement's generic plan is made once, on its 5th run, often while the tables

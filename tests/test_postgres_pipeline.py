@@ -297,3 +297,40 @@ async def test_a_run_assumed_inserted_and_counted_is_inserted_again_reading_firs
         assert counted == 2
     finally:
         await store.close()
+
+
+async def test_a_daemon_refreshes_its_tables_statistics_as_its_writes_grow_them(pg):
+    # Statements are planned once from the statistics of the moment; a daemon on a new database
+    # has them refreshed after its first PG_ANALYZE_FIRST changes rather than wait for autovacuum.
+    import time
+
+    _runs(pg)
+    store = await _store(pg, [], [])
+
+    def analyzed(tx) -> int:
+        return tx.conn.execute("SELECT COALESCE(SUM(analyze_count), 0) FROM pg_stat_user_tables"
+                               " WHERE relname = 'runs'").fetchone()[0]
+
+    try:
+        before = await store.read(analyzed)
+        for n in range(itd.PG_ANALYZE_FIRST):
+            await store.write(lambda tx, fx, n=n: tx.insert_run(
+                playbook=PB, run_id=f"r{n}", type_="interaction", name="approve", version=1, input_text="{}",
+                input_sha="x", parent=None, now=START_MS, by="tok_x"))
+        deadline = time.monotonic() + 30
+        while await store.read(analyzed) == before and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)          # the listener's thread runs it; the statistics reach the view within ~1 s
+        assert await store.read(analyzed) > before
+
+        def generic_plan(tx) -> str:           # as a prepared statement's plan is made past its fifth run
+            c = tx.conn
+            c.execute("SET plan_cache_mode = force_generic_plan")
+            c.execute("PREPARE numbered (text, text) AS SELECT events FROM runs WHERE playbook = $1 AND run_id = $2")
+            try:
+                return "\n".join(r[0] for r in c.execute("EXPLAIN EXECUTE numbered ('local/default', 'r7')").fetchall())
+            finally:
+                c.execute("DEALLOCATE numbered")
+                c.execute("RESET plan_cache_mode")
+        assert "runs_playbook_run_id_key" in await store.read(generic_plan)
+    finally:
+        await store.close()
