@@ -6960,6 +6960,11 @@ def apply_postgres_schema(conn: _PgConn) -> None:
     raw.execute("SET client_min_messages = warning")          # not a notice per table that exists
     with raw.transaction():
         raw.execute("SELECT pg_advisory_xact_lock(%s)", (_PG_SCHEMA_LOCK,))
+        # The writes' lock too, before any table's: CREATE INDEX IF NOT EXISTS locks its table (SHARE)
+        # even when the index is there, in the schema's order, and a daemon's write locks its tables
+        # in its own; interleaved, the server ends one of the two as a deadlock. So a start (or the
+        # command line) applies the schema between two writes of the daemons already serving.
+        raw.execute("SELECT pg_advisory_xact_lock(%s)", (_PG_WRITE_LOCK,))
         version = 0
         if raw.execute("SELECT to_regclass('schema_version')").fetchone()[0] is not None:
             row = raw.execute("SELECT version FROM schema_version").fetchone()

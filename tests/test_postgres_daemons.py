@@ -292,6 +292,47 @@ def test_the_heartbeat_renews_the_leases_of_its_daemon_and_finds_the_daemons_tha
         tx.close()
 
 
+def test_the_schema_applied_while_a_daemon_writes_waits_for_the_write_and_ends_neither(pg):
+    # A start (another daemon's, or the command line's) applies the schema while daemons write. Its
+    # CREATE INDEX IF NOT EXISTS lock each indexed table (SHARE) in the schema's order, a write its
+    # tables (ROW EXCLUSIVE) in its own: taken in between, the server ends one of the two as a
+    # deadlock. Here a write holds events and goes on to runs once the schema waits.
+    import threading
+
+    import psycopg
+
+    itd.open_sync(pg).close()
+    other = psycopg.connect(pg, autocommit=True)
+    watch = psycopg.connect(pg, autocommit=True)
+    failed: list[BaseException] = []
+
+    def apply() -> None:
+        try:
+            itd.open_sync(pg).close()
+        except BaseException as exc:
+            failed.append(exc)
+    applying = threading.Thread(target=apply)
+    try:
+        other.execute("BEGIN")
+        other.execute("SELECT pg_advisory_xact_lock(%s)", (itd._PG_WRITE_LOCK,))
+        other.execute("INSERT INTO events (playbook, type, at, payload, size) VALUES (%s, 'x', 0, '{}', 2)", (PB,))
+        applying.start()
+        for _ in range(500):                            # until the schema waits on the write
+            if watch.execute("SELECT COUNT(*) FROM pg_locks WHERE NOT granted").fetchone()[0]:
+                break
+            time.sleep(0.01)
+        else:
+            pytest.fail("the schema never waited on the write")
+        other.execute("UPDATE runs SET events = events WHERE playbook = %s", (PB,))
+        other.execute("COMMIT")
+        applying.join(30)
+        assert not applying.is_alive() and failed == []
+    finally:
+        other.close()
+        watch.close()
+        applying.join(30)
+
+
 # Taking over what a daemon that is gone held, on a live daemon's heartbeat.
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
