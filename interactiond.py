@@ -5940,6 +5940,41 @@ def _pg_native(sql: str) -> bytes:
     return "".join(p + (f"${i + 1}" if i < len(parts) - 1 else "") for i, p in enumerate(parts)).encode()
 
 
+def _with_parts(sql: str) -> tuple[str, str]:
+    """A statement as its WITH list ("WITH a AS (...), b AS (...)", or "") and the statement after it."""
+    if not sql.startswith("WITH "):
+        return "", sql
+    depth, quoted, i = 0, False, 5
+    while i < len(sql):
+        ch = sql[i]
+        if quoted:
+            quoted = ch != "'"
+        elif ch == "'":
+            quoted = True
+        elif ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+            if depth == 0:
+                rest = sql[i + 1:].lstrip()
+                if not rest.startswith(","):
+                    return sql[:i + 1], rest
+        i += 1
+    raise ValueError("a WITH list that does not end")
+
+
+@functools.lru_cache(maxsize=256)
+def _pg_guarded(sql: str) -> bytes:
+    """A guarded statement (_PgConn.expect) made to fail when it changes or returns no row: its rows
+    as they were, or division_by_zero (22012), which _PgConn._settle turns into the guard's failure."""
+    head, main = _with_parts(sql)
+    if main.startswith(("UPDATE ", "INSERT ", "DELETE ")) and " RETURNING " not in main:
+        main += " RETURNING 1"
+    ctes = (head + ", " if head else "WITH ") + f"guarded AS ({main})"
+    return _pg_native(ctes + " SELECT guarded.* FROM (SELECT 1 / COUNT(*) AS one FROM guarded) AS guard"
+                      " LEFT JOIN guarded ON guard.one IS NOT NULL")
+
+
 #: Statements a connection keeps prepared by name; one past these is parsed each time it runs.
 PG_PREPARED_MAX: Final = 512
 
@@ -6018,13 +6053,21 @@ class _PgConn:
 
     def expect(self, result: _PgResult, failure: Callable[[], BaseException]) -> None:
         """A guard: the statement of `result` must change or return a row, else `failure()` is raised -
-        when its result comes back, so a guard costs no round trip of its own; the statements after it
-        in the change run meanwhile, and go with the change's savepoint when the guard fails."""
+        when its result comes back, so a guard costs no round trip of its own. Within a write the
+        statement still queued is sent as _pg_guarded makes it, failing on the server when it finds no
+        row: the statements sent after it in its round trip are not run - nor the COMMIT, which may
+        travel with it - and the transaction waits to be rolled back (PostgresTx.run_begun)."""
         if result._rows is not None:
             if not (result._rows or result._rowcount > 0):
                 raise failure()
-        else:
-            result._check = failure
+            return
+        result._check = failure
+        if self.in_tx:
+            queue = self.queue
+            for k in range(len(queue) - 1, -1, -1):
+                if queue[k][4] is result:
+                    queue[k] = (_pg_guarded(result._sql),) + queue[k][1:]
+                    break
 
     def sync(self) -> None:
         """Send what waits in the queue and read every result: one round trip. The first failure is
@@ -6129,7 +6172,9 @@ class _PgConn:
         pq = _psycopg().pq
         status = res.status
         if status == pq.ExecStatus.FATAL_ERROR:
-            result._error = _psycopg().errors.error_from_result(res)
+            error = _psycopg().errors.error_from_result(res)
+            # A guard that failed on the server (_pg_guarded): the guard's own failure.
+            result._error = result._check() if result._check is not None and error.sqlstate == "22012" else error
             return result._error
         rows: list[PgRow] = []
         if status == pq.ExecStatus.TUPLES_OK and res.ntuples:
@@ -6190,8 +6235,10 @@ _PG_ASKING_RUN_SQL: Final = (
     "WITH ins AS (" + _INSERT_RUN_SQL + " RETURNING seq), slot AS (UPDATE playbooks SET open_requests ="
     " open_requests + 1 WHERE id = ? AND open_requests < ? AND EXISTS (SELECT 1 FROM ins) RETURNING id)")
 #: A request's row (SQLiteTx.request) with its row version, which any write of the row changes.
+#: And its run's parent.
 _PG_REQUEST_AHEAD_SQL: Final = _REQUEST_ROW.replace(
-    " FROM requests q", ", CAST(q.ctid AS TEXT) AS row_version FROM requests q", 1) + " WHERE q.playbook = ? AND q.run_id = ?"
+    " FROM requests q", ", CAST(q.ctid AS TEXT) AS row_version, (SELECT r.parent FROM runs r WHERE r.playbook ="
+    " q.playbook AND r.run_id = q.run_id) AS run_parent FROM requests q", 1) + " WHERE q.playbook = ? AND q.run_id = ?"
 
 
 class _Stale(Exception):
@@ -6216,7 +6263,8 @@ class PostgresTx(SQLiteTx):
     whose SQL differs between the dialects, and what several daemons sharing the database need.
     `daemon` is the id of the daemon whose store it serves (None for the command line)."""
 
-    __slots__ = ("daemon", "_savepoint_of", "_opening", "_mark", "_ids", "_later", "_early", "assume")
+    __slots__ = ("daemon", "_savepoint_of", "_opening", "_mark", "_ids", "_later", "_early", "_parents", "assume",
+                 "lock_late", "_locked")
 
     conn: _PgConn
 
@@ -6226,6 +6274,9 @@ class PostgresTx(SQLiteTx):
         self._savepoint_of: int | None = None        # the change whose savepoint is open, if any
         self._early: dict[tuple[str, str, str], _PgResult] = {}   # what the group commit read ahead (run_begun)
         self.assume = False                          # whether the change now running may (run_begun)
+        self.lock_late = False                       # the writer's: its lock taken after its reads ahead
+        self._locked = False
+        self._parents: dict[tuple[str, str], str | None] = {}    # runs' parents, known from their requests read ahead
         self._opening: list[_PgResult] = []          # BEGIN, the lock, the first savepoint
         self._mark = (0, 0, 0)                       # (round trips, queued, later) when the change began
         self._ids: list[dict[str, Any]] = []         # published events (and rows as written) whose ids are still to come back
@@ -6242,7 +6293,9 @@ class PostgresTx(SQLiteTx):
         # sees 7. Every write takes this lock first and holds it to its COMMIT, so transactions
         # take ids and commit one after another. Taken at BEGIN, before any row lock, so it waits
         # in no cycle with one: it is SQLite's BEGIN IMMEDIATE, for every daemon on the database.
-        # BEGIN, the lock and the first change's savepoint travel with the change's first round trip.
+        # BEGIN, the lock and the first change's savepoint travel with the change's first round trip;
+        # the writer's lock (lock_late) with the first after what its group commit reads ahead
+        # (run_begun), so another daemon's writes wait for its changes' round trips only.
         conn = self.conn
         conn.queue, conn.in_tx = [], False
         if conn.lost:
@@ -6255,15 +6308,27 @@ class PostgresTx(SQLiteTx):
         conn.stale.clear()
         self._ids = []
         self._later = []
-        self._opening = [conn.execute("BEGIN"), conn.execute(_PG_LOCK_SQL), conn.execute("SAVEPOINT change")]
-        self._savepoint_of = 0
+        self._opening = [conn.execute("BEGIN")]
         self._early = {}
+        self._parents = {}
+        self._savepoint_of = None
+        self._locked = False
+        if not self.lock_late:
+            self._take_lock()
+
+    def _take_lock(self) -> None:
+        conn = self.conn
+        self._opening += [conn.execute(_PG_LOCK_SQL), conn.execute("SAVEPOINT change")]
+        self._locked = True
+        self._savepoint_of = 0
         self._mark = (conn.syncs, len(conn.queue), 0)
 
     # A group commit's changes, each in a savepoint whose edges cost no round trip of their own; nor
-    # does a change's end. Its statements go with whichever round trip comes next: a later change's
-    # read, or the group commit's end. A group of n changes costs the round trips their reads need and
-    # one or two more, where waiting at each change's end cost n more.
+    # does a change's end, nor its guards (_pg_guarded). Its statements go with whichever round trip
+    # comes next: a later change's read, or the commit. A group of runs and answers costs two round
+    # trips, whatever its size: what its answers read first, read ahead before the write lock is
+    # waited for, then every statement with the lock and the COMMIT (one when nothing is read ahead).
+    # Waiting at each change's end cost n + 2.
 
     def run_begun(self, batch: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
         """SQLiteTx.run_begun, on the server. A change that raises is undone alone (ROLLBACK TO its
@@ -6319,6 +6384,13 @@ class PostgresTx(SQLiteTx):
         for _, fut, _, ahead in items:          # what the changes read first, in one round trip for all
             if ahead is not None and id(fut) not in careful and ahead not in self._early:
                 self._early[ahead] = self._read_ahead(ahead)
+        if not self._locked:
+            if self._early:
+                try:
+                    conn.sync()                 # before the lock is waited for: guarded where relied on
+                except BaseException as exc:
+                    return lost(exc), None
+            self._take_lock()
         out: list[tuple[Any, ...]] = []
         i = 0
         while i < len(items):
@@ -6355,8 +6427,6 @@ class PostgresTx(SQLiteTx):
                 conn.owner = owner
                 then()
             conn.owner = -1
-            if any(r._check is not None for *_, r in conn.queue):
-                conn.sync()                     # the guards still out come back before the commit is sent
             if conn.failed is not None:
                 raise conn.failed[1]
         except BaseException as exc:
@@ -6508,7 +6578,8 @@ class PostgresTx(SQLiteTx):
         unchanged = self.conn.execute("SELECT 1 FROM requests WHERE seq = ? AND ctid = CAST(? AS tid)",
                                       (got["seq"], got["row_version"]))
         self.conn.expect(unchanged, _Stale)
-        return PgRow(got._values[:-1], {k: i for k, i in got._names.items() if k != "row_version"})
+        self._parents[(playbook, run_id)] = got["run_parent"]     # never changes: known, stale or not
+        return PgRow(got._values[:-2], {k: i for k, i in got._names.items() if k not in ("row_version", "run_parent")})
 
     def _run_waits(self, playbook: str, run_id: str) -> Any:
         result = self.conn.execute(_RUN_WAITS_SQL, (playbook, run_id))
@@ -6519,7 +6590,7 @@ class PostgresTx(SQLiteTx):
         result = self.conn.execute(_END_RUN_SQL, values)
         self.conn.expect(result, lambda: Problem("conflict", "the run has already ended"))
         if result._rows is None:
-            return result, _PgRunSeq()
+            return self._parents.get((values[-2], values[-1]), result), _PgRunSeq()
         return result._rows[0]["parent"], result._rows[0]["events"]
 
     @staticmethod
@@ -7082,7 +7153,9 @@ class PostgresStore(Store):
         setup: tuple[str, ...] = ("SET enable_seqscan = off",)
         if writer:
             setup += (f"SET lock_timeout = {PG_LOCK_TIMEOUT_MS}", "SET standard_conforming_strings = on")
-        return PostgresTx(_PgConn(self.path, setup), self.daemon_id)
+        tx = PostgresTx(_PgConn(self.path, setup), self.daemon_id)
+        tx.lock_late = writer
+        return tx
 
     async def claim(self, key: str, *, due_by: int | None = None) -> bool:
         return await self.write(lambda tx, fx: tx.claim_lease(key, due_by=due_by))

@@ -290,8 +290,9 @@ async def test_a_run_assumed_inserted_and_counted_is_inserted_again_reading_firs
         got = await asyncio.gather(store.write(asks("taken", 10)), store.write(asks("fresh", 10)),
                                    store.write(asks("full", 2)))
         assert got == [(False, False), (True, True), (True, False)]     # run id taken; new; no slot left
-        # The guards of both wrong assumptions came back at the group's end: one more try for the group.
-        assert runs == ["taken", "fresh", "full"] * 2
+        # Each wrong assumption, found when the group's statements went with its commit, cost the
+        # group one more try: the first found, then the second.
+        assert runs == ["taken", "fresh", "full"] * 3
         counted = await store.read(lambda tx: tx.conn.execute(
             "SELECT open_requests FROM playbooks WHERE id = ?", (PB,)).fetchone()[0])
         assert counted == 2
@@ -313,10 +314,12 @@ async def test_a_daemon_refreshes_its_tables_statistics_as_its_writes_grow_them(
 
     try:
         before = await store.read(analyzed)
+        def twelve_runs(tx, fx, n: int) -> None:     # a table the size where a key's lookup and a scan differ
+            for k in range(12):
+                tx.insert_run(playbook=PB, run_id=f"r{n}.{k}", type_="interaction", name="approve", version=1,
+                              input_text="{}", input_sha="x", parent=None, now=START_MS, by="tok_x")
         for n in range(itd.PG_ANALYZE_FIRST):
-            await store.write(lambda tx, fx, n=n: tx.insert_run(
-                playbook=PB, run_id=f"r{n}", type_="interaction", name="approve", version=1, input_text="{}",
-                input_sha="x", parent=None, now=START_MS, by="tok_x"))
+            await store.write(lambda tx, fx, n=n: twelve_runs(tx, fx, n))
         deadline = time.monotonic() + 30
         while await store.read(analyzed) == before and time.monotonic() < deadline:
             await asyncio.sleep(0.05)          # the listener's thread runs it; the statistics reach the view within ~1 s
@@ -327,10 +330,46 @@ async def test_a_daemon_refreshes_its_tables_statistics_as_its_writes_grow_them(
             c.execute("SET plan_cache_mode = force_generic_plan")
             c.execute("PREPARE numbered (text, text) AS SELECT events FROM runs WHERE playbook = $1 AND run_id = $2")
             try:
-                return "\n".join(r[0] for r in c.execute("EXPLAIN EXECUTE numbered ('local/default', 'r7')").fetchall())
+                return "\n".join(r[0] for r in c.execute("EXPLAIN EXECUTE numbered ('local/default', 'r7.1')").fetchall())
             finally:
                 c.execute("DEALLOCATE numbered")
                 c.execute("RESET plan_cache_mode")
         assert "runs_playbook_run_id_key" in await store.read(generic_plan)
     finally:
+        await store.close()
+
+
+async def test_a_request_read_ahead_then_changed_by_another_daemon_before_the_lock_is_read_again(pg):
+    # The writer reads ahead before it waits for the database's write lock; another daemon's write,
+    # holding the lock meanwhile, closes the request: the answer must not go on from what it read.
+    import time
+
+    import psycopg
+
+    _requests(pg, "r1")
+    committed: list[itd.Effects] = []
+    store = await _store(pg, committed, [])
+    runs: list[str] = []
+    other = psycopg.connect(pg, autocommit=True)
+    try:
+        other.execute("BEGIN")
+        other.execute("SELECT pg_advisory_xact_lock(%s)", (itd._PG_WRITE_LOCK,))
+        answer = asyncio.ensure_future(store.write(_answers("r1", runs), ahead=("request", PB, "r1")))
+        watch = psycopg.connect(pg, autocommit=True)
+        deadline = time.monotonic() + 20
+        while not watch.execute("SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE wait_event = 'advisory'"
+                                " AND application_name = 'interactiond')").fetchone()[0]:
+            assert time.monotonic() < deadline, "the writer never waited for the lock"
+            await asyncio.sleep(0.01)
+        watch.close()
+        assert runs == ["r1"] and not answer.done()      # it went on from the row it read, and waits to write
+        other.execute("UPDATE requests SET status = 'expired', open = 0 WHERE run_id = 'r1'")
+        other.execute("COMMIT")
+        with pytest.raises(itd.Problem) as got:
+            await asyncio.wait_for(answer, 30)
+        assert got.value.name == "not_open" and runs == ["r1", "r1"]
+        assert await store.read(lambda tx: tx.request(PB, "r1")["status"]) == "expired"
+        assert [e for fx in committed for e in fx.published] == []
+    finally:
+        other.close()
         await store.close()
