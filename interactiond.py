@@ -3907,7 +3907,8 @@ class LocalBus:
         self._invalidators.append(sink)
 
     def on_event(self, sink: Callable[[dict[str, Any]], None]) -> None:
-        """`sink(event)` for every committed event (the metrics count them); it must not raise."""
+        """`sink(event)` for every event this daemon's commits publish (the metrics count them; another
+        daemon's are its own to count); it must not raise."""
         self._event_sinks.append(sink)
 
     def on_gone(self, sink: Callable[[], None]) -> None:
@@ -3915,7 +3916,8 @@ class LocalBus:
         never on a file, which has one daemon."""
         self._gone_sinks.append(sink)
 
-    def deliver(self, fx: Effects) -> None:
+    def deliver(self, fx: Effects, remote: bool = False) -> None:
+        """The effects of a commit; `remote`: another daemon's, which this one's metrics do not count."""
         for key, due in fx.timers:
             for sink in self._timer_sinks:
                 sink(key, due)
@@ -3927,8 +3929,9 @@ class LocalBus:
                 if not fut.done():
                     fut.set_result(None)
         for event in fx.published:
-            for event_sink in self._event_sinks:
-                event_sink(event)
+            if not remote:
+                for event_sink in self._event_sinks:
+                    event_sink(event)
             for q in list(self._subscribers):
                 if q.qsize() < 1000:
                     q.put_nowait(event)
@@ -6899,7 +6902,7 @@ class PgBus(LocalBus):
         except (ValueError, KeyError, IndexError, TypeError):
             log.warning("a notification on %s could not be read; dropped", PG_CHANNEL)
             return
-        self.deliver(fx)
+        self.deliver(fx, remote=True)
 
     def gone(self) -> None:
         """The heartbeat found other daemons gone (and removed them): their work is this one's to take over."""
@@ -6921,7 +6924,7 @@ class PgBus(LocalBus):
             fx.wakes.extend(self._waiters)
             fx.published.append({"id": None, "playbook": None, "run_id": None, "type": None, "at": None,
                                  "payload": None})
-            self.deliver(fx)
+            self.deliver(fx, remote=True)
         if self.stopped:
             return
         task = asyncio.ensure_future(again())

@@ -113,6 +113,30 @@ async def test_a_wait_on_one_daemon_is_woken_by_an_answer_on_the_other(two):
     assert loop.time() - t0 < 5
 
 
+async def test_each_daemon_counts_in_its_metrics_what_it_did_not_what_it_heard(two):
+    # Summed over the daemons (as a Prometheus server sums its instances), an answer counts once.
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from daemon_kit import APPROVAL
+
+    async def ended(d) -> float:
+        resp = await d.client.get("/metrics", headers=d.auth("operator"))
+        assert resp.status == 200
+        return sum(s.value for f in text_string_to_metric_families(await resp.text()) for s in f.samples
+                   if s.name == "interactiond_runs_ended_total" and s.labels.get("status") == "succeeded")
+
+    a, b = two
+    await a.define("approve", APPROVAL)
+    _, run = await a.run("approve", INPUT)
+    waiter = asyncio.create_task(a.call("POST", f"/runs/{run['run_id']}/wait?timeout=30"))
+    await asyncio.sleep(0.05)          # let the long poll park (real time; not the daemon's clock)
+    status, _ = await b.call("POST", f"/runs/{run['run_id']}/answer", {"answer": {"verdict": "approve"}})
+    assert status == 200
+    status, got = await asyncio.wait_for(waiter, 5)   # a heard of the answer...
+    assert got["status"] == "succeeded"
+    assert (await ended(a), await ended(b)) == (0, 1)  # ...and only b counted it
+
+
 async def test_a_definition_saved_on_one_daemon_is_the_current_one_on_the_other(two):
     from daemon_kit import APPROVAL
 
