@@ -6650,8 +6650,11 @@ class PostgresTx(SQLiteTx):
         invalidated caches): NOTIFY in the changing transaction, so they hear it at the COMMIT, and
         never of a change rolled back. Sent with the COMMIT, in its round trip."""
         if self.daemon is not None:
+            # Only while another daemon is entered (its row read under the writes' lock, as it enters
+            # under it: register_daemon): a daemon alone hears nothing of its own commits.
             for payload in _bus_payloads(self.daemon, changes):
-                self.conn.execute("SELECT pg_notify(?, ?)", (PG_CHANNEL, payload))
+                self.conn.execute("SELECT pg_notify(?, ?) WHERE EXISTS (SELECT 1 FROM daemons WHERE id <> ?)",
+                                  (PG_CHANNEL, payload, self.daemon))
 
     # A whole database copied (see SQLiteTx).
 
@@ -6701,13 +6704,23 @@ class PostgresTx(SQLiteTx):
         return [(r["playbook"], r["run_id"], json.loads(r["payload"]) if r["payload"] else None) for r in rows]
 
     def register_daemon(self, daemon: str, host: str, pid: int) -> None:
-        """Enter a daemon that starts; a daemon of this host whose process is gone (a crash, a kill)
-        leaves now rather than when its lease ends."""
+        """Enter a daemon that starts (its connection LISTENs already); a daemon of this host whose
+        process is gone (a crash, a kill) leaves now rather than when its lease ends. Under the writes'
+        lock: a write that finds no other daemon entered notifies nobody (before_commit), so it must
+        commit before this one enters, and the new daemon then reads what it wrote."""
         for row in self.conn.execute("SELECT id, pid FROM daemons WHERE host = ?", (host,)).fetchall():
             if row["pid"] != pid and not _process_alive(row["pid"]):
                 self.conn.execute("DELETE FROM daemons WHERE id = ?", (row["id"],))
-        self.conn.execute(f"INSERT INTO daemons (id, host, pid, started_at, seen_at) VALUES (?, ?, ?, {_PG_NOW_SQL},"
-                          f" {_PG_NOW_SQL})", (daemon, host, pid))
+        self.conn.execute("BEGIN")
+        try:
+            self.conn.execute(_PG_LOCK_SQL)
+            self.conn.execute(f"INSERT INTO daemons (id, host, pid, started_at, seen_at) VALUES (?, ?, ?,"
+                              f" {_PG_NOW_SQL}, {_PG_NOW_SQL})", (daemon, host, pid))
+            self.conn.execute("COMMIT")
+        except BaseException:
+            with contextlib.suppress(*self.errors):
+                self.conn.execute("ROLLBACK")
+            raise
 
     def refresh_statistics(self) -> None:
         """ANALYZE the tables the changes address by key. A statement's plan is made once per
@@ -6978,7 +6991,10 @@ class _PgListener(threading.Thread):
                     os.read(self._wake_r, 512)
                 if time.monotonic() >= next_beat:
                     if not tx.beat(self.daemon_id):
+                        # Taken for gone and removed: the others stopped telling it of their commits.
                         tx.register_daemon(self.daemon_id, _HOST, os.getpid())
+                        if self.lost is not None:
+                            self.lost()
                     if tx.reap_daemons(_HOST, os.getpid()) and self.gone is not None:
                         self.gone()
                     next_beat = time.monotonic() + DAEMON_BEAT_S

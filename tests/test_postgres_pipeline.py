@@ -373,3 +373,40 @@ async def test_a_request_read_ahead_then_changed_by_another_daemon_before_the_lo
     finally:
         other.close()
         await store.close()
+
+
+async def test_a_daemon_alone_on_its_database_notifies_nobody_and_one_with_company_notifies_it(pg):
+    import os
+    import time
+
+    import psycopg
+
+    _runs(pg)
+    store = await _store(pg, [], [])
+    ear = psycopg.connect(pg, autocommit=True)
+    ear.execute(f"LISTEN {itd.PG_CHANNEL}")
+
+    def heard() -> list[str]:
+        ear.execute("SELECT 1")                 # a round trip brings what was sent meanwhile
+        return [n.payload for n in ear.notifies(timeout=0.2, stop_after=10)]
+
+    def timer(key: str):
+        return lambda tx, fx: tx.set_timer(fx, key, START_MS)
+
+    try:
+        await store.write(timer("expire:local/default:r1"))
+        assert heard() == []                    # nobody else entered: nothing sent
+        other = itd.open_sync(pg)
+        try:
+            other.register_daemon("dmn_other", "elsewhere", os.getpid())
+        finally:
+            other.close()
+        await store.write(timer("expire:local/default:r2"))
+        deadline = time.monotonic() + 10
+        got: list[str] = []
+        while not got and time.monotonic() < deadline:
+            got = heard()
+        assert len(got) == 1 and "expire:local/default:r2" in got[0] and store.daemon_id in got[0]
+    finally:
+        ear.close()
+        await store.close()
