@@ -335,6 +335,14 @@ async def test_a_daemon_refreshes_its_tables_statistics_as_its_writes_grow_them(
                 c.execute("DEALLOCATE numbered")
                 c.execute("RESET plan_cache_mode")
         assert "runs_playbook_run_id_key" in await store.read(generic_plan)
+        # Analyzed and barely changed since: a refresh leaves it to autovacuum.
+        counted = await store.read(analyzed)
+        tx = itd.open_sync(pg)
+        try:
+            tx.refresh_statistics()
+        finally:
+            tx.close()
+        assert await store.read(analyzed) == counted
     finally:
         await store.close()
 
