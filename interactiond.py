@@ -6729,14 +6729,15 @@ class PostgresTx(SQLiteTx):
         leading column the two share (a run's events numbered by scanning every run of its playbook:
         answers ~4x slower with 3,000 open). The server's autovacuum refreshes them too, but looks at
         most once a minute. Only a table never analyzed, or changed by half its rows since, is: a
-        large database's are left to autovacuum. A role that does not own the tables is told so by
-        a warning, and skipped."""
+        large database's are left to autovacuum. A table another session holds locked (a VACUUM FULL,
+        another daemon's ANALYZE) is skipped, never waited for: the listener's thread beats the
+        daemon's heartbeat. A role that does not own the tables is told so by a warning, and skipped."""
         stale = [r[0] for r in self.conn.execute(
             "SELECT relname FROM pg_stat_user_tables WHERE schemaname = current_schema()"
             " AND relname IN ('runs', 'requests', 'events', 'timers') AND (COALESCE(last_analyze, last_autoanalyze)"
             " IS NULL OR n_mod_since_analyze * 2 > n_live_tup) ORDER BY relname").fetchall()]
         if stale:
-            self.conn.execute("ANALYZE " + ", ".join(stale))     # names of the list above, not a caller's
+            self.conn.execute("ANALYZE (SKIP_LOCKED) " + ", ".join(stale))     # names of the list above, not a caller's
 
     def beat(self, daemon: str) -> bool:
         """A live daemon's heartbeat, which renews the leases it holds; False when its row has gone (it is

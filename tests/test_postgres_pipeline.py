@@ -418,3 +418,28 @@ async def test_a_daemon_alone_on_its_database_notifies_nobody_and_one_with_compa
     finally:
         ear.close()
         await store.close()
+
+
+async def test_a_table_held_locked_elsewhere_is_skipped_by_the_statistics_not_waited_for(pg):
+    # The listener's thread refreshes them, and it also beats the daemon's heartbeat: a VACUUM FULL
+    # or another daemon's ANALYZE holding a table must not stop it.
+    import psycopg
+
+    _runs(pg)
+    holder = psycopg.connect(pg, autocommit=True)
+    tx = itd.open_sync(pg)
+
+    def analyzed(table: str) -> int:
+        return holder.execute("SELECT COALESCE(SUM(analyze_count), 0) FROM pg_stat_user_tables WHERE relname = %s",
+                              (table,)).fetchone()[0]
+
+    try:
+        before = {t: analyzed(t) for t in ("runs", "requests")}
+        holder.execute("BEGIN")
+        holder.execute("LOCK TABLE runs IN SHARE UPDATE EXCLUSIVE MODE")
+        await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, tx.refresh_statistics), 20)
+        holder.execute("COMMIT")
+        assert analyzed("runs") == before["runs"] and analyzed("requests") > before["requests"]
+    finally:
+        holder.close()
+        tx.close()
