@@ -233,6 +233,9 @@ MAX_RETRY_AFTER_DELIVERY_S: Final = 8 * 60
 MAX_RETRY_AFTER_READ_S: Final = 60 * 60
 #: An attempt with no recorded end after a restart counts as failed this long after it started.
 LOST_ATTEMPT_S: Final = 60
+#: An attempt's end that the database refused for a moment (busy, out of reach) is written again
+#: after these pauses, in real seconds (write_attempt_end).
+ATTEMPT_END_RETRY_S: Final = (0.2, 1.0, 5.0)
 #: Gaps between reads of a conversation: 5 s after a request joins, 10, 20, 40, then a minute
 #: through the 18th read, then five minutes.
 READ_GAPS_S: Final = (5, 10, 20, 40) + (60,) * 14
@@ -8928,6 +8931,22 @@ class Inbox:
         return event_object(row, whole=True)
 
 
+async def write_attempt_end(store: Store, end: Callable[[Any, Effects], None]) -> None:
+    """Write an attempt's end (a delivery's, a telling's), again after a pause while the database
+    refuses it for a moment: the message went out, and an attempt whose end is never written counts
+    as lost a minute later and is sent again - the person would read it twice. An end is guarded by
+    the attempt it ends, so one already written (or counted lost meanwhile) is left as it is."""
+    for pause in (*ATTEMPT_END_RETRY_S, None):
+        try:
+            await store.write(end)
+            return
+        except Problem as exc:
+            if pause is None or exc.kind not in ("database_busy", "database_unreachable"):
+                raise
+            log.warning("the end of an attempt could not be written (%s); trying again in %.1f s", exc.detail, pause)
+            await asyncio.sleep(pause)
+
+
 class Deliveries:
     """Sending requests through a tool: attempts, retries, lost attempts. A delivered question whose
     replies are read joins its conversation's reading (`readings`)."""
@@ -9054,7 +9073,7 @@ class Deliveries:
                 return
             self._after_failed_attempt(tx, fx, row, now, outcome.get("retry_after_ms"),
                                        spent="refused" in outcome)
-        await self.store.write(end)
+        await write_attempt_end(self.store, end)
 
     def _after_failed_attempt(self, tx: Tx, fx: Effects, row: Row, now: int,
                               retry_after_ms: int | None, spent: bool = False) -> None:
@@ -9972,7 +9991,7 @@ class Reminders:
                       "message": outcome.get("message"), "retry_after_ms": outcome.get("retry_after_ms")}
             tx.append_event(fx, playbook, run_id, "telling_failed", done, "interactiond", failed)
             self._after_failure(tx, fx, cur, done, outcome.get("retry_after_ms"), spent="refused" in outcome)
-        await self.store.write(end)
+        await write_attempt_end(self.store, end)
 
     @staticmethod
     def _after_failure(tx: Tx, fx: Effects, cur: Row, now: int, retry_after_ms: int | None,

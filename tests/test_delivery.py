@@ -4,6 +4,7 @@ Against the real example chat server (a subprocess speaking MCP over stdio), on 
 """
 from __future__ import annotations
 
+import asyncio
 import sys
 from pathlib import Path
 
@@ -388,3 +389,34 @@ async def test_a_tool_no_longer_offered_fails_the_attempt(d, aiohttp_client):
     assert [e["payload"]["because"] for e in failed] == ["tool_error", "tool_not_offered"]
     req = await request_of(d2, run_id)
     assert req["attempts"] == 2 and req["delivery_state"] == "retrying"
+
+
+async def test_an_attempts_end_refused_by_a_busy_database_is_written_again_not_sent_again(d, monkeypatch):
+    # The database refuses the write of the attempt's end once, as a busy one does: the message went
+    # out, so the end is written again (not counted lost a minute later and the message sent twice).
+    monkeypatch.setattr(itd, "ATTEMPT_END_RETRY_S", (0.05, 0.05, 0.05))
+    store = d.engine.store
+    write = store.write
+    refused: list[str] = []
+
+    def busy_once(change, ahead=None):
+        if change.__qualname__.endswith("_end_attempt.<locals>.end") and not refused:
+            refused.append(change.__qualname__)
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_exception(itd.Problem("unavailable", "the database is locked", kind="database_busy"))
+            return fut
+        return write(change, ahead)
+
+    monkeypatch.setattr(store, "write", busy_once)
+    run_id = await start(d, "chat-approval", SEED_CHAT, {"owner": "ana", "draft": "x"})
+    for _ in range(100):                        # the end is written again after a pause in real time
+        if (await request_of(d, run_id))["delivery_state"] == "delivered":
+            break
+        await asyncio.sleep(0.02)
+    assert refused
+    req = await request_of(d, run_id)
+    assert req["delivery_state"] == "delivered" and req["attempts"] == 1
+    await d.advance(f"PT{itd.LOST_ATTEMPT_S + 1}S")        # past when a lost attempt would be sent again
+    assert chat_server.calls(d.chat, "post_message") == 1
+    types = [e["type"] for e in await events(d, run_id)]
+    assert types.count("delivery_succeeded") == 1 and "delivery_failed" not in types
