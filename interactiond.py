@@ -4114,6 +4114,7 @@ class _DbThread(threading.Thread):
             return [(fut, None, failure, None) for _, fut, *_ in batch]
         return self.tx.run_begun(batch)
 
+
 def _db_problem(exc: BaseException, otherwise: str | None = None) -> BaseException:
     """A locked, full or failing database as a problem that says so (nothing of the change was written);
     any other error as it is (or as a plain failure when `otherwise` describes it)."""
@@ -5814,8 +5815,6 @@ class PgRow:
         return f"PgRow({dict(zip(self._names, self._values))!r})"
 
 
-
-
 class _PgLazyRow(PgRow):
     """The one row of a statement still in its connection's queue, read when first looked at (by
     the change's end its round trip has gone, so reading it then costs none)."""
@@ -5999,7 +5998,7 @@ class _PgConn:
     costs no wait of its own. Outside a transaction every statement runs at once."""
 
     __slots__ = ("url", "setup", "raw", "pg", "tf", "auto", "queue", "names", "prepared", "in_tx", "syncs", "fresh",
-                 "owner", "failed", "stale")
+                 "owner", "failed")
 
     def __init__(self, url: str, setup: tuple[str, ...] = ()) -> None:
         self.url = url
@@ -6016,7 +6015,6 @@ class _PgConn:
         self.owner = -1             # which change of a group commit the statements now sent are (-1: none)
         #: The first statement (or guard) that failed since the writer last looked: (its owner, the error).
         self.failed: tuple[int, BaseException] | None = None
-        self.stale: set[int] = set()        # the changes whose assumptions a guard found false (_Stale)
         self.reopen()
 
     def reopen(self) -> None:
@@ -6120,8 +6118,6 @@ class _PgConn:
                         failure, owner = psycopg.errors.error_from_result(res), sent[k + 1]._owner
             elif res.status != pq.ExecStatus.PIPELINE_ABORTED:   # an aborted one is left unsettled
                 err = self._settle(for_, res)
-                if err is not None and type(err) is _Stale:
-                    self.stale.add(for_._owner)
                 if failure is None and err is not None:
                     failure, owner = err, for_._owner
         if failure is not None:
@@ -6311,7 +6307,6 @@ class PostgresTx(SQLiteTx):
         conn.in_tx = True
         conn.fresh = True
         conn.owner, conn.failed = -1, None
-        conn.stale.clear()
         self._ids = []
         self._later = []
         self._opening = [conn.execute("BEGIN")]
@@ -6357,7 +6352,6 @@ class PostgresTx(SQLiteTx):
             if late is None:
                 return settled + out
             j, exc = late
-            careful.update(id(items[k][1]) for k in self.conn.stale)    # every change found to assume wrong
             if type(exc) is _Stale:
                 careful.add(id(items[j][1]))
             else:
@@ -7009,12 +7003,12 @@ class _PgListener(threading.Thread):
                     if tx.reap_daemons(_HOST, os.getpid()) and self.gone is not None:
                         self.gone()
                     next_beat = time.monotonic() + DAEMON_BEAT_S
-                # What arrived (and what a beat's query read meanwhile, kept by libpq for here), read
-                # from libpq itself: psycopg's notifies() cost ~50 us a call. This daemon's own
-                # notifications come back too: dropped here, without waking the loop.
                 if self._analyze.is_set():
                     self._analyze.clear()
                     tx.refresh_statistics()
+                # What arrived (and what a beat's query read meanwhile, kept by libpq for here), read
+                # from libpq itself: psycopg's notifies() cost ~50 us a call. This daemon's own
+                # notifications come back too: dropped here, without waking the loop.
                 pg = tx.conn.pg
                 pg.consume_input()
                 while (note := pg.notifies()) is not None:

@@ -5,6 +5,7 @@ what they wrote, and every published event carries its id once the change commit
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -20,15 +21,22 @@ def pg():
         yield url
 
 
-def _runs(url: str, *run_ids: str) -> None:
+@contextlib.contextmanager
+def _playbook(url: str):
+    """The database with the playbook entered, outside any daemon (each operation commits on its own)."""
     tx = itd.open_sync(url)
     try:
         tx.ensure_playbook(PB, now=START_MS)
+        yield tx
+    finally:
+        tx.close()
+
+
+def _runs(url: str, *run_ids: str) -> None:
+    with _playbook(url) as tx:
         for run_id in run_ids:
             assert tx.insert_run(playbook=PB, run_id=run_id, type_="interaction", name="approve", version=1,
                                  input_text="{}", input_sha="x", parent=None, now=START_MS, by="tok_x")
-    finally:
-        tx.close()
 
 
 async def _store(url: str, committed: list[itd.Effects], batches: list[int]) -> itd.Store:
@@ -215,9 +223,7 @@ async def test_a_guard_that_fails_after_its_change_ended_fails_that_change_and_t
 
 
 def _requests(url: str, *run_ids: str) -> None:
-    tx = itd.open_sync(url)
-    try:
-        tx.ensure_playbook(PB, now=START_MS)
+    with _playbook(url) as tx:
         for run_id in run_ids:
             assert tx.insert_asking_run(playbook=PB, run_id=run_id, type_="interaction", name="approve", version=1,
                                         input_text="{}", input_sha="x", parent=None, now=START_MS, by="tok_x",
@@ -227,8 +233,6 @@ def _requests(url: str, *run_ids: str) -> None:
                             answer_schema='{"type":"object"}', server=None, tool=None,
                             delivery=itd.DeliveryState.IN_INBOX, asked_at=START_MS, expires_at=START_MS + 60_000,
                             deliver_args=None)
-    finally:
-        tx.close()
 
 
 def _answers(run_id: str, runs: list[str]):
