@@ -4393,7 +4393,7 @@ class SQLiteTx:
         self.conn.close()
 
     # The edges of a transaction, as the writer thread drives them: a group commit opens one
-    # transaction and runs each change in a savepoint of its own.
+    # transaction and runs its changes one after another in it, with no savepoint between them.
 
     def begin(self) -> None:
         """Open the group commit's transaction, holding the write lock from its start (waiting the
@@ -4420,17 +4420,6 @@ class SQLiteTx:
             raise
         return True
 
-    def savepoint(self) -> None:
-        self.conn.execute("SAVEPOINT change")
-
-    def release_savepoint(self) -> None:
-        self.conn.execute("RELEASE change")
-
-    def rollback_savepoint(self) -> None:
-        """Undo the change in its savepoint (it raised), the rest of the transaction standing."""
-        self.conn.execute("ROLLBACK TO change")
-        self.conn.execute("RELEASE change")
-
     def commit(self) -> None:
         self.conn.execute("COMMIT")
 
@@ -4445,40 +4434,54 @@ class SQLiteTx:
         return self.conn.in_transaction
 
     def run_begun(self, batch: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-        """Run each change `(change, future, effects)` of a batch in the transaction just begun, and
-        commit: (future, result, problem, effects) of each. A change that raises is undone alone (its
-        savepoint); a commit that fails fails all. The writer thread (and the loop's commit_here)
-        drives this; the backend says how its changes travel."""
-        out: list[tuple[Any, ...]] = []
-        if len(batch) == 1:
-            # A change alone needs no SAVEPOINT of its own: the transaction is its; two statements
-            # fewer, and each statement lets the event loop take the GIL the writer then waits for.
-            fn, fut, fx, _ = batch[0]
-            try:
-                out.append((fut, fn(self, fx), None, fx))
-            except BaseException as exc:
-                with contextlib.suppress(*self.errors):
-                    self.rollback()
-                return [(fut, None, self.problem(exc), None)]
-            batch = []
-        for i, (fn, fut, fx, _) in enumerate(batch):
-            try:
-                self.savepoint()
-                result = fn(self, fx)
-                self.release_savepoint()
-            except BaseException as exc:
-                if not self.in_transaction():
-                    # A full disk or an I/O error rolled the whole transaction back: the changes
-                    # before this one are gone too, and the ones after it must not run outside one.
-                    failure = self.problem(exc)
-                    with contextlib.suppress(*self.errors):
-                        self.rollback()
-                    return [(f, None, failure, None) for f, *_ in out] + [(f, None, failure, None) for _, f, *_ in batch[i:]]
-                with contextlib.suppress(*self.errors):
-                    self.rollback_savepoint()
-                out.append((fut, None, self.problem(exc), None))
-            else:
+        """Run each change `(change, future, effects, ahead)` of a batch in the transaction just begun,
+        and commit: (future, result, problem, effects) of each. The writer thread (and the loop's
+        commit_here) drives this; the backend says how its changes travel.
+
+        A change that raises having written nothing fails alone, and the others go on. One that
+        raises having written part of itself (a guard that failed after its first statements) has
+        the transaction undone: it fails, and every other change runs again, in order, in a new
+        transaction (Store.write: a change may run more than once). No savepoint frames each change:
+        a savepoint copies every page the change touches, which cost a tenth of a change's writes
+        (measured), to undo what a change rarely leaves half done. A commit that fails fails all."""
+        conn = self.conn
+        settled: list[tuple[Any, ...]] = []     # changes that failed half written: their problem stands
+        items = batch
+        while True:
+            out: list[tuple[Any, ...]] = []
+            again = None
+            for i, (fn, fut, fx, _) in enumerate(items):
+                wrote = conn.total_changes
+                try:
+                    result = fn(self, fx)
+                except BaseException as exc:
+                    if not self.in_transaction():
+                        # A full disk or an I/O error rolled the whole transaction back: the changes
+                        # before this one are gone too, and the ones after it must not run outside one.
+                        failure = self.problem(exc)
+                        with contextlib.suppress(*self.errors):
+                            self.rollback()
+                        return settled + [(f, None, failure, None) for f, *_ in out] + \
+                            [(f, None, failure, None) for _, f, *_ in items[i:]]
+                    if conn.total_changes == wrote:
+                        out.append((fut, None, self.problem(exc), None))     # nothing of it to undo
+                        continue
+                    settled.append((fut, None, self.problem(exc), None))
+                    again = [(f, fu, Effects(), a) for f, fu, _, a in items[:i] + items[i + 1:]]
+                    break
                 out.append((fut, result, None, fx))
+            if again is None:
+                break
+            with contextlib.suppress(*self.errors):
+                self.rollback()
+            if not again:
+                return settled
+            try:
+                self.begin()
+            except BaseException as exc:
+                failure = self.problem(exc)
+                return settled + [(fut, None, failure, None) for _, fut, *_ in again]
+            items = again
         try:
             self.before_commit([fx for *_, fx in out if fx is not None])
             self.commit()
@@ -4486,8 +4489,8 @@ class SQLiteTx:
             with contextlib.suppress(*self.errors):
                 self.rollback()
             failure = self.problem(exc, f"the database refused the write: {exc}")
-            return [(fut, None, failure, None) for fut, *_ in out]
-        return out
+            return settled + [(fut, None, failure, None) for fut, *_ in out]
+        return settled + out
 
     def before_commit(self, changes: list[Effects]) -> None:
         """Last in the transaction, with the effects of the changes it commits: nothing to tell others
@@ -4765,8 +4768,9 @@ class SQLiteTx:
     @staticmethod
     def _as_written(row: Row) -> dict[str, Any]:
         """A row read in this change, to be updated with what the change wrote on it (PostgresTx:
-        some of those values still to come back from the server)."""
-        return dict(row)
+        some of those values still to come back from the server). By its keys, zipped: dict(row)
+        looks each name up along the row's columns (7.6 us for a request's, against 1.2)."""
+        return dict(zip(row.keys(), row))
 
     def answer_request(self, fx: Effects, req: Row, answer: Any, *, by: str, now: int,
                        claimed_for: str | None = None, reply_id: str | None = None,

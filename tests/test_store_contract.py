@@ -454,8 +454,9 @@ async def test_a_failing_change_rolls_back_alone_and_effects_follow_the_commit(d
 
 async def test_a_file_commits_a_turns_changes_on_the_loop_and_a_failing_one_alone(tmp_path):
     """On a file, with the write lock free and the writer thread idle, a turn's changes run and commit
-    on the event loop's thread, one transaction; a change that raises is undone alone there too, and
-    each change's effects follow the commit."""
+    on the event loop's thread, one transaction; a change that raises having written part of itself
+    is undone (the transaction with it: the others run again, in order) and fails alone, and each
+    change's effects follow the commit."""
     store = itd.Store(str(tmp_path / "t.db"))
     seen: list[itd.Effects] = []
     store.on_commit = seen.append
@@ -464,22 +465,27 @@ async def test_a_file_commits_a_turns_changes_on_the_loop_and_a_failing_one_alon
         await store.write(lambda tx, fx: tx.ensure_playbook(PB, now=NOW))
         threads: list[threading.Thread] = []
 
+        ran: list[str] = []
+
         def good(name):
             def change(tx, fx):
                 threads.append(threading.current_thread())
+                ran.append(name)
                 tx.set_timer(fx, f"expire:{PB}:{name}", NOW)
                 return name
             return change
 
         def bad(tx, fx):
             threads.append(threading.current_thread())
+            ran.append("bad")
             tx.set_timer(fx, f"expire:{PB}:bad", NOW)
             tx.conn.execute("INSERT INTO playbooks (id, created_at) VALUES (?, 0)", (PB,))   # taken: fails
 
         results = await asyncio.gather(store.write(good("a")), store.write(bad), store.write(good("b")),
                                        return_exceptions=True)
         assert results[0] == "a" and results[2] == "b" and isinstance(results[1], itd.Problem | Exception)
-        assert threads == [threading.main_thread()] * 3
+        assert ran == ["a", "bad", "a", "b"]            # its timer written, `bad` failed: `a` again without it
+        assert threads == [threading.main_thread()] * 4
         keys = await store.read(lambda tx: sorted(k for k, _ in tx.all_timers()))
         assert keys == [f"expire:{PB}:a", f"expire:{PB}:b"]
         assert [fx.timers for fx in seen[-2:]] == [[(f"expire:{PB}:a", NOW)], [(f"expire:{PB}:b", NOW)]]
@@ -490,6 +496,41 @@ async def test_a_file_commits_a_turns_changes_on_the_loop_and_a_failing_one_alon
         assert await store.read(lambda tx: tx.timer_due(f"expire:{PB}:c")) is None
         assert await store.write(lambda tx, fx: tx.conn.in_transaction) is True
         assert not store._writer.conn.in_transaction
+    finally:
+        await store.close()
+
+
+async def test_a_change_that_fails_having_written_nothing_leaves_the_others_to_commit_as_they_ran(db):
+    """A change that raises before it writes has nothing to undo: the changes around it in its group
+    commit run once and commit; one that raises having written has its writes undone and fails alone,
+    whatever the backend."""
+    store = itd.Store(db)
+    await store.open()
+    try:
+        await store.write(lambda tx, fx: tx.ensure_playbook(PB, now=NOW))
+        ran: list[str] = []
+
+        def good(name):
+            def change(tx, fx):
+                ran.append(name)
+                tx.set_timer(fx, f"expire:{PB}:{name}", NOW)
+                return name
+            return change
+
+        def refuses(tx, fx):
+            ran.append("refuses")
+            if tx.timer_due(f"expire:{PB}:a") is not None:      # reads what `a` wrote, then refuses
+                raise itd.Problem("conflict", "refused before writing")
+
+        results = await asyncio.gather(store.write(good("a")), store.write(refuses), store.write(good("b")),
+                                       return_exceptions=True)
+        assert results[0] == "a" and results[2] == "b"
+        assert isinstance(results[1], itd.Problem) and results[1].name == "conflict"
+        if not itd.is_postgres_url(db):
+            assert ran == ["a", "refuses", "b"]             # each once: nothing was undone
+        assert sorted(ran) == ["a", "b", "refuses"]
+        assert await store.read(lambda tx: sorted(k for k, _ in tx.all_timers())) == [
+            f"expire:{PB}:a", f"expire:{PB}:b"]
     finally:
         await store.close()
 
