@@ -4752,12 +4752,14 @@ class SQLiteTx:
         self._request_gone(fx, playbook, run_id)
         return row
 
-    def _request_gone(self, fx: Effects, playbook: str, run_id: str) -> None:
-        """After a request closed: the counter follows, its timers go."""
+    def _request_gone(self, fx: Effects, playbook: str, run_id: str, req: Row | None = None) -> None:
+        """After a request closed: the counter follows, its timers go (with its row: only the kinds
+        such a request may have, see _timer_kinds)."""
         conn = self.conn
         conn.execute("UPDATE playbooks SET open_requests = open_requests - 1 WHERE id = ?", (playbook,))
-        keys = [timer_key(kind, playbook, run_id) for kind in ("expire", "attempt", "lost", "remind", "escalate")]
-        conn.execute("DELETE FROM timers WHERE key IN (?, ?, ?, ?, ?)", keys)  # one statement, not five
+        kinds = _timer_kinds(req) if req is not None else _REQUEST_TIMERS
+        keys = [timer_key(kind, playbook, run_id) for kind in kinds]
+        conn.execute(_DROP_TIMERS_SQL[len(keys)], keys)     # one statement, not one a key
         fx.timers.extend((key, None) for key in keys)
 
     @staticmethod
@@ -4791,7 +4793,7 @@ class SQLiteTx:
                                           **({"reply": reply} if reply_id is not None else {})}))
         text = dumps(answer)
         self._answer_closes(answer_id, (text, answer_id, by, now, claimed_for, reply_id, reply_sender, req["seq"]))
-        self._request_gone(fx, playbook, run_id)
+        self._request_gone(fx, playbook, run_id, req)
         closed = self._as_written(req)
         closed.update(answer=text, answer_id=answer_id, answered_by=by, answered_at=now, claimed_for=claimed_for,
                       reply_id=reply_id, reply_sender=reply_sender, status=RequestStatus.ANSWERED.value, open=0)
@@ -5401,6 +5403,21 @@ _V2_SELECT: Final = (
 
 def timer_key(kind: str, playbook: str, ref: str) -> str:
     return f"{kind}:{playbook}:{ref}"
+
+
+#: The timers a request may have, by its run's key; a closed request's go with it.
+_REQUEST_TIMERS: Final = ("expire", "attempt", "lost", "remind", "escalate")
+_DROP_TIMERS_SQL: Final = {n: "DELETE FROM timers WHERE key " + ("= ?" if n == 1 else f"IN ({', '.join('?' * n)})")
+                           for n in range(1, len(_REQUEST_TIMERS) + 1)}
+
+
+def _timer_kinds(req: Row) -> tuple[str, ...]:
+    """The timers a request's row says it may have: its expiry always; a delivery's attempts (and
+    their loss) only when it is delivered through a tool (`server`); reminders and an escalation
+    only with a plan of them (`follow_up`). Fewer keys: a statement without an IN list, which
+    SQLite keeps in a table of its own for each run, and fewer due times for the wheel to drop."""
+    return ("expire",) + (("attempt", "lost") if req["server"] is not None else ()) + \
+        (("remind", "escalate") if req["follow_up"] is not None else ())
 
 
 # PostgreSQL.

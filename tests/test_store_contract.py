@@ -337,7 +337,8 @@ def test_an_answer_is_recorded_its_request_closed_and_its_run_ended_together_onc
     assert json.loads(events[1]["payload"]) == {"status": "succeeded", "kind": None, "output": {"verdict": "approve"}}
     assert [(e["id"], e["type"], e["by"], e["payload"]) for e in fx.published] == \
         [(e["id"], e["type"], e["by"], json.loads(e["payload"])) for e in events]
-    assert fx.timers == [(itd.timer_key(k, PB, "r1"), None) for k in ("expire", "attempt", "lost", "remind", "escalate")]
+    # An inbox request with no reminders has its expiry only: that is the timer that goes.
+    assert fx.timers == [(itd.timer_key("expire", PB, "r1"), None)]
     assert fx.wakes == [(PB, "r1")] and _open_count(tx) == 0 and tx.all_timers() == []
     with pytest.raises(itd.Problem) as info:                    # once
         tx.answer_request(itd.Effects(), closed, {"verdict": "revise"}, by="tok_2", now=NOW + 6)
@@ -750,6 +751,19 @@ def test_a_nudge_is_attempted_as_a_delivery_is_while_its_request_is_open(tx):
     spent = tx.queue_nudge(PB, "d2", what="reminder", n=1, message="x")
     tx.conn.execute("UPDATE nudges SET attempts = ?, state = 'retrying' WHERE id = ?", (itd.MAX_ATTEMPTS, spent))
     assert tx.begin_nudge(spent, now=NOW) is None                      # attempts stop at five
+
+
+def test_an_answer_drops_every_timer_a_delivered_request_with_reminders_may_have(tx):
+    _run_with_request(tx, "d1", deliver=True)
+    tx.conn.execute("UPDATE requests SET follow_up = ? WHERE run_id = 'd1'", ('{"remind": {"at": [1]}}',))
+    kinds = ("expire", "attempt", "lost", "remind", "escalate")
+    fx = itd.Effects()
+    for k in kinds:
+        tx.set_timer(fx, itd.timer_key(k, PB, "d1"), NOW + 1_000)
+    fx = itd.Effects()
+    tx.answer_request(fx, tx.request(PB, "d1"), {}, by="tok_1", now=NOW + 5)
+    assert sorted(k for k, due in fx.timers if due is None) == sorted(itd.timer_key(k, PB, "d1") for k in kinds)
+    assert tx.all_timers() == []
 
 
 def test_closing_a_request_drops_its_reminder_and_escalation_timers(tx):
