@@ -536,6 +536,39 @@ async def test_a_change_that_fails_having_written_nothing_leaves_the_others_to_c
         await store.close()
 
 
+async def test_a_file_gathers_the_changes_of_the_next_turns_into_one_commit(tmp_path):
+    """Changes that commit on the loop wait two more turns for the changes of the requests that arrived
+    beside them, and commit together; as many as COMMIT_GATHER_MAX commit at once, in their own turn."""
+    store = itd.Store(str(tmp_path / "t.db"))
+    sizes: list[int] = []
+    store.on_batch = lambda n, seconds: sizes.append(n)
+    await store.open()
+    try:
+        await store.write(lambda tx, fx: tx.ensure_playbook(PB, now=NOW))
+        sizes.clear()
+
+        def timer(name):
+            return lambda tx, fx: tx.set_timer(fx, f"expire:{PB}:{name}", NOW)
+
+        first = store.write(timer("a"))
+        await asyncio.sleep(0)
+        second = store.write(timer("b"))            # a turn later: still in the first one's commit
+        await asyncio.gather(first, second)
+        assert sizes == [2]
+
+        many = [store.write(timer(f"m{i}")) for i in range(itd.COMMIT_GATHER_MAX)]
+        await asyncio.sleep(0)                      # the turn they were asked in has ended ...
+        assert all(f.done() for f in many)          # ... and they committed then, together
+        assert sizes == [2, itd.COMMIT_GATHER_MAX]
+
+        last = store.write(timer("c"))
+        await store.close()                         # what waits to be gathered commits at the close
+        assert last.done() and last.exception() is None
+        assert sizes[-1] == 1
+    finally:
+        await store.close()
+
+
 async def test_a_file_locked_elsewhere_leaves_the_loop_free_and_the_writer_thread_commits_in_order(tmp_path):
     """Another connection holds the write lock: the loop does not wait for it (it goes on with its turns),
     the writer thread does, and commits that change and the ones asked for after it, in order; once
