@@ -3537,10 +3537,11 @@ def load_config(path: str | None, environ: dict[str, str] | None = None) -> Conf
 #
 # One SQLite file in WAL mode, two connections, each owned by its own thread: the writer and a
 # reader. Asyncio code hands the writer a whole *change* - a plain function of the connection -
-# and awaits its commit; the writer takes every change waiting in its queue, runs each inside its
-# own SAVEPOINT of one `BEGIN IMMEDIATE` transaction, commits once, and only then answers each
-# caller. So sixteen concurrent answers cost one fsync and one thread hop each, and one change that
-# raises rolls back alone. A change never awaits anything: no transaction is ever held across a
+# and awaits its commit; the writer takes every change waiting in its queue, runs them one after
+# another in one `BEGIN IMMEDIATE` transaction, commits once, and only then answers each caller.
+# So sixteen concurrent answers share one commit, and one change that raises fails alone (when it
+# wrote part of itself, the transaction is undone and the others run again: SQLiteTx.run_begun).
+# A change never awaits anything: no transaction is ever held across a
 # tool call or a network round trip.
 #
 # What a change means for the in-memory side (timers to arm, waiters to wake, stream events to
@@ -5449,8 +5450,8 @@ def _timer_kinds(req: Row) -> tuple[str, ...]:
 # is imported only when such a URL is used, so the default install and its start-up stay as they
 # are. There is one set of SQL: PostgresTx inherits every operation of SQLiteTx and overrides only
 # the few whose SQL differs between the dialects; `?` placeholders become psycopg's `%s` once per
-# statement text. The threads are Store's: one writer with group commit (BEGIN, a SAVEPOINT per
-# change, one COMMIT) and one reader, each on its own connection. A lost connection answers its
+# statement text. The threads are Store's: one writer with group commit (BEGIN, the changes, one
+# COMMIT) and one reader, each on its own connection. A lost connection answers its
 # changes `unavailable` and is opened again at the next transaction.
 #
 # Several daemons may share the database; each store is one of them. A third connection enters
@@ -6037,11 +6038,11 @@ class _PgConn:
     cursor cost the daemon ~55 us of CPU, through libpq ~33 us. Within a write transaction (`begin`
     to `commit`) the statements queue, and go in one pipeline - one round trip, one wait of the
     writer thread - when a result is read or the change ends: ~5 us of CPU a statement. A statement
-    whose result nobody reads (an event, a timer, a counter, the savepoint's edges, a notification)
+    whose result nobody reads (an event, a timer, a counter, a notification)
     costs no wait of its own. Outside a transaction every statement runs at once."""
 
     __slots__ = ("url", "setup", "raw", "pg", "tf", "auto", "queue", "names", "prepared", "in_tx", "syncs", "fresh",
-                 "owner", "failed")
+                 "owner", "failed", "writes")
 
     def __init__(self, url: str, setup: tuple[str, ...] = ()) -> None:
         self.url = url
@@ -6053,7 +6054,8 @@ class _PgConn:
         self.names: dict[str, dict[str, int]] = {}
         self.prepared: dict[tuple[bytes, tuple[int, ...]], bytes] = {}
         self.in_tx = False          # between begin and commit/rollback: statements queue
-        self.syncs = 0              # round trips so far (a change's savepoint knows whether its own went)
+        self.syncs = 0              # round trips so far (a change knows whether its statements went)
+        self.writes = 0             # statements sent so far, not reads (SELECT), of the change then running
         self.fresh = False          # the transaction's first round trip is still to come
         self.owner = -1             # which change of a group commit the statements now sent are (-1: none)
         #: The first statement (or guard) that failed since the writer last looked: (its owner, the error).
@@ -6138,6 +6140,9 @@ class _PgConn:
         pq = psycopg.pq
         pg = self.pg
         self.syncs += 1
+        owner = self.owner                  # the change running: has any of its writes gone?
+        if owner >= 0:
+            self.writes += sum(1 for *_, r in queue if r._owner == owner and not r._sql.startswith("SELECT"))
         sent: list[Any] = []              # per command: the key it prepares, or the result it fills
         got: list[Any] = []               # every result, read to the end before any is looked at
         try:
@@ -6308,7 +6313,7 @@ class PostgresTx(SQLiteTx):
     whose SQL differs between the dialects, and what several daemons sharing the database need.
     `daemon` is the id of the daemon whose store it serves (None for the command line)."""
 
-    __slots__ = ("daemon", "_savepoint_of", "_opening", "_mark", "_ids", "_later", "_early", "_parents", "assume",
+    __slots__ = ("daemon", "_opening", "_mark", "_ids", "_later", "_early", "_parents", "assume",
                  "lock_late", "_locked")
 
     conn: _PgConn
@@ -6316,14 +6321,13 @@ class PostgresTx(SQLiteTx):
     def __init__(self, conn: _PgConn, daemon: str | None = None) -> None:
         super().__init__(conn)  # type: ignore[arg-type]
         self.daemon = daemon
-        self._savepoint_of: int | None = None        # the change whose savepoint is open, if any
         self._early: dict[tuple[str, str, str], _PgResult] = {}   # what the group commit read ahead (run_begun)
         self.assume = False                          # whether the change now running may (run_begun)
         self.lock_late = False                       # the writer's: its lock taken after its reads ahead
         self._locked = False
         self._parents: dict[tuple[str, str], str | None] = {}    # runs' parents, known from their requests read ahead
-        self._opening: list[_PgResult] = []          # BEGIN, the lock, the first savepoint
-        self._mark = (0, 0, 0)                       # (round trips, queued, later) when the change began
+        self._opening: list[_PgResult] = []          # BEGIN and the lock
+        self._mark = (0, 0, 0, 0)                    # (round trips, queued, later, writes) when the change began
         self._ids: list[dict[str, Any]] = []         # published events (and rows as written) whose ids are still to come back
         self._later: list[tuple[int, Callable[[], None]]] = []   # (its change, what waits on a result): done at the end
 
@@ -6338,7 +6342,7 @@ class PostgresTx(SQLiteTx):
         # sees 7. Every write takes this lock first and holds it to its COMMIT, so transactions
         # take ids and commit one after another. Taken at BEGIN, before any row lock, so it waits
         # in no cycle with one: it is SQLite's BEGIN IMMEDIATE, for every daemon on the database.
-        # BEGIN, the lock and the first change's savepoint travel with the change's first round trip;
+        # BEGIN and the lock travel with the first change's first round trip;
         # the writer's lock (lock_late) with the first after what its group commit reads ahead
         # (run_begun), so another daemon's writes wait for its changes' round trips only.
         conn = self.conn
@@ -6355,31 +6359,33 @@ class PostgresTx(SQLiteTx):
         self._opening = [conn.execute("BEGIN")]
         self._early = {}
         self._parents = {}
-        self._savepoint_of = None
         self._locked = False
         if not self.lock_late:
             self._take_lock()
 
     def _take_lock(self) -> None:
         conn = self.conn
-        self._opening += [conn.execute(_PG_LOCK_SQL), conn.execute("SAVEPOINT change")]
+        self._opening.append(conn.execute(_PG_LOCK_SQL))
         self._locked = True
-        self._savepoint_of = 0
-        self._mark = (conn.syncs, len(conn.queue), 0)
+        self._mark = (conn.syncs, len(conn.queue), 0, conn.writes)
 
-    # A group commit's changes, each in a savepoint whose edges cost no round trip of their own; nor
-    # does a change's end, nor its guards (_pg_guarded). Its statements go with whichever round trip
+    # A group commit's changes, one after another in its transaction, none in a savepoint of its own
+    # (as on a file: SQLiteTx.run_begun); a change's end costs no round trip, nor do its guards
+    # (_pg_guarded). Its statements go with whichever round trip
     # comes next: a later change's read, or the commit. A group of runs and answers costs two round
     # trips, whatever its size: what its answers read first, read ahead before the write lock is
     # waited for, then every statement with the lock and the COMMIT (one when nothing is read ahead).
     # Waiting at each change's end cost n + 2.
 
     def run_begun(self, batch: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-        """SQLiteTx.run_begun, on the server. A change that raises is undone alone (ROLLBACK TO its
-        savepoint). A failure that comes back once its change has ended - a guard, a refused statement,
-        with a later change's round trip or the commit's - undoes the whole transaction: that change
-        fails with its problem and every other runs again, in a new transaction, whatever it did the
-        first time (the later ones may have read what it wrote). So a change must be safe to run again:
+        """SQLiteTx.run_begun, on the server. A change that raises before any of its writes was sent
+        fails alone: what of it is still queued is dropped. Any other failure - a guard, a statement the
+        server refused (which ends the transaction there), a change whose writes went before it raised,
+        a failure that comes back once its change has ended, with a later change's round trip or the
+        commit's - undoes the whole transaction: that change fails with its problem and every other runs
+        again, in a new transaction, whatever it did the first time (the later ones may have read what
+        it wrote). No savepoint frames a change: its two statements cost the writer and the server more
+        (5% of the pairs a second, measured) than the rare group that runs again. So a change must be safe to run again:
         it reaches the database through `tx` and the daemon through `fx` only (fresh each run), and
         keeps nothing of a run that did not commit.
 
@@ -6451,10 +6457,10 @@ class PostgresTx(SQLiteTx):
                 owner, why = conn.failed if conn.failed is not None else (i, exc)
                 if owner < 0:                       # the group's own statement (a read ahead): all fail
                     return lost(why), None
-                if owner != i:
-                    return out, (owner, why)        # an earlier change's, found by this one's round trip
-                conn.failed = None
-                self._change_undone()
+                if owner != i or conn.failed is not None or not self._change_undone():
+                    # An earlier change's, found by this one's round trip; one the server refused (the
+                    # transaction is over there); or one whose writes went: the whole group again.
+                    return out, (owner, why)
                 if type(why) is _Stale:             # it assumed wrong: again, reading first
                     careful.add(id(fut))
                     items[i] = (fn, fut, Effects(), None)
@@ -6491,28 +6497,25 @@ class PostgresTx(SQLiteTx):
 
     def _change_begins(self, i: int) -> None:
         conn = self.conn
-        if self._savepoint_of != i:
-            if self._savepoint_of is not None:
-                conn.execute("RELEASE change")  # the change before's, which stands
-            conn.owner = i
-            conn.execute("SAVEPOINT change")
         conn.owner = i
-        self._savepoint_of = i
-        self._mark = (conn.syncs, len(conn.queue), len(self._later))
+        self._mark = (conn.syncs, len(conn.queue), len(self._later), conn.writes)
 
-    def _change_undone(self) -> None:
-        """The change now running raised: what it wrote is undone, the changes before it stand."""
+    def _change_undone(self) -> bool:
+        """The change now running raised, the server having refused none of its statements: what of it
+        is still queued is dropped, the changes before it stand. False (nothing dropped) when some of
+        its writes went already: they stand until the transaction is undone."""
         conn = self.conn
-        syncs, queued, later = self._mark
+        syncs, queued, later, writes = self._mark
+        if conn.writes != writes:
+            return False
         del self._later[later:]                 # the failed change's own
-        if conn.syncs == syncs:                 # its statements never left: dropped
+        if conn.syncs == syncs:                 # nothing left since it began: the queue's tail is its
             del conn.queue[queued:]
-        conn.execute("ROLLBACK TO change")
-        conn.execute("RELEASE change")
-        self._savepoint_of = None
+        else:                                   # it read: all that waits now is its
+            conn.queue = []
+        return True
 
     def commit(self) -> None:
-        self._savepoint_of = None
         conn = self.conn
         done = conn.execute("COMMIT")
         try:
@@ -6528,7 +6531,6 @@ class PostgresTx(SQLiteTx):
         self._ids = []
 
     def rollback(self) -> None:
-        self._savepoint_of = None
         self._later = []
         conn = self.conn
         conn.queue = []
