@@ -4495,15 +4495,9 @@ class SQLiteTx:
                 out.append((fut, result, None, fx))
             if again is None:
                 break
-            with contextlib.suppress(*self.errors):
-                self.rollback()
-            if not again:
-                return settled
-            try:
-                self.begin()
-            except BaseException as exc:
-                failure = self.problem(exc)
-                return settled + [(fut, None, failure, None) for _, fut, *_ in again]
+            ended = self._run_again(again)
+            if ended is not None:
+                return settled + ended
             items = again
         try:
             self.before_commit([fx for *_, fx in out if fx is not None])
@@ -4514,6 +4508,20 @@ class SQLiteTx:
             failure = self.problem(exc, f"the database refused the write: {exc}")
             return settled + [(fut, None, failure, None) for fut, *_ in out]
         return settled + out
+
+    def _run_again(self, items: list[tuple[Any, ...]]) -> list[tuple[Any, ...]] | None:
+        """The transaction undone, a new one begun for `items` to run again in: None; or what they
+        come to when none is left to run, or when no transaction begins (its problem, each)."""
+        with contextlib.suppress(*self.errors):
+            self.rollback()
+        if not items:
+            return []
+        try:
+            self.begin()
+        except BaseException as exc:
+            failure = self.problem(exc)
+            return [(fut, None, failure, None) for _, fut, *_ in items]
+        return None
 
     def before_commit(self, changes: list[Effects]) -> None:
         """Last in the transaction, with the effects of the changes it commits: nothing to tell others
@@ -6371,8 +6379,8 @@ class PostgresTx(SQLiteTx):
 
     # A group commit's changes, one after another in its transaction, none in a savepoint of its own
     # (as on a file: SQLiteTx.run_begun); a change's end costs no round trip, nor do its guards
-    # (_pg_guarded). Its statements go with whichever round trip
-    # comes next: a later change's read, or the commit. A group of runs and answers costs two round
+    # (_pg_guarded). Its statements go with whichever round trip comes next: a later change's read,
+    # or the commit. A group of runs and answers costs two round
     # trips, whatever its size: what its answers read first, read ahead before the write lock is
     # waited for, then every statement with the lock and the COMMIT (one when nothing is read ahead).
     # Waiting at each change's end cost n + 2.
@@ -6384,10 +6392,10 @@ class PostgresTx(SQLiteTx):
         a failure that comes back once its change has ended, with a later change's round trip or the
         commit's - undoes the whole transaction: that change fails with its problem and every other runs
         again, in a new transaction, whatever it did the first time (the later ones may have read what
-        it wrote). No savepoint frames a change: its two statements cost the writer and the server more
-        (5% of the pairs a second, measured) than the rare group that runs again. So a change must be safe to run again:
-        it reaches the database through `tx` and the daemon through `fx` only (fresh each run), and
-        keeps nothing of a run that did not commit.
+        it wrote). No savepoint frames a change: its two statements cost the writer and the server
+        more (5% of the pairs a second, measured) than the rare group that runs again. So a change
+        must be safe to run again: it reaches the database through `tx` and the daemon through `fx`
+        only (fresh each run), and keeps nothing of a run that did not commit.
 
         A change may also go on from what it assumes (`assume`) rather than wait for a round trip to
         know it: that its new run was inserted and counted, that the request it reads first (`ahead`)
@@ -6407,15 +6415,9 @@ class PostgresTx(SQLiteTx):
                 settled.append((items[j][1], None, self.problem(exc), None))
                 del items[j]
             items = [(fn, fut, Effects(), ahead) for fn, fut, _, ahead in items]
-            with contextlib.suppress(*self.errors):
-                self.rollback()
-            if not items:
-                return settled
-            try:
-                self.begin()
-            except BaseException as again:
-                failure = self.problem(again)
-                return settled + [(fut, None, failure, None) for _, fut, *_ in items]
+            ended = self._run_again(items)
+            if ended is not None:
+                return settled + ended
 
     def _run_changes(self, items: list[tuple[Any, ...]],
                      careful: set[int]) -> tuple[list[tuple[Any, ...]], tuple[int, BaseException] | None]:
