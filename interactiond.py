@@ -6204,8 +6204,10 @@ class _PgConn:
             sent.append(result)
         pg.pipeline_sync()
         fd = pg.socket
-        while pg.flush():                   # the connection is non-blocking: what is left to send, sent
-            select.select((), (fd,), ())
+        while pg.flush():                   # the connection is non-blocking: what is left to send, sent,
+            readable, _, _ = select.select((fd,), (fd,), ())
+            if readable:                    # reading the results meanwhile: a server whose results fill
+                pg.consume_input()          # the socket stops reading what is sent to it
         gap = False
         while True:
             # libpq's PQgetResult waits for the server holding the GIL (psycopg calls it only once a

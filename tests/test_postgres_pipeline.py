@@ -387,6 +387,24 @@ async def test_a_request_read_ahead_then_changed_by_another_daemon_before_the_lo
         await store.close()
 
 
+async def test_a_round_trip_larger_each_way_than_the_socket_holds_completes(pg):
+    # The writer sends a round trip's statements while the server already sends results back: when
+    # both are larger than the socket holds, the writer must read while it sends, or each side
+    # waits for the other to read, for ever.
+    _runs(pg)
+    store = await _store(pg, [], [])
+    sent = "x" * 1_000
+
+    def echoes(tx, fx) -> int:
+        results = [tx.conn.execute("SELECT repeat(CAST(? AS TEXT), 2)", (f"{i:04}{sent}",)) for i in range(3000)]
+        return sum(len(r.fetchone()[0]) for r in results)       # the first look sends them all, in one round trip
+
+    try:
+        assert await asyncio.wait_for(store.write(echoes), 30) == 3000 * 2 * len(f"0000{sent}")
+    finally:
+        await store.close()
+
+
 async def test_a_daemon_alone_on_its_database_notifies_nobody_and_one_with_company_notifies_it(pg):
     import os
     import time
