@@ -4746,17 +4746,19 @@ class SQLiteTx:
         The run_seq of the event that records the request (the caller appends it next), counted in
         the run's UPDATE; None for a notification, whose event counts itself."""
         status = RequestStatus.NOTIFIED if notified else RequestStatus.OPEN
-        self.conn.execute(       # the answer schema only where the function version's is not it (see _REQUEST_ROW)
-            "INSERT INTO requests (id, playbook, run_id, type, name, version, party, answerer, message, own_schema,"
-            " server, tool, status, open, delivery_state, asked_at, expires_at, deliver_args, follow_up)"
-            " VALUES (?,?,?,?,?,?,?,?,?,NULLIF(?, (SELECT answer_schema FROM definitions WHERE playbook = ? AND type = ?"
-            " AND name = ? AND version = ?)),?,?,?,?,?,?,?,?,?)",
+        self._insert_request(
             (request_id, playbook, run_id, type_, name, version, party, answerer, message, answer_schema,
              playbook, type_, name, version, server, tool,
-             status.value, 0 if notified else 1, delivery.value, asked_at, expires_at, deliver_args, follow_up))
+             status.value, 0 if notified else 1, delivery.value, asked_at, expires_at, deliver_args, follow_up),
+            kept=not notified and server is None and follow_up is None)
         if notified:
             return None
         return self._run_waits(playbook, run_id)
+
+    def _insert_request(self, values: tuple[Any, ...], kept: bool) -> None:
+        """A request inserted (_INSERT_REQUEST_SQL); `kept`: one whose row only its ending changes, which
+        a server's writer keeps to answer it without reading it first (PostgresTx)."""
+        self.conn.execute(_INSERT_REQUEST_SQL, values)
 
     def _run_waits(self, playbook: str, run_id: str) -> Any:
         """The started run waits for its request (guarded, else `conflict`); its events counted."""
@@ -5358,6 +5360,13 @@ _RECORD_ANSWER_SQL: Final = (
 _ANSWER_AND_CLOSE_SQL: Final = _RECORD_ANSWER_SQL.replace(
     " WHERE seq = ?", f", status = '{RequestStatus.ANSWERED.value}', open = 0 WHERE seq = ?")
 
+#: A request inserted; its answer schema only where the function version's is not it (see _REQUEST_ROW).
+_INSERT_REQUEST_SQL: Final = (
+    "INSERT INTO requests (id, playbook, run_id, type, name, version, party, answerer, message, own_schema,"
+    " server, tool, status, open, delivery_state, asked_at, expires_at, deliver_args, follow_up)"
+    " VALUES (?,?,?,?,?,?,?,?,?,NULLIF(?, (SELECT answer_schema FROM definitions WHERE playbook = ? AND type = ?"
+    " AND name = ? AND version = ?)),?,?,?,?,?,?,?,?,?)")
+
 #: A run inserted, started (ON CONFLICT: nothing, when its run id is taken).
 _INSERT_RUN_SQL: Final = (
     "INSERT INTO runs (playbook, run_id, type, name, version, input, input_sha, status, tools_called,"
@@ -5938,6 +5947,13 @@ class _PgResult:
         self._error: BaseException | None = None
         self._next = 0
 
+    @classmethod
+    def holding(cls, conn: "_PgConn", row: PgRow) -> "_PgResult":
+        """A result that came back already: `row`."""
+        result = cls(conn, "")
+        result._rows, result._rowcount = [row], 1
+        return result
+
     def _settled(self) -> None:
         if self._rows is None and self._error is None:
             self._conn.sync()
@@ -6301,6 +6317,16 @@ _PG_REQUEST_AHEAD_SQL: Final = _REQUEST_ROW.replace(
     " q.playbook AND r.run_id = q.run_id) AS run_parent FROM requests q", 1) + " WHERE q.playbook = ? AND q.run_id = ?"
 
 
+#: A request inserted (_INSERT_REQUEST_SQL), returned as _PG_REQUEST_AHEAD_SQL reads it but for the order
+#: of its last columns (PostgresTx._insert_request).
+_PG_INSERT_REQUEST_READ_SQL: Final = (
+    "WITH q AS (" + _INSERT_REQUEST_SQL + " RETURNING *, CAST(ctid AS TEXT) AS row_version) SELECT q.*,"
+    " COALESCE(q.own_schema, d.answer_schema) AS answer_schema, (SELECT r.parent FROM runs r WHERE r.playbook ="
+    " q.playbook AND r.run_id = q.run_id) AS run_parent FROM q" + _DEFINITION_JOIN)
+#: How many requests the writer keeps as it inserted them, to answer without reading them first.
+PG_KEPT_REQUESTS: Final = 2048
+
+
 class _Stale(Exception):
     """What a change went on from assuming (PostgresTx.assume) is not so: it runs again, reading first."""
 
@@ -6324,7 +6350,7 @@ class PostgresTx(SQLiteTx):
     `daemon` is the id of the daemon whose store it serves (None for the command line)."""
 
     __slots__ = ("daemon", "_opening", "_mark", "_ids", "_later", "_early", "_parents", "assume",
-                 "lock_late", "_locked")
+                 "lock_late", "_locked", "kept", "_inserted")
 
     conn: _PgConn
 
@@ -6340,6 +6366,9 @@ class PostgresTx(SQLiteTx):
         self._mark = (0, 0, 0, 0)                    # (round trips, queued, later, writes) when the change began
         self._ids: list[dict[str, Any]] = []         # published events (and rows as written) whose ids are still to come back
         self._later: list[tuple[int, Callable[[], None]]] = []   # (its change, what waits on a result): done at the end
+        #: The writer's: requests as it inserted them, by what reads them ahead, oldest first (_insert_request).
+        self.kept: OrderedDict[tuple[str, str, str], PgRow] | None = None
+        self._inserted: list[_PgResult] = []         # ... and those of the transaction, kept once it commits
 
     @property
     def errors(self) -> tuple[type[BaseException], ...]:  # type: ignore[override]
@@ -6366,6 +6395,7 @@ class PostgresTx(SQLiteTx):
         conn.owner, conn.failed = -1, None
         self._ids = []
         self._later = []
+        self._inserted = []
         self._opening = [conn.execute("BEGIN")]
         self._early = {}
         self._parents = {}
@@ -6384,7 +6414,8 @@ class PostgresTx(SQLiteTx):
     # (_pg_guarded). Its statements go with whichever round trip comes next: a later change's read,
     # or the commit. A group of runs and answers costs two round
     # trips, whatever its size: what its answers read first, read ahead before the write lock is
-    # waited for, then every statement with the lock and the COMMIT (one when nothing is read ahead).
+    # waited for, then every statement with the lock and the COMMIT (one when nothing is read ahead,
+    # as when every answer's request is one this writer opened and kept: _insert_request).
     # Waiting at each change's end cost n + 2.
 
     def run_begun(self, batch: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
@@ -6434,11 +6465,17 @@ class PostgresTx(SQLiteTx):
                 self.rollback()
             return [(fut, None, failure, None) for _, fut, *_ in items]
 
+        reads = False
         for _, fut, _, ahead in items:          # what the changes read first, in one round trip for all
             if ahead is not None and id(fut) not in careful and ahead not in self._early:
-                self._early[ahead] = self._read_ahead(ahead)
+                row = self.kept.pop(ahead, None) if self.kept is not None else None
+                if row is not None:             # as this writer inserted it: no round trip (guarded as read)
+                    self._early[ahead] = _PgResult.holding(conn, row)
+                else:
+                    self._early[ahead] = self._read_ahead(ahead)
+                    reads = True
         if not self._locked:
-            if self._early:
+            if reads:
                 try:
                     conn.sync()                 # before the lock is waited for: guarded where relied on
                 except BaseException as exc:
@@ -6533,6 +6570,10 @@ class PostgresTx(SQLiteTx):
                 if type(value) is _PgResult:
                     dict.__setitem__(written, key, value._rows[0][0] if value._rows else None)
         self._ids = []
+        inserted, self._inserted = self._inserted, []
+        for result in inserted:                 # a dropped change's never ran: no rows
+            if result._rows:
+                self._keep(result._rows[0])
 
     def rollback(self) -> None:
         self._later = []
@@ -6616,6 +6657,26 @@ class PostgresTx(SQLiteTx):
         if kind != "request":
             raise ValueError(f"nothing of kind {kind!r} is read ahead")
         return self.conn.execute(_PG_REQUEST_AHEAD_SQL, (playbook, run_id))
+
+    def _insert_request(self, values: tuple[Any, ...], kept: bool) -> None:
+        # The writer keeps the row as inserted (with its row version) of a request that only its ending
+        # changes, so its answer needs no read ahead, and its group commit no round trip before the
+        # commit's: an answer that follows soon after its question (an agent's approval) costs one.
+        # A row that changed meanwhile (another daemon's write, an expiry) fails the guard that
+        # request() puts on it, and the change runs again, reading first.
+        if self.kept is None or not kept:
+            super()._insert_request(values, kept)
+        else:
+            self._inserted.append(self.conn.execute(_PG_INSERT_REQUEST_READ_SQL, values))
+
+    def _keep(self, row: PgRow) -> None:
+        names = row._names
+        last = ("answer_schema", "row_version", "run_parent")
+        order = [k for k in names if k not in last] + list(last)      # as _PG_REQUEST_AHEAD_SQL has them
+        kept = PgRow(tuple(row._values[names[k]] for k in order), {k: i for i, k in enumerate(order)})
+        self.kept[("request", kept["playbook"], kept["run_id"])] = kept     # type: ignore[index]
+        if len(self.kept) > PG_KEPT_REQUESTS:                     # type: ignore[arg-type]
+            self.kept.popitem(last=False)                          # type: ignore[union-attr]
 
     def request(self, playbook: str, run_id: str) -> Row | None:
         early = self._early.pop(("request", playbook, run_id), None)
@@ -7228,6 +7289,8 @@ class PostgresStore(Store):
             setup += (f"SET lock_timeout = {PG_LOCK_TIMEOUT_MS}", "SET standard_conforming_strings = on")
         tx = PostgresTx(_PgConn(self.path, setup), self.daemon_id)
         tx.lock_late = writer
+        if writer:
+            tx.kept = OrderedDict()
         return tx
 
     async def claim(self, key: str, *, due_by: int | None = None) -> bool:

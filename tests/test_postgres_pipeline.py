@@ -222,17 +222,22 @@ async def test_a_guard_that_fails_after_its_change_ended_fails_that_change_and_t
 # read it at its start. Where an assumption is false, the change runs again, reading first.
 
 
+def _open(tx, run_id: str) -> None:
+    """An inbox request opened (and its run started and counted) in `tx`."""
+    assert tx.insert_asking_run(playbook=PB, run_id=run_id, type_="interaction", name="approve", version=1,
+                                input_text="{}", input_sha="x", parent=None, now=START_MS, by="tok_x",
+                                limit=10) == (True, True)
+    tx.open_request(request_id=f"int_{run_id}", playbook=PB, run_id=run_id, type_="interaction",
+                    name="approve", version=1, party="ann", answerer="ann", message="ok?",
+                    answer_schema='{"type":"object"}', server=None, tool=None,
+                    delivery=itd.DeliveryState.IN_INBOX, asked_at=START_MS, expires_at=START_MS + 60_000,
+                    deliver_args=None)
+
+
 def _requests(url: str, *run_ids: str) -> None:
     with _playbook(url) as tx:
         for run_id in run_ids:
-            assert tx.insert_asking_run(playbook=PB, run_id=run_id, type_="interaction", name="approve", version=1,
-                                        input_text="{}", input_sha="x", parent=None, now=START_MS, by="tok_x",
-                                        limit=10) == (True, True)
-            tx.open_request(request_id=f"int_{run_id}", playbook=PB, run_id=run_id, type_="interaction",
-                            name="approve", version=1, party="ann", answerer="ann", message="ok?",
-                            answer_schema='{"type":"object"}', server=None, tool=None,
-                            delivery=itd.DeliveryState.IN_INBOX, asked_at=START_MS, expires_at=START_MS + 60_000,
-                            deliver_args=None)
+            _open(tx, run_id)
 
 
 def _answers(run_id: str, runs: list[str]):
@@ -381,6 +386,56 @@ async def test_a_request_read_ahead_then_changed_by_another_daemon_before_the_lo
             await asyncio.wait_for(answer, 30)
         assert got.value.name == "not_open" and runs == ["r1", "r1"]
         assert await store.read(lambda tx: tx.request(PB, "r1")["status"]) == "expired"
+        assert [e for fx in committed for e in fx.published] == []
+    finally:
+        other.close()
+        await store.close()
+
+
+async def test_a_request_its_writer_opened_is_answered_in_one_round_trip_and_one_opened_elsewhere_in_two(pg):
+    # The writer keeps the row of an inbox request as it inserted it: the answer's group commit
+    # needs no read ahead, so BEGIN, the lock, every statement and the COMMIT go in one round trip.
+    _requests(pg, "elsewhere")                  # the playbook entered, and a request opened by another connection
+    store = await _store(pg, [], [])
+    runs: list[str] = []
+    try:
+        await store.write(lambda tx, fx: _open(tx, "here"))
+        conn = store._writer.tx.conn
+
+        async def answered(run_id: str) -> tuple[tuple[str, str], int]:
+            before = conn.syncs
+            got = await store.write(_answers(run_id, runs), ahead=("request", PB, run_id))
+            return got, conn.syncs - before
+
+        assert await answered("here") == (("open", "ok?"), 1)
+        assert await answered("elsewhere") == (("open", "ok?"), 2)
+        assert runs == ["here", "elsewhere"]
+        state = await store.read(lambda tx: {r: tx.request(PB, r)["status"] for r in ("here", "elsewhere")})
+        assert state == {"here": "answered", "elsewhere": "answered"}
+    finally:
+        await store.close()
+
+
+async def test_a_request_kept_as_its_writer_opened_it_then_changed_elsewhere_is_read_again(pg):
+    # Another daemon (here, another connection) expires the request after this writer kept its row:
+    # the answer goes on from the kept row, its guard finds the row changed, and it runs again,
+    # reading first, to the request's real state.
+    import psycopg
+
+    _runs(pg)
+    committed: list[itd.Effects] = []
+    store = await _store(pg, committed, [])
+    runs: list[str] = []
+    other = psycopg.connect(pg, autocommit=True)
+    try:
+        await store.write(lambda tx, fx: _open(tx, "r1"))
+        committed.clear()
+        other.execute("UPDATE requests SET status = 'expired', open = 0 WHERE run_id = 'r1'")
+        with pytest.raises(itd.Problem) as got:
+            await store.write(_answers("r1", runs), ahead=("request", PB, "r1"))
+        assert got.value.name == "not_open" and runs == ["r1", "r1"]
+        assert await store.read(lambda tx: (tx.request(PB, "r1")["status"], tx.run(PB, "r1")["status"])) == \
+            ("expired", "waiting")
         assert [e for fx in committed for e in fx.published] == []
     finally:
         other.close()
