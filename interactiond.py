@@ -3104,8 +3104,8 @@ def _read_words(r: _Reader, path: tuple[Any, ...], value: str, listed: list[Any]
 
 # The overview: the function in plain words, for a person who reads neither Liquid nor YAML.
 
-_TYPE_WORDS: Final = {"string": "text", "integer": "whole number", "number": "number", "boolean": "yes or no",
-                      "array": "list", "object": "object", "null": "nothing"}
+_OVERVIEW_TYPE_WORDS: Final = {"string": "text", "integer": "whole number", "number": "number", "boolean": "yes or no",
+                               "array": "list", "object": "object", "null": "nothing"}
 _LIQUID_OUTPUT_RE: Final = re.compile(r"\{\{-?(.*?)-?\}\}", re.S)
 _LIQUID_TAG_RE: Final = re.compile(r"\{%-?.*?-?%\}", re.S)
 
@@ -3125,7 +3125,7 @@ def template_words(source: str) -> str:
 
 
 def _type_words(schema: dict[str, Any]) -> str:
-    types = [_TYPE_WORDS.get(t, t) for t in sorted(_schema_types(schema))]
+    types = [_OVERVIEW_TYPE_WORDS.get(t, t) for t in sorted(_schema_types(schema))]
     if "array" in _schema_types(schema) and isinstance(schema.get("items"), dict) and _schema_types(schema["items"]):
         types = [t if t != "list" else f"list of {_type_words(schema['items'])}" for t in types]
     return " or ".join(types) or "any value"

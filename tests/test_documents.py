@@ -769,6 +769,15 @@ def test_overview_of_a_person_function():
     assert "{{" not in text and "Used by" not in text
 
 
+def test_overview_names_each_fields_type_and_a_lists_items():
+    source = edit(INBOX, "      tags: { type: array }\n",
+                  "      tags: { type: array, items: { type: string } }\n      count: { type: integer }\n")
+    text = parse_function(source).overview
+    assert "- **tags** (list of text)" in text
+    assert "- **count** (whole number)" in text
+    assert "- **meta** (object)" in text
+
+
 def test_overview_without_a_description_says_so():
     text = parse_function(edit(INBOX, "description: Ask the owner to approve an item\n", "")).overview
     assert text.startswith("This function has no description yet.")
