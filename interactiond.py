@@ -6327,6 +6327,17 @@ _PG_INSERT_REQUEST_READ_SQL: Final = (
 PG_KEPT_REQUESTS: Final = 2048
 
 
+@functools.lru_cache(maxsize=8)
+def _kept_order(columns: tuple[tuple[str, int], ...]) -> tuple[list[int], dict[str, int]]:
+    """Which value of a kept row (_PG_INSERT_REQUEST_READ_SQL's; `columns`: its names and where each
+    stands) goes where, for the row to stand as _PG_REQUEST_AHEAD_SQL has it, and the names of the
+    row so ordered: worked out once, not for each row."""
+    last = ("answer_schema", "row_version", "run_parent")
+    at = dict(columns)
+    order = [k for k in at if k not in last] + list(last)
+    return [at[k] for k in order], {k: i for i, k in enumerate(order)}
+
+
 class _Stale(Exception):
     """What a change went on from assuming (PostgresTx.assume) is not so: it runs again, reading first."""
 
@@ -6670,10 +6681,9 @@ class PostgresTx(SQLiteTx):
             self._inserted.append(self.conn.execute(_PG_INSERT_REQUEST_READ_SQL, values))
 
     def _keep(self, row: PgRow) -> None:
-        names = row._names
-        last = ("answer_schema", "row_version", "run_parent")
-        order = [k for k in names if k not in last] + list(last)      # as _PG_REQUEST_AHEAD_SQL has them
-        kept = PgRow(tuple(row._values[names[k]] for k in order), {k: i for i, k in enumerate(order)})
+        picks, names = _kept_order(tuple(row._names.items()))
+        values = row._values
+        kept = PgRow(tuple([values[i] for i in picks]), names)
         self.kept[("request", kept["playbook"], kept["run_id"])] = kept     # type: ignore[index]
         if len(self.kept) > PG_KEPT_REQUESTS:                     # type: ignore[arg-type]
             self.kept.popitem(last=False)                          # type: ignore[union-attr]
