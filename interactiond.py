@@ -5861,6 +5861,12 @@ class PgRow:
     def keys(self) -> list[str]:
         return list(self._names)
 
+    def as_dict(self) -> dict[str, Any]:
+        """The row as a dict by name (a name twice: its first column), in one pass: dict(row) looks each
+        name up through __getitem__."""
+        names = self._names
+        return dict(zip(names, map(self._values.__getitem__, names.values())))
+
     def __iter__(self) -> Any:
         return iter(self._values)
 
@@ -5896,6 +5902,9 @@ class _PgLazyRow(PgRow):
 
     def keys(self) -> list[str]:
         return self._row().keys()
+
+    def as_dict(self) -> dict[str, Any]:
+        return self._row().as_dict()
 
     def __iter__(self) -> Any:
         return iter(self._row())
@@ -6112,7 +6121,7 @@ class _PgConn:
 
     def execute(self, sql: str, params: Any = ()) -> _PgResult:
         if params:
-            if any(type(p) is _PgResult for p in params):     # a value still to come back (an event's id)
+            if _PgResult in map(type, params):        # a value still to come back (an event's id)
                 params = [p.value if type(p) is _PgResult else p for p in params]
             values = self.tf.dump_sequence(params, (self.auto,) * len(params))
             types, formats = tuple(self.tf.types), self.tf.formats
@@ -6361,7 +6370,7 @@ class PostgresTx(SQLiteTx):
     `daemon` is the id of the daemon whose store it serves (None for the command line)."""
 
     __slots__ = ("daemon", "_opening", "_mark", "_ids", "_later", "_early", "_parents", "assume",
-                 "lock_late", "_locked", "kept", "_inserted")
+                 "lock_late", "_locked", "kept", "_inserted", "_trimmed")
 
     conn: _PgConn
 
@@ -6380,6 +6389,8 @@ class PostgresTx(SQLiteTx):
         #: The writer's: requests as it inserted them, by what reads them ahead, oldest first (_insert_request).
         self.kept: OrderedDict[tuple[str, str, str], PgRow] | None = None
         self._inserted: list[_PgResult] = []         # ... and those of the transaction, kept once it commits
+        #: The names of a request read ahead, and of the same without what only the store reads (request()).
+        self._trimmed: tuple[dict[str, int], dict[str, int]] | None = None
 
     @property
     def errors(self) -> tuple[type[BaseException], ...]:  # type: ignore[override]
@@ -6699,7 +6710,12 @@ class PostgresTx(SQLiteTx):
                                       (got["seq"], got["row_version"]))
         self.conn.expect(unchanged, _Stale)
         self._parents[(playbook, run_id)] = got["run_parent"]     # never changes: known, stale or not
-        return PgRow(got._values[:-2], {k: i for k, i in got._names.items() if k not in ("row_version", "run_parent")})
+        names, trimmed = self._trimmed or (None, None)
+        if names is not got._names:             # the rows read ahead of one statement, and the kept ones, share theirs
+            names = got._names
+            trimmed = {k: i for k, i in names.items() if k not in ("row_version", "run_parent")}
+            self._trimmed = (names, trimmed)
+        return PgRow(got._values[:-2], trimmed)
 
     def _run_waits(self, playbook: str, run_id: str) -> Any:
         result = self.conn.execute(_RUN_WAITS_SQL, (playbook, run_id))
@@ -6718,7 +6734,7 @@ class PostgresTx(SQLiteTx):
         return _PgLazyRow(result) if result._rows is None else result.fetchone()
 
     def _as_written(self, row: Row) -> dict[str, Any]:
-        written = _PgAsWritten(row)
+        written = _PgAsWritten(row.as_dict() if isinstance(row, PgRow) else row)
         self._ids.append(written)               # its values that come back, put in place by the commit
         return written
 
