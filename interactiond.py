@@ -6319,19 +6319,20 @@ _PG_COUNTED_EVENT_SQL: Final = (
 _PG_ASKING_RUN_SQL: Final = (
     "WITH ins AS (" + _INSERT_RUN_SQL + " RETURNING seq), slot AS (UPDATE playbooks SET open_requests ="
     " open_requests + 1 WHERE id = ? AND open_requests < ? AND EXISTS (SELECT 1 FROM ins) RETURNING id)")
+#: A request's run's parent, as a column of its row read ahead (it never changes).
+_PG_RUN_PARENT: Final = "(SELECT r.parent FROM runs r WHERE r.playbook = q.playbook AND r.run_id = q.run_id) AS run_parent"
 #: A request's row (SQLiteTx.request) with its row version, which any write of the row changes.
 #: And its run's parent.
 _PG_REQUEST_AHEAD_SQL: Final = _REQUEST_ROW.replace(
-    " FROM requests q", ", CAST(q.ctid AS TEXT) AS row_version, (SELECT r.parent FROM runs r WHERE r.playbook ="
-    " q.playbook AND r.run_id = q.run_id) AS run_parent FROM requests q", 1) + " WHERE q.playbook = ? AND q.run_id = ?"
+    " FROM requests q", ", CAST(q.ctid AS TEXT) AS row_version, " + _PG_RUN_PARENT + " FROM requests q", 1) + \
+    " WHERE q.playbook = ? AND q.run_id = ?"
 
 
 #: A request inserted (_INSERT_REQUEST_SQL), returned as _PG_REQUEST_AHEAD_SQL reads it but for the order
 #: of its last columns (PostgresTx._insert_request).
 _PG_INSERT_REQUEST_READ_SQL: Final = (
     "WITH q AS (" + _INSERT_REQUEST_SQL + " RETURNING *, CAST(ctid AS TEXT) AS row_version) SELECT q.*,"
-    " COALESCE(q.own_schema, d.answer_schema) AS answer_schema, (SELECT r.parent FROM runs r WHERE r.playbook ="
-    " q.playbook AND r.run_id = q.run_id) AS run_parent FROM q" + _DEFINITION_JOIN)
+    " COALESCE(q.own_schema, d.answer_schema) AS answer_schema, " + _PG_RUN_PARENT + " FROM q" + _DEFINITION_JOIN)
 #: How many requests the writer keeps as it inserted them, to answer without reading them first.
 PG_KEPT_REQUESTS: Final = 2048
 
