@@ -316,6 +316,7 @@ PROBLEM_TYPES: Final[dict[str, tuple[int, str, str]]] = {
     "bad_request": (400, "Bad request", "The request could not be read: malformed JSON, a bad cursor, or a missing field."),
     "unauthorized": (401, "Unauthorized", "No valid bearer token or session cookie was given."),
     "forbidden": (403, "Forbidden", "The token's role does not allow this operation."),
+    "approval_not_yours": (403, "Approval not yours", "An approval is answered only by the person it is addressed to, or by an operator, and never by the caller that started the call it approves."),
     "not_found": (404, "Not found", "The resource does not exist or is not visible to this token."),
     "too_large": (413, "Payload too large", "The request body is larger than the daemon accepts."),
     "invalid_document": (422, "Invalid document", "The document breaks one or more save-time rules; `errors` lists each with its line."),
@@ -2354,6 +2355,9 @@ class FunctionDoc:
     remind: RemindSpec | None = None
     escalate: EscalateSpec | None = None
     on_expiry: OnExpirySpec | None = None
+    #: The tools it sends and reads with, each as (field, server, tool, line): what the save checks
+    #: against the operator's approval gate (no gated tool may deliver, read or tell).
+    tool_uses: tuple[tuple[str, str, str, int], ...] = ()
 
     @property
     def is_notification(self) -> bool:
@@ -2745,11 +2749,21 @@ def _check(r: _Reader, source: str, data: dict[str, Any], body: str, body_line: 
     follow = _read_follow_up(r, data, expires, input_schema, output_schema) if shape is not Shape.SYSTEM else {}
     if r.problems:
         return None
+    uses: list[tuple[str, str, str, int]] = []
+    if deliver is not None:
+        at = ("approve",) if approve is not None else ()
+        sends: list[tuple[tuple[str, ...], str]] = [(("deliver", "tool"), deliver.tool)]
+        if replies is not None:
+            sends.append((("replies", "tool"), replies.tool))
+            if replies.tell is not None:
+                sends.append((("replies", "tell", "tool"), replies.tell.tool))
+        uses = [(".".join(at + path), deliver.server, tool_, r.line(at + path)) for path, tool_ in sends]
     return FunctionDoc(
         source=source, shape=shape, description=description, to=to, from_=from_, message=message,
         expires=expires, expires_text=data.get("expires"), input_schema=input_schema,
         output_schema=output_schema, call=call, deliver=deliver, replies=replies,
-        reply_rule=APPROVAL_RULE if approve is not None and replies is not None else rule, approve=approve, **follow)
+        reply_rule=APPROVAL_RULE if approve is not None and replies is not None else rule, approve=approve,
+        tool_uses=tuple(uses), **follow)
 
 
 def _description(r: _Reader, data: dict[str, Any]) -> str | None:
@@ -7364,7 +7378,9 @@ class ToolFailure(Exception):
     """A tool server failed us. `sent` tells whether the call may have reached the tool."""
 
     def __init__(self, because: str, message: str, *, sent: bool, retry_after_ms: int | None = None) -> None:
-        self.because = because            # server_failure | timed_out | arguments_refused | not_offered
+        #: server_failure | timed_out | arguments_refused, or the door's refusals (nothing sent):
+        #: tool_not_offered | gated | too_large
+        self.because = because
         self.message = message
         self.sent = sent
         self.retry_after_ms = retry_after_ms
@@ -7709,12 +7725,15 @@ class Scrubber:
 
 
 class ToolServers:
-    """The operator's tool servers, which playbook may use which, and their sessions."""
+    """The operator's tool servers, which playbook may use which, their sessions, and the one door
+    every call of their tools goes through (`call`)."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, store: Store | None = None, clock: Clock | None = None) -> None:
         self.config = config
         self.scrub = Scrubber(v for sc in config.servers.values() for v in (*sc.env.values(), *sc.headers.values()))
         self.sessions = {name: ToolSession(sc, self.scrub) for name, sc in config.servers.items()}
+        self.store = store                  # where a refused call is recorded (tool_call_refused)
+        self.clock = clock
 
     def offered(self, playbook: str, server: str, tool: str | None = None) -> bool:
         """May this playbook use this server (and the operator allow this tool)?"""
@@ -7722,6 +7741,40 @@ class ToolServers:
             return False
         allow = self.config.servers[server].tools
         return tool is None or allow is None or tool in allow
+
+    def gated(self, server: str, tool: str) -> ApprovalPolicy | None:
+        """The operator's gate on this tool (`servers.NAME.approve`), if any."""
+        sc = self.config.servers.get(server)
+        policy = sc.approve if sc is not None else None
+        return policy if policy is not None and tool in policy.tools else None
+
+    async def call(self, playbook: str, run_id: str | None, server: str, tool: str, arguments: Any, *,
+                   approval: Mapping[str, Any] | None = None, timeout: float = CALL_TIMEOUT_S) -> Any:
+        """The one door of every call of a configured tool - a function's call, execute, a delivery, a
+        reading, a telling, a reminder, an approved call: nothing else calls a session. It applies the
+        operator's allow-list, the approval gate (a gated tool is called only with the arguments an
+        approval approved: `approval` is the approved gate), and the bounds on the arguments and the
+        wait; the session scrubs what comes back. A refusal raises ToolFailure (sent=False) and calls
+        nothing; a gated refusal is also recorded on the run as `tool_call_refused`."""
+        if not self.offered(playbook, server, tool):
+            raise ToolFailure("tool_not_offered", f"the playbook may not use the tool {tool!r} of {server!r}", sent=False)
+        if self.gated(server, tool) is not None and not (
+                approval is not None and approval.get("server") == server and approval.get("tool") == tool
+                and "approved" in approval and approval["approved"] == arguments):
+            if self.store is not None and self.clock is not None:
+                now, record = self.clock.now_ms(), {"server": server, "tool": tool, "because": "gated"}
+                await self.store.write(lambda tx, fx: tx.append_event(fx, playbook, run_id, "tool_call_refused", now,
+                                                                      "interactiond", record))
+            raise ToolFailure("gated", f"the operator gates the tool {tool!r} of {server!r}: it is called only once a"
+                                       " person approves the call", sent=False)
+        if not isinstance(arguments, dict) or json_size(arguments) > MAX_ARGUMENTS_BYTES:
+            raise ToolFailure("too_large", f"the arguments are an object of at most {MAX_ARGUMENTS_BYTES // KIB} KiB",
+                              sent=False)
+        session = self.sessions[server]
+        await session.ensure()
+        if tool not in session.tools:
+            raise ToolFailure("tool_not_offered", f"the tool server {server!r} lists no tool {tool!r}", sent=False)
+        return await session.call(tool, arguments, timeout)
 
     def record(self, server: str, value: Any) -> Any:
         """What may be recorded of `value`: scrubbed, or only its size and digest."""
@@ -8259,10 +8312,12 @@ class Definitions:
     of such a type is parsed, checked and described by its kind.
     """
 
-    def __init__(self, store: Store, clock: Clock, kinds: dict[str, RunKind]) -> None:
+    def __init__(self, store: Store, clock: Clock, kinds: dict[str, RunKind],
+                 gated: Callable[[str, str], Any] = lambda server, tool: None) -> None:
         self.store = store
         self.clock = clock
         self.kinds = kinds
+        self.gated = gated              # the operator's approval gate on a tool (ToolServers.gated)
         self._docs: OrderedDict[tuple[str, str, str, int], Any] = OrderedDict()
         self._current: dict[tuple[str, str, str], tuple[int, Any] | None] = {}
 
@@ -8327,6 +8382,12 @@ class Definitions:
         except DocumentError as exc:
             raise Problem("invalid_document", f"the document breaks {len(exc.problems)} rule(s)",
                           errors=exc.problems) from None
+        gated = [{"line": line, "field": field_, "code": "gated_tool",
+                  "message": f"the operator gates the tool {tool!r} of {server!r}: it is called only with a person's"
+                             " approval, so it cannot deliver, read replies or tell"}
+                 for field_, server, tool, line in getattr(doc, "tool_uses", ()) if self.gated(server, tool) is not None]
+        if gated:
+            raise Problem("invalid_document", f"the document breaks {len(gated)} rule(s)", errors=gated)
         sha = sha256_hex(source)
         now = self.clock.now_ms()
 
@@ -8737,8 +8798,10 @@ class SystemCalls:
         record: dict[str, Any] = {"server": server, "tool": tool, "arguments": self.tools.record(server, arguments),
                                   "arguments_size": json_size(arguments)}
         try:
-            result = await session.call(tool, arguments)
+            result = await self.tools.call(playbook, None, server, tool, arguments)
         except ToolFailure as exc:
+            if not exc.sent:                    # refused at the door: nothing was called
+                raise ending_problem(RunStatus.UNAVAILABLE, "tool_not_offered", exc.message) from None
             record.update(because=exc.because, message=self.tools.scrub(exc.message))
             await self.store.write(lambda c, fx: c.append_event(fx, playbook, None, "tool_call_failed", now, caller.id, record))
             kind = "tools_unfinished" if session.read_only(tool) else "effect_unknown"
@@ -8823,7 +8886,8 @@ class SystemCalls:
         answered: dict[str, Any] | None = None
         output: Any = None
         try:
-            result = await session.call(call.tool, arguments, min(CALL_TIMEOUT_S, max(1.0, deadline - loop.time())))
+            result = await self.tools.call(playbook, run_id, call.server, call.tool, arguments,
+                                           timeout=min(CALL_TIMEOUT_S, max(1.0, deadline - loop.time())))
         except ToolFailure as exc:
             failed = {"because": "server_failed" if exc.because != "arguments_refused" else exc.because,
                       "message": self.tools.scrub(exc.message)}
@@ -8982,6 +9046,8 @@ class Inbox:
                 if idempotency is not None:
                     raise Problem("not_open", "the request has ended (answered)", kind=row["status"])
                 return answer_fact(row), False
+            if row["approval"] is not None:
+                self.approvals.may_answer(caller, row)
             errors = schema_errors(_compiled_schema(row["answer_schema"]), answer, "/answer")   # stored as dumps() wrote it
             if errors:
                 raise ending_problem(RunStatus.INVALID_INPUT, None, "the answer does not match the request's answer schema",
@@ -9132,15 +9198,11 @@ class Deliveries:
         args = json.loads(req["deliver_args"])
         if len(req["deliver_args"].encode()) > MAX_ARGUMENTS_BYTES:
             return {"refused": "too_large", "message": f"the arguments pass {MAX_ARGUMENTS_BYTES // KIB} KiB"}
-        if not self.tools.offered(playbook, server, tool):
-            return {"because": "tool_not_offered", "message": f"the playbook may no longer use {server}/{tool}"}
-        session = self.tools.sessions[server]
         try:
-            await session.ensure()
-            if tool not in session.tools:
-                return {"because": "tool_not_offered", "message": f"the server {server} no longer lists {tool}"}
-            result = await session.call(tool, args, CALL_TIMEOUT_S)
+            result = await self.tools.call(playbook, req["run_id"], server, tool, args)
         except ToolFailure as exc:
+            if exc.because in ("tool_not_offered", "gated"):   # refused at the door: nothing was called
+                return {"because": "tool_not_offered", "message": exc.message}
             because = {"server_failure": "server_failure", "timed_out": "timed_out",
                        "arguments_refused": "arguments_refused"}.get(exc.because, "server_failure")
             return {"because": because, "message": self.tools.scrub(exc.message), "retry_after_ms": exc.retry_after_ms}
@@ -9320,16 +9382,13 @@ class Readings:
         except RenderError as exc:
             failure = {"because": "unworkable", "message": str(exc)}
         else:
-            if not self.tools.offered(playbook, reading["server"], reading["tool"]):
-                failure = {"because": "tool_not_offered", "message": "the playbook may no longer use the reading tool"}
+            try:
+                result = await self.tools.call(playbook, oldest["run_id"], reading["server"], reading["tool"], args)
+            except ToolFailure as exc:
+                failure = {"because": exc.because, "message": self.tools.scrub(exc.message),
+                           "retry_after_ms": exc.retry_after_ms}
             else:
-                try:
-                    result = await self.tools.sessions[reading["server"]].call(reading["tool"], args, CALL_TIMEOUT_S)
-                except ToolFailure as exc:
-                    failure = {"because": exc.because, "message": self.tools.scrub(exc.message),
-                               "retry_after_ms": exc.retry_after_ms}
-                else:
-                    failure, messages = _read_messages(result, replies.read)
+                failure, messages = _read_messages(result, replies.read)
         done = self.clock.now_ms()
         tellings: list[tuple[Row, str]] = []
 
@@ -9340,7 +9399,8 @@ class Readings:
                 return
             if failure is not None:
                 tx.append_event(fx, playbook, None, "reading_failed", done, "interactiond", {**event, **failure})
-                self._next_read(tx, fx, reading_id, key, done, failure.get("retry_after_ms"))
+                if failure["because"] != "gated":       # a gated reading tool is never called: the reading stops
+                    self._next_read(tx, fx, reading_id, key, done, failure.get("retry_after_ms"))
                 return
             self._take_replies(tx, fx, reading, messages, own, replies, event, done, tellings, docs)
             self._next_read(tx, fx, reading_id, key, done, None)
@@ -9408,6 +9468,11 @@ class Readings:
                 continue
             if not may_reply(target, m["sender"]):
                 continue                                   # only the answerer's replies count (and the escalation's)
+            if target["approval"] is not None and m["sender"] == json.loads(target["approval"]).get("asked_by_person"):
+                refused += 1                               # four eyes: the person who started the call does not approve it
+                self._refuse(tx, fx, target, doc_of(target), m["id"], "the approval's own asker replied", now, tellings,
+                             "You started this call, so another person approves it.")
+                continue
             text = m["text"] if isinstance(m["text"], str) else ""
             if len(text.encode()) > MAX_REPLY_BYTES:
                 refused += 1
@@ -9466,14 +9531,11 @@ class Readings:
         await self.store.write(lambda c, fx: c.append_event(fx, playbook, None, "telling_started", now, "interactiond",
                                                           {**base, "arguments_size": json_size(args)}))
         outcome: dict[str, Any]
-        if not self.tools.offered(playbook, req["server"], tell.tool):
-            outcome = {"because": "tool_not_offered"}
-        else:
-            try:
-                result = await self.tools.sessions[req["server"]].call(tell.tool, args, CALL_TIMEOUT_S)
-                outcome = {"because": "tool_error", "message": _result_text(result)} if result.is_error else {}
-            except ToolFailure as exc:
-                outcome = {"because": exc.because, "message": self.tools.scrub(exc.message)}
+        try:
+            result = await self.tools.call(playbook, req["run_id"], req["server"], tell.tool, args)
+            outcome = {"because": "tool_error", "message": _result_text(result)} if result.is_error else {}
+        except ToolFailure as exc:
+            outcome = {"because": exc.because, "message": self.tools.scrub(exc.message)}
         done = self.clock.now_ms()
         kind = "telling_failed" if outcome else "telling_succeeded"
         await self.store.write(lambda c, fx: c.append_event(fx, playbook, None, kind, done, "interactiond",
@@ -9518,9 +9580,7 @@ class Approvals:
 
     def policy(self, server: str, tool: str) -> ApprovalPolicy | None:
         """The operator's gate on this tool (`servers.NAME.approve`), if any."""
-        sc = self.config.servers.get(server)
-        policy = sc.approve if sc is not None else None
-        return policy if policy is not None and tool in policy.tools else None
+        return self.tools.gated(server, tool)
 
     # -- asking ---------------------------------------------------------------------------------
 
@@ -9661,7 +9721,7 @@ class Approvals:
                             delivery=DeliveryState.IN_INBOX if deliver is None else DeliveryState.TO_DELIVER,
                             asked_at=now, expires_at=prepared["expires_at"],
                             deliver_args=dumps(prepared["deliver_args"]) if deliver else None)
-            tx.set_approval(playbook, run_id, dumps(gate))
+            tx.set_approval(playbook, run_id, dumps({**gate, "asked_by": caller.id, "asked_by_person": caller.person}))
             tx.append_event(fx, playbook, run_id, "interaction_requested", now, caller.id, {
                 "delivery": {"server": deliver.server, "tool": deliver.tool} if deliver else None,
                 "to": prepared["party"], "from": prepared["answerer"],
@@ -9674,6 +9734,19 @@ class Approvals:
         return await self.store.write(change)
 
     # -- the answer -----------------------------------------------------------------------------
+
+    @staticmethod
+    def may_answer(caller: Caller, row: Row) -> None:
+        """Four eyes: an approval is answered by its addressee (a person's caller it is addressed or
+        escalated to) or by an operator, never by the caller that started the call - the same token or
+        the same person. Anyone else: 403 approval_not_yours."""
+        gate = json.loads(row["approval"])
+        if caller.id == gate.get("asked_by") or (caller.person is not None and caller.person == gate.get("asked_by_person")):
+            raise Problem("approval_not_yours", "this call was started by the same caller that answers its approval;"
+                                                " another person (its addressee) or an operator approves it")
+        if caller.role is not Role.OPERATOR and (caller.person is None or not caller.addressed(row)):
+            raise Problem("approval_not_yours", f"this approval is addressed to {row['party']}: only that person"
+                                                " (their session, token or answer link) or an operator answers it")
 
     def answered(self, tx: Tx, fx: Effects, row: Row, answer: Any, claimed_for: str | None, by: str, now: int,
                  reply_id: str | None = None) -> Row:
@@ -9788,7 +9861,7 @@ class Approvals:
         failed: dict[str, Any] = {}
         output: Any = None
         try:
-            result = await session.call(tool, arguments, CALL_TIMEOUT_S)
+            result = await self.tools.call(playbook, run_id, server, tool, arguments, approval=gate)
         except ToolFailure as exc:
             refused = exc.because == "arguments_refused"
             failed = {"because": exc.because if refused else "server_failed", "message": self.tools.scrub(exc.message)}
@@ -10102,8 +10175,8 @@ class Reminders:
             return
         self._inflight.add(nudge_id)
         try:
-            outcome = await self.send({"playbook": playbook, "server": row["server"], "tool": tell.tool,
-                                       "deliver_args": text})
+            outcome = await self.send({"playbook": playbook, "run_id": run_id, "server": row["server"],
+                                       "tool": tell.tool, "deliver_args": text})
         finally:
             self._inflight.discard(nudge_id)
         done = self.clock.now_ms()
@@ -10196,14 +10269,14 @@ class Engine:
         #: What fires a timer, by the kind its key starts with (see on_timer).
         self._timers: dict[str, tuple[Callable[[str, str, str], Any], bool]] = {}
         self.playbooks: set[str] = set(config.playbooks)
-        self.tools = ToolServers(config)
+        self.tools = ToolServers(config, store, clock)
         #: The run kinds of the sections below (Workflows), each made with this engine once its parts exist.
         self.kinds: dict[str, RunKind] = {}
 
         self.links = AnswerLinks(config.links_base)     # its key is loaded at start
 
         # The parts; each calls only parts built before it (and the run kinds, made last).
-        self.definitions = Definitions(store, clock, self.kinds)
+        self.definitions = Definitions(store, clock, self.kinds, self.tools.gated)
         self.system_calls = SystemCalls(store, clock, self.tools, config)
         #: Reminders, escalation and default answers of requests, on this engine's timers; they send
         #: as the deliveries do.

@@ -140,7 +140,23 @@ async def ask(d, service: str = "web", owner: str = "ana", source: str = RESTART
     return run["run_id"]
 
 
-async def answer(d, run_id: str, body: dict, role: str = "writer") -> tuple[int, dict]:
+def person(d, name: str, role: str = "writer") -> str:
+    """The key in d.tokens of a token naming person `name` (made on first use)."""
+    key = f"person:{name}:{role}"
+    if key not in d.tokens:
+        conn = itd.open_sync(d.db)
+        try:
+            d.tokens[key] = itd.create_token(conn, role, "local/default", name, person=name)[1]
+        finally:
+            conn.close()
+    return key
+
+
+async def answer(d, run_id: str, body: dict, role: str | None = None) -> tuple[int, dict]:
+    """Answer as `role`, by default as the person the open approval is addressed to."""
+    if role is None:
+        req = await request_of(d, run_id)
+        role = person(d, req["to"]) if req is not None else "writer"
     return await d.call("POST", f"/runs/{run_id}/answer", {"answer": body}, role=role)
 
 
@@ -318,8 +334,10 @@ async def test_execute_over_mcp_with_approve(d):
         assert not r.is_error and run["status"] == "started", run
         listed = (await c.call_tool("list_interactions", {"to": "ana"})).structured_content["data"]
         assert listed[0]["approval"]["tool"] == "restart_service"
+        # The agent that started the call cannot approve it: four eyes.
         r = await c.call_tool("answer_interaction", {"run_id": run["run_id"], "answer": {"approved": True}})
-        assert not r.is_error
+        assert r.is_error and "approval_not_yours" in r.content[0].text and calls(d) == []
+        assert (await answer(d, run["run_id"], {"approved": True}))[0] == 200          # ana approves it
         await d.engine.advance(itd.parse_duration("PT0S"))
         r = await c.call_tool("wait_run", {"run_id": run["run_id"], "timeout": 10})
         assert r.structured_content["status"] == "succeeded"
