@@ -7673,6 +7673,31 @@ def _keyed_values(value: Any, found: set[str], under: bool = False) -> None:
             _keyed_values(v, found, under or (isinstance(k, str) and secret_key(k)))
 
 
+#: The JSON escapes that stand for a character besides \\uXXXX.
+_SHORT_ESCAPES: Final = {'"': '\\"', "\\": "\\\\", "/": "\\/", "\b": "\\b", "\f": "\\f", "\n": "\\n",
+                         "\r": "\\r", "\t": "\\t"}
+
+
+def _escaped_forms(secret: str) -> str:
+    """A pattern matching `secret` however JSON text spells it: each character as itself, as
+    \\uXXXX (hex digits in either case; a surrogate pair past the BMP), or as its short escape (\\/, \\n...).
+    A tool that escapes its text cannot carry a secret past the scrubber into the daemon's decoding."""
+    def hex4(n: int) -> str:
+        return "".join(f"[{h}{h.upper()}]" if h.isalpha() else h for h in f"{n:04x}")
+
+    def one(c: str) -> str:
+        code = ord(c)
+        if code > 0xFFFF:
+            hi, lo = 0xD800 + ((code - 0x10000) >> 10), 0xDC00 + ((code - 0x10000) & 0x3FF)
+            forms = [re.escape(c), rf"\\u{hex4(hi)}\\u{hex4(lo)}"]
+        else:
+            forms = [re.escape(c), rf"\\u{hex4(code)}"]
+        if c in _SHORT_ESCAPES:
+            forms.append(re.escape(_SHORT_ESCAPES[c]))
+        return "(?:" + "|".join(forms) + ")"
+    return "".join(map(one, secret))
+
+
 class Scrubber:
     """Removes secrets from anything that leaves the daemon or is recorded: configured env/header
     values and API tokens (`itd_...`) by value, wherever they stand, inside longer strings too (and
@@ -7681,10 +7706,8 @@ class Scrubber:
 
     def __init__(self, secrets_: Iterable[str]) -> None:
         self.secrets = frozenset(v for v in secrets_ if isinstance(v, str) and len(v) >= MIN_SECRET_CHARS)
-        forms = {f for v in self.secrets for f in (v, json.dumps(v, ensure_ascii=False)[1:-1],
-                                                     json.dumps(v)[1:-1])}
-        values = sorted(forms, key=len, reverse=True)
-        self._re = re.compile("|".join(re.escape(v) for v in values)) if values else None
+        values = sorted(self.secrets, key=len, reverse=True)
+        self._re = re.compile("|".join(map(_escaped_forms, values))) if values else None
 
     def text(self, value: str) -> str:
         if self._re is not None:

@@ -249,3 +249,49 @@ async def test_record_content_false_still_records_sizes_and_digests_only(tmp_pat
     result = events["data"][-1]["payload"]["result"]
     assert set(result) == {"size", "sha256"}
     assert_absent((*KEYED, "bob"), json.dumps(events), disk(d))
+
+
+SLASHED = "sk/live/7e3d9c1b"                      # a secret with slashes, which JSON may write as \/
+
+
+async def test_a_secret_a_tool_spells_with_json_escapes_is_scrubbed_everywhere(tmp_path, aiohttp_client):
+    """The tool writes the secret in JSON text with \\/ and \\uXXXX escapes: the daemon decodes that text,
+    so what it decodes must not hold the secret - not in execute's answer (HTTP and MCP), a run's output,
+    its events, a problem's schema error, or the database file."""
+    servers = {"secret": itd.ServerConfig("secret", command=(sys.executable, SECRET_SERVER), env={"SECRET_VALUE": SLASHED})}
+    d = await start_daemon(aiohttp_client, str(tmp_path / "t.db"),
+                           config=itd.Config(servers=servers, playbooks={"local/default": ("secret",), "acme/other": ()}))
+    status, out = await d.call("POST", "/tools/secret/escaped", {"arguments": {}}, role="writer")
+    assert status == 200, out
+    assert out["answer"] == {"greeting": "hello [scrubbed]!", "slashed": "[scrubbed]", "n": 1}, out
+
+    await d.define("escaped", call_doc("escaped"))
+    status, ok = await d.run("escaped", {})
+    assert status == 201 and ok["output"]["greeting"] == "hello [scrubbed]!", ok
+    await d.define("typed", call_doc("escaped", read="/slashed", output="{type: integer}"))
+    status, typed = await d.run("typed", {})
+    assert status == 409 and typed["kind"] == "unworkable", typed
+    assert "[scrubbed]" in json.dumps(typed["problem"]["errors"])
+
+    url = str(d.client.make_url("/mcp"))
+    async with httpx2.AsyncClient(headers=d.auth("writer"), timeout=30) as http:
+        async with Client(streamable_http_client(url, http_client=http)) as c:
+            r = await c.call_tool("execute", {"server": "secret", "tool": "escaped", "arguments": {}})
+            assert not r.is_error and r.structured_content["answer"]["slashed"] == "[scrubbed]", r
+            via_mcp = r.model_dump_json(by_alias=True)
+
+    read = await everything_read(d, [ok["run_id"], typed["run_id"]])
+    assert "run_succeeded" in read and "run_conflict" in read
+    escaped = (SLASHED, SLASHED.replace("/", "\\/"), SLASHED.replace("/", "\\u002f"))
+    assert_absent(escaped, json.dumps(out), json.dumps([ok, typed]), via_mcp, read, disk(d))
+
+
+def test_the_scrubber_catches_every_json_spelling_of_a_secret():
+    scrub = itd.Scrubber(["p@ss/w\u00f6rd\U0001F511"])
+    spellings = [json.dumps("p@ss/w\u00f6rd\U0001F511"), json.dumps("p@ss/w\u00f6rd\U0001F511", ensure_ascii=False),
+                 '"p\\u0040ss\\/w\\u00F6rd\\ud83d\\uDD11"', '"\\u0070@ss/w\\u00f6rd\\uD83D\\uDD11"']
+    for text in spellings:
+        assert json.loads(text) == "p@ss/w\u00f6rd\U0001F511"
+        scrubbed = scrub.text(f'{{"k": {text}, "m": "x"}}')
+        assert json.loads(scrubbed) == {"k": "[scrubbed]", "m": "x"}, (text, scrubbed)
+    assert scrub.text("p@ss/w\u00f6rd") == "p@ss/w\u00f6rd"            # only the whole secret is scrubbed

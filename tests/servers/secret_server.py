@@ -33,6 +33,7 @@ def make_server() -> Any:
         "fail": "A tool error whose text holds the configured secret.",
         "refuse": "Refuses the arguments with a message that holds the configured secret.",
         "stderr": f"Writes its key ({secret}) to stderr, then answers ok.",
+        "escaped": "Answers JSON text that spells the configured secret with escapes (\\/ and \\uXXXX).",
     }
     tools = [Tool(name=name, description=desc, input_schema=NO_ARGS, annotations=ToolAnnotations(read_only_hint=True))
              for name, desc in specs.items()]
@@ -59,6 +60,10 @@ def make_server() -> Any:
                 return text(f"access denied for key {secret}", is_error=True)
             case "refuse":
                 raise MCPError(INVALID_PARAMS, f"the key {secret} is not accepted here")
+            case "escaped":         # every other character as \uXXXX (upper-case hex), every / as \/
+                spelled = "".join("\\/" if c == "/" else f"\\u{ord(c):04X}" if i % 2 else c for i, c in enumerate(secret))
+                slashed = secret.replace("/", "\\/")
+                return text('{"greeting": "hello ' + spelled + '!", "slashed": "' + slashed + '", "n": 1}')
             case "stderr":
                 sys.stderr.write(f"secret_server: debug: key={secret}\n")
                 sys.stderr.flush()
