@@ -8037,6 +8037,12 @@ def parse_event_id(text: str) -> int:
     return int(m.group(1))
 
 
+def answer_errors(row: Row, answer: Any) -> list[dict[str, Any]]:
+    """The one check of an answer, whichever door it comes in by (the API, the page, an answer link,
+    a reply in a thread, an MCP elicitation): the request's answer schema, as stored."""
+    return schema_errors(_compiled_schema(row["answer_schema"]), answer, "/answer")
+
+
 def answer_fact(row: Row) -> dict[str, Any]:
     fact = {"run_id": row["run_id"], "answer_id": f"evt_{row['answer_id']}", "answer": loads(row["answer"]),
             "claimed_for": row["claimed_for"], "answered_by": row["answered_by"],
@@ -8328,6 +8334,41 @@ def rerun_check(row: Row, type_: str, name: str, input_sha: str) -> dict[str, An
     return run_object(row)
 
 
+def render_party(tpl: Any, ctx: dict[str, Any], what: str) -> str:
+    """Render `to` or `from`; a bound broken is an `unworkable` conflict (RenderError passes)."""
+    value = tpl.render(ctx)
+    if not isinstance(value, str):
+        raise ending_problem(RunStatus.CONFLICT, "unworkable", f"{what} rendered as {type(value).__name__}, not text")
+    value = value.strip()
+    if not value:
+        raise ending_problem(RunStatus.CONFLICT, "unworkable", f"{what} rendered empty")
+    if has_control_char(value):
+        raise ending_problem(RunStatus.CONFLICT, "unworkable", f"{what} holds a control character")
+    if len(value.encode()) > MAX_PARTY_BYTES:
+        raise ending_problem(RunStatus.CONFLICT, "unworkable", f"{what} is longer than {MAX_PARTY_BYTES} bytes")
+    return value
+
+
+def deliver_args(doc: Any, name: str, run_id: str, input_: Any, prepared: dict[str, Any], now: int) -> Any:
+    """The sending tool's arguments, rendered once at the start: every attempt sends the same."""
+    ctx = base_context(now, input=input_, to=prepared["party"], message=prepared["message"], run_id=run_id,
+                       function=name, expires_at=fmt_time(prepared["expires_at"]), request=prepared["request"],
+                       answer_schema=prepared.get("answer_schema", doc.output_schema))
+    try:
+        args = render_args(doc.deliver.with_, ctx)
+    except RenderError as exc:
+        if exc.kind == "undefined":
+            raise ending_problem(RunStatus.INVALID_INPUT, None, str(exc),
+                                 errors=[{"pointer": "/input", "message": str(exc)}]) from None
+        raise ending_problem(RunStatus.CONFLICT, "unworkable", f"deliver.with: {exc}") from None
+    if _renders_empty(doc.deliver.with_, args):
+        raise ending_problem(RunStatus.CONFLICT, "unworkable", "an argument of deliver renders no text")
+    if json_size(args) > MAX_ARGUMENTS_BYTES:
+        raise ending_problem(RunStatus.CONFLICT, "unworkable",
+                             f"the arguments of deliver pass {MAX_ARGUMENTS_BYTES // KIB} KiB")
+    return args
+
+
 class Definitions:
     """Saving, reading, listing and deactivating definitions, and the cache of their parsed documents.
 
@@ -8382,8 +8423,12 @@ class Definitions:
             self._current[(playbook, type_, name)] = hit
         return hit
 
+    def forget(self, playbook: str, type_: str, name: str) -> None:
+        """The definition changed (another daemon, or a delete): its current version is read again."""
+        self._current.pop((playbook, type_, name), None)
+
     @staticmethod
-    def _check_def_name(type_: Any, name: Any) -> None:
+    def check_def_name(type_: Any, name: Any) -> None:
         errors = []
         if type_ not in ("interaction", *RUN_KINDS):
             errors.append({"pointer": "/type", "message": "must be " + " or ".join(("interaction", *RUN_KINDS))})
@@ -8395,7 +8440,7 @@ class Definitions:
     async def create_definition(self, caller: Caller, playbook: str, type_: str, name: str,
                                 source: str) -> tuple[dict[str, Any], bool]:
         caller.require(Role.WRITER)
-        self._check_def_name(type_, name)
+        self.check_def_name(type_, name)
         self._not_builtin(type_, name)
         if not isinstance(source, str) or not source.strip():
             raise Problem("invalid_request", "source is the document's text",
@@ -8497,24 +8542,9 @@ class Runs:
         self.system_calls = system_calls
         self.kinds = kinds
         self.open_limit = open_limit
-        self._stopping = False                # shutdown: long polls answer at once (set by Engine)
+        self.stopping = False                 # shutdown: long polls answer at once (set by Engine)
 
     # -- runs -----------------------------------------------------------------------------------
-
-    @staticmethod
-    def _render_party(tpl: Any, ctx: dict[str, Any], what: str) -> str:
-        """Render `to` or `from`; a bound broken is an `unworkable` conflict (RenderError passes)."""
-        value = tpl.render(ctx)
-        if not isinstance(value, str):
-            raise ending_problem(RunStatus.CONFLICT, "unworkable", f"{what} rendered as {type(value).__name__}, not text")
-        value = value.strip()
-        if not value:
-            raise ending_problem(RunStatus.CONFLICT, "unworkable", f"{what} rendered empty")
-        if has_control_char(value):
-            raise ending_problem(RunStatus.CONFLICT, "unworkable", f"{what} holds a control character")
-        if len(value.encode()) > MAX_PARTY_BYTES:
-            raise ending_problem(RunStatus.CONFLICT, "unworkable", f"{what} is longer than {MAX_PARTY_BYTES} bytes")
-        return value
 
     def _prepare_request(self, doc: Any, input_: Any, now: int, playbook: str = "", run_id: str = "") -> dict[str, Any]:
         """Check the input and render what the request shows; raises the problem of an ending."""
@@ -8528,8 +8558,8 @@ class Runs:
         # stalled the loop behind the writer's GIL turn
         request_id = "int_" + new_ulid()
         try:
-            party = self._render_party(doc.to, ctx, "to")
-            answerer = self._render_party(doc.from_, ctx, "from") if doc.from_ is not None else party
+            party = render_party(doc.to, ctx, "to")
+            answerer = render_party(doc.from_, ctx, "from") if doc.from_ is not None else party
             ctx["request"] = {"answer_url": self.links.url({"id": request_id, "playbook": playbook, "run_id": run_id,
                                                             "party": party})}
             message = doc.message.render_text(ctx)
@@ -8544,26 +8574,6 @@ class Runs:
                 "expires_at": now + int(doc.expires.total_seconds() * 1000),
                 "request_id": request_id, "request": ctx["request"]}
 
-    @staticmethod
-    def _deliver_args(doc: Any, name: str, run_id: str, input_: Any, prepared: dict[str, Any], now: int) -> Any:
-        """The sending tool's arguments, rendered once at the start: every attempt sends the same."""
-        ctx = base_context(now, input=input_, to=prepared["party"], message=prepared["message"], run_id=run_id,
-                           function=name, expires_at=fmt_time(prepared["expires_at"]), request=prepared["request"],
-                           answer_schema=prepared.get("answer_schema", doc.output_schema))
-        try:
-            args = render_args(doc.deliver.with_, ctx)
-        except RenderError as exc:
-            if exc.kind == "undefined":
-                raise ending_problem(RunStatus.INVALID_INPUT, None, str(exc),
-                                     errors=[{"pointer": "/input", "message": str(exc)}]) from None
-            raise ending_problem(RunStatus.CONFLICT, "unworkable", f"deliver.with: {exc}") from None
-        if _renders_empty(doc.deliver.with_, args):
-            raise ending_problem(RunStatus.CONFLICT, "unworkable", "an argument of deliver renders no text")
-        if json_size(args) > MAX_ARGUMENTS_BYTES:
-            raise ending_problem(RunStatus.CONFLICT, "unworkable",
-                                 f"the arguments of deliver pass {MAX_ARGUMENTS_BYTES // KIB} KiB")
-        return args
-
     async def run_definition(self, caller: Caller, playbook: str, type_: str, name: str, input_: Any = None,
                              run_id: str | None = None, *, parent: str | None = None) -> tuple[dict[str, Any], bool]:
         """Start a run. Returns the run object and whether this call started it.
@@ -8571,7 +8581,7 @@ class Runs:
         `parent` is the workflow run that starts this one as a step; its ending wakes that run.
         """
         caller.require(Role.WRITER)
-        self.definitions._check_def_name(type_, name)
+        self.definitions.check_def_name(type_, name)
         if run_id is not None and (not isinstance(run_id, str) or not RUN_ID_RE.fullmatch(run_id)):
             raise Problem("invalid_request", "run_id is 1 to 128 of A-Z a-z 0-9 _ . : -",
                           errors=[{"pointer": "/run_id", "message": "1 to 128 of A-Z a-z 0-9 _ . : -"}])
@@ -8589,7 +8599,7 @@ class Runs:
             return await self.kinds[type_].start(caller, playbook, name, version, doc, input_, run_id, input_text,
                                                  input_sha, parent)
         if doc.shape is Shape.SYSTEM:
-            return await self.system_calls._run_system(caller, playbook, type_, name, version, doc, input_, run_id,
+            return await self.system_calls.run_system(caller, playbook, type_, name, version, doc, input_, run_id,
                                                        input_text, input_sha, parent=parent)
         else:
             try:
@@ -8599,11 +8609,11 @@ class Runs:
                 if self.reminders is not None:
                     prepared["follow_up"] = self.reminders.plan(doc, name, input_, now, prepared)
                 if doc.deliver is not None:
-                    prepared["deliver_args"] = self._deliver_args(doc, name, run_id or "", input_, prepared, now)
+                    prepared["deliver_args"] = deliver_args(doc, name, run_id or "", input_, prepared, now)
             except Problem as exc:
                 ending = exc
             if doc.deliver is not None and ending is None:
-                ending = self.system_calls._check_offered(playbook, doc.deliver.server,
+                ending = self.system_calls.calls.check_offered(playbook, doc.deliver.server,
                                                           [doc.deliver.tool] + ([doc.replies.tool] if doc.replies else [])
                                                           + ([doc.replies.tell.tool] if doc.replies and doc.replies.tell else []))
         limit = self.open_limit
@@ -8686,7 +8696,7 @@ class Runs:
             try:
                 run = await self.get_run(caller, playbook, run_id)
                 left = deadline - loop.time()
-                if RunStatus(run["status"]).ended or left <= 0 or self._stopping:
+                if RunStatus(run["status"]).ended or left <= 0 or self.stopping:
                     return run
                 step = min(left, 5.0) if tick is not None else left
                 try:
@@ -8736,20 +8746,19 @@ class Runs:
         return _page([run_object(r) for r in rows[:n]], rows, n, lambda: [rows[n - 1]["seq"]])
 
 
-class SystemCalls:
-    """The tool servers as a playbook sees them (`config.playbooks` says which it may use), a tool
-    called directly (execute), and functions that ask a system."""
+class ToolCalls:
+    """A system call's one tool call, for a function's call, an approved call and `execute` alike:
+    whether the playbook may use the tool, the call through the tools' one door (ToolServers.call),
+    and the run's ending from what the tool answered (`call_and_end`). SystemCalls and Approvals both
+    end their calls here."""
 
-    def __init__(self, store: Store, clock: Clock, tools: ToolServers, config: Config) -> None:
+    def __init__(self, store: Store, clock: Clock, tools: ToolServers) -> None:
         self.store = store
         self.clock = clock
         self.tools = tools
-        self.config = config
-        self.approvals: Approvals         # the approval gate, given by the engine once it is built
 
-    # -- tool servers ---------------------------------------------------------------------------
-
-    def _check_offered(self, playbook: str, server: str, tools: list[str]) -> Problem | None:
+    def check_offered(self, playbook: str, server: str, tools: list[str]) -> Problem | None:
+        """The ending of a run whose playbook may not use these tools of `server`, else None."""
         if not self.tools.offered(playbook, server):
             return ending_problem(RunStatus.UNAVAILABLE, "tool_not_offered",
                                   f"this playbook may not use the tool server {server!r}; call search to see the servers it may use")
@@ -8758,6 +8767,126 @@ class SystemCalls:
                 return ending_problem(RunStatus.UNAVAILABLE, "tool_not_offered",
                                       f"the operator does not allow the tool {tool!r} of {server!r}; call search to see the tools this playbook may use")
         return None
+
+    async def offered_tool(self, playbook: str, server: str, tool: str) -> tuple[ToolSession, Any]:
+        """The open session of a tool the playbook may use, and the tool as listed; else the problem."""
+        problem = self.check_offered(playbook, server, [tool])
+        if problem is not None:
+            raise problem
+        session = self.tools.sessions[server]
+        try:
+            await session.ensure()
+        except ToolFailure as exc:
+            raise ending_problem(RunStatus.UNAVAILABLE, "tool_server_failed",
+                                 f"the tool server {server!r} could not be reached: {exc.message}; call search to see its state") from None
+        t = session.tools.get(tool)
+        if t is None:
+            raise ending_problem(RunStatus.UNAVAILABLE, "tool_not_offered",
+                                 f"the tool server {server!r} lists no tool {tool!r}; call search to see its tools")
+        return session, t
+
+    @staticmethod
+    def unfinished(read_only: bool, because: str, message: str) -> Problem:
+        if read_only:
+            return ending_problem(RunStatus.UNAVAILABLE, "tools_unfinished",
+                                  f"the call failed ({because}): {message}; the tool is read-only, so running again under a new run id is safe",
+                                  extra={"because": because})
+        return ending_problem(RunStatus.CONFLICT, "effect_unknown",
+                              f"the call failed ({because}): {message}; the tool may have changed something, so check before running again",
+                              extra={"because": because})
+
+    @staticmethod
+    def unusable(read_only: bool, detail: str, **kw: Any) -> Problem:
+        if not read_only:
+            detail += "; running again calls the tool again"
+        return ending_problem(RunStatus.CONFLICT, "unworkable", detail, **kw)
+
+    def outcome(self, doc: Any, server: str, tool: str, read_only: bool, result: Any,
+                input_: Any = None) -> tuple[Any, Problem | None]:
+        """A run's output from the tool's result, or its ending: a function's is the part at `read`,
+        checked against output.schema and, with the run's input, the 1 MiB a run records; an `execute`
+        run's (no document) is what execute answers."""
+        has, answer = result_answer(result)
+        if doc is None:
+            output: Any = {"server": server, "tool": tool, "is_error": bool(result.is_error),
+                           "answer": answer if has else None, "structured_content": result.structured_content,
+                           "content": [b.model_dump(mode="json", by_alias=True, exclude_none=True)
+                                       for b in result.content or ()]}
+        elif result.is_error:
+            return None, self.unfinished(read_only, "tool_error", _result_text(result))
+        elif not has:
+            return None, self.unusable(read_only, "the tool's answer holds nothing to read")
+        else:
+            try:
+                output = pointer_get(answer, doc.call.read) if doc.call.read else answer
+            except LookupError:
+                return None, self.unusable(read_only, f"the tool's answer holds nothing at {doc.call.read}")
+        if json_depth(output) > MAX_JSON_DEPTH or json_size(output) + json_size(input_) > MAX_OUTPUT_BYTES:
+            return None, self.unusable(read_only, "the part of the answer at read is more than a run may record (1 MiB)")
+        errors = schema_errors(doc.output_validator, output, "/output") if doc is not None and doc.output_validator else []
+        if errors:
+            return None, self.unusable(read_only, "the tool's answer does not match output.schema", errors=errors)
+        return output, None
+
+    async def call_and_end(self, playbook: str, run_id: str, by: str, server: str, tool: str, arguments: Any,
+                           read_only: bool, doc: Any, input_: Any = None, *, approval: Mapping[str, Any] | None = None,
+                           timeout: float = CALL_TIMEOUT_S) -> dict[str, Any]:
+        """Call the tool (its `tool_call_started` is already recorded) and, in one change, record its
+        answer or failure and end the run - unless the run ended meanwhile (cancelled while the call
+        was in flight). The run as it then stands."""
+        answered: dict[str, Any] | None = None
+        failed: dict[str, Any] = {}
+        output: Any = None
+        try:
+            result = await self.tools.call(playbook, run_id, server, tool, arguments, approval=approval, timeout=timeout)
+        except ToolFailure as exc:
+            refused = exc.because == "arguments_refused"
+            failed = {"because": exc.because if refused or not exc.sent else "server_failed",
+                      "message": self.tools.scrub(exc.message)}
+            if refused:
+                ending = ending_problem(RunStatus.CONFLICT, "unworkable", f"the tool refused the arguments: {exc.message}",
+                                        extra={"because": "arguments_refused"})
+            elif exc.because in ("tool_not_offered", "gated"):          # refused at the door: nothing was sent
+                ending = ending_problem(RunStatus.UNAVAILABLE, "tool_not_offered", exc.message)
+            else:
+                ending = self.unfinished(read_only, "server_failed", exc.message)
+        else:
+            wire = result_wire(result)
+            answered = {"is_error": bool(result.is_error), "result": self.tools.record(server, wire),
+                        "result_size": json_size(wire)}
+            output, ending = self.outcome(doc, server, tool, read_only, result, input_)
+        end_now = self.clock.now_ms()
+
+        def finish(tx: Tx, fx: Effects) -> dict[str, Any]:
+            if answered is not None:
+                tx.append_event(fx, playbook, run_id, "tool_call_answered", end_now, by, answered)
+            else:
+                tx.append_event(fx, playbook, run_id, "tool_call_failed", end_now, by, failed)
+            live = tx.run(playbook, run_id)
+            if live is not None and not RunStatus(live["status"]).ended:
+                if ending is None:
+                    tx.end_run(fx, playbook, run_id, RunStatus.SUCCEEDED, now=end_now, by=by, output=output)
+                else:
+                    tx.end_run(fx, playbook, run_id, _status_of(ending), now=end_now, by=by, kind=ending.kind,
+                               problem=ending)
+            return run_object(tx.run(playbook, run_id))
+        return await self.store.write(finish)
+
+
+class SystemCalls:
+    """The tool servers as a playbook sees them (`config.playbooks` says which it may use), a tool
+    called directly (execute), and functions that ask a system."""
+
+    def __init__(self, store: Store, clock: Clock, tools: ToolServers, config: Config, calls: ToolCalls,
+                 approvals: Approvals) -> None:
+        self.store = store
+        self.clock = clock
+        self.tools = tools
+        self.config = config
+        self.calls = calls
+        self.approvals = approvals        # the approval gate: a gated call waits for a person
+
+    # -- tool servers ---------------------------------------------------------------------------
 
     async def search(self, caller: Caller, playbook: str, query: str | None = None) -> dict[str, Any]:
         """The servers this playbook may use and the tools each offers."""
@@ -8778,24 +8907,8 @@ class SystemCalls:
         names = [n for n in self.config.playbooks.get(playbook, ()) if n in self.tools.sessions]
         return {"servers": list(await asyncio.gather(*(one(n) for n in names)))}
 
-    async def _offered_tool(self, playbook: str, server: str, tool: str) -> tuple[ToolSession, Any]:
-        problem = self._check_offered(playbook, server, [tool])
-        if problem is not None:
-            raise problem
-        session = self.tools.sessions[server]
-        try:
-            await session.ensure()
-        except ToolFailure as exc:
-            raise ending_problem(RunStatus.UNAVAILABLE, "tool_server_failed",
-                                 f"the tool server {server!r} could not be reached: {exc.message}; call search to see its state") from None
-        t = session.tools.get(tool)
-        if t is None:
-            raise ending_problem(RunStatus.UNAVAILABLE, "tool_not_offered",
-                                 f"the tool server {server!r} lists no tool {tool!r}; call search to see its tools")
-        return session, t
-
     async def introspect(self, caller: Caller, playbook: str, server: str, tool: str) -> dict[str, Any]:
-        session, t = await self._offered_tool(playbook, server, tool)
+        session, t = await self.calls.offered_tool(playbook, server, tool)
         return {"server": server, "tool": tool, "description": t.description, "input_schema": t.input_schema,
                 "output_schema": t.output_schema, "read_only": session.read_only(tool),
                 "annotations": t.annotations.model_dump(mode="json", by_alias=True, exclude_none=True) if t.annotations else None}
@@ -8809,7 +8922,7 @@ class SystemCalls:
             raise Problem("invalid_request", "arguments is an object", errors=[{"pointer": "/arguments", "message": "an object"}])
         if json_size(arguments) > MAX_ARGUMENTS_BYTES:
             raise ending_problem(RunStatus.CONFLICT, "unworkable", f"the arguments pass {MAX_ARGUMENTS_BYTES // KIB} KiB")
-        session, t = await self._offered_tool(playbook, server, tool)
+        session, t = await self.calls.offered_tool(playbook, server, tool)
         errors = schema_errors(compile_schema(t.input_schema or {"type": "object"}), arguments, "/arguments")
         if errors:
             raise ending_problem(RunStatus.CONFLICT, "unworkable", f"the arguments do not match the input schema of {tool}",
@@ -8839,7 +8952,7 @@ class SystemCalls:
                 "structured_content": result.structured_content,
                 "content": [b.model_dump(mode="json", by_alias=True, exclude_none=True) for b in result.content or ()]}
 
-    async def _run_system(self, caller: Caller, playbook: str, type_: str, name: str, version: int, doc: Any,
+    async def run_system(self, caller: Caller, playbook: str, type_: str, name: str, version: int, doc: Any,
                           input_: Any, run_id: str, input_text: str, input_sha: str, *,
                           parent: str | None = None) -> tuple[dict[str, Any], bool]:
         """A function that asks a system: one call, within 70 s, ending as the behaviour table says."""
@@ -8865,7 +8978,7 @@ class SystemCalls:
             ending = ending_problem(RunStatus.CONFLICT, "unworkable", f"the arguments pass {MAX_ARGUMENTS_BYTES // KIB} KiB")
         if ending is None:
             try:
-                session, tool = await asyncio.wait_for(self._offered_tool(playbook, call.server, call.tool),
+                session, tool = await asyncio.wait_for(self.calls.offered_tool(playbook, call.server, call.tool),
                                                        OPEN_TIMEOUT_S + LIST_TIMEOUT_S + 1)
                 errors = schema_errors(compile_schema(tool.input_schema or {"type": "object"}), arguments, "/arguments")
                 if errors:
@@ -8905,71 +9018,9 @@ class SystemCalls:
         if not fresh or ending is not None:
             return run, fresh
         assert session is not None
-        read_only = session.read_only(call.tool)
-        answered: dict[str, Any] | None = None
-        output: Any = None
-        try:
-            result = await self.tools.call(playbook, run_id, call.server, call.tool, arguments,
-                                           timeout=min(CALL_TIMEOUT_S, max(1.0, deadline - loop.time())))
-        except ToolFailure as exc:
-            failed = {"because": "server_failed" if exc.because != "arguments_refused" else exc.because,
-                      "message": self.tools.scrub(exc.message)}
-            if exc.because == "arguments_refused":
-                ending = ending_problem(RunStatus.CONFLICT, "unworkable", f"the tool refused the arguments: {exc.message}",
-                                        extra={"because": "arguments_refused"})
-            else:
-                ending = self._unfinished(read_only, "server_failed", exc.message)
-        else:
-            has, answer = result_answer(result)
-            answered = {"is_error": bool(result.is_error), "result": self.tools.record(call.server, result_wire(result)),
-                        "result_size": json_size(result_wire(result))}
-            if result.is_error:
-                ending = self._unfinished(read_only, "tool_error", _result_text(result))
-            elif not has:
-                ending = self._unusable(read_only, "the tool's answer holds nothing to read")
-            else:
-                try:
-                    output = pointer_get(answer, call.read) if call.read else answer
-                except LookupError:
-                    ending = self._unusable(read_only, f"the tool's answer holds nothing at {call.read}")
-                else:
-                    if json_depth(output) > MAX_JSON_DEPTH or json_size(output) + json_size(input_) > MAX_OUTPUT_BYTES:
-                        ending = self._unusable(read_only, "the part of the answer at read is more than a run may record (1 MiB)")
-                    else:
-                        errors = schema_errors(doc.output_validator, output, "/output") if doc.output_validator else []
-                        if errors:
-                            ending = self._unusable(read_only, "the tool's answer does not match output.schema", errors=errors)
-        end_now = self.clock.now_ms()
-
-        def finish(tx: Tx, fx: Effects) -> dict[str, Any]:
-            if answered is not None:
-                tx.append_event(fx, playbook, run_id, "tool_call_answered", end_now, caller.id, answered)
-            else:
-                tx.append_event(fx, playbook, run_id, "tool_call_failed", end_now, caller.id, failed)
-            if ending is None:
-                tx.end_run(fx, playbook, run_id, RunStatus.SUCCEEDED, now=end_now, by=caller.id, output=output)
-            else:
-                tx.end_run(fx, playbook, run_id, _status_of(ending), now=end_now, by=caller.id, kind=ending.kind,
-                           problem=ending)
-            return run_object(tx.run(playbook, run_id))
-        return await self.store.write(finish), True
-
-    @staticmethod
-    def _unfinished(read_only: bool, because: str, message: str) -> Problem:
-        if read_only:
-            return ending_problem(RunStatus.UNAVAILABLE, "tools_unfinished",
-                                  f"the call failed ({because}): {message}; the tool is read-only, so running again under a new run id is safe",
-                                  extra={"because": because})
-        return ending_problem(RunStatus.CONFLICT, "effect_unknown",
-                              f"the call failed ({because}): {message}; the tool may have changed something, so check before running again",
-                              extra={"because": because})
-
-    @staticmethod
-    def _unusable(read_only: bool, detail: str, **kw: Any) -> Problem:
-        if not read_only:
-            detail += "; running again calls the tool again"
-        return ending_problem(RunStatus.CONFLICT, "unworkable", detail, **kw)
-
+        return await self.calls.call_and_end(playbook, run_id, caller.id, call.server, call.tool, arguments,
+                                             session.read_only(call.tool), doc, input_,
+                                             timeout=min(CALL_TIMEOUT_S, max(1.0, deadline - loop.time()))), True
 
 @dataclass(frozen=True)
 class IdempotencyKey:
@@ -8985,14 +9036,13 @@ class Inbox:
     """Open requests, their answers, and the events of runs and playbooks. An answer is checked and
     kept as scrubbed by `tools.scrub`; a run's events are listed once `runs` finds the run."""
 
-    def __init__(self, store: Store, clock: Clock, tools: ToolServers, runs: Runs,
+    def __init__(self, store: Store, clock: Clock, tools: ToolServers, approvals: Approvals,
                  links: AnswerLinks | None = None) -> None:
         self.store = store
         self.links = links or AnswerLinks("")          # answer links (no key: none shown)
         self.clock = clock
         self.tools = tools
-        self.runs = runs
-        self.approvals: Approvals         # the approval gate, given by the engine once it is built
+        self.approvals = approvals        # an approval's answer: four eyes, then its call or its refusal
 
     # -- the inbox ------------------------------------------------------------------------------
 
@@ -9071,11 +9121,11 @@ class Inbox:
                 return answer_fact(row), False
             if row["approval"] is not None:
                 self.approvals.may_answer(caller, row)
-            errors = schema_errors(_compiled_schema(row["answer_schema"]), answer, "/answer")   # stored as dumps() wrote it
+            errors = answer_errors(row, answer)
             if errors:
                 raise ending_problem(RunStatus.INVALID_INPUT, None, "the answer does not match the request's answer schema",
                                      errors=errors)
-            closed = self._record_answer(tx, fx, row, answer, claimed_for, by, now)
+            closed = self.record_answer(tx, fx, row, answer, claimed_for, by, now)
             if idempotency is None:
                 return Committed(lambda: (answer_fact(closed), True))
             response = idempotency.response(closed)
@@ -9100,7 +9150,7 @@ class Inbox:
                           code="idempotency_key_conflict")
         return json.loads(seen["response"])
 
-    def _record_answer(self, tx: Tx, fx: Effects, row: Row, answer: Any, claimed_for: str | None, by: str,
+    def record_answer(self, tx: Tx, fx: Effects, row: Row, answer: Any, claimed_for: str | None, by: str,
                        now: int, *, reply_id: str | None = None, reply_sender: str | None = None) -> Row:
         """The one fact of an answer: request_answered, the request closed, the run succeeded.
 
@@ -9134,8 +9184,11 @@ class Inbox:
                               cursor: str | None = None) -> dict[str, Any]:
         n = check_limit(limit)
         after = decode_cursor(cursor)[0] if cursor else 0
-        await self.runs.get_run(caller, playbook, run_id)
-        rows = await self.store.read(lambda tx: tx.run_events(playbook, run_id, after=after, limit=n + 1))
+        def read(tx: Tx) -> list[Row] | None:
+            return tx.run_events(playbook, run_id, after=after, limit=n + 1) if tx.run(playbook, run_id) else None
+        rows = await self.store.read(read)
+        if rows is None:
+            raise not_found(f"no run {run_id} in this playbook")
         return _page([event_object(r) for r in rows[:n]], rows, n, lambda: [rows[n - 1]["id"]])
 
     async def list_playbook_events(self, caller: Caller, playbook: str, type_: str | None = None, limit: Any = None,
@@ -9189,7 +9242,7 @@ class Deliveries:
     # how it ended and schedules what follows. A restart between the two leaves the `lost` timer,
     # which counts the attempt as failed and schedules the next. No transaction spans the call.
 
-    async def _attempt(self, playbook: str, run_id: str, key: str) -> None:
+    async def attempt(self, playbook: str, run_id: str, key: str) -> None:
         now = self.clock.now_ms()
 
         def begin(tx: Tx, fx: Effects) -> Row | None:
@@ -9210,12 +9263,12 @@ class Deliveries:
             return
         self._inflight.add((playbook, run_id))
         try:
-            outcome = await self._send(req)
+            outcome = await self.send(req)
         finally:
             self._inflight.discard((playbook, run_id))
         await self._end_attempt(req, outcome)
 
-    async def _send(self, req: Row) -> dict[str, Any]:
+    async def send(self, req: Row) -> dict[str, Any]:
         """One call of the sending tool; what happened, as the attempt's end records it."""
         playbook, server, tool = req["playbook"], req["server"], req["tool"]
         args = json.loads(req["deliver_args"])
@@ -9287,7 +9340,7 @@ class Deliveries:
                     tx.close_request(fx, playbook, run_id, ENDINGS["notified"])
                     tx.end_run(fx, playbook, run_id, RunStatus.SUCCEEDED, now=now, by="interactiond", output={})
                 elif conversation is not None:
-                    self.readings._join_reading(tx, fx, row, doc, conversation, now)
+                    self.readings.join_reading(tx, fx, row, doc, conversation, now)
                 return
             self._after_failed_attempt(tx, fx, row, now, outcome.get("retry_after_ms"),
                                        spent="refused" in outcome)
@@ -9308,7 +9361,7 @@ class Deliveries:
             tx.end_run(fx, playbook, run_id, RunStatus.REJECTED, now=now, by="interactiond", kind="undelivered",
                        problem=ending_problem(RunStatus.REJECTED, "undelivered", "every attempt to deliver the notification failed"))
 
-    async def _lost(self, playbook: str, run_id: str, key: str) -> None:
+    async def lost(self, playbook: str, run_id: str, key: str) -> None:
         """An attempt with no recorded end a minute after it started counts as failed."""
         if (playbook, run_id) in self._inflight:
             return                                   # still running here; its end will be recorded
@@ -9354,7 +9407,7 @@ class Readings:
     # the new `since` and every message id dealt with - is written in ONE transaction, so a reply is
     # taken once and only once, across restarts. Tellings follow the commit, each its own call.
 
-    def _join_reading(self, tx: Tx, fx: Effects, req: Row, doc: Any, conversation: str,
+    def join_reading(self, tx: Tx, fx: Effects, req: Row, doc: Any, conversation: str,
                       now: int) -> None:
         replies = doc.replies
         reading = tx.join_reading(req["seq"], playbook=req["playbook"], server=req["server"], tool=replies.tool,
@@ -9365,7 +9418,7 @@ class Readings:
         if current is None or current > due:
             tx.set_timer(fx, key, due)
 
-    async def _read(self, playbook: str, reading_id: int, key: str) -> None:
+    async def read(self, playbook: str, reading_id: int, key: str) -> None:
         now = self.clock.now_ms()
 
         def load(tx: Tx) -> tuple[Row, list[Row], list[str]] | None:
@@ -9462,6 +9515,7 @@ class Readings:
         since = reading["since"]
         counted = taken = refused = 0
         has_to = "to" in replies.read.each
+        open_reqs = list(tx.reading_requests(reading["id"]))      # once a read; an answered one leaves it
         for m in messages:
             if m["id"] is None:
                 continue
@@ -9473,7 +9527,6 @@ class Readings:
             if m["sender"] is None:
                 continue
             counted += 1
-            open_reqs = tx.reading_requests(reading["id"])
             target = None
             if has_to and m.get("to") is not None:
                 target = next((r for r in open_reqs if r["sent_id"] == m["to"]), None)
@@ -9506,7 +9559,7 @@ class Readings:
             rule = doc_rule.reply_rule if doc_rule is not None else None
             answer, reasons = rule.apply(text) if rule is not None else (None, ["no reply rule"])
             if answer is not None:
-                errors = schema_errors(compile_schema(json.loads(target["answer_schema"])), answer, "/answer")
+                errors = answer_errors(target, answer)
                 if errors:
                     reasons = [f"{e['pointer']}: {e['message']}" for e in errors]
                     answer = None
@@ -9517,7 +9570,8 @@ class Readings:
                              ("Your reply could not be taken: " + "; ".join(reasons) + ". " + how).strip())
                 continue
             taken += 1
-            self.inbox._record_answer(tx, fx, target, answer, None, f"playbook:{playbook}", now, reply_id=m["id"],
+            open_reqs.remove(target)
+            self.inbox.record_answer(tx, fx, target, answer, None, f"playbook:{playbook}", now, reply_id=m["id"],
                                       reply_sender=m["sender"])
         tx.read_up_to(reading["id"], since)
         if counted:
@@ -9588,18 +9642,11 @@ class Approvals:
     in flight ends its run as any cut-off call does (Engine.start).
     """
 
-    def __init__(self, *, store: Store, clock: Clock, tools: ToolServers, config: Config,
-                 open_limit: Callable[[], int], spawn: Callable[[Any, str], Any],
-                 document: Callable[..., Any], offered_tool: Callable[..., Any],
-                 check_offered: Callable[..., Problem | None], render_party: Callable[..., str],
-                 deliver_args: Callable[..., Any], unfinished: Callable[..., Problem],
-                 unusable: Callable[..., Problem], links: AnswerLinks | None = None) -> None:
-        self.store, self.clock, self.tools, self.config = store, clock, tools, config
+    def __init__(self, store: Store, clock: Clock, tools: ToolServers, calls: ToolCalls, open_limit: int,
+                 spawn: Callable[[Any, str], Any], document: Callable[..., Any], links: AnswerLinks | None = None) -> None:
+        self.store, self.clock, self.tools, self.calls = store, clock, tools, calls
         self.links = links or AnswerLinks("")          # answer links (no key: none shown)
         self.open_limit, self.spawn, self.document = open_limit, spawn, document
-        self.offered_tool, self.check_offered = offered_tool, check_offered
-        self.render_party, self.deliver_args = render_party, deliver_args
-        self.unfinished, self.unusable = unfinished, unusable
 
     def policy(self, server: str, tool: str) -> ApprovalPolicy | None:
         """The operator's gate on this tool (`servers.NAME.approve`), if any."""
@@ -9617,7 +9664,7 @@ class Approvals:
         prepared: dict[str, Any] = {}
         ctx = base_context(now, input=input_)
         try:
-            party = policy.to if policy is not None else self.render_party(gate.to, ctx, "approve.to")
+            party = policy.to if policy is not None else render_party(gate.to, ctx, "approve.to")
             request_id = "int_" + new_ulid()
             ctx["request"] = {"answer_url": self.links.url({"id": request_id, "playbook": playbook, "run_id": run_id,
                                                             "party": party})}
@@ -9631,8 +9678,8 @@ class Approvals:
             if len(message.encode()) > MAX_MESSAGE_BYTES:
                 raise ending_problem(RunStatus.CONFLICT, "unworkable", f"the message is longer than {MAX_MESSAGE_BYTES // KIB} KiB")
             if doc.deliver is not None:
-                prepared["deliver_args"] = self.deliver_args(doc, name, run_id, input_, prepared, now)
-                ending = self.check_offered(playbook, doc.deliver.server,
+                prepared["deliver_args"] = deliver_args(doc, name, run_id, input_, prepared, now)
+                ending = self.calls.check_offered(playbook, doc.deliver.server,
                                             [doc.deliver.tool] + ([doc.replies.tool] if doc.replies else [])
                                             + ([doc.replies.tell.tool] if doc.replies and doc.replies.tell else []))
         except RenderError as exc:
@@ -9716,7 +9763,7 @@ class Approvals:
                    input_text: str, input_sha: str, parent: str | None, deliver: DeliverSpec | None,
                    prepared: dict[str, Any], gate: dict[str, Any], ending: Problem | None) -> tuple[dict[str, Any], bool]:
         now = self.clock.now_ms()
-        limit = self.open_limit()
+        limit = self.open_limit
         server = gate["server"]
         requested = {"server": server, "tool": gate["tool"], "read_only": gate["read_only"],
                      "arguments": self.tools.record(server, gate["proposed"]),
@@ -9852,7 +9899,7 @@ class Approvals:
         try:
             if run["type"] != "execute":           # a function's run: its read and output schema
                 doc = (await self.document(playbook, run["type"], run["name"], run["version"]))[1]
-            session, _ = await asyncio.wait_for(self.offered_tool(playbook, server, tool),
+            session, _ = await asyncio.wait_for(self.calls.offered_tool(playbook, server, tool),
                                                 OPEN_TIMEOUT_S + LIST_TIMEOUT_S + 1)
         except Problem as exc:
             ending = exc
@@ -9879,64 +9926,7 @@ class Approvals:
             return True
         if not await self.store.write(begin):
             return
-        assert session is not None
-        answered: dict[str, Any] | None = None
-        failed: dict[str, Any] = {}
-        output: Any = None
-        try:
-            result = await self.tools.call(playbook, run_id, server, tool, arguments, approval=gate)
-        except ToolFailure as exc:
-            refused = exc.because == "arguments_refused"
-            failed = {"because": exc.because if refused else "server_failed", "message": self.tools.scrub(exc.message)}
-            ending = (ending_problem(RunStatus.CONFLICT, "unworkable", f"the tool refused the arguments: {exc.message}",
-                                     extra={"because": "arguments_refused"}) if refused
-                      else self.unfinished(read_only, "server_failed", exc.message))
-        else:
-            answered = {"is_error": bool(result.is_error), "result": self.tools.record(server, result_wire(result)),
-                        "result_size": json_size(result_wire(result))}
-            output, ending = self._outcome(doc, server, tool, read_only, result)
-        end_now = self.clock.now_ms()
-
-        def finish(tx: Tx, fx: Effects) -> None:
-            if answered is not None:
-                tx.append_event(fx, playbook, run_id, "tool_call_answered", end_now, by, answered)
-            else:
-                tx.append_event(fx, playbook, run_id, "tool_call_failed", end_now, by, failed)
-            live = tx.run(playbook, run_id)
-            if live is None or RunStatus(live["status"]).ended:
-                return                              # cancelled while the call was in flight
-            if ending is None:
-                tx.end_run(fx, playbook, run_id, RunStatus.SUCCEEDED, now=end_now, by=by, output=output)
-            else:
-                tx.end_run(fx, playbook, run_id, _status_of(ending), now=end_now, by=by, kind=ending.kind,
-                           problem=ending)
-        await self.store.write(finish)
-
-    def _outcome(self, doc: Any, server: str, tool: str, read_only: bool, result: Any) -> tuple[Any, Problem | None]:
-        """A run's output from the tool's result, or its ending: a function's as _run_system reads it
-        (`read`, output.schema); an `execute` run's is what execute answers."""
-        has, answer = result_answer(result)
-        if doc is None:
-            output: Any = {"server": server, "tool": tool, "is_error": bool(result.is_error),
-                           "answer": answer if has else None, "structured_content": result.structured_content,
-                           "content": [b.model_dump(mode="json", by_alias=True, exclude_none=True)
-                                       for b in result.content or ()]}
-        elif result.is_error:
-            return None, self.unfinished(read_only, "tool_error", _result_text(result))
-        elif not has:
-            return None, self.unusable(read_only, "the tool's answer holds nothing to read")
-        else:
-            try:
-                output = pointer_get(answer, doc.call.read) if doc.call.read else answer
-            except LookupError:
-                return None, self.unusable(read_only, f"the tool's answer holds nothing at {doc.call.read}")
-        if json_depth(output) > MAX_JSON_DEPTH or json_size(output) > MAX_OUTPUT_BYTES:
-            return None, self.unusable(read_only, "the answer is more than a run may record (1 MiB)")
-        errors = schema_errors(doc.output_validator, output, "/output") if doc is not None and doc.output_validator else []
-        if errors:
-            return None, self.unusable(read_only, "the tool's answer does not match output.schema", errors=errors)
-        return output, None
-
+        await self.calls.call_and_end(playbook, run_id, by, server, tool, arguments, read_only, doc, approval=gate)
 
 def _ms(span: timedelta) -> int:
     return int(span.total_seconds() * 1000)
@@ -10298,26 +10288,22 @@ class Engine:
 
         self.links = AnswerLinks(config.links_base)     # its key is loaded at start
 
-        # The parts; each calls only parts built before it (and the run kinds, made last).
+        # The parts, each built after the parts it calls and given them (the run kinds, made last,
+        # call the engine's operations).
         self.definitions = Definitions(store, clock, self.kinds, self.tools.gated)
-        self.system_calls = SystemCalls(store, clock, self.tools, config)
-        #: Reminders, escalation and default answers of requests, on this engine's timers; they send
-        #: as the deliveries do.
-        self.reminders = Reminders(store, clock, self.definitions.document, lambda req: self.deliveries._send(req),
-                                   self.spawn)
-        self.runs = Runs(store, clock, self.bus, self.definitions, self.system_calls, self.kinds, config.open_requests,
-                         links=self.links, reminders=self.reminders)
-        self.inbox = Inbox(store, clock, self.tools, self.runs, links=self.links)
+        self.calls = ToolCalls(store, clock, self.tools)
+        #: The approval gate on calls (SPEC section 20); its `call` timers make the approved calls.
+        self.approvals = Approvals(store, clock, self.tools, self.calls, config.open_requests, self.spawn,
+                                   self.definitions.document, links=self.links)
+        self.system_calls = SystemCalls(store, clock, self.tools, config, self.calls, self.approvals)
+        self.inbox = Inbox(store, clock, self.tools, self.approvals, links=self.links)
         self.readings = Readings(store, clock, self.tools, self.definitions, self.inbox)
         self.deliveries = Deliveries(store, clock, self.tools, self.definitions, self.readings)
-        #: The approval gate on calls (SPEC section 20); its `call` timers make the approved calls.
-        self.approvals = Approvals(
-            store=store, clock=clock, tools=self.tools, config=config, open_limit=lambda: self.runs.open_limit,
-            spawn=self.spawn, document=self.definitions.document, offered_tool=self.system_calls._offered_tool,
-            check_offered=self.system_calls._check_offered, render_party=Runs._render_party,
-            deliver_args=Runs._deliver_args, unfinished=SystemCalls._unfinished, unusable=SystemCalls._unusable,
-            links=self.links)
-        self.system_calls.approvals = self.inbox.approvals = self.approvals
+        #: Reminders, escalation and default answers of requests, on this engine's timers; they send
+        #: as the deliveries do.
+        self.reminders = Reminders(store, clock, self.definitions.document, self.deliveries.send, self.spawn)
+        self.runs = Runs(store, clock, self.bus, self.definitions, self.system_calls, self.kinds, config.open_requests,
+                         links=self.links, reminders=self.reminders)
 
         # The operations the sections below call, each answered by the part that owns it.
         self.document = self.definitions.document
@@ -10344,9 +10330,9 @@ class Engine:
 
         self.kinds.update((type_, make(self)) for type_, make in RUN_KINDS.items())
         self.on_timer("expire", self._expire)
-        self.on_timer("attempt", self.deliveries._attempt, side=True)
-        self.on_timer("lost", self.deliveries._lost)
-        self.on_timer("read", lambda playbook, ref, key: self.readings._read(playbook, int(ref), key), side=True)
+        self.on_timer("attempt", self.deliveries.attempt, side=True)
+        self.on_timer("lost", self.deliveries.lost)
+        self.on_timer("read", lambda playbook, ref, key: self.readings.read(playbook, int(ref), key), side=True)
         self.on_timer("call", lambda playbook, ref, key: self.approvals.on_timer(key))
         for kind_ in Reminders.TIMER_KINDS:
             self.on_timer(kind_, lambda playbook, ref, key, k=kind_: self.reminders.fire(k, playbook, ref, key))
@@ -10394,7 +10380,7 @@ class Engine:
         # read-only tool's run is unfinished, any other tool may have acted (effect_unknown).
         for playbook, run_id, started in tx.system_calls_in_flight():
             read_only = bool(started and started.get("read_only"))
-            problem = SystemCalls._unfinished(read_only, "lost", "the daemon stopped while the call was in flight")
+            problem = ToolCalls.unfinished(read_only, "lost", "the daemon stopped while the call was in flight")
             tx.end_run(fx, playbook, run_id, _status_of(problem), now=now, by="interactiond",
                        kind=problem.kind, problem=problem)
 
@@ -10410,11 +10396,11 @@ class Engine:
 
     def end_waits(self) -> None:
         """At shutdown: every long poll answers now with its run as it stands, and none waits again."""
-        self.runs._stopping = True
+        self.runs.stopping = True
         self.bus.end_waits()
 
     async def stop(self) -> None:
-        self.runs._stopping = True
+        self.runs.stopping = True
         if self._timer_task is not None:
             self._timer_task.cancel()
             await asyncio.gather(self._timer_task, return_exceptions=True)
@@ -10465,7 +10451,7 @@ class Engine:
     def _invalidate(self, what: tuple[str, ...]) -> None:
         """A cached thing changed (told by the bus): a definition's current version is read again."""
         if what[0] == "definition":
-            self.definitions._current.pop(what[1:], None)
+            self.definitions.forget(*what[1:])
 
     def subscribe(self) -> asyncio.Queue[dict[str, Any]]:
         return self.bus.subscribe()

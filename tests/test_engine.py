@@ -181,7 +181,10 @@ async def test_the_parts_work_without_the_facade(db):
         await store.write(lambda tx, fx: tx.ensure_playbook(PB, now=START_MS))
         config = itd.Config(playbooks={PB: ()})
         definitions = itd.Definitions(store, clock, {})
-        system_calls = itd.SystemCalls(store, clock, itd.ToolServers(config), config)
+        tools = itd.ToolServers(config, store, clock)
+        calls = itd.ToolCalls(store, clock, tools)
+        approvals = itd.Approvals(store, clock, tools, calls, 1, lambda coro, name: None, definitions.document)
+        system_calls = itd.SystemCalls(store, clock, tools, config, calls, approvals)
         runs = itd.Runs(store, clock, bus, definitions, system_calls, {}, open_limit=1)
         saved, created = await definitions.create_definition(OP, PB, "interaction", "approve", APPROVAL)
         assert created and saved["version"] == 1
