@@ -502,6 +502,7 @@ class EventType(str, enum.Enum):
     TOOL_CALL_STARTED = "tool_call_started"
     TOOL_CALL_ANSWERED = "tool_call_answered"
     TOOL_CALL_FAILED = "tool_call_failed"
+    TOOL_CALL_REFUSED = "tool_call_refused"                # the door refused a gated tool's call: nothing sent
     APPROVAL_REQUESTED = "approval_requested"              # a call waits for a person's approval
     APPROVAL_ANSWERED = "approval_answered"                # approved (the call follows) or refused
     ELICITATION_DECLINED = "elicitation_declined"          # the person at an MCP client declined to answer there
@@ -628,6 +629,12 @@ CHILD_ERROR_STATUS: Final = {e.run.value: e.workflow for e in ENDINGS.values()
 #: The typed stream's event when a run ends with a given kind, for a typed request.
 STREAM_ENDINGS: Final = {e.kind: e.stream for e in ENDINGS.values()
                          if e.run is RunStatus.REJECTED and e.stream is not None}
+
+
+def ended(name: str, detail: str, **kw: Any) -> Problem:
+    """The problem of the ending ENDINGS[name], with its detail (and errors, extra...)."""
+    e = ENDINGS[name]
+    return ending_problem(e.run, e.kind, detail, **kw)
 
 
 def ending_problem(status: RunStatus, kind: str | None, detail: str, **kw: Any) -> Problem:
@@ -7964,7 +7971,7 @@ class AnswerLinks:
         """A waiting run as get_run shows it: with its open request's `answer_url` for a writer."""
         if run["status"] == RunStatus.WAITING.value and caller.role.rank >= Role.WRITER.rank and self.key is not None:
             req = await store.read(lambda tx: tx.request(run["playbook"], run["run_id"]))
-            if req is not None and req["status"] == "open":
+            if req is not None and req["status"] == RequestStatus.OPEN:
                 self.shown(run, req, caller)
         return run
 
@@ -8280,7 +8287,7 @@ def _ask_overrides(kind: str, input_: dict[str, Any], now: int) -> dict[str, Any
         opt["items"]["enum"] = ids
         opt["maxItems"] = len(ids) if input_.get("multiple") else 1
     if errors:
-        raise ending_problem(RunStatus.INVALID_INPUT, None, "the question's input is not valid", errors=errors)
+        raise ended("invalid_input", "the question's input is not valid", errors=errors)
     return {"expires_at": now + int(td.total_seconds() * 1000), "answer_schema": schema}
 
 
@@ -8315,11 +8322,26 @@ class RunKind(Protocol):
 RUN_KINDS: Final[dict[str, Callable[[Any], RunKind]]] = {}
 
 
+def end(tx: Tx, fx: Effects, playbook: str, run_id: str, ending: str | Problem, detail: str = "", *,
+        now: int, by: str, output: Any = None, **problem: Any) -> Row | None:
+    """The one way a run ends, by its row of ENDINGS - named, or a Problem that names its status and
+    kind: the run's open request (if the row closes one) closes as the row says, then the run ends with
+    the row's status and kind, a success with its output, any other ending with its problem (`detail`
+    and `problem`'s errors or extra). The closed request, if any."""
+    if isinstance(ending, Problem):
+        row, why = ending_of(_status_of(ending), ending.kind), ending
+    else:
+        row = ENDINGS[ending]
+        why = ended(ending, detail, **problem) if row.run is not RunStatus.SUCCEEDED else None
+    closed = tx.close_request(fx, playbook, run_id, row) if row.request is not None else None
+    tx.end_run(fx, playbook, run_id, row.run, now=now, by=by, kind=why.kind if why is not None else row.kind,
+               output=output, problem=why)
+    return closed
+
+
 def end_cancelled(tx: Tx, fx: Effects, playbook: str, run_id: str, *, now: int, by: str) -> None:
     """The one cancelled ending of every kind of run: its open request (if any) closes, the run ends."""
-    tx.close_request(fx, playbook, run_id, ENDINGS["cancelled"])
-    tx.end_run(fx, playbook, run_id, RunStatus.REJECTED, now=now, by=by, kind="cancelled",
-               problem=ending_problem(RunStatus.REJECTED, "cancelled", "the run was cancelled"))
+    end(tx, fx, playbook, run_id, "cancelled", "the run was cancelled", now=now, by=by)
 
 
 def rerun_check(row: Row, type_: str, name: str, input_sha: str) -> dict[str, Any]:
@@ -8338,14 +8360,14 @@ def render_party(tpl: Any, ctx: dict[str, Any], what: str) -> str:
     """Render `to` or `from`; a bound broken is an `unworkable` conflict (RenderError passes)."""
     value = tpl.render(ctx)
     if not isinstance(value, str):
-        raise ending_problem(RunStatus.CONFLICT, "unworkable", f"{what} rendered as {type(value).__name__}, not text")
+        raise ended("unworkable", f"{what} rendered as {type(value).__name__}, not text")
     value = value.strip()
     if not value:
-        raise ending_problem(RunStatus.CONFLICT, "unworkable", f"{what} rendered empty")
+        raise ended("unworkable", f"{what} rendered empty")
     if has_control_char(value):
-        raise ending_problem(RunStatus.CONFLICT, "unworkable", f"{what} holds a control character")
+        raise ended("unworkable", f"{what} holds a control character")
     if len(value.encode()) > MAX_PARTY_BYTES:
-        raise ending_problem(RunStatus.CONFLICT, "unworkable", f"{what} is longer than {MAX_PARTY_BYTES} bytes")
+        raise ended("unworkable", f"{what} is longer than {MAX_PARTY_BYTES} bytes")
     return value
 
 
@@ -8358,13 +8380,13 @@ def deliver_args(doc: Any, name: str, run_id: str, input_: Any, prepared: dict[s
         args = render_args(doc.deliver.with_, ctx)
     except RenderError as exc:
         if exc.kind == "undefined":
-            raise ending_problem(RunStatus.INVALID_INPUT, None, str(exc),
+            raise ended("invalid_input", str(exc),
                                  errors=[{"pointer": "/input", "message": str(exc)}]) from None
-        raise ending_problem(RunStatus.CONFLICT, "unworkable", f"deliver.with: {exc}") from None
+        raise ended("unworkable", f"deliver.with: {exc}") from None
     if _renders_empty(doc.deliver.with_, args):
-        raise ending_problem(RunStatus.CONFLICT, "unworkable", "an argument of deliver renders no text")
+        raise ended("unworkable", "an argument of deliver renders no text")
     if json_size(args) > MAX_ARGUMENTS_BYTES:
-        raise ending_problem(RunStatus.CONFLICT, "unworkable",
+        raise ended("unworkable",
                              f"the arguments of deliver pass {MAX_ARGUMENTS_BYTES // KIB} KiB")
     return args
 
@@ -8551,7 +8573,7 @@ class Runs:
         if doc.input_validator is not None:
             errors = schema_errors(doc.input_validator, input_, "/input")
             if errors:
-                raise ending_problem(RunStatus.INVALID_INPUT, None, "the input does not match the input schema",
+                raise ended("invalid_input", "the input does not match the input schema",
                                      errors=errors)
         ctx = base_context(now, input=input_)
         # made here, not in the writer: ULIDs share a lock, and a lock held across threads
@@ -8565,11 +8587,11 @@ class Runs:
             message = doc.message.render_text(ctx)
         except RenderError as exc:
             if exc.kind == "undefined":
-                raise ending_problem(RunStatus.INVALID_INPUT, None, str(exc),
+                raise ended("invalid_input", str(exc),
                                      errors=[{"pointer": "/input", "message": str(exc)}]) from None
-            raise ending_problem(RunStatus.CONFLICT, "unworkable", str(exc)) from None
+            raise ended("unworkable", str(exc)) from None
         if len(message.encode()) > MAX_MESSAGE_BYTES:
-            raise ending_problem(RunStatus.CONFLICT, "unworkable", f"the message is longer than {MAX_MESSAGE_BYTES // KIB} KiB")
+            raise ended("unworkable", f"the message is longer than {MAX_MESSAGE_BYTES // KIB} KiB")
         return {"party": party, "answerer": answerer, "message": message,
                 "expires_at": now + int(doc.expires.total_seconds() * 1000),
                 "request_id": request_id, "request": ctx["request"]}
@@ -8626,13 +8648,12 @@ class Runs:
             inserted, counted = tx.insert_asking_run(**run, limit=limit) if asks else (tx.insert_run(**run), False)
             if not inserted:
                 return rerun_check(tx.run(playbook, run_id), type_, name, input_sha), False   # the id was used
-            end = ending
+            ending_ = ending
             if asks and not counted:
-                end = ending_problem(RunStatus.UNAVAILABLE, "requests_full",
+                ending_ = ended("requests_full",
                                      f"the playbook already has {limit} open requests; answer or cancel some first")
-            if end is not None:
-                tx.end_run(fx, playbook, run_id, _status_of(end), now=now, by=caller.id,
-                           kind=end.kind, problem=end)
+            if ending_ is not None:
+                end(tx, fx, playbook, run_id, ending_, now=now, by=caller.id)
             elif self._open_request(tx, fx, playbook, run_id, type_, name, version, doc, prepared, now, caller.id):
                 # The run as this change wrote it, waiting for its request, not read back (a ninth of a
                 # run's statements).
@@ -8671,7 +8692,7 @@ class Runs:
             "expires_at": fmt_time(prepared["expires_at"]), **Reminders.requested(prepared.get("follow_up"))},
             run_seq=run_seq)
         if inbox_note:
-            tx.end_run(fx, playbook, run_id, RunStatus.SUCCEEDED, now=now, by=by, output={})
+            end(tx, fx, playbook, run_id, "succeeded", now=now, by=by, output={})
             return False
         tx.set_timer(fx, timer_key("expire", playbook, run_id), prepared["expires_at"])
         Reminders.arm(tx, fx, playbook, run_id, prepared.get("follow_up"))
@@ -8760,11 +8781,11 @@ class ToolCalls:
     def check_offered(self, playbook: str, server: str, tools: list[str]) -> Problem | None:
         """The ending of a run whose playbook may not use these tools of `server`, else None."""
         if not self.tools.offered(playbook, server):
-            return ending_problem(RunStatus.UNAVAILABLE, "tool_not_offered",
+            return ended("tool_not_offered",
                                   f"this playbook may not use the tool server {server!r}; call search to see the servers it may use")
         for tool in tools:
             if not self.tools.offered(playbook, server, tool):
-                return ending_problem(RunStatus.UNAVAILABLE, "tool_not_offered",
+                return ended("tool_not_offered",
                                       f"the operator does not allow the tool {tool!r} of {server!r}; call search to see the tools this playbook may use")
         return None
 
@@ -8777,21 +8798,21 @@ class ToolCalls:
         try:
             await session.ensure()
         except ToolFailure as exc:
-            raise ending_problem(RunStatus.UNAVAILABLE, "tool_server_failed",
+            raise ended("tool_server_failed",
                                  f"the tool server {server!r} could not be reached: {exc.message}; call search to see its state") from None
         t = session.tools.get(tool)
         if t is None:
-            raise ending_problem(RunStatus.UNAVAILABLE, "tool_not_offered",
+            raise ended("tool_not_offered",
                                  f"the tool server {server!r} lists no tool {tool!r}; call search to see its tools")
         return session, t
 
     @staticmethod
     def unfinished(read_only: bool, because: str, message: str) -> Problem:
         if read_only:
-            return ending_problem(RunStatus.UNAVAILABLE, "tools_unfinished",
+            return ended("tools_unfinished",
                                   f"the call failed ({because}): {message}; the tool is read-only, so running again under a new run id is safe",
                                   extra={"because": because})
-        return ending_problem(RunStatus.CONFLICT, "effect_unknown",
+        return ended("effect_unknown",
                               f"the call failed ({because}): {message}; the tool may have changed something, so check before running again",
                               extra={"because": because})
 
@@ -8799,7 +8820,7 @@ class ToolCalls:
     def unusable(read_only: bool, detail: str, **kw: Any) -> Problem:
         if not read_only:
             detail += "; running again calls the tool again"
-        return ending_problem(RunStatus.CONFLICT, "unworkable", detail, **kw)
+        return ended("unworkable", detail, **kw)
 
     def outcome(self, doc: Any, server: str, tool: str, read_only: bool, result: Any,
                 input_: Any = None) -> tuple[Any, Problem | None]:
@@ -8844,10 +8865,10 @@ class ToolCalls:
             failed = {"because": exc.because if refused or not exc.sent else "server_failed",
                       "message": self.tools.scrub(exc.message)}
             if refused:
-                ending = ending_problem(RunStatus.CONFLICT, "unworkable", f"the tool refused the arguments: {exc.message}",
+                ending = ended("unworkable", f"the tool refused the arguments: {exc.message}",
                                         extra={"because": "arguments_refused"})
             elif exc.because in ("tool_not_offered", "gated"):          # refused at the door: nothing was sent
-                ending = ending_problem(RunStatus.UNAVAILABLE, "tool_not_offered", exc.message)
+                ending = ended("tool_not_offered", exc.message)
             else:
                 ending = self.unfinished(read_only, "server_failed", exc.message)
         else:
@@ -8864,11 +8885,7 @@ class ToolCalls:
                 tx.append_event(fx, playbook, run_id, "tool_call_failed", end_now, by, failed)
             live = tx.run(playbook, run_id)
             if live is not None and not RunStatus(live["status"]).ended:
-                if ending is None:
-                    tx.end_run(fx, playbook, run_id, RunStatus.SUCCEEDED, now=end_now, by=by, output=output)
-                else:
-                    tx.end_run(fx, playbook, run_id, _status_of(ending), now=end_now, by=by, kind=ending.kind,
-                               problem=ending)
+                end(tx, fx, playbook, run_id, ending or "succeeded", now=end_now, by=by, output=output)
             return run_object(tx.run(playbook, run_id))
         return await self.store.write(finish)
 
@@ -8921,11 +8938,11 @@ class SystemCalls:
         if not isinstance(arguments, dict):
             raise Problem("invalid_request", "arguments is an object", errors=[{"pointer": "/arguments", "message": "an object"}])
         if json_size(arguments) > MAX_ARGUMENTS_BYTES:
-            raise ending_problem(RunStatus.CONFLICT, "unworkable", f"the arguments pass {MAX_ARGUMENTS_BYTES // KIB} KiB")
+            raise ended("unworkable", f"the arguments pass {MAX_ARGUMENTS_BYTES // KIB} KiB")
         session, t = await self.calls.offered_tool(playbook, server, tool)
         errors = schema_errors(compile_schema(t.input_schema or {"type": "object"}), arguments, "/arguments")
         if errors:
-            raise ending_problem(RunStatus.CONFLICT, "unworkable", f"the arguments do not match the input schema of {tool}",
+            raise ended("unworkable", f"the arguments do not match the input schema of {tool}",
                                  errors=errors)
         if approve is not None or self.approvals.policy(server, tool) is not None:
             return await self.approvals.ask_execute(caller, playbook, server, tool, arguments, session.read_only(tool),
@@ -8937,14 +8954,12 @@ class SystemCalls:
             result = await self.tools.call(playbook, None, server, tool, arguments)
         except ToolFailure as exc:
             if not exc.sent:                    # refused at the door: nothing was called
-                raise ending_problem(RunStatus.UNAVAILABLE, "tool_not_offered", exc.message) from None
+                raise ended("tool_not_offered", exc.message) from None
             record.update(because=exc.because, message=self.tools.scrub(exc.message))
             await self.store.write(lambda c, fx: c.append_event(fx, playbook, None, "tool_call_failed", now, caller.id, record))
-            kind = "tools_unfinished" if session.read_only(tool) else "effect_unknown"
-            status = RunStatus.UNAVAILABLE if kind == "tools_unfinished" else RunStatus.CONFLICT
-            if exc.because == "arguments_refused":
-                status, kind = RunStatus.CONFLICT, "unworkable"
-            raise ending_problem(status, kind, exc.message, extra={"because": exc.because}) from None
+            name = ("unworkable" if exc.because == "arguments_refused" else
+                    "tools_unfinished" if session.read_only(tool) else "effect_unknown")
+            raise ended(name, exc.message, extra={"because": exc.because}) from None
         has, answer = result_answer(result)
         record.update(is_error=bool(result.is_error), result=self.tools.record(server, result_wire(result)))
         await self.store.write(lambda c, fx: c.append_event(fx, playbook, None, "tool_call_answered", now, caller.id, record))
@@ -8966,29 +8981,29 @@ class SystemCalls:
         if doc.input_validator is not None:
             errors = schema_errors(doc.input_validator, input_, "/input")
             if errors:
-                ending = ending_problem(RunStatus.INVALID_INPUT, None, "the input does not match the input schema",
+                ending = ended("invalid_input", "the input does not match the input schema",
                                         errors=errors)
         if ending is None:
             try:
                 arguments = render_args(call.with_, base_context(now, input=input_))
             except RenderError as exc:
-                ending = (ending_problem(RunStatus.INVALID_INPUT, None, str(exc)) if exc.kind == "undefined"
-                          else ending_problem(RunStatus.CONFLICT, "unworkable", str(exc)))
+                ending = (ended("invalid_input", str(exc)) if exc.kind == "undefined"
+                          else ended("unworkable", str(exc)))
         if ending is None and json_size(arguments) > MAX_ARGUMENTS_BYTES:
-            ending = ending_problem(RunStatus.CONFLICT, "unworkable", f"the arguments pass {MAX_ARGUMENTS_BYTES // KIB} KiB")
+            ending = ended("unworkable", f"the arguments pass {MAX_ARGUMENTS_BYTES // KIB} KiB")
         if ending is None:
             try:
                 session, tool = await asyncio.wait_for(self.calls.offered_tool(playbook, call.server, call.tool),
                                                        OPEN_TIMEOUT_S + LIST_TIMEOUT_S + 1)
                 errors = schema_errors(compile_schema(tool.input_schema or {"type": "object"}), arguments, "/arguments")
                 if errors:
-                    ending = ending_problem(RunStatus.CONFLICT, "unworkable",
+                    ending = ended("unworkable",
                                             f"the tool {call.tool} refused the arguments: they do not match its input schema",
                                             errors=errors)
             except Problem as exc:
                 ending = exc
             except asyncio.TimeoutError:
-                ending = ending_problem(RunStatus.UNAVAILABLE, "tool_server_failed",
+                ending = ended("tool_server_failed",
                                         f"the tool server {call.server!r} did not open in time; call search to see its state")
         if ending is None and (doc.approve is not None or self.approvals.policy(call.server, call.tool) is not None):
             return await self.approvals.ask_function(caller, playbook, type_, name, version, doc, input_, run_id, input_text,
@@ -9008,8 +9023,7 @@ class SystemCalls:
                           input_text=input_text, input_sha=input_sha, parent=parent, now=now, by=caller.id,
                           tools_called=ending is None)
             if ending is not None:
-                tx.end_run(fx, playbook, run_id, _status_of(ending), now=now, by=caller.id, kind=ending.kind,
-                           problem=ending)
+                end(tx, fx, playbook, run_id, ending, now=now, by=caller.id)
             else:
                 tx.append_event(fx, playbook, run_id, "tool_call_started", now, caller.id, started)
             return run_object(tx.run(playbook, run_id)), True
@@ -9065,7 +9079,7 @@ class Inbox:
             return None
         obj = {"id": row["id"], "status": row["status"], "to": row["party"], "message": row["message"],
                "answer_schema": json.loads(row["answer_schema"]) if row["answer_schema"] is not None else None}
-        return self.links.shown(obj, row, caller) if row["status"] == "open" else obj
+        return self.links.shown(obj, row, caller) if row["status"] == RequestStatus.OPEN else obj
 
     async def elicitation_declined(self, caller: Caller, playbook: str, run_id: str, mode: str, action: str) -> None:
         """The person at an MCP client declined (or dismissed) the question there: the request stays
@@ -9074,7 +9088,7 @@ class Inbox:
 
         def change(tx: Tx, fx: Effects) -> None:
             row = tx.request(playbook, run_id)
-            if row is not None and row["status"] == "open":
+            if row is not None and row["status"] == RequestStatus.OPEN:
                 tx.append_event(fx, playbook, run_id, "elicitation_declined", now, caller.by,
                                 {"mode": mode, "action": action})
         await self.store.write(change)
@@ -9091,10 +9105,10 @@ class Inbox:
         caller.require(Role.WRITER)
         by = caller.by
         if claimed_for is not None and (not isinstance(claimed_for, str) or len(claimed_for.encode()) > MAX_CLAIM_BYTES):
-            raise ending_problem(RunStatus.INVALID_INPUT, None, f"claimed_for is a text of at most {MAX_CLAIM_BYTES} bytes",
+            raise ended("invalid_input", f"claimed_for is a text of at most {MAX_CLAIM_BYTES} bytes",
                                  errors=[{"pointer": "/claimed_for", "message": f"a text of at most {MAX_CLAIM_BYTES} bytes"}])
         if json_depth(answer) > MAX_JSON_DEPTH or json_size(answer) > MAX_ANSWER_BYTES:
-            raise ending_problem(RunStatus.INVALID_INPUT, None, f"the answer takes at most {MAX_ANSWER_BYTES // KIB} KiB as JSON",
+            raise ended("invalid_input", f"the answer takes at most {MAX_ANSWER_BYTES // KIB} KiB as JSON",
                                  errors=[{"pointer": "/answer", "message": f"at most {MAX_ANSWER_BYTES // KIB} KiB as JSON, {MAX_JSON_DEPTH} levels"}])
         # An API token or a configured secret pasted into an answer is never recorded: the answer is
         # checked and kept as scrubbed (by value, so the answer schema's own keys stand).
@@ -9123,7 +9137,7 @@ class Inbox:
                 self.approvals.may_answer(caller, row)
             errors = answer_errors(row, answer)
             if errors:
-                raise ending_problem(RunStatus.INVALID_INPUT, None, "the answer does not match the request's answer schema",
+                raise ended("invalid_input", "the answer does not match the request's answer schema",
                                      errors=errors)
             closed = self.record_answer(tx, fx, row, answer, claimed_for, by, now)
             if idempotency is None:
@@ -9165,12 +9179,12 @@ class Inbox:
         """True when the request already took this very answer; raises when it takes none."""
         if req["answer_schema"] is None:
             raise Problem("notification", "a notification takes no answer", kind="notification")
-        if req["status"] == "answered":
+        if req["status"] == RequestStatus.ANSWERED:
             if json.loads(req["answer"]) == answer:
                 return True
             raise Problem("answered", "the request already took a different answer; a run takes one answer",
                           kind="answered")
-        if req["status"] != "open":
+        if req["status"] != RequestStatus.OPEN:
             raise Problem("not_open", f"the request has ended ({req['status']})", kind=req["status"])
         if req["delivery_state"] == DeliveryState.CANCELLING.value:
             raise Problem("not_open", "the run is being cancelled", kind="cancelling")
@@ -9306,9 +9320,9 @@ class Deliveries:
                     key = ""
                 conversation = key if _valid_key(key) else None
 
-        def end(tx: Tx, fx: Effects) -> None:
+        def attempt_ended(tx: Tx, fx: Effects) -> None:
             row = tx.request_by_seq(req["seq"])
-            if row["attempts"] != req["attempts"] or row["delivery_state"] not in ("delivering", "cancelling"):
+            if row["attempts"] != req["attempts"] or row["delivery_state"] not in (DeliveryState.DELIVERING, DeliveryState.CANCELLING):
                 return                                  # counted lost meanwhile; this end is stale
             tx.drop_timer(fx, timer_key("lost", playbook, run_id))
             attempt = row["attempts"]
@@ -9331,20 +9345,19 @@ class Deliveries:
                 tx.append_event(fx, playbook, run_id, "delivery_failed", now, "interactiond",
                                 {"attempt": attempt, "because": outcome["because"], "message": outcome.get("message"),
                                  "retry_after_ms": outcome.get("retry_after_ms")})
-            if row["delivery_state"] == "cancelling" or row["status"] != "open":
-                if row["delivery_state"] == "cancelling" and row["status"] == "open":
+            if row["delivery_state"] == DeliveryState.CANCELLING or row["status"] != RequestStatus.OPEN:
+                if row["delivery_state"] == DeliveryState.CANCELLING and row["status"] == RequestStatus.OPEN:
                     end_cancelled(tx, fx, playbook, run_id, now=now, by="interactiond")
                 return
             if outcome.get("ok"):
                 if row["answer_schema"] is None:
-                    tx.close_request(fx, playbook, run_id, ENDINGS["notified"])
-                    tx.end_run(fx, playbook, run_id, RunStatus.SUCCEEDED, now=now, by="interactiond", output={})
+                    end(tx, fx, playbook, run_id, "notified", now=now, by="interactiond", output={})
                 elif conversation is not None:
                     self.readings.join_reading(tx, fx, row, doc, conversation, now)
                 return
             self._after_failed_attempt(tx, fx, row, now, outcome.get("retry_after_ms"),
                                        spent="refused" in outcome)
-        await write_attempt_end(self.store, end)
+        await write_attempt_end(self.store, attempt_ended)
 
     def _after_failed_attempt(self, tx: Tx, fx: Effects, row: Row, now: int,
                               retry_after_ms: int | None, spent: bool = False) -> None:
@@ -9357,9 +9370,8 @@ class Deliveries:
             return
         tx.fail_attempt(row["seq"], spent=True)         # a refused attempt has ended undelivered already
         if row["answer_schema"] is None:
-            tx.close_request(fx, playbook, run_id, ENDINGS["undelivered"])
-            tx.end_run(fx, playbook, run_id, RunStatus.REJECTED, now=now, by="interactiond", kind="undelivered",
-                       problem=ending_problem(RunStatus.REJECTED, "undelivered", "every attempt to deliver the notification failed"))
+            end(tx, fx, playbook, run_id, "undelivered", "every attempt to deliver the notification failed",
+                now=now, by="interactiond")
 
     async def lost(self, playbook: str, run_id: str, key: str) -> None:
         """An attempt with no recorded end a minute after it started counts as failed."""
@@ -9373,15 +9385,15 @@ class Deliveries:
             if not tx.take_timer(fx, key, now):
                 return
             row = tx.request(playbook, run_id)
-            if row is None or row["delivery_state"] not in ("delivering", "cancelling"):
+            if row is None or row["delivery_state"] not in (DeliveryState.DELIVERING, DeliveryState.CANCELLING):
                 return
             tx.append_event(fx, playbook, run_id, "delivery_failed", now, "interactiond",
                             {"attempt": row["attempts"], "because": "lost",
                              "message": "the attempt had no recorded end a minute after it started (the daemon restarted)",
                              "retry_after_ms": None})
-            if row["delivery_state"] == "cancelling":
+            if row["delivery_state"] == DeliveryState.CANCELLING:
                 end_cancelled(tx, fx, playbook, run_id, now=now, by="interactiond")
-            elif row["status"] == "open":
+            elif row["status"] == RequestStatus.OPEN:
                 self._after_failed_attempt(tx, fx, row, now, None)
         await self.store.write(change)
 
@@ -9600,9 +9612,9 @@ class Readings:
             if json_size(args) > MAX_ARGUMENTS_BYTES:
                 raise RenderError("limit", "the telling's arguments pass 16 KiB")
         except RenderError as exc:
-            now = self.clock.now_ms()
+            now, failed = self.clock.now_ms(), {**base, "because": "unworkable", "message": str(exc)}
             await self.store.write(lambda c, fx: c.append_event(fx, playbook, None, "telling_failed", now, "interactiond",
-                                                              {**base, "because": "unworkable", "message": str(exc)}))
+                                                              failed))
             return
         now = self.clock.now_ms()
         await self.store.write(lambda c, fx: c.append_event(fx, playbook, None, "telling_started", now, "interactiond",
@@ -9676,15 +9688,15 @@ class Approvals:
                         "expires_at": now + int(expires.total_seconds() * 1000),
                         "request_id": request_id, "request": ctx["request"], "answer_schema": APPROVAL_ANSWER_SCHEMA}
             if len(message.encode()) > MAX_MESSAGE_BYTES:
-                raise ending_problem(RunStatus.CONFLICT, "unworkable", f"the message is longer than {MAX_MESSAGE_BYTES // KIB} KiB")
+                raise ended("unworkable", f"the message is longer than {MAX_MESSAGE_BYTES // KIB} KiB")
             if doc.deliver is not None:
                 prepared["deliver_args"] = deliver_args(doc, name, run_id, input_, prepared, now)
                 ending = self.calls.check_offered(playbook, doc.deliver.server,
                                             [doc.deliver.tool] + ([doc.replies.tool] if doc.replies else [])
                                             + ([doc.replies.tell.tool] if doc.replies and doc.replies.tell else []))
         except RenderError as exc:
-            ending = (ending_problem(RunStatus.INVALID_INPUT, None, str(exc), errors=[{"pointer": "/input", "message": str(exc)}])
-                      if exc.kind == "undefined" else ending_problem(RunStatus.CONFLICT, "unworkable", str(exc)))
+            ending = (ended("invalid_input", str(exc), errors=[{"pointer": "/input", "message": str(exc)}])
+                      if exc.kind == "undefined" else ended("unworkable", str(exc)))
         except Problem as exc:
             ending = exc
         edit = list(gate.edit) if gate is not None else []
@@ -9776,12 +9788,12 @@ class Approvals:
                 return rerun_check(row, type_, name, input_sha), False
             tx.insert_run(playbook=playbook, run_id=run_id, type_=type_, name=name, version=version,
                           input_text=input_text, input_sha=input_sha, parent=parent, now=now, by=caller.id)
-            end = ending
-            if end is None and not tx.take_request_slot(playbook, limit):
-                end = ending_problem(RunStatus.UNAVAILABLE, "requests_full",
+            ending_ = ending
+            if ending_ is None and not tx.take_request_slot(playbook, limit):
+                ending_ = ended("requests_full",
                                      f"the playbook already has {limit} open requests; answer or cancel some first")
-            if end is not None:
-                tx.end_run(fx, playbook, run_id, _status_of(end), now=now, by=caller.id, kind=end.kind, problem=end)
+            if ending_ is not None:
+                end(tx, fx, playbook, run_id, ending_, now=now, by=caller.id)
                 return run_object(tx.run(playbook, run_id)), True
             tx.append_event(fx, playbook, run_id, "approval_requested", now, caller.id, requested)
             tx.open_request(request_id=prepared["request_id"], playbook=playbook, run_id=run_id, type_=type_, name=name,
@@ -9830,18 +9842,20 @@ class Approvals:
         if approved:
             patch, arguments = self._approved(gate, answer)
         tx.record_answer(fx, row, answer, by=by, now=now, claimed_for=claimed_for, reply_id=reply_id)
-        closed = tx.close_request(fx, playbook, run_id, ENDINGS["answered"])
         note = answer.get("note")
+        if not approved:                # the run ends declined, its request closed as answered
+            tx.append_event(fx, playbook, run_id, "approval_answered", now, by, {
+                "approved": approved, "by": by, "patch": self.tools.record(gate["server"], patch), "note": note})
+            detail = f"{by} refused the call of {gate['tool']} on {gate['server']}" + (f": {note}" if note else "")
+            closed = end(tx, fx, playbook, run_id, "declined", detail, now=now, by=by)
+            assert closed is not None
+            return closed
+        closed = tx.close_request(fx, playbook, run_id, ENDINGS["answered"])
         tx.append_event(fx, playbook, run_id, "approval_answered", now, by, {
             "approved": approved, "by": by, "patch": self.tools.record(gate["server"], patch), "note": note})
-        if approved:
-            tx.set_approval(playbook, run_id, dumps({**gate, "approved": arguments}))
-            tx.resume_run(playbook, run_id)
-            tx.set_timer(fx, timer_key("call", playbook, run_id), now)
-        else:
-            detail = f"{by} refused the call of {gate['tool']} on {gate['server']}" + (f": {note}" if note else "")
-            tx.end_run(fx, playbook, run_id, RunStatus.REJECTED, now=now, by=by, kind="declined",
-                       problem=ending_problem(RunStatus.REJECTED, "declined", detail))
+        tx.set_approval(playbook, run_id, dumps({**gate, "approved": arguments}))
+        tx.resume_run(playbook, run_id)
+        tx.set_timer(fx, timer_key("call", playbook, run_id), now)
         return closed
 
     @staticmethod
@@ -9854,19 +9868,19 @@ class Approvals:
         errors = [{"pointer": "/answer/arguments" + op["path"], "message": f"this argument may not be changed: {may}"}
                   for op in patch if not any(op["path"] == e or op["path"].startswith(e + "/") for e in edit)]
         if errors:
-            raise ending_problem(RunStatus.INVALID_INPUT, None, "the answer changes arguments it may not change",
+            raise ended("invalid_input", "the answer changes arguments it may not change",
                                  errors=errors)
         try:
             arguments = json_patch_apply(gate["proposed"], patch)
         except (LookupError, ValueError, IndexError) as exc:
-            raise ending_problem(RunStatus.INVALID_INPUT, None, f"the changed arguments cannot be applied: {exc}",
+            raise ended("invalid_input", f"the changed arguments cannot be applied: {exc}",
                                  errors=[{"pointer": "/answer/arguments", "message": str(exc)}]) from None
         errors = schema_errors(compile_schema(gate["schema"]), arguments, "/answer/arguments")
         if errors:
-            raise ending_problem(RunStatus.INVALID_INPUT, None,
+            raise ended("invalid_input",
                                  f"the changed arguments do not match the input schema of {gate['tool']}", errors=errors)
         if json_size(arguments) > MAX_ARGUMENTS_BYTES:
-            raise ending_problem(RunStatus.INVALID_INPUT, None, f"the arguments pass {MAX_ARGUMENTS_BYTES // KIB} KiB",
+            raise ended("invalid_input", f"the arguments pass {MAX_ARGUMENTS_BYTES // KIB} KiB",
                                  errors=[{"pointer": "/answer/arguments", "message": "too large"}])
         return patch, arguments
 
@@ -9904,7 +9918,7 @@ class Approvals:
         except Problem as exc:
             ending = exc
         except asyncio.TimeoutError:
-            ending = ending_problem(RunStatus.UNAVAILABLE, "tool_server_failed",
+            ending = ended("tool_server_failed",
                                     f"the tool server {server!r} did not open in time; call search to see its state")
         read_only = session.read_only(tool) if session is not None else bool(gate["read_only"])
         started = {"server": server, "tool": tool, "read_only": read_only,
@@ -9917,8 +9931,7 @@ class Approvals:
             if ending is not None:                  # nothing was sent
                 live = tx.run(playbook, run_id)
                 if live is not None and not RunStatus(live["status"]).ended:
-                    tx.end_run(fx, playbook, run_id, _status_of(ending), now=now, by=by, kind=ending.kind,
-                               problem=ending)
+                    end(tx, fx, playbook, run_id, ending, now=now, by=by)
                 return False
             if not tx.begin_call(playbook, run_id):
                 return False
@@ -9935,10 +9948,10 @@ def _ms(span: timedelta) -> int:
 def _follow_up_party(value: Any, what: str) -> str:
     """A rendered escalation party, as `to` is checked; a bound broken is an `unworkable` conflict."""
     if not isinstance(value, str):
-        raise ending_problem(RunStatus.CONFLICT, "unworkable", f"{what} rendered as {type(value).__name__}, not text")
+        raise ended("unworkable", f"{what} rendered as {type(value).__name__}, not text")
     value = value.strip()
     if not value or has_control_char(value) or len(value.encode()) > MAX_PARTY_BYTES:
-        raise ending_problem(RunStatus.CONFLICT, "unworkable", f"{what} is not a party: it renders empty, holds a"
+        raise ended("unworkable", f"{what} is not a party: it renders empty, holds a"
                              f" control character, or is longer than {MAX_PARTY_BYTES} bytes")
     return value
 
@@ -10003,9 +10016,9 @@ class Reminders:
                                                           "escalate.message")}
         except RenderError as exc:
             if exc.kind == "undefined":
-                raise ending_problem(RunStatus.INVALID_INPUT, None, str(exc),
+                raise ended("invalid_input", str(exc),
                                      errors=[{"pointer": "/input", "message": str(exc)}]) from None
-            raise ending_problem(RunStatus.CONFLICT, "unworkable", str(exc)) from None
+            raise ended("unworkable", str(exc)) from None
         if doc.on_expiry is not None:
             plan["default"] = {"answer": doc.on_expiry.answer}
         return plan or None
@@ -10014,7 +10027,7 @@ class Reminders:
     def _text(template: Template | None, ctx: dict[str, Any], default: str, what: str) -> str:
         text = template.render_text(ctx) if template is not None else default
         if len(text.encode()) > MAX_MESSAGE_BYTES:
-            raise ending_problem(RunStatus.CONFLICT, "unworkable", f"{what} is longer than {MAX_MESSAGE_BYTES // KIB} KiB")
+            raise ended("unworkable", f"{what} is longer than {MAX_MESSAGE_BYTES // KIB} KiB")
         return text
 
     @staticmethod
@@ -10060,7 +10073,7 @@ class Reminders:
             errors += schema_errors(compile_schema(prepared["answer_schema"]), input_["default"], "/input/default")
             plan["default"] = {"answer": input_["default"]}
         if errors:
-            raise ending_problem(RunStatus.INVALID_INPUT, None, "the question's follow-up is not valid",
+            raise ended("invalid_input", "the question's follow-up is not valid",
                                  errors=sorted(errors, key=lambda e: e["pointer"]))
         return plan or None
 
@@ -10194,7 +10207,7 @@ class Reminders:
             self._inflight.discard(nudge_id)
         done = self.clock.now_ms()
 
-        def end(tx: Tx, fx: Effects) -> None:
+        def attempt_ended(tx: Tx, fx: Effects) -> None:
             cur = tx.nudge(nudge_id)
             if cur is None or cur["attempts"] != started["attempts"] or cur["state"] != DeliveryState.DELIVERING.value:
                 return                                  # counted lost meanwhile; this end is stale
@@ -10210,7 +10223,7 @@ class Reminders:
                       "message": outcome.get("message"), "retry_after_ms": outcome.get("retry_after_ms")}
             tx.append_event(fx, playbook, run_id, "telling_failed", done, "interactiond", failed)
             self._after_failure(tx, fx, cur, done, outcome.get("retry_after_ms"), spent="refused" in outcome)
-        await write_attempt_end(self.store, end)
+        await write_attempt_end(self.store, attempt_ended)
 
     @staticmethod
     def _after_failure(tx: Tx, fx: Effects, cur: Row, now: int, retry_after_ms: int | None,
@@ -10253,9 +10266,7 @@ class Reminders:
             return False
         req, answer = found[0], found[1]["default"]["answer"]
         tx.record_default(fx, req, answer, now=now)
-        tx.close_request(fx, playbook, run_id, ENDINGS["defaulted"])
-        tx.end_run(fx, playbook, run_id, RunStatus.SUCCEEDED, now=now, by="interactiond", kind="defaulted",
-                   output=answer)
+        end(tx, fx, playbook, run_id, "defaulted", now=now, by="interactiond", output=answer)
         return True
 
 
@@ -10381,8 +10392,7 @@ class Engine:
         for playbook, run_id, started in tx.system_calls_in_flight():
             read_only = bool(started and started.get("read_only"))
             problem = ToolCalls.unfinished(read_only, "lost", "the daemon stopped while the call was in flight")
-            tx.end_run(fx, playbook, run_id, _status_of(problem), now=now, by="interactiond",
-                       kind=problem.kind, problem=problem)
+            end(tx, fx, playbook, run_id, problem, now=now, by="interactiond")
 
     async def _take_over(self) -> None:
         """Other daemons on the database were found gone: their calls in flight end as a start ends them,
@@ -10507,12 +10517,11 @@ class Engine:
                 return                                          # answered, cancelled, or moved
             if self.reminders.take_default(tx, fx, playbook, run_id, now):
                 return                                          # it had a default answer: the run succeeded
-            req = tx.close_request(fx, playbook, run_id, ENDINGS["expired"])
-            if req is None:
+            req = tx.request(playbook, run_id)
+            if req is None or req["status"] != RequestStatus.OPEN:
                 return
-            tx.end_run(fx, playbook, run_id, RunStatus.REJECTED, now=now, by="interactiond", kind="expired",
-                       problem=ending_problem(RunStatus.REJECTED, "expired",
-                                              f"nobody answered before {fmt_time(req['expires_at'])}"))
+            end(tx, fx, playbook, run_id, "expired", f"nobody answered before {fmt_time(req['expires_at'])}",
+                now=now, by="interactiond")
         await self.store.write(change)
 
     async def _prune(self, key: str) -> None:
@@ -11723,7 +11732,7 @@ class Workflows:
         if doc.input_validator is not None:
             errors = schema_errors(doc.input_validator, input_, "/input")
             if errors:
-                ending = ending_problem(RunStatus.INVALID_INPUT, None, "the input does not match the workflow's"
+                ending = ended("invalid_input", "the input does not match the workflow's"
                                         " input schema", errors=errors)
         state = dumps({"stack": [], "context": {}, "tasks": 0})
 
@@ -11734,9 +11743,9 @@ class Workflows:
                 return rerun_check(tx.run(playbook, run_id), "workflow", name, input_sha), False
             # Raising rolls the new row back with the rest of the change.
             if parent is not None and tx.run_depth(playbook, parent) >= WORKFLOW_MAX_DEPTH:
-                raise ending_problem(RunStatus.CONFLICT, "unworkable", f"workflows nest at most {WORKFLOW_MAX_DEPTH} deep")
+                raise ended("unworkable", f"workflows nest at most {WORKFLOW_MAX_DEPTH} deep")
             if ending is not None:
-                tx.end_run(fx, playbook, run_id, RunStatus.INVALID_INPUT, now=now, by=caller.id, problem=ending)
+                end(tx, fx, playbook, run_id, ending, now=now, by=caller.id)
             else:
                 tx.set_timer(fx, timer_key("workflow", playbook, run_id), now)
             return run_object(tx.run(playbook, run_id)), True
@@ -12691,7 +12700,7 @@ async def _t_delete_def(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any
 
 
 def _run_result(run: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-    return run, run["status"] not in ("started", "waiting", "succeeded")
+    return run, run["status"] not in (RunStatus.STARTED, RunStatus.WAITING, RunStatus.SUCCEEDED)
 
 
 async def _t_run(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
@@ -13036,7 +13045,7 @@ class ElicitationBridge:
         """The run's request when it is open, takes an answer, and is addressed to the person here
         (with an `ask` choice's options, whose labels the form shows)."""
         req = await self.engine.request_for(self.person, self.playbook, self.run_id)
-        if req is None or req["status"] != "open" or req["answer_schema"] is None:
+        if req is None or req["status"] != RequestStatus.OPEN or req["answer_schema"] is None:
             return None
         if "option_ids" in (req["answer_schema"].get("properties") or {}):
             run = await self.engine.get_run(self.caller, self.playbook, self.run_id)
@@ -13787,7 +13796,7 @@ def typed_response(kind: str, answer: Any, submitted_at: int | None) -> dict[str
 def interaction_object(row: Mapping[str, Any]) -> dict[str, Any]:
     """The one place a request (joined with its run's input, see _V2_SELECT) becomes a v2 object."""
     kind, ids, multiple = typed_shape(row["answer_schema"])
-    answered = row["status"] == "answered"
+    answered = row["status"] == RequestStatus.ANSWERED
     # An expired request that holds an answer took its default: that is its response, given by nobody.
     defaulted = row["status"] == RequestStatus.EXPIRED.value and row["answer"] is not None
     return {
@@ -13918,7 +13927,7 @@ async def respond_interaction(engine: Engine, caller: Caller, row: Row, key: str
                                  response=lambda closed: interaction_object({**closed, "run_input": row["run_input"]}))
     if (first := await engine.replayed(idempotency)) is not None:
         return 200, first, True
-    if row["status"] != "open" or row["delivery_state"] == DeliveryState.CANCELLING.value:
+    if row["status"] != RequestStatus.OPEN or row["delivery_state"] == DeliveryState.CANCELLING.value:
         raise _not_pending(row["status"])
     kind, _, _ = typed_shape(row["answer_schema"])
     answer = typed_answer(kind, json.loads(row["answer_schema"]), body)
@@ -14887,18 +14896,18 @@ async def _link_page(engine: Engine, token: str, row: Row, *, sent: Mapping[str,
     title = f"{row['name']} for {row['party']}"
     head = (f'<h1>{_esc(row["name"])} <span class="to">for {_esc(row["party"])}</span></h1>'
             f'<p class="meta">asked {_esc(_when_words(row["asked_at"]))}'
-            + (f' · expires {_esc(_when_words(row["expires_at"]))}' if row["status"] == "open" else "") + "</p>"
+            + (f' · expires {_esc(_when_words(row["expires_at"]))}' if row["status"] == RequestStatus.OPEN else "") + "</p>"
             f'<div class="msg">{render_markdown(row["message"])}</div>')
     state = row["status"]
-    if state == "answered":
+    if state == RequestStatus.ANSWERED:
         who = await _answered_by_words(engine, row["answered_by"])
         shown = json.dumps(json.loads(row["answer"]), indent=2, ensure_ascii=False)
         end = (f'<div id="status" class="card" role="status"><p>Answered by <strong>{_esc(who)}</strong> on'
                f' {_esc(_when_words(row["answered_at"]))}. It takes no other answer.</p><pre>{_esc(shown)}</pre></div>')
-    elif state == "expired":
+    elif state == RequestStatus.EXPIRED:
         end = (f'<div id="status" class="card" role="status"><p>Nobody answered in time: it expired on'
                f' {_esc(_when_words(row["expires_at"]))}. It takes no answer now.</p></div>')
-    elif state == "cancelled":
+    elif state == RequestStatus.CANCELLED:
         end = '<div id="status" class="card" role="status"><p>It was cancelled. It takes no answer now.</p></div>'
     elif row["answer_schema"] is None:
         end = '<p class="muted">A notification: there is nothing to answer.</p>'
@@ -14943,7 +14952,7 @@ async def h_answer_link_post(request: web.Request) -> web.Response:
     if not hmac.compare_digest(str(posted.get("form", "")).encode(), engine.links.form_token(token).encode()):
         return _link_html("Form refused", "<h1>This form was not sent from its page</h1><p>Open the link again and"
                           " answer on its page.</p>", status=403)
-    if row["status"] != "open" or row["answer_schema"] is None:
+    if row["status"] != RequestStatus.OPEN or row["answer_schema"] is None:
         return await _link_page(engine, token, row, status=409)
     named = option_labels(row["name"], row["run_input"])
     form = answer_form(json.loads(row["answer_schema"]), named)
@@ -15483,7 +15492,7 @@ def _wait_for_run(d: DaemonAddress, base: str, run_id: str, timeout: float | Non
         raise CliError(problem_line(status, body))
     path += "/wait"
     began = time.monotonic()
-    done: dict[str, Any] = {} if body["status"] in ("started", "waiting") else {"run": body}
+    done: dict[str, Any] = {} if body["status"] in (RunStatus.STARTED, RunStatus.WAITING) else {"run": body}
 
     def poll() -> None:
         try:
@@ -15493,7 +15502,7 @@ def _wait_for_run(d: DaemonAddress, base: str, run_id: str, timeout: float | Non
                 if not _is_run(body):
                     done["problem"] = (status, body)
                     return
-                if body["status"] not in ("started", "waiting") or (timeout is not None and left <= 0):
+                if body["status"] not in (RunStatus.STARTED, RunStatus.WAITING) or (timeout is not None and left <= 0):
                     done["run"] = body
                     return
         except BaseException as exc:            # a CliError, to raise in the main thread
@@ -15520,7 +15529,7 @@ def _wait_for_run(d: DaemonAddress, base: str, run_id: str, timeout: float | Non
         raise CliError(problem_line(*done["problem"]))
     run = done["run"]
     _print_json(run)
-    if run["status"] in ("started", "waiting"):
+    if run["status"] in (RunStatus.STARTED, RunStatus.WAITING):
         print(f"interactiond: run {run_id} is still {run['status']} after {timeout:g} s", file=sys.stderr)
         return EXIT_STILL_WAITING
     if run["status"] != RunStatus.SUCCEEDED.value:
@@ -16010,7 +16019,7 @@ async def _demo_open(engine: Engine, where: Path, chat_db: Path) -> None:
     for _ in range(150):                    # the delivery is the timer task's: at most ~15 s
         items = (await engine.list_interactions(me, pb, function="chat-approval"))["data"]
         item = next((i for i in items if i["run_id"] == chat["run_id"]), None)
-        if item is None or item["delivery_state"] in ("delivered", "undelivered", "retrying"):
+        if item is None or item["delivery_state"] in (DeliveryState.DELIVERED, DeliveryState.UNDELIVERED, DeliveryState.RETRYING):
             thread = (item or {}).get("conversation")
             break
         await asyncio.sleep(0.1)

@@ -400,7 +400,7 @@ async def test_an_attempts_end_refused_by_a_busy_database_is_written_again_not_s
     refused: list[str] = []
 
     def busy_once(change, ahead=None):
-        if change.__qualname__.endswith("_end_attempt.<locals>.end") and not refused:
+        if change.__qualname__.endswith("_end_attempt.<locals>.attempt_ended") and not refused:
             refused.append(change.__qualname__)
             fut = asyncio.get_running_loop().create_future()
             fut.set_exception(itd.Problem("unavailable", "the database is locked", kind="database_busy"))

@@ -164,6 +164,11 @@ async def test_every_problem_type_through_the_app(d):
     assert status == 409 and run["kind"] == "effect_unknown", run          # the run object, its problem inside
     await got("tools_called", "POST", "/runs", json={"name": "write", "run_id": "w-1"})
 
+    # An approval answered by the caller that asked for the call: four eyes.
+    status, gate = await d.call("POST", "/tools/flaky/echo", {"arguments": {"text": "hi"}, "approve": {"to": "ana"}})
+    assert status == 202, gate
+    await got("approval_not_yours", "POST", f"/runs/{gate['run_id']}/answer", json={"answer": {"approved": True}})
+
     # The typed API: the same envelope, with `code`.
     await got("unauthorized", "GET", "/v2/interactions", role=None)
     await got("not_found", "GET", "/v2/interactions/int_01JAZ6Y5M3Q8F7N2R4T6V9W0XC")
