@@ -834,6 +834,38 @@ def json_flaw(value: Any, limit: int = MAX_JSON_DEPTH) -> JsonRefused | None:
     return None
 
 
+def nul_pointer(value: Any, base: str = "") -> str | None:
+    """The JSON pointer (under `base`) of the first text or name in `value` that holds a NUL
+    character (U+0000), or None. PostgreSQL keeps no NUL in a text, so neither backend keeps one:
+    a value that holds one is refused where it enters. Walks without recursion."""
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(value, ())]
+    while stack:
+        v, path = stack.pop()
+        if isinstance(v, str):
+            if "\x00" in v:
+                return base + pointer_join(path)
+        elif isinstance(v, dict):
+            if any(isinstance(k, str) and "\x00" in k for k in v):
+                return base + pointer_join(path)            # the object whose name holds it
+            stack.extend((c, path + (k,)) for k, c in reversed(list(v.items())))
+        elif isinstance(v, list):
+            stack.extend((c, path + (i,)) for i, c in reversed(list(enumerate(v))))
+    return None
+
+
+#: What a refusal of a NUL character says, at its pointer.
+NUL_MESSAGE: Final = "holds a NUL character (\\u0000), which no text the daemon keeps may hold"
+
+
+def refuse_nul(value: Any, base: str, what: str) -> None:
+    """Refuse `value` (an input, an answer, the text at `base`) where a text or name in it holds a
+    NUL: invalid_input (422) at its pointer, on every backend and whichever door it came through."""
+    pointer = nul_pointer(value, base)
+    if pointer is not None:
+        raise ending_problem(RunStatus.INVALID_INPUT, None, f"{what} {NUL_MESSAGE}",
+                             errors=[{"pointer": pointer, "message": NUL_MESSAGE}])
+
+
 def _is_unicode(text: str) -> bool:
     try:
         text.encode()
@@ -8322,6 +8354,10 @@ class Definitions:
         if not isinstance(source, str) or not source.strip():
             raise Problem("invalid_request", "source is the document's text",
                           errors=[{"pointer": "/source", "message": "a non-empty text"}])
+        if "\x00" in source:
+            line = source.count("\n", 0, source.index("\x00")) + 1
+            raise Problem("invalid_document", f"the document {NUL_MESSAGE} (line {line})",
+                          errors=[{"line": line, "field": "", "pointer": "/source", "message": f"this line {NUL_MESSAGE}"}])
         try:
             doc = self._parse(type_, source, name)
         except DocumentError as exc:
@@ -8495,6 +8531,8 @@ class Runs:
         input_text = dumps(input_)                      # once: for the bound and for the row
         if len(input_text.encode()) > MAX_BODY_BYTES or json_depth(input_) > MAX_JSON_DEPTH:
             raise Problem("too_large", "the input is too large or too deep")
+        if "\\u0000" in input_text:                    # dumps() escapes a NUL so: only then is it walked
+            refuse_nul(input_, "/input", "the input")
         version, doc = await self.definitions.document(playbook, type_, name)
         run_id = run_id or new_run_id()  # known before rendering: deliver.with may read it
         input_sha = sha256_hex(json.dumps(input_, sort_keys=True, separators=(",", ":"), ensure_ascii=False))
@@ -8959,6 +8997,9 @@ class Inbox:
         if json_depth(answer) > MAX_JSON_DEPTH or json_size(answer) > MAX_ANSWER_BYTES:
             raise ending_problem(RunStatus.INVALID_INPUT, None, f"the answer takes at most {MAX_ANSWER_BYTES // KIB} KiB as JSON",
                                  errors=[{"pointer": "/answer", "message": f"at most {MAX_ANSWER_BYTES // KIB} KiB as JSON, {MAX_JSON_DEPTH} levels"}])
+        refuse_nul(answer, "/answer", "the answer")
+        if claimed_for is not None:
+            refuse_nul(claimed_for, "/claimed_for", "claimed_for")
         # An API token or a configured secret pasted into an answer is never recorded: the answer is
         # checked and kept as scrubbed (by value, so the answer schema's own keys stand).
         answer = self.tools.scrub.values(answer)
