@@ -15457,9 +15457,11 @@ def _print_list(args: Any, out: dict[str, Any], header: list[str], row: Callable
         print(f"(more: add --cursor {out['next_cursor']})")
 
 
-def _answered_words(name: Any, at: Any) -> str:
-    """Who answered and when, as the command line says it under the JSON (on stderr)."""
-    return f"answered by {name or 'nobody named'} on {_when(at)} UTC"
+def _answered_words(name: Any, by: Any, at: Any) -> str:
+    """Who answered and when, as the command line says it under the JSON (on stderr): the name the
+    answer keeps, else its `by` (a token's id only as "an API token")."""
+    who = name or ("an API token" if isinstance(by, str) and by.startswith("tok_") else by) or "nobody"
+    return f"answered by {who} on {_when(at)} UTC"
 
 
 def _answered_line(d: DaemonAddress, base: str, run: dict[str, Any]) -> str | None:
@@ -15478,8 +15480,7 @@ def _answered_line(d: DaemonAddress, base: str, run: dict[str, Any]) -> str | No
                 if e.get("truncated"):
                     _, whole, _ = call_daemon(d, "GET", f"{base}/events/{urllib.parse.quote(e['id'], safe='')}")
                     e = whole if isinstance(whole, dict) else e
-                name = (e.get("payload") or {}).get("answered_by_name") or e.get("by")
-                return _answered_words(name, e.get("at"))
+                return _answered_words((e.get("payload") or {}).get("answered_by_name"), e.get("by"), e.get("at"))
         cursor = page.get("next_cursor")
         if not cursor:
             return None
@@ -15639,8 +15640,7 @@ def _cli_client(args: Any, db: str, config: Config) -> int:
         raise CliError(problem_line(status, out))
     _print_json(out)
     if cmd == "answer" and isinstance(out, dict) and "answered_at" in out:
-        print(_answered_words(out.get("answered_by_name") or out.get("answered_by"), out["answered_at"]),
-              file=sys.stderr)
+        print(_answered_words(out.get("answered_by_name"), out.get("answered_by"), out["answered_at"]), file=sys.stderr)
     return 0
 
 
@@ -16932,7 +16932,8 @@ async function answeredBy(events) {
     const r = await api("GET", `${base()}/events/${enc(e.id)}`);
     payload = r.ok ? r.body.payload : null;
   }
-  return {name: (payload && payload.answered_by_name) || e.by || "—", at: e.at};
+  const by = e.by && e.by.startsWith("tok_") ? "an API token" : e.by;
+  return {name: (payload && payload.answered_by_name) || by || "—", at: e.at};
 }
 
 async function runEvents(id) {
