@@ -842,6 +842,38 @@ def json_flaw(value: Any, limit: int = MAX_JSON_DEPTH) -> JsonRefused | None:
     return None
 
 
+def nul_pointer(value: Any, base: str = "") -> str | None:
+    """The JSON pointer (under `base`) of the first text or name in `value` that holds a NUL
+    character (U+0000), or None. PostgreSQL keeps no NUL in a text, so neither backend keeps one:
+    a value that holds one is refused where it enters. Walks without recursion."""
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(value, ())]
+    while stack:
+        v, path = stack.pop()
+        if isinstance(v, str):
+            if "\x00" in v:
+                return base + pointer_join(path)
+        elif isinstance(v, dict):
+            if any(isinstance(k, str) and "\x00" in k for k in v):
+                return base + pointer_join(path)            # the object whose name holds it
+            stack.extend((c, path + (k,)) for k, c in reversed(list(v.items())))
+        elif isinstance(v, list):
+            stack.extend((c, path + (i,)) for i, c in reversed(list(enumerate(v))))
+    return None
+
+
+#: What a refusal of a NUL character says, at its pointer.
+NUL_MESSAGE: Final = "holds a NUL character (\\u0000), which no text the daemon keeps may hold"
+
+
+def refuse_nul(value: Any, base: str, what: str) -> None:
+    """Refuse `value` (an input, an answer, the text at `base`) where a text or name in it holds a
+    NUL: invalid_input (422) at its pointer, on every backend and whichever door it came through."""
+    pointer = nul_pointer(value, base)
+    if pointer is not None:
+        raise ending_problem(RunStatus.INVALID_INPUT, None, f"{what} {NUL_MESSAGE}",
+                             errors=[{"pointer": pointer, "message": NUL_MESSAGE}])
+
+
 def _is_unicode(text: str) -> bool:
     try:
         text.encode()
@@ -3577,7 +3609,7 @@ def load_config(path: str | None, environ: dict[str, str] | None = None) -> Conf
 # The end of this section runs the same store, threads and SQL on a PostgreSQL server.
 
 #: PRAGMA user_version of a file this version made; an earlier one is migrated at open (MIGRATIONS).
-SCHEMA_VERSION: Final = 6
+SCHEMA_VERSION: Final = 7
 
 
 #: The schema, embedded so an installed wheel needs no data file; tests keep it equal to schema.sql.
@@ -3691,6 +3723,7 @@ CREATE TABLE IF NOT EXISTS requests (
     reminded       INTEGER NOT NULL DEFAULT 0,       -- reminders so far (request_reminded's n)
     escalated_to   TEXT,                             -- once escalated: the party asked too, who may answer
     reply_sender   TEXT,                             -- who wrote the reply that answered
+    answered_by_name TEXT,                           -- who answered, in words: a token's or person's name, a sender
     UNIQUE (playbook, run_id)
 );
 CREATE INDEX IF NOT EXISTS requests_open ON requests (playbook, seq) WHERE open = 1;
@@ -3867,6 +3900,12 @@ def _share_answer_schemas(conn: Any) -> None:
                  " AND d.version = requests.version)")
 
 
+def _migrate_to_7(conn: Any) -> None:
+    """An answer keeps who gave it in words (`requests.answered_by_name`); an earlier answer has none.
+    PostgreSQL's step too (POSTGRES_MIGRATIONS): the same statement in either dialect."""
+    conn.execute("ALTER TABLE requests ADD COLUMN answered_by_name TEXT")
+
+
 #: Each step takes a file made by an earlier version to the next PRAGMA user_version, in order.
 MIGRATIONS: Final[tuple[tuple[int, Callable[[sqlite3.Connection], None]], ...]] = (
     (2, _migrate_to_2),
@@ -3874,6 +3913,7 @@ MIGRATIONS: Final[tuple[tuple[int, Callable[[sqlite3.Connection], None]], ...]] 
     (4, _migrate_to_4),
     (5, _migrate_to_5),
     (6, _migrate_to_6),
+    (7, _migrate_to_7),
 )
 
 
@@ -4830,7 +4870,7 @@ class SQLiteTx:
 
     def answer_request(self, fx: Effects, req: Row, answer: Any, *, by: str, now: int,
                        claimed_for: str | None = None, reply_id: str | None = None,
-                       reply_sender: str | None = None) -> Row:
+                       reply_sender: str | None = None, by_name: str | None = None) -> Row:
         """The one fact of an answer, as record_answer, close_request (answered) and end_run (succeeded)
         write it, in seven statements rather than ten: the run ends (guarded: live, else `conflict`)
         counting request_answered and run_succeeded at once; both are appended; the answer is written
@@ -4839,18 +4879,22 @@ class SQLiteTx:
 
         The closed row: `req` (as read in this change) with what the answer wrote, not read back (a
         tenth of an answer's statements) where request_answered's id is known already, as it is on a
-        file; a server's comes back with the next round trip, and the row is read then."""
+        file; a server's comes back with the next round trip, and the row is read then. `by_name` is
+        who answered in words (answered_by_name), kept on the request and in request_answered."""
         playbook, run_id = req["playbook"], req["run_id"]
         reply = {"id": reply_id, **({"sender": reply_sender} if reply_sender is not None else {})}
         answer_id = self._end_run(fx, playbook, run_id, RunStatus.SUCCEEDED, now=now, by=by, output=answer,
                                   before=("request_answered", {"answer": answer, "claimed_for": claimed_for,
-                                          **({"reply": reply} if reply_id is not None else {})}))
+                                          **({"reply": reply} if reply_id is not None else {}),
+                                          **({"answered_by_name": by_name} if by_name is not None else {})}))
         text = dumps(answer)
-        self._answer_closes(answer_id, (text, answer_id, by, now, claimed_for, reply_id, reply_sender, req["seq"]))
+        self._answer_closes(answer_id, (text, answer_id, by, now, claimed_for, reply_id, reply_sender, by_name,
+                                        req["seq"]))
         self._request_gone(fx, playbook, run_id, req)
         closed = self._as_written(req)
         closed.update(answer=text, answer_id=answer_id, answered_by=by, answered_at=now, claimed_for=claimed_for,
-                      reply_id=reply_id, reply_sender=reply_sender, status=RequestStatus.ANSWERED.value, open=0)
+                      reply_id=reply_id, reply_sender=reply_sender, answered_by_name=by_name,
+                      status=RequestStatus.ANSWERED.value, open=0)
         return closed
 
     def _answer_closes(self, answer_id: Any, values: tuple[Any, ...]) -> None:
@@ -4941,16 +4985,17 @@ class SQLiteTx:
 
     def record_answer(self, fx: Effects, req: Row, answer: Any, *, by: str, now: int,
                       claimed_for: str | None = None, reply_id: str | None = None,
-                      reply_sender: str | None = None) -> None:
+                      reply_sender: str | None = None, by_name: str | None = None) -> None:
         """Append request_answered and write the answer on the request, guarded: only an open request that is
         not being cancelled takes one (else `not_open`). Its closing and its run's ending follow in the change.
         A reply's answer names the reply and who wrote it."""
         reply = {"id": reply_id, **({"sender": reply_sender} if reply_sender is not None else {})}
         answer_id = self.append_event(fx, req["playbook"], req["run_id"], "request_answered", now, by,
                                       {"answer": answer, "claimed_for": claimed_for,
-                                       **({"reply": reply} if reply_id is not None else {})})
+                                       **({"reply": reply} if reply_id is not None else {}),
+                                       **({"answered_by_name": by_name} if by_name is not None else {})})
         if not self.conn.execute(_RECORD_ANSWER_SQL, (dumps(answer), answer_id, by, now, claimed_for, reply_id,
-                                                      reply_sender, req["seq"])).rowcount:
+                                                      reply_sender, by_name, req["seq"])).rowcount:
             raise Problem("not_open", "the request has ended; it takes no answer", kind="ended")
 
     def record_default(self, fx: Effects, req: Row, answer: Any, *, now: int) -> None:
@@ -4958,10 +5003,10 @@ class SQLiteTx:
         the answer on the request, guarded as an answer is (else `not_open`); its closing as expired and
         its run's ending follow in the change. The event's id is the fact's answer_id."""
         fact = {"run_id": req["run_id"], "answer": answer, "claimed_for": None, "answered_by": None,
-                "answered_at": fmt_time(now), "defaulted": True}
+                "answered_by_name": None, "answered_at": fmt_time(now), "defaulted": True}
         answer_id = self.append_event(fx, req["playbook"], req["run_id"], "request_defaulted", now, "interactiond",
                                       fact)
-        if not self.conn.execute(_RECORD_ANSWER_SQL, (dumps(answer), answer_id, None, now, None, None, None,
+        if not self.conn.execute(_RECORD_ANSWER_SQL, (dumps(answer), answer_id, None, now, None, None, None, None,
                                                       req["seq"])).rowcount:
             raise Problem("not_open", "the request has ended; it takes no default answer", kind="ended")
 
@@ -5374,7 +5419,7 @@ _IN_FLIGHT_SQL: Final = ", ".join(f"'{s.value}'" for s in (
 #: An answer: guarded by the statuses an answer closes (REQUEST_TRANSITIONS), and not while cancelling.
 _RECORD_ANSWER_SQL: Final = (
     "UPDATE requests SET answer = ?, answer_id = ?, answered_by = ?, answered_at = ?, claimed_for = ?, reply_id = ?,"
-    " reply_sender = ? WHERE seq = ? AND status IN (" + ", ".join(f"'{s.value}'" for s in allowed_from(REQUEST_TRANSITIONS, RequestStatus.ANSWERED))
+    " reply_sender = ?, answered_by_name = ? WHERE seq = ? AND status IN (" + ", ".join(f"'{s.value}'" for s in allowed_from(REQUEST_TRANSITIONS, RequestStatus.ANSWERED))
     + f") AND delivery_state <> '{DeliveryState.CANCELLING.value}'")
 
 #: An answer that closes its request (answer_request): _RECORD_ANSWER_SQL's guard, and the closing's.
@@ -5532,6 +5577,7 @@ POSTGRES_MIGRATIONS: Final[tuple[tuple[int, Callable[[Any], None]], ...]] = (
     (4, _pg_migrate_to_4),
     (5, _pg_migrate_to_5),
     (6, _pg_migrate_to_6),
+    (7, _migrate_to_7),
 )
 
 #: Keys of the transaction-level advisory locks (pg_advisory_xact_lock): writes, and the schema.
@@ -5701,6 +5747,7 @@ CREATE TABLE IF NOT EXISTS requests (
     reminded       INTEGER NOT NULL DEFAULT 0,       -- reminders so far (request_reminded's n)
     escalated_to   TEXT COLLATE "C",                 -- once escalated: the party asked too, who may answer
     reply_sender   TEXT,                             -- who wrote the reply that answered
+    answered_by_name TEXT,                           -- who answered, in words: a token's or person's name, a sender
     UNIQUE (playbook, run_id)
 );
 CREATE INDEX IF NOT EXISTS requests_open ON requests (playbook, seq) WHERE open = 1;
@@ -7869,6 +7916,7 @@ class Caller:
     role: Role
     playbook: str | None = None          # bound to one playbook; None sees every one
     person: str | None = None            # a person's caller: the party they are
+    name: str | None = None              # a token's name (`token create NAME`), said of its answers
 
     def sees(self, playbook: str) -> bool:
         return self.role is Role.OPERATOR or self.playbook is None or self.playbook == playbook
@@ -7881,6 +7929,12 @@ class Caller:
     def by(self) -> str:
         """Who an answer or an event records: the person's name, else the caller's id."""
         return self.person if self.person is not None else self.id
+
+    @property
+    def by_name(self) -> str | None:
+        """Who an answer records in words (answered_by_name): the person's name, else the token's; None
+        for a caller with neither (stdio, the command line's own)."""
+        return self.person if self.person is not None else self.name
 
     def inbox_to(self, to: str | None) -> str | None:
         """The addressee a listing of open requests keeps: a person's own name (another's is 404)."""
@@ -8053,7 +8107,7 @@ def answer_errors(row: Row, answer: Any) -> list[dict[str, Any]]:
 def answer_fact(row: Row) -> dict[str, Any]:
     fact = {"run_id": row["run_id"], "answer_id": f"evt_{row['answer_id']}", "answer": loads(row["answer"]),
             "claimed_for": row["claimed_for"], "answered_by": row["answered_by"],
-            "answered_at": fmt_time(row["answered_at"])}
+            "answered_by_name": row["answered_by_name"], "answered_at": fmt_time(row["answered_at"])}
     if row["reply_id"] is not None:
         fact["reply"] = {"id": row["reply_id"], **({"sender": row["reply_sender"]} if row["reply_sender"] else {})}
     return fact
@@ -8467,6 +8521,10 @@ class Definitions:
         if not isinstance(source, str) or not source.strip():
             raise Problem("invalid_request", "source is the document's text",
                           errors=[{"pointer": "/source", "message": "a non-empty text"}])
+        if "\x00" in source:
+            line = source.count("\n", 0, source.index("\x00")) + 1
+            raise Problem("invalid_document", f"the document {NUL_MESSAGE} (line {line})",
+                          errors=[{"line": line, "field": "", "pointer": "/source", "message": f"this line {NUL_MESSAGE}"}])
         try:
             doc = self._parse(type_, source, name)
         except DocumentError as exc:
@@ -8611,6 +8669,8 @@ class Runs:
         input_text = dumps(input_)                      # once: for the bound and for the row
         if len(input_text.encode()) > MAX_BODY_BYTES or json_depth(input_) > MAX_JSON_DEPTH:
             raise Problem("too_large", "the input is too large or too deep")
+        if "\\u0000" in input_text:                    # dumps() escapes a NUL so: only then is it walked
+            refuse_nul(input_, "/input", "the input")
         version, doc = await self.definitions.document(playbook, type_, name)
         run_id = run_id or new_run_id()  # known before rendering: deliver.with may read it
         input_sha = sha256_hex(json.dumps(input_, sort_keys=True, separators=(",", ":"), ensure_ascii=False))
@@ -9110,6 +9170,9 @@ class Inbox:
         if json_depth(answer) > MAX_JSON_DEPTH or json_size(answer) > MAX_ANSWER_BYTES:
             raise ended("invalid_input", f"the answer takes at most {MAX_ANSWER_BYTES // KIB} KiB as JSON",
                                  errors=[{"pointer": "/answer", "message": f"at most {MAX_ANSWER_BYTES // KIB} KiB as JSON, {MAX_JSON_DEPTH} levels"}])
+        refuse_nul(answer, "/answer", "the answer")
+        if claimed_for is not None:
+            refuse_nul(claimed_for, "/claimed_for", "claimed_for")
         # An API token or a configured secret pasted into an answer is never recorded: the answer is
         # checked and kept as scrubbed (by value, so the answer schema's own keys stand).
         answer = self.tools.scrub.values(answer)
@@ -9139,7 +9202,7 @@ class Inbox:
             if errors:
                 raise ended("invalid_input", "the answer does not match the request's answer schema",
                                      errors=errors)
-            closed = self.record_answer(tx, fx, row, answer, claimed_for, by, now)
+            closed = self.record_answer(tx, fx, row, answer, claimed_for, by, now, by_name=caller.by_name)
             if idempotency is None:
                 return Committed(lambda: (answer_fact(closed), True))
             response = idempotency.response(closed)
@@ -9165,14 +9228,18 @@ class Inbox:
         return json.loads(seen["response"])
 
     def record_answer(self, tx: Tx, fx: Effects, row: Row, answer: Any, claimed_for: str | None, by: str,
-                       now: int, *, reply_id: str | None = None, reply_sender: str | None = None) -> Row:
-        """The one fact of an answer: request_answered, the request closed, the run succeeded.
+                       now: int, *, reply_id: str | None = None, reply_sender: str | None = None,
+                       by_name: str | None = None) -> Row:
+        """The one fact of an answer: request_answered, the request closed, the run succeeded. Who gave
+        it in words (`by_name`) is the caller's name, or a reply's sender.
 
         Returns the closed request's row (its answer columns filled)."""
+        by_name = by_name if by_name is not None else reply_sender
         if row["approval"] is not None:        # an approval: its call follows, or the run ends declined
-            return self.approvals.answered(tx, fx, row, answer, claimed_for, by, now, reply_id=reply_id)
+            return self.approvals.answered(tx, fx, row, answer, claimed_for, by, now, reply_id=reply_id,
+                                           by_name=by_name)
         return tx.answer_request(fx, row, answer, by=by, now=now, claimed_for=claimed_for, reply_id=reply_id,
-                                 reply_sender=reply_sender)
+                                 reply_sender=reply_sender, by_name=by_name)
 
     @staticmethod
     def _answer_state_check(req: Row, answer: Any) -> bool:
@@ -9831,7 +9898,7 @@ class Approvals:
                                                 " (their session, token or answer link) or an operator answers it")
 
     def answered(self, tx: Tx, fx: Effects, row: Row, answer: Any, claimed_for: str | None, by: str, now: int,
-                 reply_id: str | None = None) -> Row:
+                 reply_id: str | None = None, by_name: str | None = None) -> Row:
         """Inside the answer's change: take an approval's answer (it passed the answer schema). A change
         outside `edit`, or arguments the tool's schema refuses, is `invalid_input` and writes nothing."""
         playbook, run_id = row["playbook"], row["run_id"]
@@ -9841,7 +9908,7 @@ class Approvals:
         arguments = None
         if approved:
             patch, arguments = self._approved(gate, answer)
-        tx.record_answer(fx, row, answer, by=by, now=now, claimed_for=claimed_for, reply_id=reply_id)
+        tx.record_answer(fx, row, answer, by=by, now=now, claimed_for=claimed_for, reply_id=reply_id, by_name=by_name)
         note = answer.get("note")
         if not approved:                # the run ends declined, its request closed as answered
             tx.append_event(fx, playbook, run_id, "approval_answered", now, by, {
@@ -12571,8 +12638,11 @@ async def lookup_token(app: web.Application, secret: str) -> Caller | None:
     digest = sha256_hex(secret)
     hit = cache.get(digest)
     if hit is None or hit[0] <= time.monotonic():
-        row = await engine.store.read(lambda tx: tx.caller_token(digest))
-        caller = Caller(row["id"], Role(row["role"]), row["playbook"], row["person"]) if row is not None else None
+        def read(tx: Tx) -> tuple[Row | None, str | None]:
+            row = tx.caller_token(digest)
+            return row, (tx.token_name(row["id"]) if row is not None and row["person"] is None else None)
+        row, name = await engine.store.read(read)
+        caller = Caller(row["id"], Role(row["role"]), row["playbook"], row["person"], name) if row is not None else None
         times = ({"used_at": row["used_at"], "expires_at": row["expires_at"]}
                  if row is not None and row["purpose"] == "session" else None)
         if len(cache) > 10_000:
@@ -14735,13 +14805,16 @@ def _link_caller(row: Row) -> Caller:
     return Caller(f"link:{row['id']}", Role.WRITER, row["playbook"], row["party"])
 
 
-async def _answered_by_words(engine: Engine, by: str | None) -> str:
-    """Who answered, as a person reads it: a person's name, a token's name, a reply, this machine."""
+async def _answered_by_words(engine: Engine, by: str | None, name: str | None = None) -> str:
+    """Who answered, as a person reads it: the name the answer keeps (a person's, a token's, a reply's
+    sender); for an answer kept without one, what `by` says: a token's name, a reply, this machine."""
+    if by and by.startswith("tok_"):
+        name = name or await engine.store.read(lambda tx: tx.token_name(by))
+        return f"{name} (an API token)" if name else "an API token"
+    if name:
+        return name
     if not by:
         return "nobody"
-    if by.startswith("tok_"):
-        name = await engine.store.read(lambda tx: tx.token_name(by))
-        return f"{name} (an API token)" if name else "an API token"
     if by.startswith("playbook:"):
         return "a reply in the conversation it was sent to"
     return {"stdio": "the local agent", "local": "the command line", "interactiond": "the daemon"}.get(by, by)
@@ -14900,7 +14973,7 @@ async def _link_page(engine: Engine, token: str, row: Row, *, sent: Mapping[str,
             f'<div class="msg">{render_markdown(row["message"])}</div>')
     state = row["status"]
     if state == RequestStatus.ANSWERED:
-        who = await _answered_by_words(engine, row["answered_by"])
+        who = await _answered_by_words(engine, row["answered_by"], row["answered_by_name"])
         shown = json.dumps(json.loads(row["answer"]), indent=2, ensure_ascii=False)
         end = (f'<div id="status" class="card" role="status"><p>Answered by <strong>{_esc(who)}</strong> on'
                f' {_esc(_when_words(row["answered_at"]))}. It takes no other answer.</p><pre>{_esc(shown)}</pre></div>')
@@ -15475,6 +15548,36 @@ def _print_list(args: Any, out: dict[str, Any], header: list[str], row: Callable
         print(f"(more: add --cursor {out['next_cursor']})")
 
 
+def _answered_words(name: Any, by: Any, at: Any) -> str:
+    """Who answered and when, as the command line says it under the JSON (on stderr): the name the
+    answer keeps, else its `by` (a token's id only as "an API token")."""
+    who = name or ("an API token" if isinstance(by, str) and by.startswith("tok_") else by) or "nobody"
+    return f"answered by {who} on {_when(at)} UTC"
+
+
+def _answered_line(d: DaemonAddress, base: str, run: dict[str, Any]) -> str | None:
+    """For a run that ended with an answer: who gave it, in words, and when (its request_answered:
+    answered_by_name, else the event's `by`); None for a run without one."""
+    if run.get("status") != RunStatus.SUCCEEDED.value or run.get("type") != "interaction":
+        return None
+    path = f"{base}/runs/{urllib.parse.quote(run['run_id'], safe='')}/events"
+    cursor = None
+    for _ in range(25):
+        status, page, _ = call_daemon(d, "GET", path, query={"limit": "200", "cursor": cursor})
+        if status >= 400 or not isinstance(page, dict):
+            return None
+        for e in page.get("data") or []:
+            if e.get("type") == "request_answered":
+                if e.get("truncated"):
+                    _, whole, _ = call_daemon(d, "GET", f"{base}/events/{urllib.parse.quote(e['id'], safe='')}")
+                    e = whole if isinstance(whole, dict) else e
+                return _answered_words((e.get("payload") or {}).get("answered_by_name"), e.get("by"), e.get("at"))
+        cursor = page.get("next_cursor")
+        if not cursor:
+            return None
+    return None
+
+
 def _elapsed(seconds: float) -> str:
     s = int(seconds)
     if s < 60:
@@ -15529,6 +15632,8 @@ def _wait_for_run(d: DaemonAddress, base: str, run_id: str, timeout: float | Non
         raise CliError(problem_line(*done["problem"]))
     run = done["run"]
     _print_json(run)
+    if (said := _answered_line(d, base, run)) is not None:
+        print(said, file=sys.stderr)
     if run["status"] in (RunStatus.STARTED, RunStatus.WAITING):
         print(f"interactiond: run {run_id} is still {run['status']} after {timeout:g} s", file=sys.stderr)
         return EXIT_STILL_WAITING
@@ -15614,6 +15719,8 @@ def _cli_client(args: Any, db: str, config: Config) -> int:
                 return 0
     if _is_run(out):                                # run, get, cancel: the run, whatever its status
         _print_json(out)
+        if cmd == "get" and (said := _answered_line(d, base, out)) is not None:
+            print(said, file=sys.stderr)
         if cmd == "run" and status >= 400:
             print(f"interactiond: {_run_ending_line(out)}", file=sys.stderr)
             return EXIT_REFUSED
@@ -15623,6 +15730,8 @@ def _cli_client(args: Any, db: str, config: Config) -> int:
             _print_json(out)
         raise CliError(problem_line(status, out))
     _print_json(out)
+    if cmd == "answer" and isinstance(out, dict) and "answered_at" in out:
+        print(_answered_words(out.get("answered_by_name"), out.get("answered_by"), out["answered_at"]), file=sys.stderr)
     return 0
 
 
@@ -16891,15 +17000,31 @@ async function showRun(id) {
   page(`Run ${id}`, h("p", {class: "muted"}, "Loading…"));
   const [run, events] = await Promise.all([api("GET", `${base()}/runs/${enc(id)}`), runEvents(id)]);
   if (!run.ok) return page(`Run ${id}`, h("p", {class: "err"}, problemText(run.body)));
-  const r = run.body, rows = [["Function", `${r.name} (${r.type}, version ${r.version})`],
+  const r = run.body, who = await answeredBy(events), rows = [["Function", `${r.name} (${r.type}, version ${r.version})`],
     ["Status", r.kind ? `${r.status} (${r.kind})` : r.status], ["Started", absTime(r.created_at)],
-    ["Ended", r.ended_at ? absTime(r.ended_at) : "not yet"], ["Settled by", r.settled_by || "—"]];
+    ["Ended", r.ended_at ? absTime(r.ended_at) : "not yet"],
+    who ? ["Answered by", h("span", {class: "answered-by"}, who.name, " on ", absTime(who.at))]
+        : ["Settled by", r.settled_by || "—"]];
   const list = h("ol", {class: "timeline", "aria-label": "History"}, events.map(eventEl));
   return page(`Run ${id}`,
     h("dl", {class: "run card"}, rows.map(([k, v]) => [h("dt", {}, k), h("dd", {}, v)])),
     r.output !== null && r.output !== undefined ? [h("h2", {}, "Output"), pre(r.output)] : null,
     r.problem ? [h("h2", {}, "Problem"), pre(r.problem)] : null,
     h("h2", {}, "History"), h("p", {class: "muted"}, "Each event with its time; open one to see all of it."), list);
+}
+
+// Who answered a run's request, in words, and when: request_answered's answered_by_name (read
+// whole when the listing cut its payload), else the event's `by`.
+async function answeredBy(events) {
+  const e = events.find(x => x.type === "request_answered");
+  if (!e) return null;
+  let payload = e.payload;
+  if (e.truncated) {
+    const r = await api("GET", `${base()}/events/${enc(e.id)}`);
+    payload = r.ok ? r.body.payload : null;
+  }
+  const by = e.by && e.by.startsWith("tok_") ? "an API token" : e.by;
+  return {name: (payload && payload.answered_by_name) || by || "—", at: e.at};
 }
 
 async function runEvents(id) {
@@ -16920,7 +17045,8 @@ function eventEl(e) {
   const text = e.truncated ? `${e.preview}… (${e.size} bytes)` : JSON.stringify(e.payload);
   const whole = h("pre", {id: pid, hidden: true});
   const btn = h("button", {type: "button", class: "event", "aria-expanded": "false", "aria-controls": pid},
-    absTime(e.at), h("strong", {}, e.type), e.by ? h("span", {class: "muted"}, `by ${e.by}`) : null,
+    absTime(e.at), h("strong", {}, e.type), e.by || (e.payload && e.payload.answered_by_name)
+      ? h("span", {class: "muted"}, `by ${(e.payload && e.payload.answered_by_name) || e.by}`) : null,
     h("span", {class: "preview"}, text.length > 240 ? `${text.slice(0, 240)}…` : text));
   btn.addEventListener("click", async () => {
     if (btn.getAttribute("aria-expanded") === "true") {

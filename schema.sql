@@ -107,6 +107,7 @@ CREATE TABLE IF NOT EXISTS requests (
     reminded       INTEGER NOT NULL DEFAULT 0,       -- reminders so far (request_reminded's n)
     escalated_to   TEXT,                             -- once escalated: the party asked too, who may answer
     reply_sender   TEXT,                             -- who wrote the reply that answered
+    answered_by_name TEXT,                           -- who answered, in words: a token's or person's name, a sender
     UNIQUE (playbook, run_id)
 );
 CREATE INDEX IF NOT EXISTS requests_open ON requests (playbook, seq) WHERE open = 1;

@@ -204,3 +204,32 @@ def test_a_postgres_url_without_its_driver_or_its_server_is_one_line(tmp_path):
                              env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert missing.returncode == 1 and "pip install 'interactiond[postgres]'" in missing.stderr
     assert missing.stderr.count("\n") == 1 and "Traceback" not in missing.stderr, missing.stderr
+
+
+def test_answer_get_and_wait_say_who_answered_in_words_and_when(served):
+    import urllib.request
+
+    proc, url, cwd, _ = served
+    cli("define", str(ROOT / "examples" / "approve-brief.md"), cwd=cwd)
+    brief = json.dumps({"editor": "ana", "title": "T", "draft": "D"})
+    run_id = json.loads(cli("run", "interaction", "approve-brief", "--input", brief, cwd=cwd).stdout)["run_id"]
+    answered = cli("answer", run_id, '{"decision": "publish"}', cwd=cwd)
+    fact = json.loads(answered.stdout)
+    assert fact["answered_by"].startswith("tok_") and fact["answered_by_name"] == "first start"
+    when = f"{fact['answered_at'][:10]} {fact['answered_at'][11:16]} UTC"
+    assert answered.stderr.strip() == f"answered by first start on {when}"
+    for cmd in ("get", "wait"):
+        shown = cli(cmd, run_id, cwd=cwd)
+        assert json.loads(shown.stdout)["status"] == "succeeded"
+        assert f"answered by first start on {when}" in shown.stderr and "tok_" not in shown.stderr, shown.stderr
+    # A person's answer (her own token): the person's name, not the token's.
+    run_id = json.loads(cli("run", "interaction", "approve-brief", "--input", brief, cwd=cwd).stdout)["run_id"]
+    secret = cli("token", "create", "--for", "ana", "--role", "writer", "--playbook", "local/default",
+                 "--name", "ana's laptop", cwd=cwd).stdout.split()[1]
+    req = urllib.request.Request(f"{url}/v1/orgs/local/playbooks/default/runs/{run_id}/answer", method="POST",
+                                 data=json.dumps({"answer": {"decision": "publish"}}).encode(),
+                                 headers={"Authorization": f"Bearer {secret}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        assert json.loads(resp.read())["answered_by_name"] == "ana"
+    shown = cli("get", run_id, cwd=cwd)
+    assert f"answered by ana on {when}" in shown.stderr, shown.stderr

@@ -265,7 +265,7 @@ async def test_defaulted_at_the_exact_expiry_with_the_default_as_output(d):
     defaulted, ended = (await events(d, run_id))[-2:]
     assert defaulted["type"] == "request_defaulted" and ended["type"] == "run_succeeded"
     assert defaulted["payload"] == {"run_id": run_id, "answer": DEFAULT, "claimed_for": None, "answered_by": None,
-                                    "answered_at": expiry, "defaulted": True}
+                                    "answered_by_name": None, "answered_at": expiry, "defaulted": True}
     assert ended["payload"] == {"status": "succeeded", "kind": "defaulted", "output": DEFAULT}
     status, refused = await d.call("POST", f"/runs/{run_id}/answer", {"answer": {"verdict": "approve"}})
     assert status == 409 and refused["kind"] == "expired"

@@ -364,6 +364,36 @@ def test_an_answer_is_recorded_its_request_closed_and_its_run_ended_together_onc
     assert info.value.name == "conflict"
 
 
+def test_an_answer_keeps_who_gave_it_in_words_beside_answered_by(tx):
+    import json
+
+    _run_with_request(tx, "r1")
+    fx = itd.Effects()
+    closed = tx.answer_request(fx, tx.request(PB, "r1"), {"verdict": "approve"}, by="tok_1", now=NOW + 5,
+                               by_name="release bot")
+    row = tx.request(PB, "r1")
+    assert (closed["answered_by"], closed["answered_by_name"]) == ("tok_1", "release bot")
+    assert dict(closed) == dict(row)
+    fact = itd.answer_fact(row)
+    assert (fact["answered_by"], fact["answered_by_name"], fact["answered_at"]) == ("tok_1", "release bot",
+                                                                                    itd.fmt_time(NOW + 5))
+    answered = tx.run_events(PB, "r1", after=0, limit=10)[0]
+    assert json.loads(answered["payload"])["answered_by_name"] == "release bot" and answered["by"] == "tok_1"
+    assert tx.run(PB, "r1")["settled_by"] == "tok_1"
+    # record_answer (an approval's answer) keeps it too; a reply's sender is its name.
+    _run_with_request(tx, "r2")
+    tx.record_answer(itd.Effects(), tx.request(PB, "r2"), {"verdict": "approve"}, by="playbook:local/default",
+                     now=NOW + 6, reply_id="m1", reply_sender="ann", by_name="ann")
+    row = tx.request(PB, "r2")
+    assert (row["answered_by"], row["answered_by_name"], row["reply_sender"]) == ("playbook:local/default", "ann", "ann")
+    assert json.loads(tx.event(PB, row["answer_id"])["payload"])["answered_by_name"] == "ann"
+    # Without a name: NULL, and the fact says null.
+    _run_with_request(tx, "r3")
+    closed = tx.answer_request(itd.Effects(), tx.request(PB, "r3"), {}, by="stdio", now=NOW + 7)
+    assert closed["answered_by_name"] is None and itd.answer_fact(tx.request(PB, "r3"))["answered_by_name"] is None
+    assert "answered_by_name" not in json.loads(tx.event(PB, closed["answer_id"])["payload"])
+
+
 def _open(tx, run_id: str, **kw) -> None:
     tx.open_request(request_id=f"int_{run_id}", playbook=PB, run_id=run_id, type_="interaction", name="approve",
                     version=1, party="ann", answerer="ann", message="ok?", answer_schema='{"type":"object"}',
@@ -769,7 +799,8 @@ def test_a_default_answer_is_recorded_as_a_fact_answered_by_nobody(tx):
     assert event["type"] == "request_defaulted"
     assert itd.json.loads(event["payload"]) == {
         "run_id": "r1", "answer": {"verdict": "revise"}, "claimed_for": None, "answered_by": None,
-        "answered_at": itd.fmt_time(NOW + 60_000), "defaulted": True}
+        "answered_by_name": None, "answered_at": itd.fmt_time(NOW + 60_000), "defaulted": True}
+    assert closed["answered_by_name"] is None
     with pytest.raises(itd.Problem) as info:
         tx.record_default(itd.Effects(), closed, {"verdict": "revise"}, now=NOW + 60_001)
     assert info.value.name == "not_open"
@@ -948,3 +979,48 @@ def test_a_version_2_database_migrates_with_nothing_lost(db):
         assert again.request(PB, "r2")["answer_schema"] == '{"type":"object"}'
     finally:
         again.close()
+
+
+def _database_of_version_6(db: str) -> None:
+    """A database as version 6 made it (tests/fixtures/schema*-v6.sql), holding an answered request
+    and an open one."""
+    if itd.is_postgres_url(db):
+        import psycopg
+
+        conn = psycopg.connect(db, autocommit=True)
+        conn.execute((ROOT / "tests" / "fixtures" / "schema-postgres-v6.sql").read_text())
+        conn.execute("INSERT INTO schema_version (version) VALUES (6)")
+        run = lambda sql, params=(): conn.execute(sql.replace("?", "%s"), params)   # noqa: E731
+    else:
+        conn = sqlite3.connect(db, isolation_level=None)
+        conn.executescript((ROOT / "tests" / "fixtures" / "schema-v6.sql").read_text())
+        conn.execute("PRAGMA user_version = 6")
+        run = conn.execute
+    run("INSERT INTO playbooks (id, open_requests, created_at) VALUES (?, 1, ?)", (PB, NOW))
+    for run_id, status, open_ in (("r1", "answered", 0), ("r2", "open", 1)):
+        run("INSERT INTO runs (playbook, run_id, type, name, version, input, input_sha, status, created_at, created_by)"
+            " VALUES (?, ?, 'interaction', 'approve', 1, '{}', 'x', ?, ?, 'tok_1')",
+            (PB, run_id, "succeeded" if open_ == 0 else "waiting", NOW))
+        run("INSERT INTO requests (id, playbook, run_id, type, name, version, party, answerer, message, own_schema,"
+            " status, open, delivery_state, asked_at, expires_at, answer, answered_by, answered_at) VALUES (?, ?, ?,"
+            " 'interaction', 'approve', 1, 'ann', 'ann', 'ok', '{\"type\":\"object\"}', ?, ?, 'in_inbox', ?, ?, ?, ?, ?)",
+            (f"int_{run_id}", PB, run_id, status, open_, NOW, NOW + 60_000, '{}' if open_ == 0 else None,
+             "tok_1" if open_ == 0 else None, NOW + 1 if open_ == 0 else None))
+    conn.close()
+
+
+def test_a_version_6_database_gains_answered_by_name(db):
+    _database_of_version_6(db)
+    tx = itd.open_sync(db)
+    try:
+        if itd.is_postgres_url(db):
+            assert tx.conn.execute("SELECT version FROM schema_version").fetchone()[0] == itd.SCHEMA_VERSION >= 7
+        else:
+            assert tx.conn.execute("PRAGMA user_version").fetchone()[0] == itd.SCHEMA_VERSION >= 7
+        old = tx.request(PB, "r1")
+        assert (old["answered_by"], old["answered_by_name"]) == ("tok_1", None)       # kept as it was, no name
+        closed = tx.answer_request(itd.Effects(), tx.request(PB, "r2"), {"verdict": "approve"}, by="tok_1",
+                                   now=NOW + 5, by_name="ops")
+        assert closed["answered_by_name"] == tx.request(PB, "r2")["answered_by_name"] == "ops"
+    finally:
+        tx.close()
