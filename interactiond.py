@@ -12469,6 +12469,31 @@ async def make_login_link(engine: Engine, person: str | None, playbook: str,
     return f"{engine.links.base}/login?token={secret}", expires_at
 
 
+@functools.lru_cache(maxsize=8)
+def public_origin(public_url: str | None) -> tuple[str, str] | None:
+    """`public_url`'s origin, as a browser sends it in `Origin` (`https://host`, a default port left
+    out), and its host, as a TLS proxy passes it on in `Host`; None without a public_url."""
+    if not public_url:
+        return None
+    parts = urllib.parse.urlsplit(public_url)
+    host = parts.netloc.rsplit("@", 1)[-1].lower()
+    default = ":443" if parts.scheme == "https" else ":80"
+    if host.endswith(default):
+        host = host[:-len(default)]
+    return f"{parts.scheme}://{host}", host
+
+
+def _same_origin(request: web.Request, origin: str | None) -> bool:
+    """Does a state-changing request's Origin name the page's own address: the one it was reached
+    at, or public_url's (behind a TLS proxy the daemon sees http, the browser says https)?"""
+    if origin is None:
+        return False
+    if origin == f"{request.scheme}://{request.host}":
+        return True
+    public = public_origin(request.app[ENGINE_KEY].config.public_url)
+    return public is not None and origin == public[0]
+
+
 async def _authenticate(request: web.Request) -> Caller:
     header = request.headers.get("Authorization", "")
     secret = None
@@ -12484,8 +12509,7 @@ async def _authenticate(request: web.Request) -> Caller:
     if caller is None:
         raise Problem("unauthorized", "the token is unknown or revoked")
     if via_cookie and request.method not in ("GET", "HEAD", "OPTIONS"):
-        origin = request.headers.get("Origin")
-        if origin != f"{request.scheme}://{request.host}":
+        if not _same_origin(request, request.headers.get("Origin")):
             raise Problem("forbidden", "a request made with the session cookie must come from the inbox page")
     return caller
 
@@ -13462,9 +13486,10 @@ class _McpTransports:
     daemon's clock decides.
     """
 
-    def __init__(self, engine: Engine, allowed_hosts: list[str]) -> None:
+    def __init__(self, engine: Engine, allowed_hosts: list[str], allowed_origins: list[str]) -> None:
         self.engine = engine
         self.allowed_hosts = allowed_hosts
+        self.allowed_origins = allowed_origins
         self.handlers: dict[str, Callable[..., Any]] | None = None
         self.sessions = McpSessions(engine)
         self.server: Any = None
@@ -13488,9 +13513,9 @@ class _McpTransports:
             from mcp.server.transport_security import TransportSecuritySettings
 
             server = self.server = make_mcp_server(self.engine)
-            hosts = self.allowed_hosts
-            security = TransportSecuritySettings(enable_dns_rebinding_protection=True, allowed_hosts=hosts,
-                                                 allowed_origins=[f"http://{h}" for h in hosts])
+            security = TransportSecuritySettings(enable_dns_rebinding_protection=True,
+                                                 allowed_hosts=self.allowed_hosts,
+                                                 allowed_origins=self.allowed_origins)
             streamable = server.streamable_http_app(streamable_http_path="/mcp", transport_security=security,
                                                     max_request_body_size=MAX_BODY_BYTES, session_idle_timeout=None)
             sse = SseServerTransport("/messages/", security_settings=security, max_request_body_size=MAX_BODY_BYTES)
@@ -13603,9 +13628,24 @@ class _McpTransports:
             await asyncio.gather(self._task, return_exceptions=True)
 
 
-def mount_mcp(app: web.Application, engine: Engine, allowed_hosts: list[str]) -> None:
+def mcp_allowed(listen_hosts: Iterable[str], public_url: str | None) -> tuple[list[str], list[str]]:
+    """The `Host` and `Origin` values /mcp and /sse accept (the SDK's DNS-rebinding protection stays
+    on): loopback and the addresses the daemon listens at, on any port, and public_url's host and
+    origin, as a TLS proxy passes them on."""
+    names = {"127.0.0.1", "localhost", "::1",
+             *(h for h in listen_hosts if h and h not in ("0.0.0.0", "::"))}      # a wildcard names no host
+    hosts = {f"[{h}]:*" if ":" in h else f"{h}:*" for h in names}
+    origins = {f"http://{h}" for h in hosts}
+    public = public_origin(public_url)
+    if public is not None:
+        hosts.add(public[1])
+        origins.add(public[0])
+    return sorted(hosts), sorted(origins)
+
+
+def mount_mcp(app: web.Application, engine: Engine, listen_hosts: Iterable[str] = ()) -> None:
     """Streamable HTTP at /mcp and legacy SSE at /sse (+ /messages/) on the API's port."""
-    transports = _McpTransports(engine, allowed_hosts)
+    transports = _McpTransports(engine, *mcp_allowed(listen_hosts, engine.config.public_url))
     app[STREAMS_KEY] = set()
     app.router.add_route("*", "/mcp", transports.serve_mcp)
     app.router.add_get("/sse", transports.serve_sse)
@@ -14542,7 +14582,9 @@ async def h_login(request: web.Request) -> web.Response:
             return _see_other("/")          # a spent link opened again by someone signed in
         return web.Response(status=401, text=LOGIN_SPENT_HTML, content_type="text/html", headers=INBOX_HEADERS)
     resp = _see_other("/")
-    resp.set_cookie(SESSION_COOKIE, session, httponly=True, samesite="Strict", path="/", secure=request.secure)
+    public = engine.config.public_url or ""
+    resp.set_cookie(SESSION_COOKIE, session, httponly=True, samesite="Strict", path="/",
+                    secure=request.secure or public.startswith("https://"))      # behind a TLS proxy too
     return resp
 
 
@@ -14922,7 +14964,8 @@ def mount_web(app: web.Application) -> None:
 def build_app(engine: Engine, *, manage_engine: bool = True, hosts: Iterable[str] = (),
               access_log: bool = False) -> web.Application:
     """The aiohttp application over an engine (started and stopped with the app when asked); its
-    metrics count from now on, and `access_log` writes a line per request."""
+    metrics count from now on, `access_log` writes a line per request, and /mcp and /sse accept
+    `hosts` (the addresses it listens at) in `Host`."""
     app = web.Application(middlewares=[observe_middleware], client_max_size=MAX_BODY_BYTES)   # api_middleware within
     app[ENGINE_KEY] = engine
     app[TOKENS_KEY] = {}
@@ -14932,7 +14975,7 @@ def build_app(engine: Engine, *, manage_engine: bool = True, hosts: Iterable[str
     # run's and an answer's first (POST /runs 3.2 -> 2.0 us to resolve, an answer 6.0 -> 2.8 us).
     for r in sorted(ROUTES, key=lambda r: r.path not in _HOT_PATHS):
         app.router.add_route(r.method, r.path, r.handler)
-    mount_mcp(app, engine, sorted({"127.0.0.1:*", "localhost:*", "[::1]:*", *(f"{h}:*" for h in hosts)}))
+    mount_mcp(app, engine, hosts)
     mount_typed_api(app)
     mount_web(app)
 
@@ -15040,7 +15083,7 @@ async def _serve(args: Any, config: Config,
         _, login = create_token(tx, "operator", None, START_LOGIN_NAME, purpose="login")
         tx.close()
         engine = Engine(Store(db), _make_clock(args.clock, host), config)
-        app = build_app(engine, access_log=args.access_log)
+        app = build_app(engine, hosts=[host], access_log=args.access_log)
         runner = web.AppRunner(app, handle_signals=False, access_log=None)   # a log line per request cost 1/6 of the loop
         await runner.setup()
         site = web.TCPSite(runner, host, port)

@@ -22,7 +22,7 @@ import aiohttp
 import pytest
 
 import interactiond as itd
-from daemon_kit import APPROVAL
+from daemon_kit import APPROVAL, start_daemon
 
 ROOT = Path(__file__).resolve().parent.parent
 OPS = str(ROOT / "tests" / "servers" / "ops_server.py")
@@ -149,3 +149,75 @@ async def test_sigterm_exits_within_two_seconds_with_polls_streams_and_tool_serv
     assert code == 0
     assert took < 2, f"the stop took {took:.1f} s"
     assert "Traceback" not in d.log.read_text()
+
+
+# Behind a TLS proxy ###############################################################################
+
+PUBLIC = "https://inbox.example.org"
+MCP_HEADERS = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+INIT = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
+        "params": {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "raw", "version": "1"}}}
+
+
+@pytest.fixture
+async def proxied(tmp_path, aiohttp_client):
+    """A daemon whose public_url is https://inbox.example.org, reached as a TLS proxy reaches it."""
+    config = itd.Config(playbooks={"local/default": (), "acme/other": ()}, public_url=PUBLIC)
+    return await start_daemon(aiohttp_client, str(tmp_path / "t.db"), config=config)
+
+
+def login_token(db: str) -> str:
+    conn = itd.open_sync(db)
+    try:
+        return itd.create_token(conn, "writer", "local/default", "inbox login", purpose="login")[1]
+    finally:
+        conn.close()
+
+
+async def test_behind_a_tls_proxy_the_cookie_is_secure_and_the_https_origin_is_the_pages(proxied):
+    d = proxied
+    await d.define("approve", APPROVAL)
+    _, run = await d.run("approve", {"owner": "ana", "review": "ok"})
+    resp = await d.client.get(f"/login?token={login_token(d.db)}", allow_redirects=False,
+                              headers={"Host": "inbox.example.org", "X-Forwarded-Proto": "https"})
+    assert resp.status == 303
+    cookie = resp.cookies[itd.SESSION_COOKIE]
+    assert cookie["secure"] and cookie["httponly"] and cookie["samesite"] == "Strict"
+    d.client.session.cookie_jar.clear()
+    jar = {"Cookie": f"{itd.SESSION_COOKIE}={cookie.value}", "Host": "inbox.example.org"}
+    path = d.url(f"/runs/{run['run_id']}/answer")
+    answer = {"answer": {"verdict": "approve"}}
+    for other in ("https://evil.example", "https://inbox.example.org.evil.example", "https://inbox.example.org:8443"):
+        resp = await d.client.post(path, json=answer, headers={**jar, "Origin": other})
+        assert resp.status == 403, other
+    resp = await d.client.post(path, json=answer, headers={**jar, "Origin": PUBLIC})
+    assert resp.status == 200, await resp.text()
+    assert (await resp.json())["answer"] == {"verdict": "approve"}
+
+
+async def test_behind_a_tls_proxy_mcp_and_sse_accept_the_public_host_and_no_other(proxied):
+    d = proxied
+    public = {**d.auth(), "Host": "inbox.example.org"}
+    resp = await d.client.post("/mcp", json=INIT, headers={**MCP_HEADERS, **public, "Origin": PUBLIC})
+    assert resp.status == 200, await resp.text()
+    await resp.read()
+    async with d.client.get("/sse", headers=public) as resp:
+        assert resp.status == 200
+        assert (await resp.content.readline()).startswith(b"event: endpoint")
+    # The DNS-rebinding protection is still on: another host, or another origin, is refused.
+    resp = await d.client.post("/mcp", json=INIT, headers={**MCP_HEADERS, **d.auth(), "Host": "evil.example"})
+    assert resp.status == 421
+    await resp.read()
+    resp = await d.client.post("/mcp", json=INIT, headers={**MCP_HEADERS, **public, "Origin": "https://evil.example"})
+    assert resp.status == 403
+    await resp.read()
+    async with d.client.get("/sse", headers={**d.auth(), "Host": "evil.example"}) as resp:
+        assert resp.status == 421
+
+
+def test_public_origin_leaves_out_a_default_port():
+    assert itd.public_origin("https://Inbox.Example.org:443/base") == ("https://inbox.example.org", "inbox.example.org")
+    assert itd.public_origin("https://inbox.example.org:8443") == ("https://inbox.example.org:8443",
+                                                                    "inbox.example.org:8443")
+    assert itd.public_origin("http://10.0.0.5") == ("http://10.0.0.5", "10.0.0.5")
+    assert itd.public_origin(None) is None
