@@ -207,6 +207,16 @@ MAX_DESCRIPTION_CHARS: Final = 1000
 DEFAULT_OPEN_REQUESTS: Final = 10_000
 #: Any HTTP body; a document or an answer is far smaller.
 MAX_BODY_BYTES: Final = 1 * MIB
+#: Connections: each holds a file descriptor whether or not it ever sends a request. Its request
+#: line and headers arrive within HEADERS_TIMEOUT_S of its opening (or of a kept-alive one's next
+#: byte); one idle between requests closes after KEEPALIVE_TIMEOUT_S (longer than the usual
+#: proxy's 60 s, so a proxy closes first); at most `max_connections` are open, and FD_RESERVE
+#: descriptors under the open-file limit stay for the database, tool servers and accepting.
+HEADERS_TIMEOUT_S: Final = 10.0
+KEEPALIVE_TIMEOUT_S: Final = 75.0
+DEFAULT_MAX_CONNECTIONS: Final = 4096
+MAX_MAX_CONNECTIONS: Final = 1_000_000
+FD_RESERVE: Final = 256
 #: Event payload previews in listings.
 PREVIEW_BYTES: Final = 2 * KIB
 #: Paging.
@@ -3343,6 +3353,7 @@ class Config:
     metrics_open_on_loopback: bool = False      # GET /metrics without a token from this machine
     public_url: str | None = None               # the base of answer and sign-in links
     mcp_as: str | None = None                   # `mcp.as`: the person at an MCP client whose token names none
+    max_connections: int = DEFAULT_MAX_CONNECTIONS   # open HTTP connections at most
 
     @property
     def links_base(self) -> str:
@@ -3355,7 +3366,8 @@ class Config:
 
 
 #: The keys of a configuration file (and how `check` tells one from a workflow).
-CONFIG_KEYS: Final = ("listen", "database", "open_requests", "servers", "playbooks", "metrics", "public_url", "mcp")
+CONFIG_KEYS: Final = ("listen", "database", "open_requests", "servers", "playbooks", "metrics", "public_url", "mcp",
+                      "max_connections")
 
 
 class ConfigError(Exception):
@@ -3527,12 +3539,17 @@ def load_config(path: str | None, environ: dict[str, str] | None = None) -> Conf
         problems.append(f"mcp.as: the person at the MCP client, as requests name them"
                         f" (at most {MAX_PARTY_BYTES} bytes)")
         mcp_as = None
+    max_connections = raw.get("max_connections", DEFAULT_MAX_CONNECTIONS)
+    if not isinstance(max_connections, int) or isinstance(max_connections, bool) \
+            or not 1 <= max_connections <= MAX_MAX_CONNECTIONS:
+        problems.append(f"max_connections: a whole number from 1 to {MAX_MAX_CONNECTIONS:,}"
+                        f" (default {DEFAULT_MAX_CONNECTIONS:,})")
     if problems:
         raise ConfigError(problems)
     return Config(host, port, database, open_requests, servers, playbooks, path,
                   metrics_open_on_loopback=metrics.get("open_on_loopback") is True,
                   public_url=public_url.rstrip("/") if public_url else None,
-                  mcp_as=mcp_as.strip() if mcp_as else None)
+                  mcp_as=mcp_as.strip() if mcp_as else None, max_connections=max_connections)
 
 
 # Store ##########################################################################################
@@ -12139,6 +12156,122 @@ async def h_openapi(request: web.Request) -> web.Response:
     return _json(openapi_spec())
 
 
+# -- connections ------------------------------------------------------------------------------------
+#
+# aiohttp bounds neither how long a connection may take to send its request's head nor how many are
+# open, and each holds a file descriptor. A serving daemon wraps every accepted connection in a
+# `_Connection` that counts it, gives it HEADERS_TIMEOUT_S to send a request's line and headers, and
+# hands everything else on to aiohttp's own handler; observe_middleware says when a request starts
+# and ends. At the cap, a new connection closes the one idle longest (it sent no request yet, or it
+# waits between requests); when every one has a request in flight, the new one is refused at once.
+# So connections that send nothing cannot take the descriptors /healthz and real clients need.
+
+class _Connection(asyncio.Protocol):
+    """One accepted connection: aiohttp's handler behind a count, a deadline for the head, the cap."""
+
+    __slots__ = ("gate", "handler", "transport", "busy", "deadline")
+
+    def __init__(self, gate: Connections, handler: asyncio.Protocol) -> None:
+        self.gate = gate
+        self.handler = handler
+        self.transport: Any = None
+        self.busy = 0                               # requests in flight
+        self.deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        if not self.gate.admit(self):
+            transport.abort()
+            return
+        self.handler.connection_made(transport)
+        self._arm()
+
+    def _arm(self) -> None:
+        self.deadline = asyncio.get_running_loop().call_later(HEADERS_TIMEOUT_S, self._late)
+
+    def _late(self) -> None:
+        self.deadline = None
+        if self.busy == 0:                          # no request line and headers in time
+            self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        if self.deadline is None and self.busy == 0:
+            self._arm()                             # a kept-alive connection's next request begins
+        self.handler.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.handler.eof_received()
+
+    def pause_writing(self) -> None:
+        self.handler.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.handler.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.deadline is not None:
+            self.deadline.cancel()
+            self.deadline = None
+        if self.gate.forget(self):
+            self.handler.connection_lost(exc)
+
+    def started(self) -> None:
+        """A request's head has arrived and its handling begins."""
+        self.busy += 1
+        self.gate.idle.pop(self, None)
+        if self.deadline is not None:
+            self.deadline.cancel()
+            self.deadline = None
+
+    def ended(self) -> None:
+        self.busy -= 1
+        if self.busy == 0 and self.transport in self.gate.open:
+            self.gate.idle[self] = None             # idle from now: the last to be closed at the cap
+
+
+class Connections:
+    """The open connections of a serving daemon, at most `cap` (config `max_connections`)."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.open: dict[Any, _Connection] = {}     # by transport
+        self.idle: dict[_Connection, None] = {}    # no request in flight, idle longest first
+        self.refused = 0
+        self._warned = -math.inf
+
+    def factory(self, handler_factory: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
+        """The protocol factory of the listening socket, over aiohttp's (`runner.server`)."""
+        return lambda: _Connection(self, handler_factory())
+
+    def admit(self, conn: _Connection) -> bool:
+        if len(self.open) >= self.cap:
+            if not self.idle:
+                self.refused += 1
+                if time.monotonic() - self._warned >= 60:
+                    self._warned = time.monotonic()
+                    log.warning("%d connections are open, each with a request in flight (max_connections):"
+                                " new connections are refused", len(self.open))
+                return False
+            oldest = next(iter(self.idle))
+            self.forget(oldest)
+            oldest.handler.connection_lost(None)
+            oldest.transport.close()
+        self.open[conn.transport] = conn
+        self.idle[conn] = None
+        return True
+
+    def forget(self, conn: _Connection) -> bool:
+        """Take a connection out of the count; False when it was never in it, or is out already."""
+        self.idle.pop(conn, None)
+        return self.open.pop(conn.transport, None) is not None
+
+    def of(self, request: web.Request) -> _Connection | None:
+        return self.open.get(request.transport)
+
+
+CONNECTIONS_KEY: Final = web.AppKey("connections", Connections)
+
+
 # -- metrics and request ids ------------------------------------------------------------------------
 #
 # GET /metrics speaks Prometheus text format through prometheus-client, from one registry per
@@ -12287,6 +12420,9 @@ async def observe_middleware(request: web.Request, handler: Callable[[web.Reques
     reset = REQUEST_ID.set(rid)
     began = time.perf_counter()
     status = 500
+    conn = connections.of(request) if (connections := request.app.get(CONNECTIONS_KEY)) is not None else None
+    if conn is not None:
+        conn.started()
     try:
         resp = await api_middleware(request, handler)
         status = resp.status
@@ -12310,6 +12446,8 @@ async def observe_middleware(request: web.Request, handler: Callable[[web.Reques
                           resource.canonical if resource is not None else "unmatched", str(status)).observe(elapsed)
         if request.app.get(ACCESS_LOG_KEY):
             access_log.info("%s %s %s %.1f ms", request.method, request.path, status, elapsed * 1000)
+        if conn is not None:
+            conn.ended()
         REQUEST_ID.reset(reset)
 
 
@@ -14969,6 +15107,7 @@ def build_app(engine: Engine, *, manage_engine: bool = True, hosts: Iterable[str
     app = web.Application(middlewares=[observe_middleware], client_max_size=MAX_BODY_BYTES)   # api_middleware within
     app[ENGINE_KEY] = engine
     app[TOKENS_KEY] = {}
+    app[CONNECTIONS_KEY] = Connections(engine.config.max_connections)
     app[METRICS_KEY] = Metrics(engine)
     app[ACCESS_LOG_KEY] = access_log
     # aiohttp tries the routes under /v1/orgs one after another, in the order they were added: a
@@ -14991,6 +15130,50 @@ def build_app(engine: Engine, *, manage_engine: bool = True, hosts: Iterable[str
             await engine.store.close()
         app.cleanup_ctx.append(lifecycle)
     return app
+
+
+def raise_open_file_limit() -> int:
+    """Raise the soft open-file limit to the hard one (every connection is a descriptor); the soft
+    limit it stands at now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    # An unlimited hard limit is refused as a soft one (Linux: fs.nr_open; macOS: OPEN_MAX): then the
+    # most the system takes.
+    for target in ((hard,) if hard != resource.RLIM_INFINITY else (1 << 20, 1 << 16, 10240)):
+        if soft != resource.RLIM_INFINITY and target > soft:
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+                break
+            except (ValueError, OSError):
+                continue
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+async def start_serving(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, asyncio.AbstractServer]:
+    """Start `app` and accept its connections at host:port, each through the app's `Connections`,
+    whose cap leaves FD_RESERVE descriptors under the open-file limit; stop with stop_serving.
+    OSError when it cannot listen there (the app is cleaned up)."""
+    limit = raise_open_file_limit()
+    conns = app[CONNECTIONS_KEY]
+    room = limit - min(FD_RESERVE, limit // 4)
+    if conns.cap > room:
+        log.warning("the open-file limit is %d: at most %d connections (max_connections: %d)", limit, room,
+                    conns.cap)
+        conns.cap = room
+    # No access log from aiohttp (a line per request cost 1/6 of the loop; `--access-log` writes ours).
+    runner = web.AppRunner(app, handle_signals=False, access_log=None, keepalive_timeout=KEEPALIVE_TIMEOUT_S)
+    await runner.setup()
+    try:
+        server = await asyncio.get_running_loop().create_server(conns.factory(runner.server), host, port)
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner, server
+
+
+async def stop_serving(runner: web.AppRunner, server: asyncio.AbstractServer) -> None:
+    """Stop accepting, then end every connection and the app (long polls and streams at once)."""
+    server.close()
+    await runner.cleanup()
 
 
 def _beside(db: str, suffix: str) -> Path:
@@ -15084,17 +15267,13 @@ async def _serve(args: Any, config: Config,
         tx.close()
         engine = Engine(Store(db), _make_clock(args.clock, host), config)
         app = build_app(engine, hosts=[host], access_log=args.access_log)
-        runner = web.AppRunner(app, handle_signals=False, access_log=None)   # a log line per request cost 1/6 of the loop
-        await runner.setup()
-        site = web.TCPSite(runner, host, port)
         try:
-            await site.start()
+            runner, server = await start_serving(app, host, port)
         except OSError as exc:
-            await runner.cleanup()
             print(f"interactiond: cannot listen on {host}:{port}: {exc.strerror or exc}"
                   " (another daemon there? choose another with --port)", file=sys.stderr)
             return 1
-        bound = runner.addresses[0][1] if runner.addresses else port
+        bound = server.sockets[0].getsockname()[1] if server.sockets else port
         url = f"http://{host}:{bound}"
         _write_private(_beside(db, ".url"), url + "\n")
         if not config.public_url:           # answer and sign-in links: the address it listens at
@@ -15110,7 +15289,7 @@ async def _serve(args: Any, config: Config,
             await after_start(engine, url)
         await stop.wait()
         log.info("stopping: in-flight tool calls get %g s to finish", SHUTDOWN_GRACE_S)
-        await runner.cleanup()
+        await stop_serving(runner, server)
         with contextlib.suppress(OSError):
             _beside(db, ".url").unlink()
         return 0
@@ -15136,7 +15315,7 @@ async def _stdio(args: Any, config: Config) -> int:
     lock = EngineLock(db)
     if not lock.acquire():
         return await _stdio_front(db, args.playbook, here or config.mcp_as)
-    runner = None
+    runner = listening = None
     try:
         ensure_operator_token(db)
         engine = Engine(Store(db), SystemClock(), config)
@@ -15146,11 +15325,9 @@ async def _stdio(args: Any, config: Config) -> int:
         await engine.store.open()
         await engine.start()
         if args.http is not None:
-            runner = web.AppRunner(build_app(engine, manage_engine=False, access_log=args.access_log),
-                                   handle_signals=False, access_log=None)
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", args.http).start()
-            bound = runner.addresses[0][1] if runner.addresses else args.http
+            runner, listening = await start_serving(build_app(engine, manage_engine=False, access_log=args.access_log),
+                                                    "127.0.0.1", args.http)
+            bound = listening.sockets[0].getsockname()[1] if listening.sockets else args.http
             _write_private(_beside(db, ".url"), f"http://127.0.0.1:{bound}\n")
             if not config.public_url:
                 engine.links.base = f"http://127.0.0.1:{bound}"
@@ -15163,8 +15340,8 @@ async def _stdio(args: Any, config: Config) -> int:
             await server.run(read, write, server.create_initialization_options())
         return 0
     finally:
-        if runner is not None:
-            await runner.cleanup()
+        if runner is not None and listening is not None:
+            await stop_serving(runner, listening)
             with contextlib.suppress(OSError):
                 _beside(db, ".url").unlink()
         if "engine" in locals():

@@ -22,7 +22,7 @@ import aiohttp
 import pytest
 
 import interactiond as itd
-from daemon_kit import APPROVAL, start_daemon
+from daemon_kit import APPROVAL, START_MS, start_daemon
 
 ROOT = Path(__file__).resolve().parent.parent
 OPS = str(ROOT / "tests" / "servers" / "ops_server.py")
@@ -98,6 +98,159 @@ def established(pid: int) -> int:
                 cols = line.split()
                 count += cols[3] == "01" and cols[9] in inodes
     return count
+
+
+# Connections ######################################################################################
+
+@contextlib.asynccontextmanager
+async def served_in_process(tmp_path: Path, config: Any = None):
+    """The real app, accepting as `serve` accepts (start_serving), on this test's loop; its address."""
+    engine = itd.Engine(itd.Store(str(tmp_path / "t.db")), itd.ManualClock(START_MS), config or itd.Config())
+    runner, server = await itd.start_serving(itd.build_app(engine), "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[:2]
+    finally:
+        await itd.stop_serving(runner, server)
+
+
+async def closed_within(reader: asyncio.StreamReader, seconds: float) -> float:
+    """How long until the daemon closes the connection (it sends nothing first); fails past `seconds`."""
+    began = time.monotonic()
+    assert await asyncio.wait_for(reader.read(1000), seconds) == b""
+    return time.monotonic() - began
+
+
+HEALTHZ = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+async def read_response(reader: asyncio.StreamReader) -> bytes:
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))
+    return head + await asyncio.wait_for(reader.readexactly(length), 5)
+
+
+async def test_a_connection_sends_its_request_head_in_time_or_is_closed(tmp_path, monkeypatch):
+    monkeypatch.setattr(itd, "HEADERS_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(itd, "KEEPALIVE_TIMEOUT_S", 30.0)
+    async with served_in_process(tmp_path) as (host, port):
+        silent = await asyncio.open_connection(host, port)
+        one_byte = await asyncio.open_connection(host, port)
+        one_byte[1].write(b"G")
+        # A kept-alive connection: its first request is answered; its next one starts and stalls.
+        stalled = await asyncio.open_connection(host, port)
+        stalled[1].write(HEALTHZ)
+        assert (await read_response(stalled[0])).startswith(b"HTTP/1.1 200")
+        stalled[1].write(b"GET /hea")
+        # Another, idle between requests: the head's deadline is not its bound, the keep-alive one is.
+        idle = await asyncio.open_connection(host, port)
+        idle[1].write(HEALTHZ)
+        assert (await read_response(idle[0])).startswith(b"HTTP/1.1 200")
+        for reader, _ in (silent, one_byte, stalled):
+            await closed_within(reader, 5)
+        idle[1].write(HEALTHZ)                  # still open, and answering
+        assert (await read_response(idle[0])).startswith(b"HTTP/1.1 200")
+        # A head sent in time, slowly, is answered.
+        slow = await asyncio.open_connection(host, port)
+        for part in (b"GET /hea", b"lthz HTTP/1.1\r\n", b"Host: x\r\n\r\n"):
+            slow[1].write(part)
+            await asyncio.sleep(0.1)
+        assert (await read_response(slow[0])).startswith(b"HTTP/1.1 200")
+        for _, writer in (silent, one_byte, stalled, idle, slow):
+            writer.close()
+
+
+async def test_an_idle_kept_alive_connection_closes_after_the_keep_alive_timeout(tmp_path, monkeypatch):
+    monkeypatch.setattr(itd, "KEEPALIVE_TIMEOUT_S", 0.5)
+    async with served_in_process(tmp_path) as (host, port):
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(HEALTHZ)
+        assert (await read_response(reader)).startswith(b"HTTP/1.1 200")
+        await closed_within(reader, 5)
+        writer.close()
+
+
+def test_the_keep_alive_and_head_bounds_are_the_documented_ones():
+    assert (itd.HEADERS_TIMEOUT_S, itd.KEEPALIVE_TIMEOUT_S, itd.DEFAULT_MAX_CONNECTIONS) == (10.0, 75.0, 4096)
+
+
+def open_idle(address: tuple[str, int], count: int) -> list[socket.socket]:
+    """`count` connections that send nothing."""
+    out = []
+    for _ in range(count):
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        s.connect(address)
+        out.append(s)
+    return out
+
+
+def timed_get(d: Serving, path: str, headers: dict[str, str] | None = None) -> tuple[int, float]:
+    """GET on a new connection: the status and the seconds it took (10 s at most)."""
+    import urllib.request
+    began = time.monotonic()
+    req = urllib.request.Request(d.url + path, headers=headers or {})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        resp.read()
+        return resp.status, time.monotonic() - began
+
+
+def test_more_idle_connections_than_descriptors_leave_healthz_and_the_api_answering(tmp_path):
+    # 1,000 connections that send nothing, to a daemon allowed 512 descriptors: the cap (the limit
+    # less a reserve) closes the idle ones first, and /healthz and a real client still get in.
+    with serving(tmp_path, nofile=(512, 512)) as d:
+        idle = open_idle(d.address, 1000)
+        try:
+            status, took = timed_get(d, "/healthz")
+            assert status == 200 and took < 1, took
+            status, took = timed_get(d, "/v1/orgs/local/playbooks/default/definitions", d.auth())
+            assert status == 200 and took < 1, took
+            assert established(d.proc.pid) <= 512
+        finally:
+            for s in idle:
+                s.close()
+        code, _ = d.stop()
+    assert code == 0
+    text = d.log.read_text()
+    assert "open-file limit is 512" in text and "Traceback" not in text
+
+
+def test_max_connections_caps_the_open_connections(tmp_path):
+    with serving(tmp_path, {"max_connections": 50}) as d:
+        idle = open_idle(d.address, 200)
+        try:
+            status, took = timed_get(d, "/healthz")
+            assert status == 200 and took < 1, took
+            assert established(d.proc.pid) <= 50
+            status, took = timed_get(d, "/v1/orgs/local/playbooks/default/definitions", d.auth())
+            assert status == 200 and took < 1, took
+        finally:
+            for s in idle:
+                s.close()
+        assert d.stop()[0] == 0
+
+
+def test_the_open_file_limit_is_raised_to_the_hard_limit_at_start(tmp_path):
+    with serving(tmp_path, nofile=(256, 4096)) as d:
+        limits = Path(f"/proc/{d.proc.pid}/limits").read_text()
+        soft, hard = re.search(r"Max open files\s+(\d+)\s+(\d+)", limits).groups()
+        assert (soft, hard) == ("4096", "4096")
+        assert d.stop()[0] == 0
+
+
+@pytest.mark.parametrize("value", [0, -1, "many", True, 2.5, 10_000_000])
+def test_max_connections_is_validated(tmp_path, value):
+    path = tmp_path / "c.yaml"
+    path.write_text(json.dumps({"max_connections": value}))
+    with pytest.raises(itd.ConfigError) as err:
+        itd.load_config(str(path))
+    assert err.value.problems == ["max_connections: a whole number from 1 to 1,000,000 (default 4,096)"]
+
+
+def test_max_connections_is_read(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("max_connections: 50\n")
+    assert itd.load_config(str(path)).max_connections == 50
+    assert itd.load_config(None).max_connections == 4096
 
 
 # Shutdown #########################################################################################
