@@ -103,6 +103,7 @@ import referencing.exceptions
 import referencing.jsonschema
 import yaml
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 # The MCP SDK (and its pydantic models, half of the start-up time and a third of the memory) is
 # imported where it is first needed: a tool server's session, or the first MCP request. A daemon
 # that only serves the HTTP API and the inbox never loads it.
@@ -13659,8 +13660,20 @@ class _McpTransports:
             sse = SseServerTransport("/messages/", security_settings=security, max_request_body_size=MAX_BODY_BYTES)
 
             async def sse_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-                async with sse.connect_sse(scope, receive, send) as (read, write):
-                    await server.run(read, write, server.create_initialization_options())
+                answered: list[int] = []
+
+                async def sending(msg: dict[str, Any]) -> None:
+                    if msg["type"] == "http.response.start":
+                        answered.append(msg["status"])
+                    await send(msg)
+                try:
+                    async with sse.connect_sse(scope, receive, sending) as (read, write):
+                        await server.run(read, write, server.create_initialization_options())
+                except ValueError:
+                    # The SDK refused the request (its Host or Origin), answered it (421, 403), logged
+                    # one line, and raises besides: that is not a failure of the daemon.
+                    if not answered or answered[0] < 400:
+                        raise
 
             def user(caller: Caller) -> Any:
                 return AuthenticatedUser(AccessToken(token="", client_id=caller.id, scopes=[]))
@@ -15992,6 +16005,22 @@ def install_log_redaction() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
+class BadRequestFilter(logging.Filter):
+    """aiohttp logs a request it cannot parse (a bad request line, a bad header) with the parser's
+    traceback, several lines a request: one line instead, at WARNING (the client's mistake), saying
+    what was wrong but not quoting what was sent."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            first = (str(exc.message).strip().splitlines() or [""])[0]
+            reason = re.split(r"""\s*(?:bytearray\(|b'|b"|:$)""", first, maxsplit=1)[0].rstrip(" :")
+            record.msg, record.args = f"{record.getMessage()}: {exc.code} {reason or type(exc).__name__}", None
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
 class JsonLogFormatter(logging.Formatter):
     """`--log-format json`: one JSON object a line (time, level, logger, message, and the id of the
     HTTP request the line comes from; the traceback as `exc`)."""
@@ -16029,6 +16058,9 @@ def configure_logging(log_format: str = "text") -> None:
     else:
         handler.setFormatter(RequestIdTextFormatter("%(asctime)s %(levelname)s %(message)s"))
     logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+    server_log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, BadRequestFilter) for f in server_log.filters):
+        server_log.addFilter(BadRequestFilter())
     install_log_redaction()
 
 

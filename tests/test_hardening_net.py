@@ -374,3 +374,40 @@ def test_public_origin_leaves_out_a_default_port():
                                                                     "inbox.example.org:8443")
     assert itd.public_origin("http://10.0.0.5") == ("http://10.0.0.5", "10.0.0.5")
     assert itd.public_origin(None) is None
+
+
+# One line a malformed request ####################################################################
+
+LOG_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (INFO|WARNING|ERROR) ")
+
+
+def test_a_malformed_request_is_one_line_in_the_log_without_a_traceback(tmp_path):
+    with serving(tmp_path) as d:
+        host, port = d.address
+        garbage = [b"GET /healthz HTTP/1.1\r\nHost: x\r\nBroken Header\r\n\r\n",        # a bad header
+                   b"GET /healthz HTTP/1.1 trailing\r\nHost: x\r\n\r\n",               # a bad request line
+                   b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+                   b"GET /" + b"a" * 10_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n"]          # a line too long
+        for raw in garbage:
+            with socket.create_connection((host, port), timeout=10) as s:
+                s.sendall(raw)
+                assert s.recv(1000).startswith(b"HTTP/1.0 400")
+        # /sse with a Host or an Origin the DNS-rebinding protection refuses.
+        auth = f"Authorization: Bearer {d.token}\r\n"
+        for raw, status in ((f"GET /sse HTTP/1.1\r\nHost: evil.example\r\n{auth}\r\n", b"421"),
+                            (f"GET /sse HTTP/1.1\r\nHost: {host}:{port}\r\nOrigin: http://evil.example\r\n{auth}\r\n",
+                             b"403")):
+            with socket.create_connection((host, port), timeout=10) as s:
+                s.sendall(raw.encode())
+                assert s.recv(1000).split(b" ")[1] == status
+        assert d.stop()[0] == 0
+    lines = d.log.read_text().splitlines()
+    assert "Traceback" not in "\n".join(lines)
+    assert [line for line in lines if not LOG_LINE.match(line)] == []          # no line runs on
+    bad = [line for line in lines if "Error handling request" in line]
+    assert len(bad) == len(garbage), bad
+    assert all(" WARNING " in line and ": 400 " in line for line in bad), bad
+    assert not any("a" * 100 in line for line in lines)                         # what was sent is not quoted
+    assert len([line for line in lines if "Invalid Host header" in line]) == 1
+    assert len([line for line in lines if "Invalid Origin header" in line]) == 1
+    assert not any("/sse failed" in line for line in lines)
