@@ -15291,13 +15291,13 @@ async def _serve(args: Any, config: Config,
         _write_private(_beside(db, ".url"), url + "\n")
         if not config.public_url:           # answer and sign-in links: the address it listens at
             engine.links.base = Config(host=host, port=bound).links_base
-        print(f"interactiond {__version__} serving {db_shown(db)} at {url}", flush=True)
-        print(f"inbox: {url}/login?token={login}", flush=True)
-        print(f"operator token: {_beside(db, '.token')}", flush=True)
-        stop = asyncio.Event()
+        stop = asyncio.Event()              # before the lines below: a stop right after them is a clean one
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        print(f"interactiond {__version__} serving {db_shown(db)} at {url}", flush=True)
+        print(f"inbox: {url}/login?token={login}", flush=True)
+        print(f"operator token: {_beside(db, '.token')}", flush=True)
         if after_start is not None:
             await after_start(engine, url)
         await stop.wait()
