@@ -218,6 +218,9 @@ KEEPALIVE_TIMEOUT_S: Final = 75.0
 DEFAULT_MAX_CONNECTIONS: Final = 4096
 MAX_MAX_CONNECTIONS: Final = 1_000_000
 FD_RESERVE: Final = 256
+#: Connections the kernel holds before the daemon accepts them. At the usual 100, a burst of
+#: connections fills it and a client's connection attempt waits a second to be tried again.
+LISTEN_BACKLOG: Final = 1024
 #: Event payload previews in listings.
 PREVIEW_BYTES: Final = 2 * KIB
 #: Paging.
@@ -15176,7 +15179,8 @@ async def start_serving(app: web.Application, host: str, port: int) -> tuple[web
     runner = web.AppRunner(app, handle_signals=False, access_log=None, keepalive_timeout=KEEPALIVE_TIMEOUT_S)
     await runner.setup()
     try:
-        server = await asyncio.get_running_loop().create_server(conns.factory(runner.server), host, port)
+        server = await asyncio.get_running_loop().create_server(conns.factory(runner.server), host, port,
+                                                                 backlog=LISTEN_BACKLOG)
     except BaseException:
         await runner.cleanup()
         raise

@@ -214,6 +214,35 @@ def test_more_idle_connections_than_descriptors_leave_healthz_and_the_api_answer
     assert "open-file limit is 512" in text and "Traceback" not in text
 
 
+def test_healthz_answers_within_a_second_while_connections_flood_in(tmp_path):
+    # 6,000 connections that send nothing, opened as fast as one thread can: a connection attempt
+    # of a real client is neither refused nor left to be tried again a second later.
+    import threading
+    with serving(tmp_path) as d:
+        idle: list[socket.socket] = []
+        flooded = threading.Event()
+
+        def flood() -> None:
+            try:
+                idle.extend(open_idle(d.address, 6000))
+            finally:
+                flooded.set()
+        threading.Thread(target=flood, daemon=True).start()
+        took = []
+        try:
+            while not flooded.is_set():
+                took.append(timed_get(d, "/healthz")[1])
+                time.sleep(0.02)
+            took.append(timed_get(d, "/v1/orgs/local/playbooks/default/definitions", d.auth())[1])
+        finally:
+            flooded.wait(60)
+            for s in idle:
+                s.close()
+        assert len(idle) == 6000
+        assert max(took) < 1, sorted(took)[-5:]
+        assert d.stop()[0] == 0
+
+
 def test_max_connections_caps_the_open_connections(tmp_path):
     with serving(tmp_path, {"max_connections": 50}) as d:
         idle = open_idle(d.address, 200)
