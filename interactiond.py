@@ -95,7 +95,7 @@ from datetime import datetime, timedelta, timezone
 from decimal import Decimal
 from html import escape as _esc
 from pathlib import Path
-from typing import Any, Callable, Final, Iterable, Protocol
+from typing import Any, Callable, Final, Iterable, Iterator, Protocol
 
 import re2
 import referencing
@@ -7755,8 +7755,8 @@ class ToolServers:
 
     async def close(self) -> None:
         """At a stop: every session at once, each stdio server given TOOL_EXIT_GRACE_S to exit."""
-        _bound_stdio_exit()
-        await asyncio.gather(*(s.close() for s in self.sessions.values()), return_exceptions=True)
+        with _stdio_exit_bounded():
+            await asyncio.gather(*(s.close() for s in self.sessions.values()), return_exceptions=True)
 
 
 #: A stdio tool server has this long to exit once its input closes at a stop, and as long again
@@ -7765,12 +7765,19 @@ class ToolServers:
 TOOL_EXIT_GRACE_S: Final = 0.5
 
 
-def _bound_stdio_exit() -> None:
-    """Shorten the SDK's waits for a stdio server's exit (read when a session closes) to TOOL_EXIT_GRACE_S."""
+@contextlib.contextmanager
+def _stdio_exit_bounded() -> Iterator[None]:
+    """The SDK's waits for a stdio server's exit (read as a session closes) at TOOL_EXIT_GRACE_S meanwhile."""
     sdk_stdio = sys.modules.get("mcp.client.stdio")         # not imported: no stdio session was opened
-    for name in ("PROCESS_TERMINATION_TIMEOUT", "FORCE_KILL_TIMEOUT") if sdk_stdio is not None else ():
-        if hasattr(sdk_stdio, name):
-            setattr(sdk_stdio, name, TOOL_EXIT_GRACE_S)
+    names = [n for n in ("PROCESS_TERMINATION_TIMEOUT", "FORCE_KILL_TIMEOUT") if hasattr(sdk_stdio, n)]
+    before = {n: getattr(sdk_stdio, n) for n in names}
+    for name in names:
+        setattr(sdk_stdio, name, TOOL_EXIT_GRACE_S)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            setattr(sdk_stdio, name, value)
 
 
 # Engine #########################################################################################
@@ -12240,7 +12247,6 @@ class Connections:
         self.cap = cap
         self.open: dict[Any, _Connection] = {}     # by transport
         self.idle: dict[_Connection, None] = {}    # no request in flight, idle longest first
-        self.refused = 0
         self._warned = -math.inf
 
     def factory(self, handler_factory: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
@@ -12250,7 +12256,6 @@ class Connections:
     def admit(self, conn: _Connection) -> bool:
         if len(self.open) >= self.cap:
             if not self.idle:
-                self.refused += 1
                 if time.monotonic() - self._warned >= 60:
                     self._warned = time.monotonic()
                     log.warning("%d connections are open, each with a request in flight (max_connections):"
