@@ -65,6 +65,7 @@ import contextvars
 import enum
 import fcntl
 import functools
+import gc
 import hashlib
 import heapq
 import hmac
@@ -76,6 +77,7 @@ import math
 import os
 import queue
 import re
+import resource
 import secrets
 import select
 import signal
@@ -93,7 +95,7 @@ from datetime import datetime, timedelta, timezone
 from decimal import Decimal
 from html import escape as _esc
 from pathlib import Path
-from typing import Any, Callable, Final, Iterable, Protocol
+from typing import Any, Callable, Final, Iterable, Iterator, Protocol
 
 import re2
 import referencing
@@ -101,6 +103,7 @@ import referencing.exceptions
 import referencing.jsonschema
 import yaml
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 # The MCP SDK (and its pydantic models, half of the start-up time and a third of the memory) is
 # imported where it is first needed: a tool server's session, or the first MCP request. A daemon
 # that only serves the HTTP API and the inbox never loads it.
@@ -205,6 +208,19 @@ MAX_DESCRIPTION_CHARS: Final = 1000
 DEFAULT_OPEN_REQUESTS: Final = 10_000
 #: Any HTTP body; a document or an answer is far smaller.
 MAX_BODY_BYTES: Final = 1 * MIB
+#: Connections: each holds a file descriptor whether or not it ever sends a request. Its request
+#: line and headers arrive within HEADERS_TIMEOUT_S of its opening (or of a kept-alive one's next
+#: byte); one idle between requests closes after KEEPALIVE_TIMEOUT_S (longer than the usual
+#: proxy's 60 s, so a proxy closes first); at most `max_connections` are open, and FD_RESERVE
+#: descriptors under the open-file limit stay for the database, tool servers and accepting.
+HEADERS_TIMEOUT_S: Final = 10.0
+KEEPALIVE_TIMEOUT_S: Final = 75.0
+DEFAULT_MAX_CONNECTIONS: Final = 4096
+MAX_MAX_CONNECTIONS: Final = 1_000_000
+FD_RESERVE: Final = 256
+#: Connections the kernel holds before the daemon accepts them. At the usual 100, a burst of
+#: connections fills it and a client's connection attempt waits a second to be tried again.
+LISTEN_BACKLOG: Final = 1024
 #: Event payload previews in listings.
 PREVIEW_BYTES: Final = 2 * KIB
 #: Paging.
@@ -3394,6 +3410,7 @@ class Config:
     metrics_open_on_loopback: bool = False      # GET /metrics without a token from this machine
     public_url: str | None = None               # the base of answer and sign-in links
     mcp_as: str | None = None                   # `mcp.as`: the person at an MCP client whose token names none
+    max_connections: int = DEFAULT_MAX_CONNECTIONS   # open HTTP connections at most
 
     @property
     def links_base(self) -> str:
@@ -3406,7 +3423,8 @@ class Config:
 
 
 #: The keys of a configuration file (and how `check` tells one from a workflow).
-CONFIG_KEYS: Final = ("listen", "database", "open_requests", "servers", "playbooks", "metrics", "public_url", "mcp")
+CONFIG_KEYS: Final = ("listen", "database", "open_requests", "servers", "playbooks", "metrics", "public_url", "mcp",
+                      "max_connections")
 
 
 class ConfigError(Exception):
@@ -3578,12 +3596,17 @@ def load_config(path: str | None, environ: dict[str, str] | None = None) -> Conf
         problems.append(f"mcp.as: the person at the MCP client, as requests name them"
                         f" (at most {MAX_PARTY_BYTES} bytes)")
         mcp_as = None
+    max_connections = raw.get("max_connections", DEFAULT_MAX_CONNECTIONS)
+    if not isinstance(max_connections, int) or isinstance(max_connections, bool) \
+            or not 1 <= max_connections <= MAX_MAX_CONNECTIONS:
+        problems.append(f"max_connections: a whole number from 1 to {MAX_MAX_CONNECTIONS:,}"
+                        f" (default {DEFAULT_MAX_CONNECTIONS:,})")
     if problems:
         raise ConfigError(problems)
     return Config(host, port, database, open_requests, servers, playbooks, path,
                   metrics_open_on_loopback=metrics.get("open_on_loopback") is True,
                   public_url=public_url.rstrip("/") if public_url else None,
-                  mcp_as=mcp_as.strip() if mcp_as else None)
+                  mcp_as=mcp_as.strip() if mcp_as else None, max_connections=max_connections)
 
 
 # Store ##########################################################################################
@@ -7861,7 +7884,30 @@ class ToolServers:
         return self.scrub(value)
 
     async def close(self) -> None:
-        await asyncio.gather(*(s.close() for s in self.sessions.values()), return_exceptions=True)
+        """At a stop: every session at once, each stdio server given TOOL_EXIT_GRACE_S to exit."""
+        with _stdio_exit_bounded():
+            await asyncio.gather(*(s.close() for s in self.sessions.values()), return_exceptions=True)
+
+
+#: A stdio tool server has this long to exit once its input closes at a stop, and as long again
+#: after SIGTERM before SIGKILL (the SDK's own waits are 2 s each): a launcher that lingers after its
+#: server ends (`sh -c`, package runners) cannot hold a stop past 2 s.
+TOOL_EXIT_GRACE_S: Final = 0.5
+
+
+@contextlib.contextmanager
+def _stdio_exit_bounded() -> Iterator[None]:
+    """The SDK's waits for a stdio server's exit (read as a session closes) at TOOL_EXIT_GRACE_S meanwhile."""
+    sdk_stdio = sys.modules.get("mcp.client.stdio")         # not imported: no stdio session was opened
+    names = [n for n in ("PROCESS_TERMINATION_TIMEOUT", "FORCE_KILL_TIMEOUT") if hasattr(sdk_stdio, n)]
+    before = {n: getattr(sdk_stdio, n) for n in names}
+    for name in names:
+        setattr(sdk_stdio, name, TOOL_EXIT_GRACE_S)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            setattr(sdk_stdio, name, value)
 
 
 # Engine #########################################################################################
@@ -12279,6 +12325,120 @@ async def h_openapi(request: web.Request) -> web.Response:
     return _json(openapi_spec())
 
 
+# -- connections ------------------------------------------------------------------------------------
+#
+# aiohttp bounds neither how long a connection may take to send its request's head nor how many are
+# open, and each holds a file descriptor. A serving daemon wraps every accepted connection in a
+# `_Connection` that counts it, gives it HEADERS_TIMEOUT_S to send a request's line and headers, and
+# hands everything else on to aiohttp's own handler; observe_middleware says when a request starts
+# and ends. At the cap, a new connection closes the one idle longest (it sent no request yet, or it
+# waits between requests); when every one has a request in flight, the new one is refused at once.
+# So connections that send nothing cannot take the descriptors /healthz and real clients need.
+
+class _Connection(asyncio.Protocol):
+    """One accepted connection: aiohttp's handler behind a count, a deadline for the head, the cap."""
+
+    __slots__ = ("gate", "handler", "transport", "busy", "deadline")
+
+    def __init__(self, gate: Connections, handler: asyncio.Protocol) -> None:
+        self.gate = gate
+        self.handler = handler
+        self.transport: Any = None
+        self.busy = 0                               # requests in flight
+        self.deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        if not self.gate.admit(self):
+            transport.abort()
+            return
+        self.handler.connection_made(transport)
+        self._arm()
+
+    def _arm(self) -> None:
+        self.deadline = asyncio.get_running_loop().call_later(HEADERS_TIMEOUT_S, self._late)
+
+    def _late(self) -> None:
+        self.deadline = None
+        if self.busy == 0:                          # no request line and headers in time
+            self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        if self.deadline is None and self.busy == 0:
+            self._arm()                             # a kept-alive connection's next request begins
+        self.handler.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.handler.eof_received()
+
+    def pause_writing(self) -> None:
+        self.handler.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.handler.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.deadline is not None:
+            self.deadline.cancel()
+            self.deadline = None
+        if self.gate.forget(self):
+            self.handler.connection_lost(exc)
+
+    def started(self) -> None:
+        """A request's head has arrived and its handling begins."""
+        self.busy += 1
+        self.gate.idle.pop(self, None)
+        if self.deadline is not None:
+            self.deadline.cancel()
+            self.deadline = None
+
+    def ended(self) -> None:
+        self.busy -= 1
+        if self.busy == 0 and self.transport in self.gate.open:
+            self.gate.idle[self] = None             # idle from now: the last to be closed at the cap
+
+
+class Connections:
+    """The open connections of a serving daemon, at most `cap` (config `max_connections`)."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.open: dict[Any, _Connection] = {}     # by transport
+        self.idle: dict[_Connection, None] = {}    # no request in flight, idle longest first
+        self._warned = -math.inf
+
+    def factory(self, handler_factory: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
+        """The protocol factory of the listening socket, over aiohttp's (`runner.server`)."""
+        return lambda: _Connection(self, handler_factory())
+
+    def admit(self, conn: _Connection) -> bool:
+        if len(self.open) >= self.cap:
+            if not self.idle:
+                if time.monotonic() - self._warned >= 60:
+                    self._warned = time.monotonic()
+                    log.warning("%d connections are open, each with a request in flight (max_connections):"
+                                " new connections are refused", len(self.open))
+                return False
+            oldest = next(iter(self.idle))
+            self.forget(oldest)
+            oldest.handler.connection_lost(None)
+            oldest.transport.close()
+        self.open[conn.transport] = conn
+        self.idle[conn] = None
+        return True
+
+    def forget(self, conn: _Connection) -> bool:
+        """Take a connection out of the count; False when it was never in it, or is out already."""
+        self.idle.pop(conn, None)
+        return self.open.pop(conn.transport, None) is not None
+
+    def of(self, request: web.Request) -> _Connection | None:
+        return self.open.get(request.transport)
+
+
+CONNECTIONS_KEY: Final = web.AppKey("connections", Connections)
+
+
 # -- metrics and request ids ------------------------------------------------------------------------
 #
 # GET /metrics speaks Prometheus text format through prometheus-client, from one registry per
@@ -12427,6 +12587,9 @@ async def observe_middleware(request: web.Request, handler: Callable[[web.Reques
     reset = REQUEST_ID.set(rid)
     began = time.perf_counter()
     status = 500
+    conn = connections.of(request) if (connections := request.app.get(CONNECTIONS_KEY)) is not None else None
+    if conn is not None:
+        conn.started()
     try:
         resp = await api_middleware(request, handler)
         status = resp.status
@@ -12450,6 +12613,8 @@ async def observe_middleware(request: web.Request, handler: Callable[[web.Reques
                           resource.canonical if resource is not None else "unmatched", str(status)).observe(elapsed)
         if request.app.get(ACCESS_LOG_KEY):
             access_log.info("%s %s %s %.1f ms", request.method, request.path, status, elapsed * 1000)
+        if conn is not None:
+            conn.ended()
         REQUEST_ID.reset(reset)
 
 
@@ -12609,6 +12774,31 @@ async def make_login_link(engine: Engine, person: str | None, playbook: str,
     return f"{engine.links.base}/login?token={secret}", expires_at
 
 
+@functools.lru_cache(maxsize=8)
+def public_origin(public_url: str | None) -> tuple[str, str] | None:
+    """`public_url`'s origin, as a browser sends it in `Origin` (`https://host`, a default port left
+    out), and its host, as a TLS proxy passes it on in `Host`; None without a public_url."""
+    if not public_url:
+        return None
+    parts = urllib.parse.urlsplit(public_url)
+    host = parts.netloc.rsplit("@", 1)[-1].lower()
+    default = ":443" if parts.scheme == "https" else ":80"
+    if host.endswith(default):
+        host = host[:-len(default)]
+    return f"{parts.scheme}://{host}", host
+
+
+def _same_origin(request: web.Request, origin: str | None) -> bool:
+    """Does a state-changing request's Origin name the page's own address: the one it was reached
+    at, or public_url's (behind a TLS proxy the daemon sees http, the browser says https)?"""
+    if origin is None:
+        return False
+    if origin == f"{request.scheme}://{request.host}":
+        return True
+    public = public_origin(request.app[ENGINE_KEY].config.public_url)
+    return public is not None and origin == public[0]
+
+
 async def _authenticate(request: web.Request) -> Caller:
     header = request.headers.get("Authorization", "")
     secret = None
@@ -12624,8 +12814,7 @@ async def _authenticate(request: web.Request) -> Caller:
     if caller is None:
         raise Problem("unauthorized", "the token is unknown or revoked")
     if via_cookie and request.method not in ("GET", "HEAD", "OPTIONS"):
-        origin = request.headers.get("Origin")
-        if origin != f"{request.scheme}://{request.host}":
+        if not _same_origin(request, request.headers.get("Origin")):
             raise Problem("forbidden", "a request made with the session cookie must come from the inbox page")
     return caller
 
@@ -13605,9 +13794,10 @@ class _McpTransports:
     daemon's clock decides.
     """
 
-    def __init__(self, engine: Engine, allowed_hosts: list[str]) -> None:
+    def __init__(self, engine: Engine, allowed_hosts: list[str], allowed_origins: list[str]) -> None:
         self.engine = engine
         self.allowed_hosts = allowed_hosts
+        self.allowed_origins = allowed_origins
         self.handlers: dict[str, Callable[..., Any]] | None = None
         self.sessions = McpSessions(engine)
         self.server: Any = None
@@ -13631,16 +13821,28 @@ class _McpTransports:
             from mcp.server.transport_security import TransportSecuritySettings
 
             server = self.server = make_mcp_server(self.engine)
-            hosts = self.allowed_hosts
-            security = TransportSecuritySettings(enable_dns_rebinding_protection=True, allowed_hosts=hosts,
-                                                 allowed_origins=[f"http://{h}" for h in hosts])
+            security = TransportSecuritySettings(enable_dns_rebinding_protection=True,
+                                                 allowed_hosts=self.allowed_hosts,
+                                                 allowed_origins=self.allowed_origins)
             streamable = server.streamable_http_app(streamable_http_path="/mcp", transport_security=security,
                                                     max_request_body_size=MAX_BODY_BYTES, session_idle_timeout=None)
             sse = SseServerTransport("/messages/", security_settings=security, max_request_body_size=MAX_BODY_BYTES)
 
             async def sse_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-                async with sse.connect_sse(scope, receive, send) as (read, write):
-                    await server.run(read, write, server.create_initialization_options())
+                answered: list[int] = []
+
+                async def sending(msg: dict[str, Any]) -> None:
+                    if msg["type"] == "http.response.start":
+                        answered.append(msg["status"])
+                    await send(msg)
+                try:
+                    async with sse.connect_sse(scope, receive, sending) as (read, write):
+                        await server.run(read, write, server.create_initialization_options())
+                except ValueError:
+                    # The SDK refused the request (its Host or Origin), answered it (421, 403), logged
+                    # one line, and raises besides: that is not a failure of the daemon.
+                    if not answered or answered[0] < 400:
+                        raise
 
             def user(caller: Caller) -> Any:
                 return AuthenticatedUser(AccessToken(token="", client_id=caller.id, scopes=[]))
@@ -13746,9 +13948,24 @@ class _McpTransports:
             await asyncio.gather(self._task, return_exceptions=True)
 
 
-def mount_mcp(app: web.Application, engine: Engine, allowed_hosts: list[str]) -> None:
+def mcp_allowed(listen_hosts: Iterable[str], public_url: str | None) -> tuple[list[str], list[str]]:
+    """The `Host` and `Origin` values /mcp and /sse accept (the SDK's DNS-rebinding protection stays
+    on): loopback and the addresses the daemon listens at, on any port, and public_url's host and
+    origin, as a TLS proxy passes them on."""
+    names = {"127.0.0.1", "localhost", "::1",
+             *(h for h in listen_hosts if h and h not in ("0.0.0.0", "::"))}      # a wildcard names no host
+    hosts = {f"[{h}]:*" if ":" in h else f"{h}:*" for h in names}
+    origins = {f"http://{h}" for h in hosts}
+    public = public_origin(public_url)
+    if public is not None:
+        hosts.add(public[1])
+        origins.add(public[0])
+    return sorted(hosts), sorted(origins)
+
+
+def mount_mcp(app: web.Application, engine: Engine, listen_hosts: Iterable[str] = ()) -> None:
     """Streamable HTTP at /mcp and legacy SSE at /sse (+ /messages/) on the API's port."""
-    transports = _McpTransports(engine, allowed_hosts)
+    transports = _McpTransports(engine, *mcp_allowed(listen_hosts, engine.config.public_url))
     app[STREAMS_KEY] = set()
     app.router.add_route("*", "/mcp", transports.serve_mcp)
     app.router.add_get("/sse", transports.serve_sse)
@@ -14685,7 +14902,9 @@ async def h_login(request: web.Request) -> web.Response:
             return _see_other("/")          # a spent link opened again by someone signed in
         return web.Response(status=401, text=LOGIN_SPENT_HTML, content_type="text/html", headers=INBOX_HEADERS)
     resp = _see_other("/")
-    resp.set_cookie(SESSION_COOKIE, session, httponly=True, samesite="Strict", path="/", secure=request.secure)
+    public = engine.config.public_url or ""
+    resp.set_cookie(SESSION_COOKIE, session, httponly=True, samesite="Strict", path="/",
+                    secure=request.secure or public.startswith("https://"))      # behind a TLS proxy too
     return resp
 
 
@@ -15068,17 +15287,19 @@ def mount_web(app: web.Application) -> None:
 def build_app(engine: Engine, *, manage_engine: bool = True, hosts: Iterable[str] = (),
               access_log: bool = False) -> web.Application:
     """The aiohttp application over an engine (started and stopped with the app when asked); its
-    metrics count from now on, and `access_log` writes a line per request."""
+    metrics count from now on, `access_log` writes a line per request, and /mcp and /sse accept
+    `hosts` (the addresses it listens at) in `Host`."""
     app = web.Application(middlewares=[observe_middleware], client_max_size=MAX_BODY_BYTES)   # api_middleware within
     app[ENGINE_KEY] = engine
     app[TOKENS_KEY] = {}
+    app[CONNECTIONS_KEY] = Connections(engine.config.max_connections)
     app[METRICS_KEY] = Metrics(engine)
     app[ACCESS_LOG_KEY] = access_log
     # aiohttp tries the routes under /v1/orgs one after another, in the order they were added: a
     # run's and an answer's first (POST /runs 3.2 -> 2.0 us to resolve, an answer 6.0 -> 2.8 us).
     for r in sorted(ROUTES, key=lambda r: r.path not in _HOT_PATHS):
         app.router.add_route(r.method, r.path, r.handler)
-    mount_mcp(app, engine, sorted({"127.0.0.1:*", "localhost:*", "[::1]:*", *(f"{h}:*" for h in hosts)}))
+    mount_mcp(app, engine, hosts)
     mount_typed_api(app)
     mount_web(app)
 
@@ -15094,6 +15315,51 @@ def build_app(engine: Engine, *, manage_engine: bool = True, hosts: Iterable[str
             await engine.store.close()
         app.cleanup_ctx.append(lifecycle)
     return app
+
+
+def raise_open_file_limit() -> int:
+    """Raise the soft open-file limit to the hard one (every connection is a descriptor); the soft
+    limit it stands at now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    # An unlimited hard limit is refused as a soft one (Linux: fs.nr_open; macOS: OPEN_MAX): then the
+    # most the system takes.
+    for target in ((hard,) if hard != resource.RLIM_INFINITY else (1 << 20, 1 << 16, 10240)):
+        if soft != resource.RLIM_INFINITY and target > soft:
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+                break
+            except (ValueError, OSError):
+                continue
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+async def start_serving(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, asyncio.AbstractServer]:
+    """Start `app` and accept its connections at host:port, each through the app's `Connections`,
+    whose cap leaves FD_RESERVE descriptors under the open-file limit; stop with stop_serving.
+    OSError when it cannot listen there (the app is cleaned up)."""
+    limit = raise_open_file_limit()
+    conns = app[CONNECTIONS_KEY]
+    room = limit - min(FD_RESERVE, limit // 4)
+    if conns.cap > room:
+        log.warning("the open-file limit is %d: at most %d connections (max_connections: %d)", limit, room,
+                    conns.cap)
+        conns.cap = room
+    # No access log from aiohttp (a line per request cost 1/6 of the loop; `--access-log` writes ours).
+    runner = web.AppRunner(app, handle_signals=False, access_log=None, keepalive_timeout=KEEPALIVE_TIMEOUT_S)
+    await runner.setup()
+    try:
+        server = await asyncio.get_running_loop().create_server(conns.factory(runner.server), host, port,
+                                                                 backlog=LISTEN_BACKLOG)
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner, server
+
+
+async def stop_serving(runner: web.AppRunner, server: asyncio.AbstractServer) -> None:
+    """Stop accepting, then end every connection and the app (long polls and streams at once)."""
+    server.close()
+    await runner.cleanup()
 
 
 def _beside(db: str, suffix: str) -> Path:
@@ -15186,34 +15452,30 @@ async def _serve(args: Any, config: Config,
         _, login = create_token(tx, "operator", None, START_LOGIN_NAME, purpose="login")
         tx.close()
         engine = Engine(Store(db), _make_clock(args.clock, host), config)
-        app = build_app(engine, access_log=args.access_log)
-        runner = web.AppRunner(app, handle_signals=False, access_log=None)   # a log line per request cost 1/6 of the loop
-        await runner.setup()
-        site = web.TCPSite(runner, host, port)
+        app = build_app(engine, hosts=[host], access_log=args.access_log)
         try:
-            await site.start()
+            runner, server = await start_serving(app, host, port)
         except OSError as exc:
-            await runner.cleanup()
             print(f"interactiond: cannot listen on {host}:{port}: {exc.strerror or exc}"
                   " (another daemon there? choose another with --port)", file=sys.stderr)
             return 1
-        bound = runner.addresses[0][1] if runner.addresses else port
+        bound = server.sockets[0].getsockname()[1] if server.sockets else port
         url = f"http://{host}:{bound}"
         _write_private(_beside(db, ".url"), url + "\n")
         if not config.public_url:           # answer and sign-in links: the address it listens at
             engine.links.base = Config(host=host, port=bound).links_base
-        print(f"interactiond {__version__} serving {db_shown(db)} at {url}", flush=True)
-        print(f"inbox: {url}/login?token={login}", flush=True)
-        print(f"operator token: {_beside(db, '.token')}", flush=True)
-        stop = asyncio.Event()
+        stop = asyncio.Event()              # before the lines below: a stop right after them is a clean one
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        print(f"interactiond {__version__} serving {db_shown(db)} at {url}", flush=True)
+        print(f"inbox: {url}/login?token={login}", flush=True)
+        print(f"operator token: {_beside(db, '.token')}", flush=True)
         if after_start is not None:
             await after_start(engine, url)
         await stop.wait()
         log.info("stopping: in-flight tool calls get %g s to finish", SHUTDOWN_GRACE_S)
-        await runner.cleanup()
+        await stop_serving(runner, server)
         with contextlib.suppress(OSError):
             _beside(db, ".url").unlink()
         return 0
@@ -15239,7 +15501,7 @@ async def _stdio(args: Any, config: Config) -> int:
     lock = EngineLock(db)
     if not lock.acquire():
         return await _stdio_front(db, args.playbook, here or config.mcp_as)
-    runner = None
+    runner = listening = None
     try:
         ensure_operator_token(db)
         engine = Engine(Store(db), SystemClock(), config)
@@ -15249,11 +15511,9 @@ async def _stdio(args: Any, config: Config) -> int:
         await engine.store.open()
         await engine.start()
         if args.http is not None:
-            runner = web.AppRunner(build_app(engine, manage_engine=False, access_log=args.access_log),
-                                   handle_signals=False, access_log=None)
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", args.http).start()
-            bound = runner.addresses[0][1] if runner.addresses else args.http
+            runner, listening = await start_serving(build_app(engine, manage_engine=False, access_log=args.access_log),
+                                                    "127.0.0.1", args.http)
+            bound = listening.sockets[0].getsockname()[1] if listening.sockets else args.http
             _write_private(_beside(db, ".url"), f"http://127.0.0.1:{bound}\n")
             if not config.public_url:
                 engine.links.base = f"http://127.0.0.1:{bound}"
@@ -15266,8 +15526,8 @@ async def _stdio(args: Any, config: Config) -> int:
             await server.run(read, write, server.create_initialization_options())
         return 0
     finally:
-        if runner is not None:
-            await runner.cleanup()
+        if runner is not None and listening is not None:
+            await stop_serving(runner, listening)
             with contextlib.suppress(OSError):
                 _beside(db, ".url").unlink()
         if "engine" in locals():
@@ -15954,6 +16214,22 @@ def install_log_redaction() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
+class BadRequestFilter(logging.Filter):
+    """aiohttp logs a request it cannot parse (a bad request line, a bad header) with the parser's
+    traceback, several lines a request: one line instead, at WARNING (the client's mistake), saying
+    what was wrong but not quoting what was sent."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            first = (str(exc.message).strip().splitlines() or [""])[0]
+            reason = re.split(r"""\s*(?:bytearray\(|b'|b"|:$)""", first, maxsplit=1)[0].rstrip(" :")
+            record.msg, record.args = f"{record.getMessage()}: {exc.code} {reason or type(exc).__name__}", None
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
 class JsonLogFormatter(logging.Formatter):
     """`--log-format json`: one JSON object a line (time, level, logger, message, and the id of the
     HTTP request the line comes from; the traceback as `exc`)."""
@@ -15991,6 +16267,9 @@ def configure_logging(log_format: str = "text") -> None:
     else:
         handler.setFormatter(RequestIdTextFormatter("%(asctime)s %(levelname)s %(message)s"))
     logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+    server_log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, BadRequestFilter) for f in server_log.filters):
+        server_log.addFilter(BadRequestFilter())
     install_log_redaction()
 
 
@@ -16354,7 +16633,11 @@ def main(argv: list[str] | None = None) -> int:
             return _cli_client(args, db, config)
         if args.cmd == "stdio":
             return run_loop(_stdio(args, config))
-        return run_loop(_serve(args, config))
+        code = run_loop(_serve(args, config))
+        # Everything is closed: the collector need not walk every object once more on the way out
+        # (half a second of a stop's 2 s).
+        gc.freeze()
+        return code
     except CliError as exc:
         print(f"interactiond: {exc}", file=sys.stderr)
         return exc.code
