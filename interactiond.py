@@ -66,6 +66,7 @@ import contextvars
 import enum
 import fcntl
 import functools
+import gc
 import hashlib
 import heapq
 import hmac
@@ -313,7 +314,7 @@ MAX_SCHEMA_OBJECTS: Final = 1_000
 #: Runtime expressions (`${ }`) of one workflow: jq compiles each in about 2 ms, and takes time
 #: quadratic in the length of some (a text of 8 KiB of string interpolations took 0.8 s); so an
 #: expression is at most MAX_EXPRESSION_CHARS, and a workflow's are MAX_DOCUMENT_EXPRESSION_CHARS.
-MAX_DOCUMENT_EXPRESSIONS: Final = 256
+MAX_DOCUMENT_EXPRESSIONS: Final = 128
 MAX_EXPRESSION_CHARS: Final = 1 * KIB
 MAX_DOCUMENT_EXPRESSION_CHARS: Final = 16 * KIB
 #: Documents checked at once, each in a thread of its own: the event loop keeps its share of the
@@ -2898,9 +2899,46 @@ _DOCUMENT_CHECKS: Final = concurrent.futures.ThreadPoolExecutor(DOCUMENT_CHECK_T
                                                                 thread_name_prefix="document-check")
 
 
+class _CollectorPaused:
+    """Python's cycle collector paused while a document is checked.
+
+    A check makes a hundred thousand objects that live until it ends; meanwhile they would set off
+    a collection of the whole heap, which holds the GIL (so the event loop) for a tenth of a second
+    or more. Paused, they are freed by their reference counts when the check ends, and what is
+    left is collected young, in milliseconds. The collector runs again when no check does.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._checks = 0
+        self._resume = False
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if self._checks == 0:
+                self._resume = gc.isenabled()
+                gc.disable()
+            self._checks += 1
+
+    def __exit__(self, *exc: Any) -> None:
+        with self._lock:
+            self._checks -= 1
+            if self._checks == 0 and self._resume:
+                gc.enable()
+
+
+_COLLECTOR_PAUSED: Final = _CollectorPaused()
+
+
+def _check_paused(check: Callable[..., Any], *args: Any) -> Any:
+    with _COLLECTOR_PAUSED:
+        return check(*args)
+
+
 async def check_off_loop(check: Callable[..., Any], *args: Any) -> Any:
     """`check(*args)` (such as parse_function) in a document-checking thread, awaited."""
-    return await asyncio.get_running_loop().run_in_executor(_DOCUMENT_CHECKS, functools.partial(check, *args))
+    return await asyncio.get_running_loop().run_in_executor(
+        _DOCUMENT_CHECKS, functools.partial(_check_paused, check, *args))
 
 
 def parse_function(source: str) -> FunctionDoc:
@@ -10734,12 +10772,16 @@ _ERROR_PREFIXES: Final = ("https://on.auto/problems/", DSL_ERRORS, PROBLEM_BASE)
 # jq can read the process environment (`env`, `$ENV`) and a few other things a workflow must not
 # see; a prelude shadows them. The variables are bound from one input array, so a program compiles
 # once per text and scope, not once per evaluation. jq holds the GIL while it runs, so a program that
-# loops or swells would stall the whole daemon: programs run in one child process instead, bounded
-# in time and memory, and one that passes a bound is stopped (the process is started again).
+# loops or swells would stall the whole daemon: programs run in child processes instead, bounded
+# in time and memory, and one that passes a bound is stopped (its process with it). Runs do not
+# share one process: a program that runs to its bound delays no other run's (JqRunner).
 
 #: One evaluation of a runtime expression: real seconds, and the child process's address space.
 JQ_TIMEOUT_S: Final = 2.0
 JQ_MEMORY_BYTES: Final = 1024 * MIB
+#: Evaluations at once, each in a child process of its own (some 15 MB each): a slow expression
+#: holds up no other run's; past this many, an evaluation waits for a process to come free.
+JQ_WORKERS: Final = 4
 
 _JQ_GUARD: Final = (
     'def env: {}; def input_filename: null; def get_search_list: []; def get_prog_origin: null;'
@@ -10817,39 +10859,84 @@ class Expr:
 
 
 class JqRunner:
-    """Runs workflow expressions in one child process, one at a time, each within its bounds."""
+    """Runs workflow expressions in child processes, each within its bounds.
+
+    A process evaluates one expression at a time, and up to JQ_WORKERS evaluate at once: an
+    expression that runs to JQ_TIMEOUT_S holds up its own run, never another's. Processes are
+    started as they are needed and kept while idle; while one is free no other is started, and
+    while none is (and there is room) one more is started ahead, so the next evaluation does not
+    wait the tenth of a second a process takes to start.
+    """
 
     def __init__(self) -> None:
-        self._proc: asyncio.subprocess.Process | None = None
-        self._lock = asyncio.Lock()
+        self._idle: list[asyncio.subprocess.Process] = []
+        self._busy: set[asyncio.subprocess.Process] = set()
+        self._spare: asyncio.Task[asyncio.subprocess.Process] | None = None   # one being started ahead
+        self._slots = asyncio.Semaphore(JQ_WORKERS)
+
+    @staticmethod
+    async def _start() -> asyncio.subprocess.Process:
+        return await asyncio.create_subprocess_exec(
+            sys.executable, "-X", "utf8", "-c", _JQ_WORKER, stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, limit=2 * MAX_OUTPUT_BYTES)
+
+    async def _take(self) -> asyncio.subprocess.Process:
+        """A process for one evaluation: an idle one, the one started ahead, or a new one."""
+        while self._idle:
+            proc = self._idle.pop()
+            if proc.returncode is None:
+                return proc
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            with contextlib.suppress(OSError):
+                proc = await spare
+                if proc.returncode is None:
+                    return proc
+        return await self._start()
+
+    def _start_ahead(self) -> None:
+        if not self._idle and self._spare is None and len(self._busy) < JQ_WORKERS:
+            self._spare = asyncio.ensure_future(self._start())
+
+    @staticmethod
+    def _stop(proc: asyncio.subprocess.Process | None) -> None:
+        if proc is not None and proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+
+    async def _end(self, proc: asyncio.subprocess.Process | None) -> None:
+        self._stop(proc)
+        if proc is not None:
+            await proc.wait()
 
     async def eval(self, expr: Expr, dot: Any, scope: Mapping[str, Any]) -> Any:
         request = dumps({"p": _jq_source(expr.text, expr.names), "v": [dot, *(scope.get(n) for n in expr.names)]})
-        async with self._lock:
+        async with self._slots:
+            proc = None
             try:
-                if self._proc is None or self._proc.returncode is not None:
-                    self._proc = await asyncio.create_subprocess_exec(
-                        sys.executable, "-X", "utf8", "-c", _JQ_WORKER, stdin=asyncio.subprocess.PIPE,
-                        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, limit=2 * MAX_OUTPUT_BYTES)
-                assert self._proc.stdin is not None and self._proc.stdout is not None
-                self._proc.stdin.write(request.encode() + b"\n")
-                await self._proc.stdin.drain()
-                line = await asyncio.wait_for(self._proc.stdout.readline(), JQ_TIMEOUT_S)
+                proc = await self._take()
+                self._busy.add(proc)
+                self._start_ahead()
+                assert proc.stdin is not None and proc.stdout is not None
+                proc.stdin.write(request.encode() + b"\n")
+                await proc.stdin.drain()
+                line = await asyncio.wait_for(proc.stdout.readline(), JQ_TIMEOUT_S)
             except asyncio.TimeoutError:
-                await self.close()
+                await self._end(proc)
                 raise ExprError(f"{expr.quoted()} ran longer than {JQ_TIMEOUT_S:g} seconds and was stopped") from None
             except (OSError, ValueError, asyncio.LimitOverrunError) as exc:
-                await self.close()
+                await self._end(proc)
                 raise ExprError(f"{expr.quoted()} could not be run: {exc}") from None
-            except asyncio.CancelledError:
-                # A reply may still come; the next request must not read it as its own.
-                proc, self._proc = self._proc, None
-                if proc is not None and proc.returncode is None:
-                    proc.kill()
+            except BaseException:
+                # Cancelled: a reply may still come, and the next request must not read it as its own.
+                self._stop(proc)
                 raise
+            finally:
+                self._busy.discard(proc)      # type: ignore[arg-type]
             if not line:
-                await self.close()
+                await self._end(proc)
                 raise ExprError(f"{expr.quoted()} needed more memory than an expression may use and was stopped")
+            self._idle.append(proc)
         reply = json.loads(line)
         if "err" in reply:
             raise ExprError(f"{_jq_message(reply['err'])}, in {expr.quoted()}")
@@ -10870,10 +10957,15 @@ class JqRunner:
         return tree
 
     async def close(self) -> None:
-        proc, self._proc = self._proc, None
-        if proc is not None and proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
+        procs, self._idle = [*self._idle, *self._busy], []
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            spare.cancel()                # none started yet: none is
+            with contextlib.suppress(asyncio.CancelledError, OSError):
+                procs.append(await spare)
+        for proc in procs:
+            self._stop(proc)
+        for proc in procs:
             await proc.wait()
 
 
