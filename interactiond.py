@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import contextlib
 import contextvars
 import enum
@@ -306,6 +307,34 @@ TEMPLATE_NUMBER_DIGITS: Final = 4300
 #: The longest text `date` reads as a date (a longer one is no date and comes back as it is), and
 #: the longest format it takes.
 TEMPLATE_DATE_CHARS: Final = 1 * KIB
+
+#: Saving a document: what one function or workflow document may hold, so that checking any
+#: document up to MAX_BODY_BYTES takes a fraction of a second and a few MiB (the check runs off
+#: the event loop too, DOCUMENT_CHECK_THREADS at a time). Each bound is far above what a real
+#: document holds; past it the document is refused with the line where it passed.
+#: YAML nodes (each mapping, list and value): composing and checking one takes some 30 us.
+MAX_DOCUMENT_NODES: Final = 20_000
+#: How deep mappings and lists nest: the readers and JSON Schema checks recurse.
+MAX_DOCUMENT_DEPTH: Final = 64
+#: Liquid tags of all the templates of a document (`{{ }}`, `{% %}`, each line of a `{% liquid %}`):
+#: python-liquid parses and analyses each in Python.
+MAX_DOCUMENT_TAGS: Final = 2_000
+#: Characters inside those tags, together: a tag of a hundred thousand filters takes seconds to parse.
+MAX_DOCUMENT_MARKUP: Final = 64 * KIB
+#: Parentheses and brackets nested inside one tag: python-liquid takes time quadratic in the depth.
+MAX_TEMPLATE_NESTING: Final = 32
+#: Objects (schemas and mappings) in the JSON Schemas of a document, together: checking a schema
+#: against its meta-schema takes some 0.6 ms an object.
+MAX_SCHEMA_OBJECTS: Final = 1_000
+#: Runtime expressions (`${ }`) of one workflow: jq compiles each in about 2 ms, and takes time
+#: quadratic in the length of some (a text of 8 KiB of string interpolations took 0.8 s); so an
+#: expression is at most MAX_EXPRESSION_CHARS, and a workflow's are MAX_DOCUMENT_EXPRESSION_CHARS.
+MAX_DOCUMENT_EXPRESSIONS: Final = 128
+MAX_EXPRESSION_CHARS: Final = 1 * KIB
+MAX_DOCUMENT_EXPRESSION_CHARS: Final = 16 * KIB
+#: Documents checked at once, each in a thread of its own: the event loop keeps its share of the
+#: interpreter (the GIL) while they run.
+DOCUMENT_CHECK_THREADS: Final = 2
 
 #: Names.
 PLAYBOOK_RE: Final = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,62})/[a-z0-9](?:[a-z0-9-]{0,62})")
@@ -1417,13 +1446,101 @@ def _plain(value: Any) -> Any:
 _RESERVED_MEMBER_RE: Final = re.compile(
     r"(\"[^\"]*\"|'[^']*')|(?<=[\w\]?])\.(true|false|nil|null|empty|blank|and|or|contains|not|in|offset"
     r"|limit|reversed|cols|continue|with|for|as|if|else|required)(?![\w?-])")
-_LIQUID_MARKUP_RE: Final = re.compile(r"\{\{.*?\}\}|\{%.*?%\}", re.S)
+_MARKUP_OPEN_RE: Final = re.compile(r"\{[{%]")
+
+
+def _markup_spans(source: str, unclosed: bool = False) -> Iterable[tuple[int, int]]:
+    r"""Where the tags of a template are: each `{{ ... }}` and `{% ... %}`, start and end.
+
+    What `re.finditer(r"\{\{.*?\}\}|\{%.*?%\}", source, re.S)` finds, in time linear in the source
+    (that pattern looks for a closing from every opening: a text of unclosed `{{` took seconds).
+    With `unclosed`, an opening that nothing after it closes comes too, as (start, -1).
+    """
+    pos = 0
+    closes = {"{{": "}}", "{%": "%}"}
+    never: set[str] = set()             # openings no later text closes
+    while (m := _MARKUP_OPEN_RE.search(source, pos)) is not None:
+        start, opening = m.start(), m.group()
+        end = -1 if opening in never else source.find(closes[opening], start + 2)
+        if end < 0:
+            never.add(opening)
+            if unclosed:
+                yield start, -1
+            pos = start + 1
+            continue
+        yield start, end + 2
+        pos = end + 2
 
 
 def _unreserve(source: str) -> str:
     def member(m: re.Match[str]) -> str:
         return m.group(1) or f'["{m.group(2)}"]'
-    return _LIQUID_MARKUP_RE.sub(lambda m: _RESERVED_MEMBER_RE.sub(member, m.group(0)), source)
+    pieces, pos = [], 0
+    for start, end in _markup_spans(source):
+        pieces += [source[pos:start], _RESERVED_MEMBER_RE.sub(member, source[start:end])]
+        pos = end
+    return "".join(pieces) + source[pos:] if pieces else source
+
+
+#: What nests inside a tag: brackets, and the quoted texts whose brackets do not count.
+_NESTING_RE: Final = re.compile(r"""[(\[]|[)\]]|"[^"]*"|'[^']*'""")
+#: The tags whose text python-liquid's lexer takes whole, up to their end tag, and those ends.
+_VERBATIM_RE: Final = re.compile(r"\{%-?\s*(raw|doc)\s*-?%\}")
+_VERBATIM_END: Final = {name: re.compile(r"\{%-?\s*end" + name + r"\s*-?%\}") for name in ("raw", "doc")}
+
+
+@dataclass(slots=True)
+class MarkupBudget:
+    """What the templates of one document may still hold: tags and the characters inside them."""
+
+    tags: int = MAX_DOCUMENT_TAGS
+    chars: int = MAX_DOCUMENT_MARKUP
+    spent: bool = False                 # a template took it past a bound (refused once)
+
+
+def markup_problem(source: str, budget: MarkupBudget | None = None) -> tuple[int, str] | None:
+    """Why `source` is refused before it is parsed, as (index in it, message), or None.
+
+    python-liquid's lexer looks for the end of an opening from each one: an opening that nothing
+    closes (`{{` without `}}`), and a `{% raw %}` or `{% doc %}` without its end tag, are refused
+    here, where finding that out takes no time. So is a tag whose parentheses and brackets nest
+    past MAX_TEMPLATE_NESTING. `budget`, when given, is charged with the template's tags (a
+    `{% liquid %}` tag one a line) and the characters inside them, and the tag that takes it
+    past its bounds is refused.
+    """
+    verbatim_end = 0                    # the text up to here is a raw or doc block's
+    for start, end in _markup_spans(source, unclosed=True):
+        if start < verbatim_end:
+            continue
+        if end < 0:
+            opening = source[start:start + 2]
+            return start, f"`{opening}` opens a tag that nothing closes (`{'}}' if opening == '{{' else '%}'}`)"
+        verbatim = _VERBATIM_RE.fullmatch(source, start, end)
+        if verbatim:
+            name = verbatim.group(1)
+            closing = _VERBATIM_END[name].search(source, end)
+            if closing is None:
+                return start, f"`{{% {name} %}}` needs its `{{% end{name} %}}`"
+            verbatim_end = closing.end()
+        depth = 0
+        for m in _NESTING_RE.finditer(source, start, end):
+            bracket = m.group()
+            if bracket in ("(", "["):
+                depth += 1
+                if depth > MAX_TEMPLATE_NESTING:
+                    return m.start(), (f"parentheses and brackets nest more than {MAX_TEMPLATE_NESTING} deep"
+                                       " inside one tag")
+            elif bracket in (")", "]"):
+                depth = max(depth - 1, 0)
+        if budget is not None:
+            budget.tags -= 1 + source.count("\n", start, end)
+            budget.chars -= end - start
+            if budget.tags < 0 or budget.chars < 0:
+                budget.spent = True
+                return start, (f"the document's templates hold more than {MAX_DOCUMENT_TAGS} tags"
+                               if budget.tags < 0 else
+                               f"the document's templates hold more than {MAX_DOCUMENT_MARKUP // KIB} KiB in their tags")
+    return None
 
 
 # Plain templates. Most templates only print names: `{{ input.owner }}`, or a message of text
@@ -1682,13 +1799,22 @@ def _path_of(expr: Any) -> list[Any] | None:
     return path if isinstance(path, list) and path and isinstance(path[0], str) else None
 
 
-def check_template(source: str, line: int, place: Place,
-                   input_schema: Any = None) -> tuple[Template | None, list[tuple[int, str]]]:
-    """Compile `source` for `place`; the template, or the problems as (line, message) pairs."""
+def check_template(source: str, line: int, place: Place, input_schema: Any = None,
+                   budget: MarkupBudget | None = None) -> tuple[Template | None, list[tuple[int, str]]]:
+    """Compile `source` for `place`; the template, or the problems as (line, message) pairs.
+
+    `budget` is what the document's templates may still hold (`markup_problem`); once a template
+    has taken it past its bounds, the document is refused and its later templates are not parsed.
+    """
     problems: list[tuple[int, str]] = []
     if "${" in source:
         problems.append((line + _line_of(source, source.index("${")),
                          "a template holds no `${`: a document is never filled from the environment"))
+    if budget is not None and budget.spent:
+        return None, problems
+    found = markup_problem(source, budget)
+    if found is not None:
+        return None, problems + [(line + _line_of(source, found[0]), found[1])]
     try:
         template = Template(source, line)
     except LiquidError as exc:
@@ -2048,7 +2174,8 @@ def schema_errors(validator: Any, instance: Any, prefix: str = "") -> list[dict[
     """
     fast = _FAST_CHECKS.get(id(validator))
     if fast is not None and fast[0] is validator:
-        _FAST_CHECKS.move_to_end(id(validator))
+        with contextlib.suppress(KeyError):     # a document checked in a thread may have dropped it
+            _FAST_CHECKS.move_to_end(id(validator))
         try:
             if fast[1](instance):
                 return []
@@ -2439,22 +2566,79 @@ class DocumentError(Exception):
 
 # Reading the front matter with lines.
 
-class _FrontMatterLoader(yaml.SafeLoader):
-    """Composes YAML 1.2 core scalars only, and refuses anchors and aliases."""
+try:
+    from yaml._yaml import CParser as _YamlEvents    # libyaml: a MiB of YAML read in milliseconds
+except ImportError:                                  # PyYAML built without it: its reader in Python
+    _YamlEvents = yaml.SafeLoader
+
+
+class _TooLarge(yaml.MarkedYAMLError):
+    """A document past MAX_DOCUMENT_NODES or MAX_DOCUMENT_DEPTH, marked where it passed."""
+
+
+class _FrontMatterLoader(yaml.composer.Composer, yaml.resolver.Resolver):
+    """Composes YAML 1.2 core scalars only, refuses anchors and aliases, and stops at the bounds.
+
+    libyaml reads the text into events, which are composed here, in Python, with their marks; the
+    composing stops at the node past MAX_DOCUMENT_NODES or MAX_DOCUMENT_DEPTH (`_TooLarge`), so
+    neither the time nor the memory of composing grows with what a document holds past them.
+    """
 
     yaml_implicit_resolvers: dict[Any, Any] = {}
 
+    def __init__(self, text: str) -> None:
+        yaml.composer.Composer.__init__(self)
+        yaml.resolver.Resolver.__init__(self)
+        self.text = text
+        self.nodes = 0
+        self.depth = 0
+        self.events = self._read(_YamlEvents, text)
+
+    def _read(self, step: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return step(*args)
+        except UnicodeEncodeError as exc:   # libyaml reads UTF-8, which a lone surrogate is not
+            raise yaml.reader.ReaderError("<unicode string>", exc.start, ord(self.text[exc.start]), "unicode",
+                                          "special characters are not allowed") from None
+        except yaml.reader.ReaderError as exc:
+            if _YamlEvents is not yaml.SafeLoader:   # libyaml's position counts bytes of UTF-8
+                exc.position = len(self.text.encode("utf-8", "surrogatepass")[:exc.position].decode("utf-8", "ignore"))
+            raise
+
+    def check_event(self, *choices: Any) -> bool:
+        return self._read(self.events.check_event, *choices)
+
+    def peek_event(self) -> Any:
+        return self._read(self.events.peek_event)
+
+    def get_event(self) -> Any:
+        return self._read(self.events.get_event)
+
+    def dispose(self) -> None:
+        self.events.dispose()
+
     def compose_node(self, parent: Any, index: Any) -> Any:
+        event = self.peek_event()
+        self.nodes += 1
+        if self.nodes > MAX_DOCUMENT_NODES:
+            raise _TooLarge(problem=f"the document holds more than {MAX_DOCUMENT_NODES} YAML nodes"
+                            " (mappings, lists and values)", problem_mark=event.start_mark)
+        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)) and self.depth >= MAX_DOCUMENT_DEPTH:
+            raise _TooLarge(problem=f"mappings and lists nest more than {MAX_DOCUMENT_DEPTH} deep",
+                            problem_mark=event.start_mark)
         # Refused, not raised, so the document's other problems still come back: an alias
         # becomes a scalar that `_scalar` refuses, an anchor a mark that `construct` reports.
-        event = self.peek_event()
         if isinstance(event, yaml.AliasEvent):
             self.get_event()
             return yaml.ScalarNode(_ALIAS_TAG, "", event.start_mark, event.end_mark)
         anchored = getattr(event, "anchor", None) is not None
         if anchored:
             event.anchor = None
-        node = super().compose_node(parent, index)
+        self.depth += 1
+        try:
+            node = super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
         node.anchored = anchored
         return node
 
@@ -2505,6 +2689,8 @@ class _Reader:
     def __init__(self) -> None:
         self.where: dict[tuple[Any, ...], _Where] = {}
         self.problems: list[dict[str, Any]] = []
+        self.markup = MarkupBudget()        # what the document's templates may still hold
+        self.room = {"schema objects": MAX_SCHEMA_OBJECTS}   # what its JSON Schemas may still hold
 
     def line(self, path: tuple[Any, ...]) -> int:
         while path:
@@ -2612,6 +2798,13 @@ class _Reader:
         if not isinstance(value, (dict, bool)):
             self.add(path, "is a JSON Schema: a mapping such as {type: object, properties: ...}")
             return None
+        room = self.room["schema objects"]
+        if room < 0:                    # refused already: the document is
+            return None
+        room = self.room["schema objects"] = room - _objects_in(value)
+        if room < 0:
+            self.add(path, f"the document's JSON Schemas hold more than {MAX_SCHEMA_OBJECTS} objects together")
+            return None
         problem = _schema_problem(value)
         if problem:
             self.add(path + problem[0], problem[1])
@@ -2622,7 +2815,7 @@ class _Reader:
                  line: int | None = None) -> Template | None:
         if self.text(path, value, "a template") is None:
             return None
-        template, problems = check_template(value, line or self.text_line(path), place, input_schema)
+        template, problems = check_template(value, line or self.text_line(path), place, input_schema, self.markup)
         for at, message in problems:
             self.add(path, message, line=at)
         return template
@@ -2664,6 +2857,7 @@ class _Within(_Reader):
 
     def __init__(self, outer: _Reader, prefix: tuple[Any, ...]) -> None:
         self.where, self.problems, self.prefix = outer.where, outer.problems, prefix
+        self.markup, self.room = outer.markup, outer.room
 
     def line(self, path: tuple[Any, ...]) -> int:
         return super().line(self.prefix + path)
@@ -2674,6 +2868,19 @@ class _Within(_Reader):
     def add(self, path: tuple[Any, ...], message: str, line: int | None = None) -> None:
         self.problems.append({"line": line or self.line(path), "field": ".".join(map(str, self.prefix + path)),
                               "message": message})
+
+
+def _objects_in(value: Any) -> int:
+    """The mappings within `value`, itself included."""
+    count, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            count += 1
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return count
 
 
 def _text_line(node: Any) -> int:
@@ -2713,6 +2920,8 @@ def _compose(r: _Reader, text: str) -> dict[str, Any]:
     try:
         loader = _FrontMatterLoader(text)
         node = loader.get_single_node()
+    except _TooLarge as exc:
+        raise DocumentError([{"line": exc.problem_mark.line + _FRONT_OFFSET, "field": "", "message": exc.problem}]) from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = mark.line + _FRONT_OFFSET if mark else 1
@@ -2738,6 +2947,56 @@ _FIELDS: Final = ("description", "call", "approve", "to", "from", "expires", "de
 _NOT_WITH_CALL: Final = ("to", "from", "expires", "deliver", "replies", "reply", "remind", "escalate", "on_expiry")
 _SERVER_RULE: Final = "1 to 32 lowercase letters, digits and hyphens, starting with a letter"
 _TOOL_RULE: Final = "1 to 128 letters, digits, underscores, hyphens and dots"
+
+
+#: The threads documents are checked in when they are saved (DOCUMENT_CHECK_THREADS of them,
+#: started on first use): checking a large document takes a good part of a second of Python, which
+#: the event loop must not wait for. A check holds the GIL for a few milliseconds at a time, so
+#: the loop still answers (GET /healthz within a few tens of milliseconds) while one runs.
+_DOCUMENT_CHECKS: Final = concurrent.futures.ThreadPoolExecutor(DOCUMENT_CHECK_THREADS,
+                                                                thread_name_prefix="document-check")
+
+
+class _CollectorPaused:
+    """Python's cycle collector paused while a document is checked.
+
+    A check makes a hundred thousand objects that live until it ends; meanwhile they would set off
+    a collection of the whole heap, which holds the GIL (so the event loop) for a tenth of a second
+    or more. Paused, they are freed by their reference counts when the check ends, and what is
+    left is collected young, in milliseconds. The collector runs again when no check does.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._checks = 0
+        self._resume = False
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if self._checks == 0:
+                self._resume = gc.isenabled()
+                gc.disable()
+            self._checks += 1
+
+    def __exit__(self, *exc: Any) -> None:
+        with self._lock:
+            self._checks -= 1
+            if self._checks == 0 and self._resume:
+                gc.enable()
+
+
+_COLLECTOR_PAUSED: Final = _CollectorPaused()
+
+
+def _check_paused(check: Callable[..., Any], *args: Any) -> Any:
+    with _COLLECTOR_PAUSED:
+        return check(*args)
+
+
+async def check_off_loop(check: Callable[..., Any], *args: Any) -> Any:
+    """`check(*args)` (such as parse_function) in a document-checking thread, awaited."""
+    return await asyncio.get_running_loop().run_in_executor(
+        _DOCUMENT_CHECKS, functools.partial(_check_paused, check, *args))
 
 
 def parse_function(source: str) -> FunctionDoc:
@@ -8572,7 +8831,7 @@ class Definitions:
             raise Problem("invalid_document", f"the document {NUL_MESSAGE} (line {line})",
                           errors=[{"line": line, "field": "", "pointer": "/source", "message": f"this line {NUL_MESSAGE}"}])
         try:
-            doc = self._parse(type_, source, name)
+            doc = await check_off_loop(self._parse, type_, source, name)
         except DocumentError as exc:
             raise Problem("invalid_document", f"the document breaks {len(exc.problems)} rule(s)",
                           errors=exc.problems) from None
@@ -10716,12 +10975,16 @@ _ERROR_PREFIXES: Final = ("https://on.auto/problems/", DSL_ERRORS, PROBLEM_BASE)
 # jq can read the process environment (`env`, `$ENV`) and a few other things a workflow must not
 # see; a prelude shadows them. The variables are bound from one input array, so a program compiles
 # once per text and scope, not once per evaluation. jq holds the GIL while it runs, so a program that
-# loops or swells would stall the whole daemon: programs run in one child process instead, bounded
-# in time and memory, and one that passes a bound is stopped (the process is started again).
+# loops or swells would stall the whole daemon: programs run in child processes instead, bounded
+# in time and memory, and one that passes a bound is stopped (its process with it). Runs do not
+# share one process: a program that runs to its bound delays no other run's (JqRunner).
 
 #: One evaluation of a runtime expression: real seconds, and the child process's address space.
 JQ_TIMEOUT_S: Final = 2.0
 JQ_MEMORY_BYTES: Final = 1024 * MIB
+#: Evaluations at once, each in a child process of its own (some 15 MB each): a slow expression
+#: holds up no other run's; past this many, an evaluation waits for a process to come free.
+JQ_WORKERS: Final = 4
 
 _JQ_GUARD: Final = (
     'def env: {}; def input_filename: null; def get_search_list: []; def get_prog_origin: null;'
@@ -10799,39 +11062,84 @@ class Expr:
 
 
 class JqRunner:
-    """Runs workflow expressions in one child process, one at a time, each within its bounds."""
+    """Runs workflow expressions in child processes, each within its bounds.
+
+    A process evaluates one expression at a time, and up to JQ_WORKERS evaluate at once: an
+    expression that runs to JQ_TIMEOUT_S holds up its own run, never another's. Processes are
+    started as they are needed and kept while idle; while one is free no other is started, and
+    while none is (and there is room) one more is started ahead, so the next evaluation does not
+    wait the tenth of a second a process takes to start.
+    """
 
     def __init__(self) -> None:
-        self._proc: asyncio.subprocess.Process | None = None
-        self._lock = asyncio.Lock()
+        self._idle: list[asyncio.subprocess.Process] = []
+        self._busy: set[asyncio.subprocess.Process] = set()
+        self._spare: asyncio.Task[asyncio.subprocess.Process] | None = None   # one being started ahead
+        self._slots = asyncio.Semaphore(JQ_WORKERS)
+
+    @staticmethod
+    async def _start() -> asyncio.subprocess.Process:
+        return await asyncio.create_subprocess_exec(
+            sys.executable, "-X", "utf8", "-c", _JQ_WORKER, stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, limit=2 * MAX_OUTPUT_BYTES)
+
+    async def _take(self) -> asyncio.subprocess.Process:
+        """A process for one evaluation: an idle one, the one started ahead, or a new one."""
+        while self._idle:
+            proc = self._idle.pop()
+            if proc.returncode is None:
+                return proc
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            with contextlib.suppress(OSError):
+                proc = await spare
+                if proc.returncode is None:
+                    return proc
+        return await self._start()
+
+    def _start_ahead(self) -> None:
+        if not self._idle and self._spare is None and len(self._busy) < JQ_WORKERS:
+            self._spare = asyncio.ensure_future(self._start())
+
+    @staticmethod
+    def _stop(proc: asyncio.subprocess.Process | None) -> None:
+        if proc is not None and proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+
+    async def _end(self, proc: asyncio.subprocess.Process | None) -> None:
+        self._stop(proc)
+        if proc is not None:
+            await proc.wait()
 
     async def eval(self, expr: Expr, dot: Any, scope: Mapping[str, Any]) -> Any:
         request = dumps({"p": _jq_source(expr.text, expr.names), "v": [dot, *(scope.get(n) for n in expr.names)]})
-        async with self._lock:
+        async with self._slots:
+            proc = None
             try:
-                if self._proc is None or self._proc.returncode is not None:
-                    self._proc = await asyncio.create_subprocess_exec(
-                        sys.executable, "-X", "utf8", "-c", _JQ_WORKER, stdin=asyncio.subprocess.PIPE,
-                        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, limit=2 * MAX_OUTPUT_BYTES)
-                assert self._proc.stdin is not None and self._proc.stdout is not None
-                self._proc.stdin.write(request.encode() + b"\n")
-                await self._proc.stdin.drain()
-                line = await asyncio.wait_for(self._proc.stdout.readline(), JQ_TIMEOUT_S)
+                proc = await self._take()
+                self._busy.add(proc)
+                self._start_ahead()
+                assert proc.stdin is not None and proc.stdout is not None
+                proc.stdin.write(request.encode() + b"\n")
+                await proc.stdin.drain()
+                line = await asyncio.wait_for(proc.stdout.readline(), JQ_TIMEOUT_S)
             except asyncio.TimeoutError:
-                await self.close()
+                await self._end(proc)
                 raise ExprError(f"{expr.quoted()} ran longer than {JQ_TIMEOUT_S:g} seconds and was stopped") from None
             except (OSError, ValueError, asyncio.LimitOverrunError) as exc:
-                await self.close()
+                await self._end(proc)
                 raise ExprError(f"{expr.quoted()} could not be run: {exc}") from None
-            except asyncio.CancelledError:
-                # A reply may still come; the next request must not read it as its own.
-                proc, self._proc = self._proc, None
-                if proc is not None and proc.returncode is None:
-                    proc.kill()
+            except BaseException:
+                # Cancelled: a reply may still come, and the next request must not read it as its own.
+                self._stop(proc)
                 raise
+            finally:
+                self._busy.discard(proc)      # type: ignore[arg-type]
             if not line:
-                await self.close()
+                await self._end(proc)
                 raise ExprError(f"{expr.quoted()} needed more memory than an expression may use and was stopped")
+            self._idle.append(proc)
         reply = json.loads(line)
         if "err" in reply:
             raise ExprError(f"{_jq_message(reply['err'])}, in {expr.quoted()}")
@@ -10852,10 +11160,15 @@ class JqRunner:
         return tree
 
     async def close(self) -> None:
-        proc, self._proc = self._proc, None
-        if proc is not None and proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
+        procs, self._idle = [*self._idle, *self._busy], []
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            spare.cancel()                # none started yet: none is
+            with contextlib.suppress(asyncio.CancelledError, OSError):
+                procs.append(await spare)
+        for proc in procs:
+            self._stop(proc)
+        for proc in procs:
             await proc.wait()
 
 
@@ -10989,6 +11302,8 @@ def _compose_workflow(r: _Reader, source: str) -> dict[str, Any]:
     try:
         loader = _FrontMatterLoader(text)
         node = loader.get_single_node()
+    except _TooLarge as exc:
+        raise DocumentError([{"line": exc.problem_mark.line + 1, "field": "", "message": exc.problem}]) from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         raise DocumentError([{"line": mark.line + 1 if mark else 1, "field": "",
@@ -11019,6 +11334,7 @@ class _WorkflowReader:
         self.tasks: dict[str, WfTask] = {}
         self.lists: dict[str, tuple[WfTask, ...]] = {}
         self.calls: list[tuple[str, str, int, str]] = []
+        self.expressions = [0, 0]       # expressions and their characters so far (past the bounds none compiles)
 
     def read(self, data: dict[str, Any]) -> WorkflowDoc | None:
         r = self.r
@@ -11128,6 +11444,20 @@ class _WorkflowReader:
     def compile(self, path: tuple[Any, ...], text: str, names: tuple[str, ...]) -> Expr | None:
         if not text.strip():
             self.r.add(path, "the runtime expression is empty")
+            return None
+        if len(text) > MAX_EXPRESSION_CHARS:
+            self.r.add(path, f"the runtime expression is longer than {MAX_EXPRESSION_CHARS} characters",
+                       line=self.r.text_line(path))
+            return None
+        count, chars = self.expressions
+        if count > MAX_DOCUMENT_EXPRESSIONS or chars > MAX_DOCUMENT_EXPRESSION_CHARS:
+            return None                 # refused already: the document is
+        count, chars = self.expressions = [count + 1, chars + len(text)]
+        if count > MAX_DOCUMENT_EXPRESSIONS or chars > MAX_DOCUMENT_EXPRESSION_CHARS:
+            self.r.add(path, f"the workflow holds more than {MAX_DOCUMENT_EXPRESSIONS} runtime expressions"
+                       if count > MAX_DOCUMENT_EXPRESSIONS else
+                       f"the workflow's runtime expressions take more than {MAX_DOCUMENT_EXPRESSION_CHARS // KIB} KiB",
+                       line=self.r.text_line(path))
             return None
         try:
             _jq_program(text, names)
