@@ -220,7 +220,8 @@ def test_wait_shows_that_it_waits_and_exits_by_the_ending(served):
     assert waiter.stderr.readline() == f"waiting for run {rid} to end\n"
     cli("answer", rid, '{"decision": "publish"}', cwd=cwd)
     out, err = waiter.communicate(timeout=60)
-    assert waiter.returncode == 0 and json.loads(out)["output"] == {"decision": "publish"} and not err
+    assert waiter.returncode == 0 and json.loads(out)["output"] == {"decision": "publish"}
+    assert re.fullmatch(r"answered by first start on \d{4}-\d\d-\d\d \d\d:\d\d UTC\n", err), err   # who, in words
     rid2 = json.loads(cli("run", "interaction", "approve-brief", "--input", BRIEF, cwd=cwd).stdout)["run_id"]
     cli("cancel", rid2, cwd=cwd)
     ended = cli("wait", rid2, cwd=cwd, code=1)
