@@ -3539,8 +3539,8 @@ def load_config(path: str | None, environ: dict[str, str] | None = None) -> Conf
 # reader. Asyncio code hands the writer a whole *change* - a plain function of the connection -
 # and awaits its commit; the writer takes every change waiting in its queue, runs them one after
 # another in one `BEGIN IMMEDIATE` transaction, commits once, and only then answers each caller.
-# So sixteen concurrent answers share one commit, and one change that raises fails alone (when it
-# wrote part of itself, the transaction is undone and the others run again: SQLiteTx.run_begun).
+# So sixteen concurrent answers share one commit; each change runs in a savepoint of its own, so
+# one that raises is undone and fails alone, its neighbours commit, and no change runs twice.
 # A change never awaits anything: no transaction is ever held across a
 # tool call or a network round trip.
 #
@@ -4298,13 +4298,11 @@ class Store:
         """Run `change(conn, effects)` in the next group commit; resolves after COMMIT.
 
         `ahead` names what the change reads first - ("request", playbook, run_id): the request of a
-        run - which a server's store may read for the whole group commit in one round trip, before
-        its changes run (PostgresTx.run_begun); a file's reads it as the change asks.
+        run. It is a hint a backend may use; both read it as the change asks.
 
-        A change reaches the database through `conn` and the daemon through `effects` only, and may
-        run more than once before it commits (when another change of its group commit fails having
-        written part of itself, or fails late on a server: SQLiteTx.run_begun, PostgresTx.run_begun);
-        what it leaves elsewhere it leaves from its result.
+        A change reaches the database through `conn` and the daemon through `effects` only, and runs
+        once, in a savepoint of its own within the group commit (SQLiteTx.run_begun): when it raises,
+        what it wrote is undone and the other changes of the group commit stand.
 
         The changes and readings asked for in one turn of the event loop go to their threads
         together, at the end of the turn (changes that commit on the loop gather a little longer:
@@ -4416,7 +4414,7 @@ class SQLiteTx:
         self.conn.close()
 
     # The edges of a transaction, as the writer thread drives them: a group commit opens one
-    # transaction and runs its changes one after another in it, with no savepoint between them.
+    # transaction and runs its changes one after another in it, each in a savepoint of its own.
 
     def begin(self) -> None:
         """Open the group commit's transaction, holding the write lock from its start (waiting the
@@ -4458,47 +4456,29 @@ class SQLiteTx:
 
     def run_begun(self, batch: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
         """Run each change `(change, future, effects, ahead)` of a batch in the transaction just begun,
-        and commit: (future, result, problem, effects) of each. The writer thread (and the loop's
-        commit_here) drives this; the backend says how its changes travel.
+        each in a savepoint of its own (run_change), and commit: (future, result, problem, effects) of
+        each. The writer thread (and the loop's commit_here) drives this.
 
-        A change that raises having written nothing fails alone, and the others go on. One that
-        raises having written part of itself (a guard that failed after its first statements) has
-        the transaction undone: it fails, and every other change runs again, in order, in a new
-        transaction (Store.write: a change may run more than once). No savepoint frames each change:
-        a savepoint copies every page the change touches, which cost a tenth of a change's writes
-        (measured), to undo what a change rarely leaves half done. A commit that fails fails all."""
-        conn = self.conn
-        settled: list[tuple[Any, ...]] = []     # changes that failed half written: their problem stands
-        items = batch
-        while True:
-            out: list[tuple[Any, ...]] = []
-            again = None
-            for i, (fn, fut, fx, _) in enumerate(items):
-                wrote = conn.total_changes
-                try:
-                    result = fn(self, fx)
-                except BaseException as exc:
-                    if not self.in_transaction():
-                        # A full disk or an I/O error rolled the whole transaction back: the changes
-                        # before this one are gone too, and the ones after it must not run outside one.
-                        failure = self.problem(exc)
-                        with contextlib.suppress(*self.errors):
-                            self.rollback()
-                        return settled + [(f, None, failure, None) for f, *_ in out] + \
-                            [(f, None, failure, None) for _, f, *_ in items[i:]]
-                    if conn.total_changes == wrote:
-                        out.append((fut, None, self.problem(exc), None))     # nothing of it to undo
-                        continue
-                    settled.append((fut, None, self.problem(exc), None))
-                    again = [(f, fu, Effects(), a) for f, fu, _, a in items[:i] + items[i + 1:]]
-                    break
-                out.append((fut, result, None, fx))
-            if again is None:
-                break
-            ended = self._run_again(again)
-            if ended is not None:
-                return settled + ended
-            items = again
+        A change that raises is undone back to its savepoint and fails alone: the changes before and
+        after it keep what they wrote, and none runs twice. A failure that ends the transaction
+        itself (a full disk, an I/O error, a lost connection) fails every change of the batch, as
+        does a commit that fails."""
+        out: list[tuple[Any, ...]] = []
+        for i, (fn, fut, fx, _) in enumerate(batch):
+            try:
+                result = self.run_change(fn, fx)
+            except BaseException as exc:
+                if not self.in_transaction():
+                    # The whole transaction is gone: the changes before this one with it, and the ones
+                    # after it must not run outside one.
+                    failure = self.problem(exc)
+                    with contextlib.suppress(*self.errors):
+                        self.rollback()
+                    return [(f, None, failure if e is None else e, None) for f, _, e, _ in out] + \
+                        [(f, None, failure, None) for _, f, *_ in batch[i:]]
+                out.append((fut, None, self.problem(exc), None))
+                continue
+            out.append((fut, result, None, fx))
         try:
             self.before_commit([fx for *_, fx in out if fx is not None])
             self.commit()
@@ -4506,22 +4486,24 @@ class SQLiteTx:
             with contextlib.suppress(*self.errors):
                 self.rollback()
             failure = self.problem(exc, f"the database refused the write: {exc}")
-            return settled + [(fut, None, failure, None) for fut, *_ in out]
-        return settled + out
+            return [(fut, None, failure if e is None else e, None) for fut, _, e, _ in out]
+        return out
 
-    def _run_again(self, items: list[tuple[Any, ...]]) -> list[tuple[Any, ...]] | None:
-        """The transaction undone, a new one begun for `items` to run again in: None; or what they
-        come to when none is left to run, or when no transaction begins (its problem, each)."""
-        with contextlib.suppress(*self.errors):
-            self.rollback()
-        if not items:
-            return []
+    def run_change(self, change: Callable[..., Any], fx: Effects) -> Any:
+        """`change(self, fx)` in a savepoint: what it wrote is undone when it raises (if the transaction
+        still stands), and the error goes on."""
+        conn = self.conn
+        conn.execute("SAVEPOINT change")
         try:
-            self.begin()
-        except BaseException as exc:
-            failure = self.problem(exc)
-            return [(fut, None, failure, None) for _, fut, *_ in items]
-        return None
+            result = change(self, fx)
+        except BaseException:
+            if conn.in_transaction:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.execute("ROLLBACK TO change")
+                    conn.execute("RELEASE change")
+            raise
+        conn.execute("RELEASE change")
+        return result
 
     def before_commit(self, changes: list[Effects]) -> None:
         """Last in the transaction, with the effects of the changes it commits: nothing to tell others
@@ -5882,217 +5864,57 @@ class PgRow:
         return f"PgRow({dict(zip(self._names, self._values))!r})"
 
 
-class _PgLazyRow(PgRow):
-    """The one row of a statement still in its connection's queue, read when first looked at (by
-    the change's end its round trip has gone, so reading it then costs none)."""
-
-    __slots__ = ("_result",)
-
-    def __init__(self, result: "_PgResult") -> None:     # PgRow's own slots stay unset: _row() reads
-        self._result = result
-
-    def _row(self) -> PgRow:
-        rows = self._result.rows
-        if not rows:
-            raise RuntimeError("the statement returned no row")
-        return rows[0]
-
-    def __getitem__(self, key: str | int) -> Any:
-        return self._row()[key]
-
-    def keys(self) -> list[str]:
-        return self._row().keys()
-
-    def as_dict(self) -> dict[str, Any]:
-        return self._row().as_dict()
-
-    def __iter__(self) -> Any:
-        return iter(self._row())
-
-    def __len__(self) -> int:
-        return len(self._row())
-
-    def __repr__(self) -> str:
-        return repr(self._row())
+def _pg_rows(cursor: Any) -> Callable[[Any], PgRow]:
+    """psycopg's row factory for the store: each row a PgRow, the result's column names worked out
+    once for all its rows."""
+    names: dict[str, int] = {}
+    for i, column in enumerate(cursor.description or ()):
+        names.setdefault(column.name, i)            # a name twice (a join's *): the first
+    return lambda values: PgRow(values, names)
 
 
-class _PgAsWritten(dict):  # type: ignore[type-arg]
-    """A row as a change wrote it, some of whose values (an event's id) are still to come back from
-    the server: each is read when looked at, by the change's end without a round trip of its own."""
+@functools.lru_cache(maxsize=1)
+def _pg_cursor() -> type:
+    """psycopg's cursor, but for its rowcount: in pipeline mode it waits for the statement's result
+    first, as reading the rows does (a guard that counts the rows it changed reads it)."""
+    psycopg = _psycopg()
 
-    def __getitem__(self, key: str) -> Any:
-        value = dict.__getitem__(self, key)
-        return value.value if type(value) is _PgResult else value
+    class PgCursor(psycopg.Cursor):  # type: ignore[misc,name-defined]
+        @property
+        def rowcount(self) -> int:
+            self._fetch_pipeline()
+            return super().rowcount  # type: ignore[no-any-return]
 
-    def __iter__(self) -> Any:                  # so dict(row) and {**row} go through __getitem__
-        return dict.__iter__(self)
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self[key] if key in self else default
-
-    def values(self) -> Any:
-        return [self[k] for k in self]
-
-    def items(self) -> Any:
-        return [(k, self[k]) for k in self]
-
-
-class _PgResult:
-    """A statement's result as sqlite3's cursor gives it to the store: fetchone, fetchall, iteration
-    (rows as PgRow) and rowcount. Within a write transaction the statement waits in its connection's
-    queue until something reads a result (this one or a later one's) or the change ends: every
-    statement whose result nobody reads travels with the next round trip (see _PgConn)."""
-
-    __slots__ = ("_conn", "_sql", "_rows", "_rowcount", "_status", "_error", "_next", "_check", "_owner")
-
-    def __init__(self, conn: "_PgConn", sql: str) -> None:
-        self._conn = conn
-        self._sql = sql
-        self._owner = conn.owner                   # the change of its group commit that sent it (PostgresTx)
-        self._check: Callable[[], BaseException] | None = None     # see _PgConn.expect
-        self._rows: list[PgRow] | None = None      # None: not yet back from the server
-        self._rowcount = -1
-        self._status = b""
-        self._error: BaseException | None = None
-        self._next = 0
-
-    @classmethod
-    def holding(cls, conn: "_PgConn", row: PgRow) -> "_PgResult":
-        """A result that came back already: `row`."""
-        result = cls(conn, "")
-        result._rows, result._rowcount = [row], 1
-        return result
-
-    def _settled(self) -> None:
-        if self._rows is None and self._error is None:
-            self._conn.sync()
-        if self._error is not None:
-            raise self._error
-        if self._rows is None:                      # sent after a failure, so never run
-            raise RuntimeError("the statement did not run: an earlier one of its round trip failed")
-
-    @property
-    def rows(self) -> list[PgRow]:
-        self._settled()
-        return self._rows                           # type: ignore[return-value]
-
-    @property
-    def rowcount(self) -> int:
-        self._settled()
-        return self._rowcount
-
-    @property
-    def statusmessage(self) -> str:
-        self._settled()
-        return self._status.decode()
-
-    @property
-    def value(self) -> Any:
-        """The first column of the first row (an id the statement returned)."""
-        return self.rows[0][0]
-
-    def fetchone(self) -> PgRow | None:
-        rows = self.rows
-        if self._next >= len(rows):
-            return None
-        self._next += 1
-        return rows[self._next - 1]
-
-    def fetchall(self) -> list[PgRow]:
-        rows = self.rows
-        rows, self._next = rows[self._next:], len(rows)
-        return rows
-
-    def __iter__(self) -> Any:
-        return iter(self.fetchall())
+    return PgCursor
 
 
 @functools.lru_cache(maxsize=1024)
 def _pg_sql(sql: str) -> str:
-    """The store's SQL with psycopg's placeholders (`?` as `%s`, a literal `%` doubled), for the few
-    statements run through psycopg's cursors (a copy's batches). No statement of the store holds a
-    `?` inside a string literal."""
+    """The store's SQL with psycopg's placeholders (`?` as `%s`, a literal `%` doubled). No statement
+    of the store holds a `?` inside a string literal."""
     return sql.replace("%", "%%").replace("?", "%s")
 
 
-@functools.lru_cache(maxsize=1024)
-def _pg_native(sql: str) -> bytes:
-    """The store's SQL with the server's own placeholders: each `?` as $1, $2, ... in turn."""
-    parts = sql.split("?")
-    return "".join(p + (f"${i + 1}" if i < len(parts) - 1 else "") for i, p in enumerate(parts)).encode()
-
-
-def _with_parts(sql: str) -> tuple[str, str]:
-    """A statement as its WITH list ("WITH a AS (...), b AS (...)", or "") and the statement after it."""
-    if not sql.startswith("WITH "):
-        return "", sql
-    depth, quoted, i = 0, False, 5
-    while i < len(sql):
-        ch = sql[i]
-        if quoted:
-            quoted = ch != "'"
-        elif ch == "'":
-            quoted = True
-        elif ch == "(":
-            depth += 1
-        elif ch == ")":
-            depth -= 1
-            if depth == 0:
-                rest = sql[i + 1:].lstrip()
-                if not rest.startswith(","):
-                    return sql[:i + 1], rest
-        i += 1
-    raise ValueError("a WITH list that does not end")
-
-
-@functools.lru_cache(maxsize=256)
-def _pg_guarded(sql: str) -> bytes:
-    """A guarded statement (_PgConn.expect) made to fail when it changes or returns no row: its rows
-    as they were, or division_by_zero (22012), which _PgConn._settle turns into the guard's failure."""
-    head, main = _with_parts(sql)
-    if main.startswith(("UPDATE ", "INSERT ", "DELETE ")) and " RETURNING " not in main:
-        main += " RETURNING 1"
-    ctes = (head + ", " if head else "WITH ") + f"guarded AS ({main})"
-    return _pg_native(ctes + " SELECT guarded.* FROM (SELECT 1 / COUNT(*) AS one FROM guarded) AS guard"
-                      " LEFT JOIN guarded ON guard.one IS NOT NULL")
-
-
-#: Statements a connection keeps prepared by name; one past these is parsed each time it runs.
+#: Statements a connection keeps prepared (psycopg's prepared_max); the least used go past it.
 PG_PREPARED_MAX: Final = 512
 
 
 class _PgConn:
     """A PostgreSQL connection that takes the store's SQL as sqlite3's does: `execute(sql, params)`
-    with `?` placeholders, rows by name or index. Autocommit: the writer opens its transactions
-    itself, and a reading's statements each see what is committed.
+    with `?` placeholders, rows by name or index (PgRow). Autocommit: the writer opens its
+    transactions itself, and a reading's statements each see what is committed.
 
-    Statements go to the server through libpq itself (psycopg's `pgconn`), each prepared once by
-    name, their values and rows converted by psycopg's own adapters: a round trip through psycopg's
-    cursor cost the daemon ~55 us of CPU, through libpq ~33 us. Within a write transaction (`begin`
-    to `commit`) the statements queue, and go in one pipeline - one round trip, one wait of the
-    writer thread - when a result is read or the change ends: ~5 us of CPU a statement. A statement
-    whose result nobody reads (an event, a timer, a counter, a notification)
-    costs no wait of its own. Outside a transaction every statement runs at once."""
+    Statements go through psycopg's own cursor, each prepared on the server at its first run
+    (`prepare=True`). Within a write the writer puts the connection in psycopg's pipeline mode
+    (PostgresTx.begin): a statement whose result nobody reads travels with the next one that is
+    read, or with the change's end."""
 
-    __slots__ = ("url", "setup", "raw", "pg", "tf", "auto", "queue", "names", "prepared", "in_tx", "syncs", "fresh",
-                 "owner", "failed", "writes")
+    __slots__ = ("url", "setup", "raw")
 
     def __init__(self, url: str, setup: tuple[str, ...] = ()) -> None:
         self.url = url
         self.setup = setup
         self.raw: Any = None
-        self.queue: list[tuple[bytes, tuple[int, ...], Any, Any, _PgResult]] = []
-        #: The column names of each statement's result, by its text, read once from its first result:
-        #: this connection's (one database's column order), forgotten when its schema changes.
-        self.names: dict[str, dict[str, int]] = {}
-        self.prepared: dict[tuple[bytes, tuple[int, ...]], bytes] = {}
-        self.in_tx = False          # between begin and commit/rollback: statements queue
-        self.syncs = 0              # round trips so far (a change knows whether its statements went)
-        self.writes = 0             # statements sent so far, not reads (SELECT), of the change then running
-        self.fresh = False          # the transaction's first round trip is still to come
-        self.owner = -1             # which change of a group commit the statements now sent are (-1: none)
-        #: The first statement (or guard) that failed since the writer last looked: (its owner, the error).
-        self.failed: tuple[int, BaseException] | None = None
         self.reopen()
 
     def reopen(self) -> None:
@@ -6105,185 +5927,20 @@ class _PgConn:
         extra: dict[str, Any] = {"application_name": "interactiond"}
         if "connect_timeout" not in self.url:
             extra["connect_timeout"] = PG_CONNECT_TIMEOUT_S
-        raw = psycopg.connect(self.url, autocommit=True, **extra)
+        raw = psycopg.connect(self.url, autocommit=True, row_factory=_pg_rows, cursor_factory=_pg_cursor(), **extra)
+        raw.prepared_max = PG_PREPARED_MAX
         for sql in self.setup:
             raw.execute(sql)
         self.raw = raw
-        self.pg = raw.pgconn
-        self.tf = psycopg.adapt.Transformer(raw)
-        self.auto = psycopg.adapt.PyFormat.AUTO
-        self.queue = []
-        self.prepared = {}
 
     @property
     def lost(self) -> bool:
-        return self.raw is None or self.raw.closed or self.pg.status == _psycopg().pq.ConnStatus.BAD
+        return self.raw is None or self.raw.closed or self.raw.broken
 
-    def execute(self, sql: str, params: Any = ()) -> _PgResult:
-        if params:
-            if _PgResult in map(type, params):        # a value still to come back (an event's id)
-                params = [p.value if type(p) is _PgResult else p for p in params]
-            values = self.tf.dump_sequence(params, (self.auto,) * len(params))
-            types, formats = tuple(self.tf.types), self.tf.formats
-        else:
-            values, types, formats = None, (), None
-        result = _PgResult(self, sql)
-        self.queue.append((_pg_native(sql), types, values, formats, result))
-        if not self.in_tx:
-            self.sync()
-        return result
-
-    def expect(self, result: _PgResult, failure: Callable[[], BaseException]) -> None:
-        """A guard: the statement of `result` must change or return a row, else `failure()` is raised -
-        when its result comes back, so a guard costs no round trip of its own. Within a write the
-        statement still queued is sent as _pg_guarded makes it, failing on the server when it finds no
-        row: the statements sent after it in its round trip are not run - nor the COMMIT, which may
-        travel with it - and the transaction waits to be rolled back (PostgresTx.run_begun)."""
-        if result._rows is not None:
-            if not (result._rows or result._rowcount > 0):
-                raise failure()
-            return
-        result._check = failure
-        if self.in_tx:
-            queue = self.queue
-            for k in range(len(queue) - 1, -1, -1):
-                if queue[k][4] is result:
-                    queue[k] = (_pg_guarded(result._sql),) + queue[k][1:]
-                    break
-
-    def sync(self) -> None:
-        """Send what waits in the queue and read every result: one round trip. The first failure is
-        raised (the statements after it in the round trip did not run)."""
-        queue, self.queue = self.queue, []
-        if not queue:
-            return
-        fresh, self.fresh = self.fresh, False
-        try:
-            self._send(queue)
-        except _psycopg().OperationalError:
-            if not (fresh and self.lost):
-                raise
-            # The connection was dropped while idle (a restart, a failover): nothing of the transaction
-            # ran, and nothing of it was read yet, so it is sent again, once, on a new connection.
-            self.reopen()
-            self._send(queue)
-
-    def _send(self, queue: list[tuple[bytes, tuple[int, ...], Any, Any, _PgResult]]) -> None:
-        psycopg = _psycopg()
-        pq = psycopg.pq
-        pg = self.pg
-        self.syncs += 1
-        owner = self.owner                  # the change running: has any of its writes gone?
-        if owner >= 0:
-            self.writes += sum(1 for *_, r in queue if r._owner == owner and not r._sql.startswith("SELECT"))
-        sent: list[Any] = []              # per command: the key it prepares, or the result it fills
-        got: list[Any] = []               # every result, read to the end before any is looked at
-        try:
-            if len(queue) == 1 and (queue[0][0], queue[0][1]) in self.prepared:
-                query, types, values, formats, result = queue[0]
-                sent.append(result)
-                got.append(pg.exec_prepared(self.prepared[(query, types)], values, param_formats=formats))
-            else:
-                self._pipeline(queue, sent, got)
-        except BaseException:
-            with contextlib.suppress(Exception):
-                self.raw.close()              # half a pipeline, or the connection gone: closed, opened at the next use
-            raise
-        failure: BaseException | None = None
-        owner = -1
-        for k, (for_, res) in enumerate(zip(sent, got)):
-            if isinstance(for_, tuple):                      # a prepare (of the statement sent next)
-                if res.status != pq.ExecStatus.COMMAND_OK:
-                    self.prepared.pop(for_, None)
-                    if failure is None and res.status == pq.ExecStatus.FATAL_ERROR:
-                        failure, owner = psycopg.errors.error_from_result(res), sent[k + 1]._owner
-            elif res.status != pq.ExecStatus.PIPELINE_ABORTED:   # an aborted one is left unsettled
-                err = self._settle(for_, res)
-                if failure is None and err is not None:
-                    failure, owner = err, for_._owner
-        if failure is not None:
-            if self.failed is None:
-                self.failed = (owner, failure)
-            for *_, result in queue:
-                if result._rows is None and result._error is None:
-                    result._error = failure
-            raise failure
-
-    def _pipeline(self, queue: list[tuple[bytes, tuple[int, ...], Any, Any, _PgResult]], sent: list[Any],
-                  got: list[Any]) -> None:
-        """The queue in one pipeline: each statement (prepared first, the first time), one sync, every result."""
-        pq = _psycopg().pq
-        pg = self.pg
-        pg.enter_pipeline_mode()
-        for query, types, values, formats, result in queue:
-            key = (query, types)
-            name = self.prepared.get(key)
-            if name is None and len(self.prepared) < PG_PREPARED_MAX:
-                name = self.prepared[key] = b"itd_%d" % len(self.prepared)
-                pg.send_prepare(name, query, param_types=types)
-                sent.append(key)
-            if name is None:
-                pg.send_query_params(query, values, param_types=types, param_formats=formats)
-            else:
-                pg.send_query_prepared(name, values, param_formats=formats)
-            sent.append(result)
-        pg.pipeline_sync()
-        fd = pg.socket
-        while pg.flush():                   # the connection is non-blocking: what is left to send, sent,
-            readable, _, _ = select.select((fd,), (fd,), ())
-            if readable:                    # reading the results meanwhile: a server whose results fill
-                pg.consume_input()          # the socket stops reading what is sent to it
-        gap = False
-        while True:
-            # libpq's PQgetResult waits for the server holding the GIL (psycopg calls it only once a
-            # result is in): the wait is made here, in select, which lets the event loop run meanwhile.
-            while pg.is_busy():
-                select.select((fd,), (), ())
-                pg.consume_input()
-            res = pg.get_result()
-            if res is None:             # between two statements' results; twice in a row, or on a
-                if gap or pg.status == pq.ConnStatus.BAD:       # broken connection: no more will come
-                    raise _psycopg().OperationalError("the connection to the server was lost")
-                gap = True
-                continue
-            gap = False
-            if res.status == pq.ExecStatus.PIPELINE_SYNC:
-                break
-            got.append(res)
-        pg.exit_pipeline_mode()
-
-    def _settle(self, result: _PgResult, res: Any) -> BaseException | None:
-        """Fill `result` from the server's `res`; the error it holds (the statement's, or its guard's), if any."""
-        pq = _psycopg().pq
-        status = res.status
-        if status == pq.ExecStatus.FATAL_ERROR:
-            error = _psycopg().errors.error_from_result(res)
-            # A guard that failed on the server (_pg_guarded): the guard's own failure.
-            result._error = result._check() if result._check is not None and error.sqlstate == "22012" else error
-            return result._error
-        rows: list[PgRow] = []
-        if status == pq.ExecStatus.TUPLES_OK and res.ntuples:
-            sql = result._sql
-            names = self.names.get(sql)
-            if names is None:
-                names = {}
-                for i in range(res.nfields):
-                    names.setdefault(res.fname(i).decode(), i)   # a name twice (a join's *): the first
-                if len(self.names) > 4096:            # statements made from lists of varying length
-                    self.names.clear()
-                self.names[sql] = names
-            self.tf.set_pgresult(res)
-            rows = [PgRow(v, names) for v in self.tf.load_rows(0, res.ntuples, tuple)]
-        result._rows = rows
-        n = res.command_tuples
-        result._rowcount = n if n is not None else -1
-        result._status = res.command_status or b""
-        if result._check is not None and not (rows or result._rowcount > 0):
-            result._error = result._check()         # a guard that failed (see expect)
-        return result._error
+    def execute(self, sql: str, params: Any = ()) -> Any:
+        return self.raw.execute(_pg_sql(sql), params, prepare=True)
 
     def close(self) -> None:
-        self.queue = []
         if self.raw is not None:
             self.raw.close()
 
@@ -6305,64 +5962,11 @@ def _pg_problem(exc: BaseException, otherwise: str | None = None) -> BaseExcepti
     return Problem("failed", otherwise) if otherwise is not None else exc
 
 
-#: The statements of PostgresTx that do in one what SQLiteTx does in several.
-_PG_EVENT_COLUMNS: Final = "INSERT INTO events (playbook, run_id, run_seq, type, at, by, payload, size, daemon)"
-#: _ANSWER_AND_CLOSE_SQL with the answer's id read by the server: the run's request_answered, just appended.
-_PG_ANSWER_AND_CLOSE_SQL: Final = _ANSWER_AND_CLOSE_SQL.replace(
-    "answer_id = ?", "answer_id = (SELECT e.id FROM events e WHERE e.playbook = requests.playbook"
-    " AND e.run_id = requests.run_id AND e.type = 'request_answered' ORDER BY e.id DESC LIMIT 1)")
+#: An event of a run, numbered by the run's counter, in one statement (SQLiteTx.append_event runs two).
 _PG_COUNTED_EVENT_SQL: Final = (
-    "WITH r AS (UPDATE runs SET events = events + 1 WHERE playbook = ? AND run_id = ? RETURNING events) "
-    + _PG_EVENT_COLUMNS + " SELECT ?, ?, r.events, ?, ?, ?, ?, ?, ? FROM r RETURNING id")
-
-#: A run that opens a request inserted, and its request counted (see SQLiteTx.insert_asking_run).
-_PG_ASKING_RUN_SQL: Final = (
-    "WITH ins AS (" + _INSERT_RUN_SQL + " RETURNING seq), slot AS (UPDATE playbooks SET open_requests ="
-    " open_requests + 1 WHERE id = ? AND open_requests < ? AND EXISTS (SELECT 1 FROM ins) RETURNING id)")
-#: A request's run's parent, as a column of its row read ahead (it never changes).
-_PG_RUN_PARENT: Final = "(SELECT r.parent FROM runs r WHERE r.playbook = q.playbook AND r.run_id = q.run_id) AS run_parent"
-#: A request's row (SQLiteTx.request) with its row version, which any write of the row changes.
-#: And its run's parent.
-_PG_REQUEST_AHEAD_SQL: Final = _REQUEST_ROW.replace(
-    " FROM requests q", ", CAST(q.ctid AS TEXT) AS row_version, " + _PG_RUN_PARENT + " FROM requests q", 1) + \
-    " WHERE q.playbook = ? AND q.run_id = ?"
-
-
-#: A request inserted (_INSERT_REQUEST_SQL), returned as _PG_REQUEST_AHEAD_SQL reads it but for the order
-#: of its last columns (PostgresTx._insert_request).
-_PG_INSERT_REQUEST_READ_SQL: Final = (
-    "WITH q AS (" + _INSERT_REQUEST_SQL + " RETURNING *, CAST(ctid AS TEXT) AS row_version) SELECT q.*,"
-    " COALESCE(q.own_schema, d.answer_schema) AS answer_schema, " + _PG_RUN_PARENT + " FROM q" + _DEFINITION_JOIN)
-#: How many requests the writer keeps as it inserted them, to answer without reading them first.
-PG_KEPT_REQUESTS: Final = 2048
-
-
-@functools.lru_cache(maxsize=8)
-def _kept_order(columns: tuple[tuple[str, int], ...]) -> tuple[list[int], dict[str, int]]:
-    """Which value of a kept row (_PG_INSERT_REQUEST_READ_SQL's; `columns`: its names and where each
-    stands) goes where, for the row to stand as _PG_REQUEST_AHEAD_SQL has it, and the names of the
-    row so ordered: worked out once, not for each row."""
-    last = ("answer_schema", "row_version", "run_parent")
-    at = dict(columns)
-    order = [k for k in at if k not in last] + list(last)
-    return [at[k] for k in order], {k: i for i, k in enumerate(order)}
-
-
-class _Stale(Exception):
-    """What a change went on from assuming (PostgresTx.assume) is not so: it runs again, reading first."""
-
-
-class _PgRunSeq:
-    """A run's event counter still to come back from the server (PostgresTx): the event is numbered
-    by the run's row as the database has it, `back` before its count."""
-
-    __slots__ = ("back",)
-
-    def __init__(self, back: int = 0) -> None:
-        self.back = back
-
-    def __sub__(self, n: int) -> "_PgRunSeq":
-        return _PgRunSeq(self.back + n)
+    "WITH r AS (UPDATE runs SET events = events + 1 WHERE playbook = ? AND run_id = ? RETURNING events)"
+    " INSERT INTO events (playbook, run_id, run_seq, type, at, by, payload, size, daemon)"
+    " SELECT ?, ?, r.events, ?, ?, ?, ?, ?, ? FROM r RETURNING id")
 
 
 class PostgresTx(SQLiteTx):
@@ -6370,32 +5974,22 @@ class PostgresTx(SQLiteTx):
     whose SQL differs between the dialects, and what several daemons sharing the database need.
     `daemon` is the id of the daemon whose store it serves (None for the command line)."""
 
-    __slots__ = ("daemon", "_opening", "_mark", "_ids", "_later", "_early", "_parents", "assume",
-                 "lock_late", "_locked", "kept", "_inserted", "_trimmed")
+    __slots__ = ("daemon", "_pipeline")
 
     conn: _PgConn
 
     def __init__(self, conn: _PgConn, daemon: str | None = None) -> None:
         super().__init__(conn)  # type: ignore[arg-type]
         self.daemon = daemon
-        self._early: dict[tuple[str, str, str], _PgResult] = {}   # what the group commit read ahead (run_begun)
-        self.assume = False                          # whether the change now running may (run_begun)
-        self.lock_late = False                       # the writer's: its lock taken after its reads ahead
-        self._locked = False
-        self._parents: dict[tuple[str, str], str | None] = {}    # runs' parents, known from their requests read ahead
-        self._opening: list[_PgResult] = []          # BEGIN and the lock
-        self._mark = (0, 0, 0, 0)                    # (round trips, queued, later, writes) when the change began
-        self._ids: list[dict[str, Any]] = []         # published events (and rows as written) whose ids are still to come back
-        self._later: list[tuple[int, Callable[[], None]]] = []   # (its change, what waits on a result): done at the end
-        #: The writer's: requests as it inserted them, by what reads them ahead, oldest first (_insert_request).
-        self.kept: OrderedDict[tuple[str, str, str], PgRow] | None = None
-        self._inserted: list[_PgResult] = []         # ... and those of the transaction, kept once it commits
-        #: The names of a request read ahead, and of the same without what only the store reads (request()).
-        self._trimmed: tuple[dict[str, int], dict[str, int]] | None = None
+        self._pipeline: contextlib.ExitStack | None = None     # psycopg's pipeline of the group commit
 
     @property
     def errors(self) -> tuple[type[BaseException], ...]:  # type: ignore[override]
         return (_psycopg().Error,)
+
+    # A group commit is one transaction in psycopg's pipeline mode (Connection.pipeline), each of its
+    # changes in a savepoint of its own (Connection.transaction): a change's statements travel
+    # together, and its end waits for their results, so a change that fails is undone alone.
 
     def begin(self) -> None:
         # Event ids come from a sequence when a row is inserted, not when it commits: two
@@ -6404,208 +5998,53 @@ class PostgresTx(SQLiteTx):
         # sees 7. Every write takes this lock first and holds it to its COMMIT, so transactions
         # take ids and commit one after another. Taken at BEGIN, before any row lock, so it waits
         # in no cycle with one: it is SQLite's BEGIN IMMEDIATE, for every daemon on the database.
-        # BEGIN and the lock travel with the first change's first round trip;
-        # the writer's lock (lock_late) with the first after what its group commit reads ahead
-        # (run_begun), so another daemon's writes wait for its changes' round trips only.
         conn = self.conn
-        conn.queue, conn.in_tx = [], False
+        self._leave_pipeline()
         if conn.lost:
             conn.reopen()
-        elif conn.pg.transaction_status != _psycopg().pq.TransactionStatus.IDLE:
-            conn.execute("ROLLBACK")            # a transaction left open by a failure: never built upon
-        conn.in_tx = True
-        conn.fresh = True
-        conn.owner, conn.failed = -1, None
-        self._ids = []
-        self._later = []
-        self._inserted = []
-        self._opening = [conn.execute("BEGIN")]
-        self._early = {}
-        self._parents = {}
-        self._locked = False
-        if not self.lock_late:
-            self._take_lock()
-
-    def _take_lock(self) -> None:
-        conn = self.conn
-        self._opening.append(conn.execute(_PG_LOCK_SQL))
-        self._locked = True
-        self._mark = (conn.syncs, len(conn.queue), 0, conn.writes)
-
-    # A group commit's changes, one after another in its transaction, none in a savepoint of its own
-    # (as on a file: SQLiteTx.run_begun); a change's end costs no round trip, nor do its guards
-    # (_pg_guarded). Its statements go with whichever round trip comes next: a later change's read,
-    # or the commit. A group of runs and answers costs two round
-    # trips, whatever its size: what its answers read first, read ahead before the write lock is
-    # waited for, then every statement with the lock and the COMMIT (one when nothing is read ahead,
-    # as when every answer's request is one this writer opened and kept: _insert_request).
-    # Waiting at each change's end cost n + 2.
-
-    def run_begun(self, batch: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-        """SQLiteTx.run_begun, on the server. A change that raises before any of its writes was sent
-        fails alone: what of it is still queued is dropped. Any other failure - a guard, a statement the
-        server refused (which ends the transaction there), a change whose writes went before it raised,
-        a failure that comes back once its change has ended, with a later change's round trip or the
-        commit's - undoes the whole transaction: that change fails with its problem and every other runs
-        again, in a new transaction, whatever it did the first time (the later ones may have read what
-        it wrote). No savepoint frames a change: its two statements cost the writer and the server
-        more (5% of the pairs a second, measured) than the rare group that runs again. So a change
-        must be safe to run again: it reaches the database through `tx` and the daemon through `fx`
-        only (fresh each run), and keeps nothing of a run that did not commit.
-
-        A change may also go on from what it assumes (`assume`) rather than wait for a round trip to
-        know it: that its new run was inserted and counted, that the request it reads first (`ahead`)
-        is as the group commit read it at its start. A guard checks each assumption where the change
-        relies on it; one found false (_Stale) has that change run again, reading first."""
-        settled: list[tuple[Any, ...]] = []     # changes that failed late: their problem stands
-        careful: set[int] = set()               # changes (their futures' ids) that assume nothing
-        items = list(batch)
-        while True:
-            out, late = self._run_changes(items, careful)
-            if late is None:
-                return settled + out
-            j, exc = late
-            if type(exc) is _Stale:
-                careful.add(id(items[j][1]))
-            else:
-                settled.append((items[j][1], None, self.problem(exc), None))
-                del items[j]
-            items = [(fn, fut, Effects(), ahead) for fn, fut, _, ahead in items]
-            ended = self._run_again(items)
-            if ended is not None:
-                return settled + ended
-
-    def _run_changes(self, items: list[tuple[Any, ...]],
-                     careful: set[int]) -> tuple[list[tuple[Any, ...]], tuple[int, BaseException] | None]:
-        """One try at a group commit: what each change came to, or (None for all) the change that failed
-        late and why."""
-        conn = self.conn
-
-        def lost(exc: BaseException) -> list[tuple[Any, ...]]:
-            # The connection was lost, or BEGIN or its lock failed: there is no transaction to go on in.
-            failure = self.problem(exc)
-            with contextlib.suppress(*self.errors):
-                self.rollback()
-            return [(fut, None, failure, None) for _, fut, *_ in items]
-
-        reads = False
-        for _, fut, _, ahead in items:          # what the changes read first, in one round trip for all
-            if ahead is not None and id(fut) not in careful and ahead not in self._early:
-                row = self.kept.pop(ahead, None) if self.kept is not None else None
-                if row is not None:             # as this writer inserted it: no round trip (guarded as read)
-                    self._early[ahead] = _PgResult.holding(conn, row)
-                else:
-                    self._early[ahead] = self._read_ahead(ahead)
-                    reads = True
-        if not self._locked:
-            if reads:
-                try:
-                    conn.sync()                 # before the lock is waited for: guarded where relied on
-                except BaseException as exc:
-                    return lost(exc), None
-            self._take_lock()
-        out: list[tuple[Any, ...]] = []
-        i = 0
-        while i < len(items):
-            fn, fut, fx, _ = items[i]
-            self._change_begins(i)
-            self.assume = id(fut) not in careful
-            try:
-                result = fn(self, fx)
-                if conn.failed is not None:         # a failure the change's code let pass
-                    raise conn.failed[1]
-            except BaseException as exc:
-                self.assume = False
-                if not self.in_transaction():
-                    return lost(exc), None
-                owner, why = conn.failed if conn.failed is not None else (i, exc)
-                if owner < 0:                       # the group's own statement (a read ahead): all fail
-                    return lost(why), None
-                if owner != i or conn.failed is not None or not self._change_undone():
-                    # An earlier change's, found by this one's round trip; one the server refused (the
-                    # transaction is over there); or one whose writes went: the whole group again.
-                    return out, (owner, why)
-                if type(why) is _Stale:             # it assumed wrong: again, reading first
-                    careful.add(id(fut))
-                    items[i] = (fn, fut, Effects(), None)
-                    continue
-                out.append((fut, None, self.problem(exc), None))
-            else:
-                out.append((fut, result, None, fx))
-            i += 1
-        self.assume = False
+        elif conn.raw.info.transaction_status != _psycopg().pq.TransactionStatus.IDLE:
+            conn.raw.rollback()                 # a transaction left open by a failure: never built upon
         try:
-            later, self._later = self._later, []
-            for owner, then in later:           # e.g. a parent woken by its child's ending, once the ending is back
-                conn.owner = owner
-                then()
-            conn.owner = -1
-            if conn.failed is not None:
-                raise conn.failed[1]
-        except BaseException as exc:
-            if not self.in_transaction() or (conn.failed or (conn.owner, None))[0] < 0:
-                return lost(exc), None
-            return out, conn.failed if conn.failed is not None else (conn.owner, exc)
-        try:
-            self.before_commit([fx for *_, fx in out if fx is not None])
-            self.commit()
-        except BaseException as exc:
-            failed, lost_now = conn.failed, conn.lost
-            with contextlib.suppress(*self.errors):
-                self.rollback()
-            if failed is not None and failed[0] >= 0 and not lost_now:
-                return out, failed              # a change's statement, refused in the commit's round trip
-            failure = self.problem(exc, f"the database refused the write: {exc}")
-            return [(fut, None, failure, None) for fut, *_ in out], None
-        return out, None
+            self._begin()
+        except _psycopg().OperationalError:
+            self._leave_pipeline()
+            if not conn.lost:
+                raise
+            # The connection was dropped while idle (a restart, a failover): nothing of the
+            # transaction ran, so it begins again, once, on a new connection.
+            conn.reopen()
+            self._begin()
 
-    def _change_begins(self, i: int) -> None:
-        conn = self.conn
-        conn.owner = i
-        self._mark = (conn.syncs, len(conn.queue), len(self._later), conn.writes)
+    def _begin(self) -> None:
+        raw = self.conn.raw
+        stack = contextlib.ExitStack()
+        pipeline = stack.enter_context(raw.pipeline())
+        self._pipeline = stack
+        raw.execute("BEGIN")
+        raw.execute(_PG_LOCK_SQL)
+        pipeline.sync()
 
-    def _change_undone(self) -> bool:
-        """The change now running raised, the server having refused none of its statements: what of it
-        is still queued is dropped, the changes before it stand. False (nothing dropped) when some of
-        its writes went already: they stand until the transaction is undone."""
-        conn = self.conn
-        syncs, queued, later, writes = self._mark
-        if conn.writes != writes:
-            return False
-        del self._later[later:]                 # the failed change's own
-        if conn.syncs == syncs:                 # nothing left since it began: the queue's tail is its
-            del conn.queue[queued:]
-        else:                                   # it read: all that waits now is its
-            conn.queue = []
-        return True
+    def _leave_pipeline(self) -> None:
+        stack, self._pipeline = self._pipeline, None
+        if stack is not None:
+            with contextlib.suppress(Exception):
+                stack.close()
+
+    def run_change(self, change: Callable[..., Any], fx: Effects) -> Any:
+        with self.conn.raw.transaction():       # a savepoint: rolled back to when the change raises
+            return change(self, fx)
 
     def commit(self) -> None:
-        conn = self.conn
-        done = conn.execute("COMMIT")
         try:
-            conn.sync()
+            self.conn.raw.commit()
         finally:
-            conn.in_tx = False
-        if done.statusmessage != "COMMIT":      # the server ends a failed transaction so, silently
-            raise RuntimeError("the transaction had failed and was rolled back at its commit")
-        for written in self._ids:               # every id has come back by now (a rolled-back change's: None)
-            for key, value in dict.items(written):
-                if type(value) is _PgResult:
-                    dict.__setitem__(written, key, value._rows[0][0] if value._rows else None)
-        self._ids = []
-        inserted, self._inserted = self._inserted, []
-        for result in inserted:                 # a dropped change's never ran: no rows
-            if result._rows:
-                self._keep(result._rows[0])
+            self._leave_pipeline()
 
     def rollback(self) -> None:
-        self._later = []
+        self._leave_pipeline()
         conn = self.conn
-        conn.queue = []
-        conn.in_tx = False
-        conn.owner, conn.failed = -1, None
-        if not conn.lost and conn.pg.transaction_status != _psycopg().pq.TransactionStatus.IDLE:
-            conn.execute("ROLLBACK")
+        if not conn.lost and conn.raw.info.transaction_status != _psycopg().pq.TransactionStatus.IDLE:
+            conn.raw.rollback()
 
     def ready(self) -> None:
         if self.conn.lost:
@@ -6613,13 +6052,9 @@ class PostgresTx(SQLiteTx):
 
     def in_transaction(self) -> bool:
         conn = self.conn
-        if any(r._error is not None for r in self._opening):
-            return False                        # BEGIN or its lock failed: there is no transaction to go on in
-        if conn.in_tx and conn.queue and conn.syncs == self._mark[0] and not conn.lost:
-            return True                         # nothing sent since the change began: the transaction stands
-        pq = _psycopg().pq
-        return not conn.lost and conn.pg.transaction_status in (pq.TransactionStatus.INTRANS,
-                                                                pq.TransactionStatus.INERROR)
+        if conn.lost:
+            return False
+        return conn.raw.info.transaction_status != _psycopg().pq.TransactionStatus.IDLE
 
     @staticmethod
     def problem(exc: BaseException, otherwise: str | None = None) -> BaseException:
@@ -6627,132 +6062,24 @@ class PostgresTx(SQLiteTx):
 
     # The statements that differ.
 
-    # Each statement is a round trip to the server, and its wait is every change's of the group
-    # commit: where SQLite runs several statements, these run one (data-modifying WITH clauses).
-
     def append_event(self, fx: Effects | None, playbook: str, run_id: str | None, type_: str, at: int,
                      by: str | None, payload: dict[str, Any], *, run_seq: int | None = None) -> int:
-        # Within a write the id is not waited for: it comes back with the change's next round trip, and
-        # stands in the published event once the change commits (a statement given it as a value waits
-        # for it: _PgConn.execute). Outside one, the statement has run and the id is returned.
         text = dumps(payload)
         if run_id is not None and run_seq is None:   # the run's counter and the event: one statement
-            result = self.conn.execute(_PG_COUNTED_EVENT_SQL, (playbook, run_id, playbook, run_id, type_, at, by, text,
-                                                               len(text.encode()), self.daemon))
-            self.conn.expect(result, lambda: Problem("not_found", f"no run {run_id} in this playbook"))
-        elif type(run_seq) is _PgRunSeq:             # numbered by the run's row, counted before it in the change
-            result = self.conn.execute(_PG_EVENT_COLUMNS + " SELECT ?, ?, events - ?, ?, ?, ?, ?, ?, ? FROM runs"
-                                       " WHERE playbook = ? AND run_id = ? RETURNING id",
-                                       (playbook, run_id, run_seq.back, type_, at, by, text, len(text.encode()),
-                                        self.daemon, playbook, run_id))
+            row = self.conn.execute(_PG_COUNTED_EVENT_SQL, (playbook, run_id, playbook, run_id, type_, at, by, text,
+                                                            len(text.encode()), self.daemon)).fetchone()
+            if row is None:
+                raise Problem("not_found", f"no run {run_id} in this playbook")
         else:
-            result = self.conn.execute(
+            row = self.conn.execute(
                 "INSERT INTO events (playbook, run_id, run_seq, type, at, by, payload, size, daemon)"
                 " VALUES (?,?,?,?,?,?,?,?,?) RETURNING id",
-                (playbook, run_id, run_seq, type_, at, by, text, len(text.encode()), self.daemon))
-        event_id: Any = result if result._rows is None else result._rows[0][0]
+                (playbook, run_id, run_seq, type_, at, by, text, len(text.encode()), self.daemon)).fetchone()
+        event_id: int = row[0]
         if fx is not None:
-            published = {"id": event_id, "playbook": playbook, "run_id": run_id, "type": type_, "at": at, "by": by,
-                         "payload": payload}
-            fx.published.append(published)
-            if result._rows is None:
-                self._ids.append(published)
+            fx.published.append({"id": event_id, "playbook": playbook, "run_id": run_id, "type": type_, "at": at,
+                                 "by": by, "payload": payload})
         return event_id
-
-    # A change's guards and counters, not waited for: each result comes back with the change's next
-    # round trip, a failed guard raises then (_PgConn.expect), and an event numbered by a counter
-    # still to come back is numbered by the run's row in its own statement (_PgRunSeq).
-
-    def insert_asking_run(self, *, playbook: str, run_id: str, type_: str, name: str, version: int, input_text: str,
-                          input_sha: str, parent: str | None, now: int, by: str, limit: int) -> tuple[bool, bool]:
-        values = (playbook, run_id, type_, name, version, input_text, input_sha, RunStatus.STARTED.value, 0, parent,
-                  None, now, by, playbook, limit)
-        if self.assume:                         # inserted and counted, as nearly always: guarded, not waited for
-            result = self.conn.execute(_PG_ASKING_RUN_SQL + " SELECT 1 FROM slot", values)
-            self.conn.expect(result, _Stale)
-            return True, True
-        row = self.conn.execute(_PG_ASKING_RUN_SQL + " SELECT EXISTS (SELECT 1 FROM ins), EXISTS (SELECT 1 FROM slot)",
-                                values).fetchone()
-        return bool(row[0]), bool(row[1])
-
-    def _read_ahead(self, ahead: tuple[str, str, str]) -> _PgResult:
-        kind, playbook, run_id = ahead
-        if kind != "request":
-            raise ValueError(f"nothing of kind {kind!r} is read ahead")
-        return self.conn.execute(_PG_REQUEST_AHEAD_SQL, (playbook, run_id))
-
-    def _insert_request(self, values: tuple[Any, ...], kept: bool) -> None:
-        # The writer keeps the row as inserted (with its row version) of a request that only its ending
-        # changes, so its answer needs no read ahead, and its group commit no round trip before the
-        # commit's: an answer that follows soon after its question (an agent's approval) costs one.
-        # A row that changed meanwhile (another daemon's write, an expiry) fails the guard that
-        # request() puts on it, and the change runs again, reading first.
-        if self.kept is None or not kept:
-            super()._insert_request(values, kept)
-        else:
-            self._inserted.append(self.conn.execute(_PG_INSERT_REQUEST_READ_SQL, values))
-
-    def _keep(self, row: PgRow) -> None:
-        picks, names = _kept_order(tuple(row._names.items()))
-        values = row._values
-        kept = PgRow(tuple([values[i] for i in picks]), names)
-        self.kept[("request", kept["playbook"], kept["run_id"])] = kept     # type: ignore[index]
-        if len(self.kept) > PG_KEPT_REQUESTS:                     # type: ignore[arg-type]
-            self.kept.popitem(last=False)                          # type: ignore[union-attr]
-
-    def request(self, playbook: str, run_id: str) -> Row | None:
-        early = self._early.pop(("request", playbook, run_id), None)
-        if early is None or not self.assume or not early.rows:
-            return super().request(playbook, run_id)
-        # As the group commit read it at its start: the row version the change relies on is guarded
-        # (a change before this one in the group that wrote the row left a new version).
-        got = early.rows[0]
-        unchanged = self.conn.execute("SELECT 1 FROM requests WHERE seq = ? AND ctid = CAST(? AS tid)",
-                                      (got["seq"], got["row_version"]))
-        self.conn.expect(unchanged, _Stale)
-        self._parents[(playbook, run_id)] = got["run_parent"]     # never changes: known, stale or not
-        names, trimmed = self._trimmed or (None, None)
-        if names is not got._names:             # the rows read ahead of one statement, and the kept ones, share theirs
-            names = got._names
-            trimmed = {k: i for k, i in names.items() if k not in ("row_version", "run_parent")}
-            self._trimmed = (names, trimmed)
-        return PgRow(got._values[:-2], trimmed)
-
-    def _run_waits(self, playbook: str, run_id: str) -> Any:
-        result = self.conn.execute(_RUN_WAITS_SQL, (playbook, run_id))
-        self.conn.expect(result, lambda: Problem("conflict", "the run is not waiting to open a request"))
-        return _PgRunSeq() if result._rows is None else result._rows[0][0]
-
-    def _run_ends(self, values: tuple[Any, ...]) -> tuple[Any, Any]:
-        result = self.conn.execute(_END_RUN_SQL, values)
-        self.conn.expect(result, lambda: Problem("conflict", "the run has already ended"))
-        if result._rows is None:
-            return self._parents.get((values[-2], values[-1]), result), _PgRunSeq()
-        return result._rows[0]["parent"], result._rows[0]["events"]
-
-    @staticmethod
-    def _one(result: Any) -> Row:
-        return _PgLazyRow(result) if result._rows is None else result.fetchone()
-
-    def _as_written(self, row: Row) -> dict[str, Any]:
-        written = _PgAsWritten(row.as_dict() if isinstance(row, PgRow) else row)
-        self._ids.append(written)               # its values that come back, put in place by the commit
-        return written
-
-    def _parent_moves_on(self, fx: Effects, playbook: str, parent: Any, now: int) -> None:
-        if type(parent) is _PgResult:             # known when the ending comes back: by the commit at the latest
-            ended = parent
-            self._later.append((self.conn.owner,
-                                lambda: SQLiteTx._parent_moves_on(self, fx, playbook, ended.rows[0]["parent"], now)))
-        else:
-            super()._parent_moves_on(fx, playbook, parent, now)
-
-    def _answer_closes(self, answer_id: Any, values: tuple[Any, ...]) -> None:
-        if type(answer_id) is _PgResult:           # request_answered's id, as the server gave it
-            result = self.conn.execute(_PG_ANSWER_AND_CLOSE_SQL, values[:1] + values[2:])
-        else:
-            result = self.conn.execute(_ANSWER_AND_CLOSE_SQL, values)
-        self.conn.expect(result, lambda: Problem("not_open", "the request has ended; it takes no answer", kind="ended"))
 
     def list_definitions(self, playbook: str, type_: str | None = None) -> list[Row]:
         # SQLite takes a bare column from the row of MAX(); PostgreSQL says which row with DISTINCT ON.
@@ -7143,15 +6470,12 @@ class _PgListener(threading.Thread):
                 if self._analyze.is_set():
                     self._analyze.clear()
                     tx.refresh_statistics()
-                # What arrived (and what a beat's query read meanwhile, kept by libpq for here), read
-                # from libpq itself: psycopg's notifies() cost ~50 us a call. This daemon's own
-                # notifications come back too: dropped here, without waking the loop.
-                pg = tx.conn.pg
-                pg.consume_input()
-                while (note := pg.notifies()) is not None:
-                    payload = note.extra.decode()
-                    if self.deliver is not None and not payload.startswith(own):
-                        self.deliver(payload)
+                # What arrived, and what a beat's query read meanwhile (psycopg keeps those for
+                # notifies()). This daemon's own notifications come back too: dropped here,
+                # without waking the loop.
+                for note in tx.conn.raw.notifies(timeout=0):
+                    if self.deliver is not None and not note.payload.startswith(own):
+                        self.deliver(note.payload)
                 failures = 0
             except Exception as exc:
                 failures += 1
@@ -7209,7 +6533,6 @@ def apply_postgres_schema(conn: _PgConn) -> None:
         raw.execute("INSERT INTO schema_version (version) VALUES (%s) ON CONFLICT (one) DO UPDATE"
                     " SET version = GREATEST(schema_version.version, excluded.version)",
                     (max(version, SCHEMA_VERSION),))
-    conn.names.clear()                          # a migration may have changed what `SELECT *` returns
 
 
 def _reach_postgres(url: str) -> _PgConn:
@@ -7314,11 +6637,7 @@ class PostgresStore(Store):
         setup: tuple[str, ...] = ("SET enable_seqscan = off",)
         if writer:
             setup += (f"SET lock_timeout = {PG_LOCK_TIMEOUT_MS}", "SET standard_conforming_strings = on")
-        tx = PostgresTx(_PgConn(self.path, setup), self.daemon_id)
-        tx.lock_late = writer
-        if writer:
-            tx.kept = OrderedDict()
-        return tx
+        return PostgresTx(_PgConn(self.path, setup), self.daemon_id)
 
     async def claim(self, key: str, *, due_by: int | None = None) -> bool:
         return await self.write(lambda tx, fx: tx.claim_lease(key, due_by=due_by))
@@ -9334,7 +8653,6 @@ class Readings:
         tellings: list[tuple[Row, str]] = []
 
         def change(tx: Tx, fx: Effects) -> None:
-            tellings.clear()                    # what a run of the change that did not commit found
             tx.release_lease(key)
             if not tx.take_timer(fx, key, now):
                 return
