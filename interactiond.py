@@ -4047,7 +4047,7 @@ class _DbThread(threading.Thread):
         On a file a commit appends to the WAL without an fsync (synchronous=NORMAL), so running it
         here costs the loop what it costs the thread, and saves the hand-over: the thread's wake-up,
         the GIL passed to it and back at every statement, and the loop's wake-up for the results
-        (a fifth of the daemon's CPU per run and per answer, measured).
+        (bench/README.md has the figures).
         """
         try:
             if not self.tx.begin_at_once():
@@ -4131,9 +4131,8 @@ def _db_problem(exc: BaseException, otherwise: str | None = None) -> BaseExcepti
 
 
 #: Changes that commit on the loop wait this many more turns of it first (Store._hand_over), unless
-#: this many are waiting already. With 16 clients a commit carried 4.8-5.5 changes, and 8.8-9.3
-#: after two turns (one turn: no more, as the requests read in it reach their changes in the next);
-#: bench/compare.py, the same run: 0.160 -> 0.150 ms of CPU an answer, 0.180 -> 0.165 a run.
+#: this many are waiting already: the requests read in the next turn reach their changes in the one
+#: after, so two turns let a commit carry them too (bench/README.md: "a commit that waits two turns").
 COMMIT_GATHER_TURNS: Final = 2
 COMMIT_GATHER_MAX: Final = 32
 #: The writer checkpoints only if the checkpointer falls this far behind (pages of 4 KiB).
@@ -4141,8 +4140,8 @@ WRITER_AUTOCHECKPOINT_PAGES: Final = 16_000
 #: How long the checkpointer lets commits gather before it copies them into the database file.
 CHECKPOINT_EVERY_S: Final = 0.25
 #: After this long without a commit the checkpointer empties the WAL file (TRUNCATE): under a
-#: steady load the WAL only restarts at the writer's safety net, so its file grows to ~64 MB and
-#: stays that size on disk (6.6 KB per open request after seeding 10,000) unless it is emptied.
+#: steady load the WAL only restarts at the writer's safety net, so its file grows, and stays that
+#: size on disk, unless it is emptied (bench/README.md, "Storage").
 CHECKPOINT_QUIET_S: Final = 1.0
 #: What the WAL file is cut back to whenever it restarts from its beginning.
 WAL_SIZE_LIMIT_BYTES: Final = 4 * MIB
@@ -4191,8 +4190,7 @@ class _Checkpointer(threading.Thread):
 
 class Committed:
     """What a change returns when its result is made from rows it wrote: `make()` runs once the
-    transaction has committed. On PostgreSQL those rows then come back with the commit's round trip
-    (PostgresTx), where reading them inside the change would cost the change a round trip of its own."""
+    transaction has committed, on the event loop, off the writer's thread."""
 
     __slots__ = ("make",)
 
@@ -4523,8 +4521,8 @@ class SQLiteTx:
         conn = self.conn
         text = dumps(payload)
         if run_id is not None and run_seq is None:
-            # One statement, not UPDATE then SELECT: 3.7 us against 4.5 on SQLite 3.40, and each
-            # statement lets the event loop take the GIL, which the writer then waits to get back.
+            # One statement, not UPDATE then SELECT: each statement lets the event loop take the
+            # GIL, which the writer then waits to get back.
             run_seq = conn.execute("UPDATE runs SET events = events + 1 WHERE playbook = ? AND run_id = ?"
                                    " RETURNING events", (playbook, run_id)).fetchone()[0]
         cur = conn.execute(
@@ -4590,9 +4588,12 @@ class SQLiteTx:
         """end_run; with `before` (type, payload), an event of the run appended just before the
         ending's and counted in the same UPDATE. Its id, or None."""
         pbody = problem.body() if problem is not None else None
-        parent, seq = self._run_ends((status.value, kind, dumps(output) if output is not None else None,
-                                      dumps(pbody) if pbody else None, now, by, 1 if before is None else 2,
-                                      playbook, run_id))
+        ended = self.conn.execute(_END_RUN_SQL, (status.value, kind, dumps(output) if output is not None else None,
+                                                 dumps(pbody) if pbody else None, now, by, 1 if before is None else 2,
+                                                 playbook, run_id)).fetchone()
+        if ended is None:
+            raise Problem("conflict", "the run has already ended")
+        parent, seq = ended["parent"], ended["events"]
         first = None
         if before is not None:
             first = self.append_event(fx, playbook, run_id, before[0], now, by, before[1], run_seq=seq - 1)
@@ -4603,20 +4604,9 @@ class SQLiteTx:
             payload["problem"] = pbody
         self.append_event(fx, playbook, run_id, "run_" + status.value, now, by, payload, run_seq=seq)
         fx.wakes.append((playbook, run_id))
-        self._parent_moves_on(fx, playbook, parent, now)
-        return first
-
-    def _run_ends(self, values: tuple[Any, ...]) -> tuple[Any, Any]:
-        """The guarded UPDATE of _end_run (else `conflict`): the run's parent and its events counted."""
-        ended = self.conn.execute(_END_RUN_SQL, values).fetchone()
-        if ended is None:
-            raise Problem("conflict", "the run has already ended")
-        return ended["parent"], ended["events"]
-
-    def _parent_moves_on(self, fx: Effects, playbook: str, parent: Any, now: int) -> None:
-        """Workflows: the workflow run waiting on an ended one moves on, woken in the same transaction."""
-        if parent is not None:
+        if parent is not None:      # workflows: the one waiting on this run moves on, woken in this transaction
             self.set_timer(fx, timer_key("workflow", playbook, parent), now)
+        return first
 
     # Housekeeping.
 
@@ -4728,23 +4718,13 @@ class SQLiteTx:
         The run_seq of the event that records the request (the caller appends it next), counted in
         the run's UPDATE; None for a notification, whose event counts itself."""
         status = RequestStatus.NOTIFIED if notified else RequestStatus.OPEN
-        self._insert_request(
-            (request_id, playbook, run_id, type_, name, version, party, answerer, message, answer_schema,
-             playbook, type_, name, version, server, tool,
-             status.value, 0 if notified else 1, delivery.value, asked_at, expires_at, deliver_args, follow_up),
-            kept=not notified and server is None and follow_up is None)
+        self.conn.execute(_INSERT_REQUEST_SQL, (
+            request_id, playbook, run_id, type_, name, version, party, answerer, message, answer_schema,
+            playbook, type_, name, version, server, tool,
+            status.value, 0 if notified else 1, delivery.value, asked_at, expires_at, deliver_args, follow_up))
         if notified:
             return None
-        return self._run_waits(playbook, run_id)
-
-    def _insert_request(self, values: tuple[Any, ...], kept: bool) -> None:
-        """A request inserted (_INSERT_REQUEST_SQL); `kept`: one whose row only its ending changes, which
-        a server's writer keeps to answer it without reading it first (PostgresTx)."""
-        self.conn.execute(_INSERT_REQUEST_SQL, values)
-
-    def _run_waits(self, playbook: str, run_id: str) -> Any:
-        """The started run waits for its request (guarded, else `conflict`); its events counted."""
-        waiting = self.conn.execute(_RUN_WAITS_SQL, (playbook, run_id)).fetchone()
+        waiting = self.conn.execute(_RUN_WAITS_SQL, (playbook, run_id)).fetchone()     # guarded: a started run
         if waiting is None:
             raise Problem("conflict", "the run is not waiting to open a request")
         return waiting[0]
@@ -4756,14 +4736,14 @@ class SQLiteTx:
     def close_request(self, fx: Effects, playbook: str, run_id: str, ending: Ending) -> Row | None:
         """Close the run's open request as `ending` closes it (guarded): the inbox drops it, the counter
         follows, its timers go. The closed row, or None when the run has no open request."""
-        conn = self.conn                # UPDATE then SELECT: 39 us, where UPDATE ... RETURNING * took 58
+        conn = self.conn                # UPDATE then SELECT: cheaper than UPDATE ... RETURNING * (bench/README.md)
         if not conn.execute(_CLOSE_REQUEST_SQL[ending.request], (ending.request.value, playbook, run_id)).rowcount:
             return None
         return self._closed(fx, playbook, run_id)
 
     def _closed(self, fx: Effects, playbook: str, run_id: str) -> Row:
         """After a request closed: the counter follows, its timers go; the closed row."""
-        row = self._one(self.conn.execute(_REQUEST_ROW + " WHERE q.playbook = ? AND q.run_id = ?", (playbook, run_id)))
+        row = self.conn.execute(_REQUEST_ROW + " WHERE q.playbook = ? AND q.run_id = ?", (playbook, run_id)).fetchone()
         self._request_gone(fx, playbook, run_id)
         return row
 
@@ -4777,18 +4757,6 @@ class SQLiteTx:
         conn.execute(_DROP_TIMERS_SQL[len(keys)], keys)     # one statement, not one a key
         fx.timers.extend((key, None) for key in keys)
 
-    @staticmethod
-    def _one(result: Any) -> Row:
-        """The one row a statement returns (PostgresTx: read when first looked at)."""
-        return result.fetchone()
-
-    @staticmethod
-    def _as_written(row: Row) -> dict[str, Any]:
-        """A row read in this change, to be updated with what the change wrote on it (PostgresTx:
-        some of those values still to come back from the server). By its keys, zipped: dict(row)
-        looks each name up along the row's columns (7.6 us for a request's, against 1.2)."""
-        return dict(zip(row.keys(), row))
-
     def answer_request(self, fx: Effects, req: Row, answer: Any, *, by: str, now: int,
                        claimed_for: str | None = None, reply_id: str | None = None,
                        reply_sender: str | None = None) -> Row:
@@ -4798,27 +4766,21 @@ class SQLiteTx:
         on the request as it closes (guarded: open and not being cancelled, else `not_open`); the
         counter follows and the timers go.
 
-        The closed row: `req` (as read in this change) with what the answer wrote, not read back (a
-        tenth of an answer's statements) where request_answered's id is known already, as it is on a
-        file; a server's comes back with the next round trip, and the row is read then."""
+        The closed row: `req` (as read in this change) with what the answer wrote, not read back."""
         playbook, run_id = req["playbook"], req["run_id"]
         reply = {"id": reply_id, **({"sender": reply_sender} if reply_sender is not None else {})}
         answer_id = self._end_run(fx, playbook, run_id, RunStatus.SUCCEEDED, now=now, by=by, output=answer,
                                   before=("request_answered", {"answer": answer, "claimed_for": claimed_for,
                                           **({"reply": reply} if reply_id is not None else {})}))
         text = dumps(answer)
-        self._answer_closes(answer_id, (text, answer_id, by, now, claimed_for, reply_id, reply_sender, req["seq"]))
+        if not self.conn.execute(_ANSWER_AND_CLOSE_SQL, (text, answer_id, by, now, claimed_for, reply_id, reply_sender,
+                                                         req["seq"])).rowcount:
+            raise Problem("not_open", "the request has ended; it takes no answer", kind="ended")
         self._request_gone(fx, playbook, run_id, req)
-        closed = self._as_written(req)
+        closed = dict(zip(req.keys(), req))      # dict(row) looks each name up along the row's columns
         closed.update(answer=text, answer_id=answer_id, answered_by=by, answered_at=now, claimed_for=claimed_for,
                       reply_id=reply_id, reply_sender=reply_sender, status=RequestStatus.ANSWERED.value, open=0)
         return closed
-
-    def _answer_closes(self, answer_id: Any, values: tuple[Any, ...]) -> None:
-        """The answer written on the request as it closes (guarded: open and not being cancelled, else
-        `not_open`); `answer_id` is request_answered's id, among `values`."""
-        if not self.conn.execute(_ANSWER_AND_CLOSE_SQL, values).rowcount:
-            raise Problem("not_open", "the request has ended; it takes no answer", kind="ended")
 
     def list_runs(self, playbook: str, *, status: str | None, function: str | None, before: int | None,
                   limit: int) -> list[Row]:
