@@ -21,7 +21,8 @@ The module reads top to bottom, each section using only those above it:
     Documents                 YAML front matter with lines, save-time rules, reply rules, overview
     Settings                  the configuration file: tool servers, playbooks, secrets
     Store                     the schema and migrations, one writer with group commit, a reader, and
-                              SQLiteTx: every SQL statement, as named, guarded operations
+                              the Tx operations: every SQL statement, named and guarded (SqlTx,
+                              on SQLiteTx or PostgresTx, their SQL's differences in a Dialect)
     Tool servers              MCP client sessions, one owner task per server
     Engine                    the timer task and eight parts - Definitions, Runs, SystemCalls,
                               Inbox, Deliveries, Readings, Approvals (a person approves a call),
@@ -43,8 +44,8 @@ How to change it:
                               problem, HTTP, v2 and stream names follow from it; then the code
                               that reaches it calls end_run / close_request with it
     a field of the run        a column in schema.sql (and SCHEMA_SQL, and a step in MIGRATIONS),
-                              the INSERT in SQLiteTx.insert_run, and one line in run_object
-    a state change            an operation of SQLiteTx: one UPDATE guarded by the states it may
+                              the INSERT in SqlTx.insert_run, and one line in run_object
+    a state change            an operation of SqlTx: one UPDATE guarded by the states it may
                               leave (allowed_from), whose empty RETURNING means "not allowed"
     an engine operation       a method of the part whose area it is, given in its __init__ only
                               what it uses (a part it calls is built before it and passed in);
@@ -4014,7 +4015,7 @@ class _DbThread(threading.Thread):
     they have settled, so the changes commit in the order they were asked for.
     """
 
-    def __init__(self, connect: Callable[[], "SQLiteTx"], loop: asyncio.AbstractEventLoop, *, writer: bool,
+    def __init__(self, connect: Callable[[], "SqlTx"], loop: asyncio.AbstractEventLoop, *, writer: bool,
                  sink: Callable[[Effects], None] | None = None,
                  on_batch: Callable[[int, float], None] | None = None) -> None:
         super().__init__(name="interactiond-writer" if writer else "interactiond-reader", daemon=True)
@@ -4370,7 +4371,7 @@ class Store:
         return False
 
 
-def open_sync(path: str) -> "SQLiteTx":
+def open_sync(path: str) -> "SqlTx":
     """The file (or the PostgreSQL database) with the schema applied, outside the loop: for the
     command line (token, check) and tests. Each operation commits on its own."""
     if is_postgres_url(path):
@@ -4387,8 +4388,152 @@ STORE_ERRORS: Final = (sqlite3.Error,)
 Row = Mapping[str, Any]
 
 
-class SQLiteTx:
-    """The store's named operations, on one connection: a change's transaction or a reading.
+class Tx(Protocol):
+    """What a change or a reading is handed: the store's named operations (SqlTx's, on SQLiteTx for
+    the embedded file or PostgresTx on a server). The engine reaches the database through these only;
+    tests/test_store_contract.py runs them on both backends. The main ones, by what they move:"""
+
+    # Runs.
+
+    def insert_run(self, *, playbook: str, run_id: str, type_: str, name: str, version: int, input_text: str,
+                   input_sha: str, parent: str | None, now: int, by: str, tools_called: bool = False,
+                   state: str | None = None) -> bool: ...
+    def insert_asking_run(self, *, playbook: str, run_id: str, type_: str, name: str, version: int, input_text: str,
+                          input_sha: str, parent: str | None, now: int, by: str, limit: int) -> tuple[bool, bool]: ...
+    def run(self, playbook: str, run_id: str) -> Row | None: ...
+    def end_run(self, fx: Effects, playbook: str, run_id: str, status: RunStatus, *, now: int, by: str | None,
+                kind: str | None = None, output: Any = None, problem: Problem | None = None) -> None: ...
+    def list_runs(self, playbook: str, *, status: str | None, function: str | None, before: int | None,
+                  limit: int) -> list[Row]: ...
+    def step_workflow(self, playbook: str, run_id: str, *, read: str, state: str, status: RunStatus,
+                      live_child: str | None = None) -> bool: ...
+
+    # Requests.
+
+    def take_request_slot(self, playbook: str, limit: int) -> bool: ...
+    def open_request(self, *, request_id: str, playbook: str, run_id: str, type_: str, name: str, version: int,
+                     party: str, answerer: str, message: str, answer_schema: str | None, server: str | None,
+                     tool: str | None, delivery: DeliveryState, asked_at: int, expires_at: int,
+                     deliver_args: str | None, notified: bool = False, follow_up: str | None = None) -> int | None: ...
+    def request(self, playbook: str, run_id: str) -> Row | None: ...
+    def close_request(self, fx: Effects, playbook: str, run_id: str, ending: Ending) -> Row | None: ...
+    def record_answer(self, fx: Effects, req: Row, answer: Any, *, by: str, now: int,
+                      claimed_for: str | None = None, reply_id: str | None = None,
+                      reply_sender: str | None = None) -> None: ...
+    def answer_request(self, fx: Effects, req: Row, answer: Any, *, by: str, now: int,
+                       claimed_for: str | None = None, reply_id: str | None = None,
+                       reply_sender: str | None = None) -> Row: ...
+    def record_default(self, fx: Effects, req: Row, answer: Any, *, now: int) -> None: ...
+    def cancel_delivery(self, playbook: str, run_id: str) -> bool: ...
+
+    # Attempts.
+
+    def begin_attempt(self, playbook: str, run_id: str, *, now: int) -> Row | None: ...
+    def end_attempt(self, seq: int, attempt: int, state: DeliveryState, *, sent_conversation: str | None = None,
+                    sent_id: str | None = None, conversation: str | None = None) -> bool: ...
+    def fail_attempt(self, seq: int, *, spent: bool) -> bool: ...
+
+    # Timers and events.
+
+    def set_timer(self, fx: Effects, key: str, due: int) -> None: ...
+    def drop_timer(self, fx: Effects, key: str) -> None: ...
+    def take_timer(self, fx: Effects, key: str, now: int) -> bool: ...
+    def timer_due(self, key: str) -> int | None: ...
+    def all_timers(self) -> list[tuple[str, int]]: ...
+    def append_event(self, fx: Effects | None, playbook: str, run_id: str | None, type_: str, at: int,
+                     by: str | None, payload: dict[str, Any], *, run_seq: int | None = None) -> int: ...
+    def run_events(self, playbook: str, run_id: str, *, after: int, limit: int) -> list[Row]: ...
+    def playbook_events(self, playbook: str, *, type_: str | None, after: int, limit: int) -> list[Row]: ...
+
+    # Readings.
+
+    def join_reading(self, seq: int, *, playbook: str, server: str, tool: str, conversation: str,
+                     wait_ms: int) -> Row: ...
+    def reading(self, reading_id: int) -> Row | None: ...
+    def see_reply(self, reading_id: int, reply_id: str) -> bool: ...
+    def read_up_to(self, reading_id: int, since: str) -> None: ...
+    def count_read(self, reading_id: int) -> Row: ...
+
+    # Definitions.
+
+    def save_definition(self, *, playbook: str, type_: str, name: str, source: str, sha: str, overview: str,
+                        description: str | None, uses: Any, now: int, by: str,
+                        answer_schema: str | None = None) -> tuple[int, bool]: ...
+    def definition(self, playbook: str, type_: str, name: str, version: int | None = None) -> Row | None: ...
+    def list_definitions(self, playbook: str, type_: str | None = None) -> list[Row]: ...
+    def deactivate_definition(self, playbook: str, type_: str, name: str) -> bool: ...
+
+    # Tokens and sessions.
+
+    def insert_token(self, *, token_id: str, digest: str, playbook: str | None, role: str, name: str | None,
+                     purpose: str, now: int, used_at: int | None, expires_at: int | None,
+                     person: str | None = None) -> None: ...
+    def caller_token(self, digest: str) -> Row | None: ...
+    def touch_session(self, token_id: str, now: int) -> bool: ...
+    def spend_login(self, digest: str, now: int) -> Row | None: ...
+    def end_session(self, digest: str, now: int) -> bool: ...
+    def revoke_token(self, token_id: str, now: int) -> bool: ...
+
+    # Idempotency.
+
+    def idempotent_response(self, caller: str, key: str) -> Row | None: ...
+    def remember_response(self, *, caller: str, key: str, body_sha: str, response: dict[str, Any],
+                          now: int) -> None: ...
+
+    # Work held by one daemon among several.
+
+    def release_lease(self, key: str) -> bool: ...
+    def attempt_elsewhere(self, playbook: str, run_id: str) -> bool: ...
+    def take_over(self, fx: Effects, now: int) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Dialect:
+    """How the store's shared SQL (SqlTx's) is said on one backend where the two differ. The
+    statements are written with `?` placeholders; `sql` gives them in the driver's."""
+
+    #: The store's statement in the driver's placeholders.
+    sql: Callable[[str], str]
+    #: The larger of two values: a function of two arguments.
+    greatest: str
+    #: The active definitions of a playbook (of one type, or all: the type given twice, or NULL):
+    #: type, name, latest version and its description, by type and name.
+    latest_definitions: str
+    #: A condition on a definition `d`: its `uses`, a JSON list of [type, name] pairs, holds the pair
+    #: given (two placeholders).
+    uses_pair: str
+    #: The columns an event is inserted with: `daemon` too where several daemons share the database.
+    event_columns: tuple[str, ...]
+    #: An event of a run inserted in one statement that also counts it on the run (its values: the
+    #: run's key, then the event's columns but run_seq), returning its id; "" where two statements do.
+    counted_event: str = ""
+
+    def insert_event(self) -> str:
+        """The statement that inserts an event (its columns' values) and returns its id."""
+        return (f"INSERT INTO events ({', '.join(self.event_columns)}) VALUES ({', '.join('?' * len(self.event_columns))})"
+                " RETURNING id")
+
+
+#: The columns every backend's events have.
+_EVENT_COLUMNS: Final = ("playbook", "run_id", "run_seq", "type", "at", "by", "payload", "size")
+
+SQLITE_DIALECT: Final = Dialect(
+    sql=lambda text: text,
+    greatest="MAX",
+    # SQLite takes a bare column from the row of MAX().
+    latest_definitions="SELECT type, name, MAX(version) AS version, description FROM definitions"
+                       " WHERE playbook = ? AND active = 1 AND (? IS NULL OR type = ?) GROUP BY type, name"
+                       " ORDER BY type, name",
+    uses_pair="EXISTS (SELECT 1 FROM json_each(d.uses) u WHERE json_extract(u.value, '$[0]') = ?"
+              " AND json_extract(u.value, '$[1]') = ?)",
+    event_columns=_EVENT_COLUMNS,
+)
+
+
+class SqlTx:
+    """The store's named operations, on one connection: a change's transaction or a reading; shared
+    by the two backends, SQLiteTx and PostgresTx, each of which says how it begins, commits and
+    undoes a change, and how its SQL differs (`dialect`).
 
     A change is a plain function `change(tx, fx)` handed to `Store.write`; a reading is
     `query(tx)` handed to `Store.read`. Everything above the store talks to the database through
@@ -4398,59 +4543,22 @@ class SQLiteTx:
     False or a `conflict` problem) rather than reading, checking in Python and writing by key.
     """
 
-    __slots__ = ("conn", "busy_ms", "waits")
+    __slots__ = ("conn",)
 
+    #: How the shared SQL is said on this backend (SQLITE_DIALECT, POSTGRES_DIALECT).
+    dialect: "Dialect"
     #: The driver's errors: a rollback after a failure may raise one again, and it is ignored then.
-    errors: tuple[type[BaseException], ...] = (sqlite3.Error,)
+    errors: tuple[type[BaseException], ...] = ()
 
-    def __init__(self, conn: sqlite3.Connection) -> None:
+    def __init__(self, conn: Any) -> None:
         self.conn = conn
-        self.busy_ms: int | None = None     # the connection's busy timeout, once begin_at_once took it off
-        self.waits = True                   # whether a lock held elsewhere is waited for (busy_ms)
 
     def close(self) -> None:
         self.conn.close()
 
-    # The edges of a transaction, as the writer thread drives them: a group commit opens one
-    # transaction and runs its changes one after another in it, each in a savepoint of its own.
-
-    def begin(self) -> None:
-        """Open the group commit's transaction, holding the write lock from its start (waiting the
-        connection's busy timeout for it when another connection holds it)."""
-        if not self.waits:
-            self.conn.execute(f"PRAGMA busy_timeout = {self.busy_ms}")
-            self.waits = True
-        self.conn.execute("BEGIN IMMEDIATE")
-
-    def begin_at_once(self) -> bool:
-        """begin, without waiting: False, no transaction, when another connection holds the write lock.
-        The busy timeout stays off until a `begin` waits again (one statement fewer each time)."""
-        conn = self.conn
-        if self.waits:
-            if self.busy_ms is None:
-                self.busy_ms = conn.execute("PRAGMA busy_timeout").fetchone()[0]
-            conn.execute("PRAGMA busy_timeout = 0")
-            self.waits = False
-        try:
-            conn.execute("BEGIN IMMEDIATE")
-        except sqlite3.OperationalError as exc:
-            if getattr(exc, "sqlite_errorname", "").startswith("SQLITE_BUSY"):
-                return False
-            raise
-        return True
-
-    def commit(self) -> None:
-        self.conn.execute("COMMIT")
-
-    def rollback(self) -> None:
-        self.conn.execute("ROLLBACK")
-
-    def ready(self) -> None:
-        """Before a reading: nothing to do on a file (a server's connection may need opening again)."""
-
-    def in_transaction(self) -> bool:
-        """Whether the transaction still stands after an error (a full disk rolls it all back)."""
-        return self.conn.in_transaction
+    # The edges of a transaction, as the writer thread drives them, are each backend's (begin,
+    # run_change, commit, rollback, in_transaction, problem): a group commit opens one transaction
+    # and runs its changes one after another in it, each in a savepoint of its own.
 
     def run_begun(self, batch: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
         """Run each change `(change, future, effects, ahead)` of a batch in the transaction just begun,
@@ -4487,31 +4595,6 @@ class SQLiteTx:
             return [(fut, None, failure if e is None else e, None) for fut, _, e, _ in out]
         return out
 
-    def run_change(self, change: Callable[..., Any], fx: Effects) -> Any:
-        """`change(self, fx)` in a savepoint: what it wrote is undone when it raises (if the transaction
-        still stands), and the error goes on."""
-        conn = self.conn
-        conn.execute("SAVEPOINT change")
-        try:
-            result = change(self, fx)
-        except BaseException:
-            if conn.in_transaction:
-                with contextlib.suppress(sqlite3.Error):
-                    conn.execute("ROLLBACK TO change")
-                    conn.execute("RELEASE change")
-            raise
-        conn.execute("RELEASE change")
-        return result
-
-    def before_commit(self, changes: list[Effects]) -> None:
-        """Last in the transaction, with the effects of the changes it commits: nothing to tell others
-        on a file (a server's daemons are told here)."""
-
-    @staticmethod
-    def problem(exc: BaseException, otherwise: str | None = None) -> BaseException:
-        """A driver's error as the problem a caller gets (see _db_problem)."""
-        return _db_problem(exc, otherwise)
-
     # Events and timers.
 
     def append_event(self, fx: Effects | None, playbook: str, run_id: str | None, type_: str, at: int,
@@ -4519,20 +4602,31 @@ class SQLiteTx:
         """Append one event; run events also take the next run_seq (or the one given, already
         counted in runs.events by the caller's own UPDATE). Returns the event id."""
         conn = self.conn
+        dialect = self.dialect
         text = dumps(payload)
-        if run_id is not None and run_seq is None:
-            # One statement, not UPDATE then SELECT: each statement lets the event loop take the
-            # GIL, which the writer then waits to get back.
-            run_seq = conn.execute("UPDATE runs SET events = events + 1 WHERE playbook = ? AND run_id = ?"
-                                   " RETURNING events", (playbook, run_id)).fetchone()[0]
-        cur = conn.execute(
-            "INSERT INTO events (playbook, run_id, run_seq, type, at, by, payload, size) VALUES (?,?,?,?,?,?,?,?)",
-            (playbook, run_id, run_seq, type_, at, by, text, len(text.encode())))
-        event_id = cur.lastrowid
+        rest = (type_, at, by, text, len(text.encode())) + self._event_extra()
+        if run_id is not None and run_seq is None and dialect.counted_event:
+            row = conn.execute(dialect.counted_event, (playbook, run_id, playbook, run_id) + rest).fetchone()
+        else:
+            if run_id is not None and run_seq is None:
+                # UPDATE ... RETURNING, not UPDATE then SELECT: each statement lets the event loop take
+                # the GIL, which the writer then waits to get back.
+                counted = conn.execute("UPDATE runs SET events = events + 1 WHERE playbook = ? AND run_id = ?"
+                                       " RETURNING events", (playbook, run_id)).fetchone()
+                run_seq = counted[0] if counted is not None else None
+            row = None if run_id is not None and run_seq is None else \
+                conn.execute(dialect.insert_event(), (playbook, run_id, run_seq) + rest).fetchone()
+        if row is None:
+            raise Problem("not_found", f"no run {run_id} in this playbook")
+        event_id: int = row[0]
         if fx is not None:
             fx.published.append({"id": event_id, "playbook": playbook, "run_id": run_id, "type": type_, "at": at,
                                  "by": by, "payload": payload})
         return event_id
+
+    def _event_extra(self) -> tuple[Any, ...]:
+        """The values of the dialect's event columns past the common ones."""
+        return ()
 
     def set_timer(self, fx: Effects, key: str, due: int) -> None:
         self.conn.execute("INSERT INTO timers (key, due_at) VALUES (?, ?)"
@@ -4556,24 +4650,6 @@ class SQLiteTx:
         """When a timer is due, or None when there is none."""
         row = self.conn.execute("SELECT due_at FROM timers WHERE key = ?", (key,)).fetchone()
         return row["due_at"] if row is not None else None
-
-    # Work one daemon holds while it does it: a file has one daemon (the lock beside it), so these
-    # hold nothing here; PostgresTx keeps them in its `leases` table for several daemons.
-
-    def claim_lease(self, key: str, *, due_by: int | None = None) -> bool:
-        """Hold the work of a timer's key for this daemon (see Store.claim): True on a file."""
-        return True
-
-    def release_lease(self, key: str) -> bool:
-        """Give the work of a timer's key back; whether another daemon asked for it meanwhile: never on a file."""
-        return False
-
-    def attempt_elsewhere(self, playbook: str, run_id: str) -> bool:
-        """Whether the attempt in flight of a run's request is another live daemon's: never on a file."""
-        return False
-
-    def take_over(self, fx: Effects, now: int) -> None:
-        """Take over what daemons that are gone held (PostgresTx): none on a file."""
 
     # Runs.
 
@@ -4668,10 +4744,7 @@ class SQLiteTx:
 
     def list_definitions(self, playbook: str, type_: str | None = None) -> list[Row]:
         """The active definitions of a playbook (of one type, if given): type, name, latest version, description."""
-        return self.conn.execute(
-            "SELECT type, name, MAX(version) AS version, description FROM definitions"
-            " WHERE playbook = ? AND active = 1 AND (? IS NULL OR type = ?) GROUP BY type, name ORDER BY type, name",
-            (playbook, type_, type_)).fetchall()
+        return self.conn.execute(self.dialect.latest_definitions, (playbook, type_, type_)).fetchall()
 
     def deactivate_definition(self, playbook: str, type_: str, name: str) -> bool:
         """Make every version of a name inactive; False if none was active."""
@@ -4983,7 +5056,7 @@ class SQLiteTx:
         reading = self.conn.execute(
             "INSERT INTO readings (playbook, server, tool, conversation, wait_ms) VALUES (?,?,?,?,?)"
             " ON CONFLICT (playbook, server, tool, conversation) DO UPDATE SET reads = 0,"
-            " wait_ms = MAX(wait_ms, excluded.wait_ms) RETURNING id, wait_ms",
+            f" wait_ms = {self.dialect.greatest}(readings.wait_ms, excluded.wait_ms) RETURNING id, wait_ms",
             (playbook, server, tool, conversation, wait_ms)).fetchone()
         self.conn.execute("UPDATE requests SET reading = ? WHERE seq = ?", (reading["id"], seq))
         return reading
@@ -5082,8 +5155,7 @@ class SQLiteTx:
         """The active workflows of the playbook whose `uses` name this definition: name, version."""
         return self.conn.execute(
             "SELECT name, version FROM definitions d WHERE playbook = ? AND type = 'workflow' AND active = 1"
-            " AND EXISTS (SELECT 1 FROM json_each(d.uses) u WHERE json_extract(u.value, '$[0]') = ?"
-            " AND json_extract(u.value, '$[1]') = ?) ORDER BY name", (playbook, type_, name)).fetchall()
+            f" AND {self.dialect.uses_pair} ORDER BY name", (playbook, type_, name)).fetchall()
 
     def defined_names(self, playbook: str) -> set[tuple[str, str]]:
         """The (type, name) of every active definition of the playbook."""
@@ -5198,11 +5270,7 @@ class SQLiteTx:
                                  (request_id,)).fetchone()
 
     # A whole database copied into another (`interactiond copy`): COPIED_TABLES, read in one snapshot
-    # and written in one transaction, in batches.
-
-    def begin_snapshot(self) -> None:
-        """A read transaction: every table read until `end` shows the database at one moment."""
-        self.conn.execute("BEGIN")
+    # (each backend's begin_snapshot, table_rows) and written in one transaction, in batches.
 
     def end(self, commit: bool = True) -> None:
         """Commit (or roll back) the transaction `begin` or `begin_snapshot` opened."""
@@ -5211,6 +5279,107 @@ class SQLiteTx:
         else:
             self.rollback()
 
+    def count_rows(self, table: str) -> int:
+        return self.conn.execute(f"SELECT COUNT(*) FROM {_copied(table)}").fetchone()[0]
+
+
+class SQLiteTx(SqlTx):
+    """The store's operations on an SQLite file (SqlTx's), with the file's transactions: BEGIN
+    IMMEDIATE for a group commit, a SAVEPOINT for each change."""
+
+    __slots__ = ("busy_ms", "waits")
+
+    dialect = SQLITE_DIALECT
+    errors = (sqlite3.Error,)
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        super().__init__(conn)
+        self.busy_ms: int | None = None     # the connection's busy timeout, once begin_at_once took it off
+        self.waits = True                   # whether a lock held elsewhere is waited for (busy_ms)
+
+    def begin(self) -> None:
+        """Open the group commit's transaction, holding the write lock from its start (waiting the
+        connection's busy timeout for it when another connection holds it)."""
+        if not self.waits:
+            self.conn.execute(f"PRAGMA busy_timeout = {self.busy_ms}")
+            self.waits = True
+        self.conn.execute("BEGIN IMMEDIATE")
+
+    def begin_at_once(self) -> bool:
+        """begin, without waiting: False, no transaction, when another connection holds the write lock.
+        The busy timeout stays off until a `begin` waits again (one statement fewer each time)."""
+        conn = self.conn
+        if self.waits:
+            if self.busy_ms is None:
+                self.busy_ms = conn.execute("PRAGMA busy_timeout").fetchone()[0]
+            conn.execute("PRAGMA busy_timeout = 0")
+            self.waits = False
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as exc:
+            if getattr(exc, "sqlite_errorname", "").startswith("SQLITE_BUSY"):
+                return False
+            raise
+        return True
+
+    def commit(self) -> None:
+        self.conn.execute("COMMIT")
+
+    def rollback(self) -> None:
+        self.conn.execute("ROLLBACK")
+
+    def ready(self) -> None:
+        """Before a reading: nothing to do on a file (a server's connection may need opening again)."""
+
+    def in_transaction(self) -> bool:
+        """Whether the transaction still stands after an error (a full disk rolls it all back)."""
+        return self.conn.in_transaction
+
+    def run_change(self, change: Callable[..., Any], fx: Effects) -> Any:
+        """`change(self, fx)` in a savepoint: what it wrote is undone when it raises (if the transaction
+        still stands), and the error goes on."""
+        conn = self.conn
+        conn.execute("SAVEPOINT change")
+        try:
+            result = change(self, fx)
+        except BaseException:
+            if conn.in_transaction:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.execute("ROLLBACK TO change")
+                    conn.execute("RELEASE change")
+            raise
+        conn.execute("RELEASE change")
+        return result
+
+    def before_commit(self, changes: list[Effects]) -> None:
+        """Last in the transaction, with the effects of the changes it commits: nothing to tell others
+        on a file (a server's daemons are told here)."""
+
+    @staticmethod
+    def problem(exc: BaseException, otherwise: str | None = None) -> BaseException:
+        """A driver's error as the problem a caller gets (see _db_problem)."""
+        return _db_problem(exc, otherwise)
+
+    # Work one daemon holds while it does it: a file has one daemon (the lock beside it), so these
+    # hold nothing here; PostgresTx keeps them in its `leases` table for several daemons.
+
+    def release_lease(self, key: str) -> bool:
+        """Give the work of a timer's key back; whether another daemon asked for it meanwhile: never on a file."""
+        return False
+
+    def attempt_elsewhere(self, playbook: str, run_id: str) -> bool:
+        """Whether the attempt in flight of a run's request is another live daemon's: never on a file."""
+        return False
+
+    def take_over(self, fx: Effects, now: int) -> None:
+        """Take over what daemons that are gone held (PostgresTx): none on a file."""
+
+    # A whole database copied (see SqlTx).
+
+    def begin_snapshot(self) -> None:
+        """A read transaction: every table read until `end` shows the database at one moment."""
+        self.conn.execute("BEGIN")
+
     def holds_data(self) -> bool:
         """Whether the database has interactiond's tables (so it is one, of some version)."""
         return self.conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'runs'").fetchone() is not None
@@ -5218,9 +5387,6 @@ class SQLiteTx:
     def table_columns(self, table: str) -> list[str]:
         """A copied table's columns, in their order."""
         return [r["name"] for r in self.conn.execute(f"PRAGMA table_info({_copied(table)})")]
-
-    def count_rows(self, table: str) -> int:
-        return self.conn.execute(f"SELECT COUNT(*) FROM {_copied(table)}").fetchone()[0]
 
     def table_rows(self, table: str, columns: list[str], batch: int) -> Iterable[list[tuple[Any, ...]]]:
         """A copied table's rows (the values of `columns`), `batch` at a time, without holding them all."""
@@ -5273,7 +5439,7 @@ _CANCEL_DELIVERY_SQL: Final = (
     " AND delivery_state IN (" + ", ".join(f"'{s.value}'" for s in allowed_from(DELIVERY_TRANSITIONS, DeliveryEvent.CANCEL))
     + ")")
 
-#: A workflow's transition, guarded by the state it read (SQLiteTx.step_workflow); the second form
+#: A workflow's transition, guarded by the state it read (SqlTx.step_workflow); the second form
 #: also wants the child it saw live still live.
 _STEP_WORKFLOW_SQL: Final = (
     "UPDATE runs SET state = ?, status = ? WHERE playbook = ? AND run_id = ?"
@@ -5281,11 +5447,6 @@ _STEP_WORKFLOW_SQL: Final = (
 _STEP_WORKFLOW_CHILD_SQL: Final = _STEP_WORKFLOW_SQL.replace(
     " RETURNING", f" AND EXISTS (SELECT 1 FROM runs c WHERE c.playbook = runs.playbook AND c.run_id = ?"
     f" AND c.status IN ({_LIVE_SQL})) RETURNING")
-
-
-#: What a change or a reading is handed: the store's operations (SQLiteTx on the embedded file,
-#: PostgresTx on a server).
-Tx = SQLiteTx
 
 
 #: The states an attempt is in flight in: delivering, or cancelling (cancel asked meanwhile; the attempt
@@ -5409,11 +5570,12 @@ def _timer_kinds(req: Row) -> tuple[str, ...]:
 # The same store on a database server: `--db postgresql://...`, `database:` in the configuration,
 # or INTERACTIOND_DB. The driver, psycopg 3, comes with `pip install 'interactiond[postgres]'` and
 # is imported only when such a URL is used, so the default install and its start-up stay as they
-# are. There is one set of SQL: PostgresTx inherits every operation of SQLiteTx and overrides only
-# the few whose SQL differs between the dialects; `?` placeholders become psycopg's `%s` once per
-# statement text. The threads are Store's: one writer with group commit (BEGIN, the changes, one
-# COMMIT) and one reader, each on its own connection. A lost connection answers its
-# changes `unavailable` and is opened again at the next transaction.
+# are. There is one set of SQL, SqlTx's, shared by SQLiteTx and PostgresTx: what differs between
+# the two is said by each one's Dialect (POSTGRES_DIALECT: `?` placeholders as psycopg's `%s`, once
+# per statement text). The threads are Store's: one writer with group commit (BEGIN, the changes
+# each in a savepoint, one COMMIT, all in psycopg's pipeline mode) and one reader, each on its own
+# connection. A lost connection answers its changes `unavailable` and is opened again at the next
+# transaction.
 #
 # Several daemons may share the database; each store is one of them. A third connection enters
 # the daemon in the `daemons` table, beats, and LISTENs: every write transaction NOTIFYs what its
@@ -5468,7 +5630,7 @@ PG_LOCK_TIMEOUT_MS: Final = 5000
 PG_CONNECT_TIMEOUT_S: Final = 10
 #: Each daemon on a database beats this often (daemons.seen_at) ...
 DAEMON_BEAT_S: Final = 5.0
-#: A daemon refreshes the tables' statistics (PostgresTx.refresh_statistics) after its writer has
+#: A daemon refreshes the tables' statistics (PgDaemons.refresh_statistics) after its writer has
 #: committed this many changes, and again each time it has committed this factor more.
 PG_ANALYZE_FIRST: Final = 256
 PG_ANALYZE_GROWTH: Final = 8
@@ -5924,21 +6086,31 @@ def _pg_problem(exc: BaseException, otherwise: str | None = None) -> BaseExcepti
     return Problem("failed", otherwise) if otherwise is not None else exc
 
 
-#: An event of a run, numbered by the run's counter, in one statement (SQLiteTx.append_event runs two).
-_PG_COUNTED_EVENT_SQL: Final = (
-    "WITH r AS (UPDATE runs SET events = events + 1 WHERE playbook = ? AND run_id = ? RETURNING events)"
-    " INSERT INTO events (playbook, run_id, run_seq, type, at, by, payload, size, daemon)"
-    " SELECT ?, ?, r.events, ?, ?, ?, ?, ?, ? FROM r RETURNING id")
+POSTGRES_DIALECT: Final = Dialect(
+    sql=_pg_sql,
+    greatest="GREATEST",
+    # PostgreSQL says which row of a name is its latest with DISTINCT ON.
+    latest_definitions="SELECT DISTINCT ON (type, name) type, name, version, description FROM definitions"
+                       " WHERE playbook = ? AND active = 1 AND (CAST(? AS TEXT) IS NULL OR type = ?)"
+                       " ORDER BY type, name, version DESC",
+    uses_pair="EXISTS (SELECT 1 FROM jsonb_array_elements(d.uses::jsonb) u WHERE u->>0 = ? AND u->>1 = ?)",
+    event_columns=_EVENT_COLUMNS + ("daemon",),
+    # A data-modifying WITH: the run's counter and the event in one round trip.
+    counted_event="WITH r AS (UPDATE runs SET events = events + 1 WHERE playbook = ? AND run_id = ? RETURNING events)"
+                  " INSERT INTO events (" + ", ".join(_EVENT_COLUMNS + ("daemon",)) + ")"
+                  " SELECT ?, ?, r.events, ?, ?, ?, ?, ?, ? FROM r RETURNING id",
+)
 
 
-class PostgresTx(SQLiteTx):
-    """The store's operations on a PostgreSQL connection: SQLiteTx's, but for the few statements
-    whose SQL differs between the dialects, and what several daemons sharing the database need.
-    `daemon` is the id of the daemon whose store it serves (None for the command line)."""
+class PostgresTx(SqlTx):
+    """The store's operations on a PostgreSQL connection (SqlTx's, in POSTGRES_DIALECT), with the
+    server's transactions, and what several daemons sharing the database need of a change. `daemon`
+    is the id of the daemon whose store it serves (None for the command line)."""
 
     __slots__ = ("daemon", "_pipeline")
 
     conn: _PgConn
+    dialect = POSTGRES_DIALECT
 
     def __init__(self, conn: _PgConn, daemon: str | None = None) -> None:
         super().__init__(conn)  # type: ignore[arg-type]
@@ -6022,49 +6194,8 @@ class PostgresTx(SQLiteTx):
     def problem(exc: BaseException, otherwise: str | None = None) -> BaseException:
         return _pg_problem(exc, otherwise)
 
-    # The statements that differ.
-
-    def append_event(self, fx: Effects | None, playbook: str, run_id: str | None, type_: str, at: int,
-                     by: str | None, payload: dict[str, Any], *, run_seq: int | None = None) -> int:
-        text = dumps(payload)
-        if run_id is not None and run_seq is None:   # the run's counter and the event: one statement
-            row = self.conn.execute(_PG_COUNTED_EVENT_SQL, (playbook, run_id, playbook, run_id, type_, at, by, text,
-                                                            len(text.encode()), self.daemon)).fetchone()
-            if row is None:
-                raise Problem("not_found", f"no run {run_id} in this playbook")
-        else:
-            row = self.conn.execute(
-                "INSERT INTO events (playbook, run_id, run_seq, type, at, by, payload, size, daemon)"
-                " VALUES (?,?,?,?,?,?,?,?,?) RETURNING id",
-                (playbook, run_id, run_seq, type_, at, by, text, len(text.encode()), self.daemon)).fetchone()
-        event_id: int = row[0]
-        if fx is not None:
-            fx.published.append({"id": event_id, "playbook": playbook, "run_id": run_id, "type": type_, "at": at,
-                                 "by": by, "payload": payload})
-        return event_id
-
-    def list_definitions(self, playbook: str, type_: str | None = None) -> list[Row]:
-        # SQLite takes a bare column from the row of MAX(); PostgreSQL says which row with DISTINCT ON.
-        return self.conn.execute(
-            "SELECT DISTINCT ON (type, name) type, name, version, description FROM definitions"
-            " WHERE playbook = ? AND active = 1 AND (CAST(? AS TEXT) IS NULL OR type = ?)"
-            " ORDER BY type, name, version DESC", (playbook, type_, type_)).fetchall()
-
-    def join_reading(self, seq: int, *, playbook: str, server: str, tool: str, conversation: str,
-                     wait_ms: int) -> Row:
-        reading = self.conn.execute(
-            "INSERT INTO readings (playbook, server, tool, conversation, wait_ms) VALUES (?,?,?,?,?)"
-            " ON CONFLICT (playbook, server, tool, conversation) DO UPDATE SET reads = 0,"
-            " wait_ms = GREATEST(readings.wait_ms, excluded.wait_ms) RETURNING id, wait_ms",
-            (playbook, server, tool, conversation, wait_ms)).fetchone()
-        self.conn.execute("UPDATE requests SET reading = ? WHERE seq = ?", (reading["id"], seq))
-        return reading
-
-    def workflows_calling(self, playbook: str, type_: str, name: str) -> list[Row]:
-        return self.conn.execute(
-            "SELECT name, version FROM definitions d WHERE playbook = ? AND type = 'workflow' AND active = 1"
-            " AND EXISTS (SELECT 1 FROM jsonb_array_elements(d.uses::jsonb) u WHERE u->>0 = ? AND u->>1 = ?)"
-            " ORDER BY name", (playbook, type_, name)).fetchall()
+    def _event_extra(self) -> tuple[Any, ...]:
+        return (self.daemon,)
 
     # Several daemons on one database.
 
@@ -6079,7 +6210,7 @@ class PostgresTx(SQLiteTx):
                 self.conn.execute("SELECT pg_notify(?, ?) WHERE EXISTS (SELECT 1 FROM daemons WHERE id <> ?)",
                                   (PG_CHANNEL, payload, self.daemon))
 
-    # A whole database copied (see SQLiteTx).
+    # A whole database copied (see SqlTx).
 
     def begin_snapshot(self) -> None:
         self.conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
@@ -6125,72 +6256,6 @@ class PostgresTx(SQLiteTx):
             f" FROM daemons d WHERE d.id = e.daemon AND d.seen_at > {_PG_NOW_SQL} - ?)",
             (EventType.TOOL_CALL_STARTED.value, RunStatus.STARTED.value, int(DAEMON_LEASE_S * 1000))).fetchall()
         return [(r["playbook"], r["run_id"], json.loads(r["payload"]) if r["payload"] else None) for r in rows]
-
-    def register_daemon(self, daemon: str, host: str, pid: int) -> None:
-        """Enter a daemon that starts (its connection LISTENs already); a daemon of this host whose
-        process is gone (a crash, a kill) leaves now rather than when its lease ends. Under the writes'
-        lock: a write that finds no other daemon entered notifies nobody (before_commit), so it must
-        commit before this one enters, and the new daemon then reads what it wrote."""
-        for row in self.conn.execute("SELECT id, pid FROM daemons WHERE host = ?", (host,)).fetchall():
-            if row["pid"] != pid and not _process_alive(row["pid"]):
-                self.conn.execute("DELETE FROM daemons WHERE id = ?", (row["id"],))
-        self.conn.execute("BEGIN")
-        try:
-            self.conn.execute(_PG_LOCK_SQL)
-            self.conn.execute(f"INSERT INTO daemons (id, host, pid, started_at, seen_at) VALUES (?, ?, ?,"
-                              f" {_PG_NOW_SQL}, {_PG_NOW_SQL})", (daemon, host, pid))
-            self.conn.execute("COMMIT")
-        except BaseException:
-            with contextlib.suppress(*self.errors):
-                self.conn.execute("ROLLBACK")
-            raise
-
-    def refresh_statistics(self) -> None:
-        """ANALYZE the tables the changes address by key. A statement's plan is made once per
-        connection (its fifth run), from the statistics of the moment, and made again when they
-        change; made before a table had any, it may take a key lookup for a scan of an index on a
-        leading column the two share (a run's events numbered by scanning every run of its playbook:
-        answers ~4x slower with 3,000 open). The server's autovacuum refreshes them too, but looks at
-        most once a minute. Only a table never analyzed, or changed by half its rows since, is: a
-        large database's are left to autovacuum. A table another session holds locked (a VACUUM FULL,
-        another daemon's ANALYZE) is skipped, never waited for: the listener's thread beats the
-        daemon's heartbeat. A role that does not own the tables is told so by a warning, and skipped."""
-        stale = [r[0] for r in self.conn.execute(
-            "SELECT relname FROM pg_stat_user_tables WHERE schemaname = current_schema()"
-            " AND relname IN ('runs', 'requests', 'events', 'timers') AND (COALESCE(last_analyze, last_autoanalyze)"
-            " IS NULL OR n_mod_since_analyze * 2 > n_live_tup) ORDER BY relname").fetchall()]
-        if stale:
-            self.conn.execute("ANALYZE (SKIP_LOCKED) " + ", ".join(stale))     # names of the list above, not a caller's
-
-    def beat(self, daemon: str) -> bool:
-        """A live daemon's heartbeat, which renews the leases it holds; False when its row has gone (it is
-        entered again)."""
-        if not self.conn.execute(f"UPDATE daemons SET seen_at = {_PG_NOW_SQL} WHERE id = ?", (daemon,)).rowcount:
-            return False
-        self.conn.execute(f"UPDATE leases SET until_ms = {_PG_NOW_SQL} + ? WHERE daemon = ?", (_lease_ms(), daemon))
-        return True
-
-    def reap_daemons(self, host: str, pid: int) -> list[str]:
-        """Remove the daemons that are gone - unseen past their lease, or of this host with their process
-        ended (a crash, a kill) - and say which: each is removed once, by one daemon, which takes its
-        work over (Engine._take_over)."""
-        ended = [r["id"] for r in self.conn.execute("SELECT id, pid FROM daemons WHERE host = ?", (host,)).fetchall()
-                 if r["pid"] != pid and not _process_alive(r["pid"])]
-        return [r[0] for r in self.conn.execute(
-            f"DELETE FROM daemons WHERE seen_at <= {_PG_NOW_SQL} - ? OR id = ANY(CAST(? AS TEXT[])) RETURNING id",
-            (_lease_ms(), ended)).fetchall()]
-
-    def leave(self, daemon: str) -> None:
-        """A daemon that stops: its calls still in flight are the next start's to end (or a live daemon's
-        `lost` timer's); the work it still held is given back, its timers told again to every daemon."""
-        self.conn.execute("DELETE FROM daemons WHERE id = ?", (daemon,))
-        fx = Effects()
-        for (key,) in self.conn.execute("DELETE FROM leases WHERE daemon = ? RETURNING key", (daemon,)).fetchall():
-            due = self.timer_due(key)
-            if due is not None:
-                fx.timers.append((key, due))
-        for payload in _bus_payloads(daemon, [fx]):
-            self.conn.execute("SELECT pg_notify(?, ?)", (PG_CHANNEL, payload))
 
     # Leases: work one daemon does at a time (a conversation's reading, a workflow run's steps), and
     # the work of daemons that are gone.
@@ -6253,6 +6318,86 @@ class PostgresTx(SQLiteTx):
         """The manual clock's time in the database; None before a manual clock kept one."""
         row = self.conn.execute("SELECT now_ms FROM clock").fetchone()
         return row[0] if row is not None else None
+
+
+class PgDaemons:
+    """The daemons sharing a database, on a connection of their own (a store's listening one, or the
+    command line's): entering, heartbeats, the daemons found gone, leaving, and the tables'
+    statistics. A file has one daemon, and nothing of this."""
+
+    __slots__ = ("conn",)
+
+    def __init__(self, conn: _PgConn) -> None:
+        self.conn = conn
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def register_daemon(self, daemon: str, host: str, pid: int) -> None:
+        """Enter a daemon that starts (its connection LISTENs already); a daemon of this host whose
+        process is gone (a crash, a kill) leaves now rather than when its lease ends. Under the writes'
+        lock: a write that finds no other daemon entered notifies nobody (before_commit), so it must
+        commit before this one enters, and the new daemon then reads what it wrote."""
+        for row in self.conn.execute("SELECT id, pid FROM daemons WHERE host = ?", (host,)).fetchall():
+            if row["pid"] != pid and not _process_alive(row["pid"]):
+                self.conn.execute("DELETE FROM daemons WHERE id = ?", (row["id"],))
+        self.conn.execute("BEGIN")
+        try:
+            self.conn.execute(_PG_LOCK_SQL)
+            self.conn.execute(f"INSERT INTO daemons (id, host, pid, started_at, seen_at) VALUES (?, ?, ?,"
+                              f" {_PG_NOW_SQL}, {_PG_NOW_SQL})", (daemon, host, pid))
+            self.conn.execute("COMMIT")
+        except BaseException:
+            with contextlib.suppress(_psycopg().Error):
+                self.conn.execute("ROLLBACK")
+            raise
+
+    def refresh_statistics(self) -> None:
+        """ANALYZE the tables the changes address by key. A statement's plan is made once per
+        connection (its fifth run), from the statistics of the moment, and made again when they
+        change; made before a table had any, it may take a key lookup for a scan of an index on a
+        leading column the two share (a run's events numbered by scanning every run of its playbook:
+        answers ~4x slower with 3,000 open). The server's autovacuum refreshes them too, but looks at
+        most once a minute. Only a table never analyzed, or changed by half its rows since, is: a
+        large database's are left to autovacuum. A table another session holds locked (a VACUUM FULL,
+        another daemon's ANALYZE) is skipped, never waited for: the listener's thread beats the
+        daemon's heartbeat. A role that does not own the tables is told so by a warning, and skipped."""
+        stale = [r[0] for r in self.conn.execute(
+            "SELECT relname FROM pg_stat_user_tables WHERE schemaname = current_schema()"
+            " AND relname IN ('runs', 'requests', 'events', 'timers') AND (COALESCE(last_analyze, last_autoanalyze)"
+            " IS NULL OR n_mod_since_analyze * 2 > n_live_tup) ORDER BY relname").fetchall()]
+        if stale:
+            self.conn.execute("ANALYZE (SKIP_LOCKED) " + ", ".join(stale))     # names of the list above, not a caller's
+
+    def beat(self, daemon: str) -> bool:
+        """A live daemon's heartbeat, which renews the leases it holds; False when its row has gone (it is
+        entered again)."""
+        if not self.conn.execute(f"UPDATE daemons SET seen_at = {_PG_NOW_SQL} WHERE id = ?", (daemon,)).rowcount:
+            return False
+        self.conn.execute(f"UPDATE leases SET until_ms = {_PG_NOW_SQL} + ? WHERE daemon = ?", (_lease_ms(), daemon))
+        return True
+
+    def reap_daemons(self, host: str, pid: int) -> list[str]:
+        """Remove the daemons that are gone - unseen past their lease, or of this host with their process
+        ended (a crash, a kill) - and say which: each is removed once, by one daemon, which takes its
+        work over (Engine._take_over)."""
+        ended = [r["id"] for r in self.conn.execute("SELECT id, pid FROM daemons WHERE host = ?", (host,)).fetchall()
+                 if r["pid"] != pid and not _process_alive(r["pid"])]
+        return [r[0] for r in self.conn.execute(
+            f"DELETE FROM daemons WHERE seen_at <= {_PG_NOW_SQL} - ? OR id = ANY(CAST(? AS TEXT[])) RETURNING id",
+            (_lease_ms(), ended)).fetchall()]
+
+    def leave(self, daemon: str) -> None:
+        """A daemon that stops: its calls still in flight are the next start's to end (or a live daemon's
+        `lost` timer's); the work it still held is given back, its timers told again to every daemon."""
+        self.conn.execute("DELETE FROM daemons WHERE id = ?", (daemon,))
+        fx = Effects()
+        for (key,) in self.conn.execute("DELETE FROM leases WHERE daemon = ? RETURNING key", (daemon,)).fetchall():
+            timer = self.conn.execute("SELECT due_at FROM timers WHERE key = ?", (key,)).fetchone()
+            if timer is not None:
+                fx.timers.append((key, timer[0]))
+        for payload in _bus_payloads(daemon, [fx]):
+            self.conn.execute("SELECT pg_notify(?, ?)", (PG_CHANNEL, payload))
 
     def live_daemons(self) -> list[Row]:
         """The daemons seen within their lease: id, host, pid, started_at, seen_at."""
@@ -6386,7 +6531,7 @@ class _PgListener(threading.Thread):
         super().__init__(name="interactiond-listener", daemon=True)
         self.url = url
         self.daemon_id = daemon
-        self.tx: PostgresTx | None = None
+        self.daemons: PgDaemons | None = None
         self.halt = threading.Event()
         self.deliver: Callable[[str], None] | None = None      # a notification's payload, to the bus
         self.lost: Callable[[], None] | None = None            # the connection came back: resync
@@ -6396,12 +6541,12 @@ class _PgListener(threading.Thread):
 
     def register(self) -> None:
         """Connect, LISTEN and enter the daemon (on the caller's thread, before the store serves)."""
-        self.tx = PostgresTx(_PgConn(self.url, ("SET application_name = 'interactiond-listener'",
-                                                f"LISTEN {PG_CHANNEL}")), self.daemon_id)
-        self.tx.register_daemon(self.daemon_id, _HOST, os.getpid())
+        self.daemons = PgDaemons(_PgConn(self.url, ("SET application_name = 'interactiond-listener'",
+                                                    f"LISTEN {PG_CHANNEL}")))
+        self.daemons.register_daemon(self.daemon_id, _HOST, os.getpid())
 
     def run(self) -> None:
-        tx = self.tx
+        tx = self.daemons
         own = '{"d":' + dumps(self.daemon_id) + ","          # as _bus_payloads begins this daemon's
         next_beat = time.monotonic() + DAEMON_BEAT_S
         failures = 0
@@ -6448,7 +6593,8 @@ class _PgListener(threading.Thread):
                 tx.conn.raw = None
                 self.halt.wait(min(5.0, 0.1 * 2 ** failures))
         with contextlib.suppress(Exception):
-            tx.ready()
+            if tx.conn.lost:
+                tx.conn.reopen()
             tx.leave(self.daemon_id)
         tx.close()
         os.close(self._wake_r)
@@ -6460,7 +6606,7 @@ class _PgListener(threading.Thread):
             os.write(self._wake_w, b"x")
 
     def analyze_soon(self) -> None:
-        """Have the tables' statistics refreshed (PostgresTx.refresh_statistics), here, not on the caller's thread."""
+        """Have the tables' statistics refreshed (PgDaemons.refresh_statistics), here, not on the caller's thread."""
         self._analyze.set()
         with contextlib.suppress(OSError):
             os.write(self._wake_w, b"x")
@@ -6517,12 +6663,12 @@ def open_postgres_sync(url: str) -> PostgresTx:
     return PostgresTx(conn)
 
 
-def open_copy_source(db: str) -> SQLiteTx:
+def open_copy_source(db: str) -> SqlTx:
     """A database to copy from (`interactiond copy`), brought to this version's schema as a start would
     bring it; ValueError, in one line, when it is no file or holds no interactiond database (nothing
     is made or changed then)."""
     if is_postgres_url(db):
-        probe: SQLiteTx = PostgresTx(_reach_postgres(db))
+        probe: SqlTx = PostgresTx(_reach_postgres(db))
     elif not Path(db).is_file():
         raise ValueError(f"{db}: no such file")
     else:

@@ -345,7 +345,7 @@ async def test_a_daemon_refreshes_its_tables_statistics_as_its_writes_grow_them(
         counted = await store.read(analyzed)
         tx = itd.open_sync(pg)
         try:
-            tx.refresh_statistics()
+            itd.PgDaemons(tx.conn).refresh_statistics()
         finally:
             tx.close()
         assert await store.read(analyzed) == counted
@@ -455,7 +455,7 @@ async def test_a_daemon_alone_on_its_database_notifies_nobody_and_one_with_compa
         assert heard() == []                    # nobody else entered: nothing sent
         other = itd.open_sync(pg)
         try:
-            other.register_daemon("dmn_other", "elsewhere", os.getpid())
+            itd.PgDaemons(other.conn).register_daemon("dmn_other", "elsewhere", os.getpid())
         finally:
             other.close()
         await store.write(timer("expire:local/default:r2"))
@@ -486,7 +486,8 @@ async def test_a_table_held_locked_elsewhere_is_skipped_by_the_statistics_not_wa
         before = {t: analyzed(t) for t in ("runs", "requests")}
         holder.execute("BEGIN")
         holder.execute("LOCK TABLE runs IN SHARE UPDATE EXCLUSIVE MODE")
-        await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, tx.refresh_statistics), 20)
+        statistics = itd.PgDaemons(tx.conn).refresh_statistics
+        await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, statistics), 20)
         holder.execute("COMMIT")
         assert analyzed("runs") == before["runs"] and analyzed("requests") > before["requests"]
     finally:

@@ -410,6 +410,22 @@ def test_prune_drops_old_keys_and_ended_sessions(tx):
     assert tx.caller_token(itd.sha256_hex(session)) is None
 
 
+def test_an_event_of_a_run_that_does_not_exist_is_not_found_and_writes_nothing(tx):
+    with pytest.raises(itd.Problem) as info:
+        tx.append_event(itd.Effects(), PB, "nope", "marker", NOW, "tok_1", {})
+    assert info.value.name == "not_found"
+    assert tx.conn.execute("SELECT COUNT(*) FROM events").fetchone()[0] == 0
+
+
+def test_the_backends_are_siblings_sharing_their_sql_through_a_dialect():
+    assert issubclass(itd.SQLiteTx, itd.SqlTx) and issubclass(itd.PostgresTx, itd.SqlTx)
+    assert not issubclass(itd.PostgresTx, itd.SQLiteTx)
+    assert (itd.SQLiteTx.dialect, itd.PostgresTx.dialect) == (itd.SQLITE_DIALECT, itd.POSTGRES_DIALECT)
+    # The daemons of a shared database are an object of their own, which a file does not carry.
+    for op in ("register_daemon", "beat", "reap_daemons", "leave", "live_daemons", "refresh_statistics"):
+        assert hasattr(itd.PgDaemons, op) and not hasattr(itd.SqlTx, op) and not hasattr(itd.PostgresTx, op)
+
+
 def test_rows_are_read_by_name_and_by_index(tx):
     _workflow(tx, "r1")
     row = tx.run(PB, "r1")
