@@ -5990,10 +5990,13 @@ class PgRow:
 
 def _pg_rows(cursor: Any) -> Callable[[Any], PgRow]:
     """psycopg's row factory for the store: each row a PgRow, the result's column names worked out
-    once for all its rows."""
+    once for all its rows (from the result itself: the cursor's `description` makes an object for
+    each column, a tenth of a change's CPU)."""
     names: dict[str, int] = {}
-    for i, column in enumerate(cursor.description or ()):
-        names.setdefault(column.name, i)            # a name twice (a join's *): the first
+    result = cursor.pgresult
+    if result is not None:
+        for i in range(result.nfields):
+            names.setdefault(result.fname(i).decode(), i)      # a name twice (a join's *): the first
     return lambda values: PgRow(values, names)
 
 
@@ -6107,7 +6110,7 @@ class PostgresTx(SqlTx):
     server's transactions, and what several daemons sharing the database need of a change. `daemon`
     is the id of the daemon whose store it serves (None for the command line)."""
 
-    __slots__ = ("daemon", "_pipeline")
+    __slots__ = ("daemon", "_pipeline", "_sync")
 
     conn: _PgConn
     dialect = POSTGRES_DIALECT
@@ -6116,13 +6119,14 @@ class PostgresTx(SqlTx):
         super().__init__(conn)  # type: ignore[arg-type]
         self.daemon = daemon
         self._pipeline: contextlib.ExitStack | None = None     # psycopg's pipeline of the group commit
+        self._sync: Callable[[], None] = lambda: None           # ... and its sync()
 
     @property
     def errors(self) -> tuple[type[BaseException], ...]:  # type: ignore[override]
         return (_psycopg().Error,)
 
     # A group commit is one transaction in psycopg's pipeline mode (Connection.pipeline), each of its
-    # changes in a savepoint of its own (Connection.transaction): a change's statements travel
+    # changes in a savepoint of its own (psycopg's Transaction): a change's statements travel
     # together, and its end waits for their results, so a change that fails is undone alone.
 
     def begin(self) -> None:
@@ -6153,7 +6157,7 @@ class PostgresTx(SqlTx):
         raw = self.conn.raw
         stack = contextlib.ExitStack()
         pipeline = stack.enter_context(raw.pipeline())
-        self._pipeline = stack
+        self._pipeline, self._sync = stack, pipeline.sync
         raw.execute("BEGIN")
         raw.execute(_PG_LOCK_SQL)
         pipeline.sync()
@@ -6165,8 +6169,20 @@ class PostgresTx(SqlTx):
                 stack.close()
 
     def run_change(self, change: Callable[..., Any], fx: Effects) -> Any:
-        with self.conn.raw.transaction():       # a savepoint: rolled back to when the change raises
-            return change(self, fx)
+        """`change(self, fx)` in a savepoint (the Transaction that Connection.transaction() gives, here
+        without the second sync it makes in pipeline mode): the change's end syncs the pipeline, so a
+        statement of it that failed raises here, and the savepoint is rolled back to; its RELEASE, or
+        ROLLBACK TO, goes with the next change's statements."""
+        psycopg = _psycopg()
+        with psycopg.Transaction(self.conn.raw):
+            try:
+                result = change(self, fx)
+            except BaseException:
+                with contextlib.suppress(psycopg.Error):
+                    self._sync()                # out of the aborted state, so that the rollback runs
+                raise
+            self._sync()
+            return result
 
     def commit(self) -> None:
         try:

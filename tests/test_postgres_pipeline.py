@@ -131,6 +131,36 @@ async def test_a_change_that_fails_before_anything_was_sent_leaves_the_rest_of_i
         await store.close()
 
 
+async def test_a_change_that_reads_a_refused_statement_is_undone_alone_and_the_next_one_commits(pg):
+    # The server refuses a statement whose result the change reads (the pipeline aborts there): the
+    # change fails, its earlier write is undone with its savepoint, and the change after it in the
+    # same transaction runs once and commits.
+    _runs(pg, "r1")
+    committed: list[itd.Effects] = []
+    batches: list[int] = []
+    store = await _store(pg, committed, batches)
+    ran: list[str] = []
+
+    def divides(tx, fx):
+        ran.append("divides")
+        tx.set_timer(fx, "expire:x:divides", START_MS)
+        return tx.conn.execute("SELECT 1 / (COUNT(*) - COUNT(*)) FROM runs").fetchone()[0]
+
+    def ends(tx, fx):
+        ran.append("ends")
+        return _end("r1")(tx, fx)
+
+    try:
+        got = await asyncio.gather(store.write(divides), store.write(ends), return_exceptions=True)
+        assert batches == [2] and ran == ["divides", "ends"]
+        assert isinstance(got[0], Exception) and got[1] == "r1"
+        assert await store.read(lambda tx: tx.all_timers()) == []
+        assert await store.read(lambda tx: tx.run(PB, "r1")["status"]) == "succeeded"
+        assert [e["type"] for fx in committed for e in fx.published] == ["run_succeeded"]
+    finally:
+        await store.close()
+
+
 async def test_the_event_loop_runs_while_a_write_waits_on_the_server(pg):
     # Another daemon's write holds the database's write lock. Ours waits for it in its round trip,
     # and the event loop meanwhile goes on serving: here it is the loop itself that ends the other
