@@ -4507,6 +4507,9 @@ class Dialect:
     #: An event of a run inserted in one statement that also counts it on the run (its values: the
     #: run's key, then the event's columns but run_seq), returning its id; "" where two statements do.
     counted_event: str = ""
+    #: A run inserted (_INSERT_RUN_SQL's values) and, if it was, its request counted (the playbook and
+    #: the limit), in one statement returning whether each happened; "" where two statements do.
+    asking_run: str = ""
 
     def insert_event(self) -> str:
         """The statement that inserts an event (its columns' values) and returns its id."""
@@ -4767,6 +4770,11 @@ class SqlTx:
                           input_sha: str, parent: str | None, now: int, by: str, limit: int) -> tuple[bool, bool]:
         """insert_run for a run that opens a request, and, when it was inserted, take_request_slot:
         whether the run was inserted, and whether its request was counted."""
+        if self.dialect.asking_run:
+            row = self.conn.execute(self.dialect.asking_run, (
+                playbook, run_id, type_, name, version, input_text, input_sha, RunStatus.STARTED.value, 0, parent,
+                None, now, by, playbook, limit)).fetchone()
+            return bool(row[0]), bool(row[1])
         inserted = self.insert_run(playbook=playbook, run_id=run_id, type_=type_, name=name, version=version,
                                    input_text=input_text, input_sha=input_sha, parent=parent, now=now, by=by)
         return inserted, inserted and self.take_request_slot(playbook, limit)
@@ -6102,6 +6110,9 @@ POSTGRES_DIALECT: Final = Dialect(
     counted_event="WITH r AS (UPDATE runs SET events = events + 1 WHERE playbook = ? AND run_id = ? RETURNING events)"
                   " INSERT INTO events (" + ", ".join(_EVENT_COLUMNS + ("daemon",)) + ")"
                   " SELECT ?, ?, r.events, ?, ?, ?, ?, ?, ? FROM r RETURNING id",
+    asking_run="WITH ins AS (" + _INSERT_RUN_SQL + " RETURNING seq), slot AS (UPDATE playbooks SET open_requests ="
+               " open_requests + 1 WHERE id = ? AND open_requests < ? AND EXISTS (SELECT 1 FROM ins) RETURNING id)"
+               " SELECT EXISTS (SELECT 1 FROM ins), EXISTS (SELECT 1 FROM slot)",
 )
 
 
