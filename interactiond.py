@@ -21,7 +21,8 @@ The module reads top to bottom, each section using only those above it:
     Documents                 YAML front matter with lines, save-time rules, reply rules, overview
     Settings                  the configuration file: tool servers, playbooks, secrets
     Store                     the schema and migrations, one writer with group commit, a reader, and
-                              SQLiteTx: every SQL statement, as named, guarded operations
+                              the Tx operations: every SQL statement, named and guarded (SqlTx,
+                              on SQLiteTx or PostgresTx, their SQL's differences in a Dialect)
     Tool servers              MCP client sessions, one owner task per server
     Engine                    the timer task and eight parts - Definitions, Runs, SystemCalls,
                               Inbox, Deliveries, Readings, Approvals (a person approves a call),
@@ -43,8 +44,8 @@ How to change it:
                               problem, HTTP, v2 and stream names follow from it; then the code
                               that reaches it calls end_run / close_request with it
     a field of the run        a column in schema.sql (and SCHEMA_SQL, and a step in MIGRATIONS),
-                              the INSERT in SQLiteTx.insert_run, and one line in run_object
-    a state change            an operation of SQLiteTx: one UPDATE guarded by the states it may
+                              the INSERT in SqlTx.insert_run, and one line in run_object
+    a state change            an operation of SqlTx: one UPDATE guarded by the states it may
                               leave (allowed_from), whose empty RETURNING means "not allowed"
     an engine operation       a method of the part whose area it is, given in its __init__ only
                               what it uses (a part it calls is built before it and passed in);
@@ -3874,8 +3875,8 @@ def load_config(path: str | None, environ: dict[str, str] | None = None) -> Conf
 # reader. Asyncio code hands the writer a whole *change* - a plain function of the connection -
 # and awaits its commit; the writer takes every change waiting in its queue, runs them one after
 # another in one `BEGIN IMMEDIATE` transaction, commits once, and only then answers each caller.
-# So sixteen concurrent answers share one commit, and one change that raises fails alone (when it
-# wrote part of itself, the transaction is undone and the others run again: SQLiteTx.run_begun).
+# So sixteen concurrent answers share one commit; each change runs in a savepoint of its own, so
+# one that raises is undone and fails alone, its neighbours commit, and no change runs twice.
 # A change never awaits anything: no transaction is ever held across a
 # tool call or a network round trip.
 #
@@ -4357,7 +4358,7 @@ class _DbThread(threading.Thread):
     they have settled, so the changes commit in the order they were asked for.
     """
 
-    def __init__(self, connect: Callable[[], "SQLiteTx"], loop: asyncio.AbstractEventLoop, *, writer: bool,
+    def __init__(self, connect: Callable[[], "SqlTx"], loop: asyncio.AbstractEventLoop, *, writer: bool,
                  sink: Callable[[Effects], None] | None = None,
                  on_batch: Callable[[int, float], None] | None = None) -> None:
         super().__init__(name="interactiond-writer" if writer else "interactiond-reader", daemon=True)
@@ -4390,7 +4391,7 @@ class _DbThread(threading.Thread):
         On a file a commit appends to the WAL without an fsync (synchronous=NORMAL), so running it
         here costs the loop what it costs the thread, and saves the hand-over: the thread's wake-up,
         the GIL passed to it and back at every statement, and the loop's wake-up for the results
-        (a fifth of the daemon's CPU per run and per answer, measured).
+        (bench/README.md has the figures).
         """
         try:
             if not self.tx.begin_at_once():
@@ -4474,9 +4475,8 @@ def _db_problem(exc: BaseException, otherwise: str | None = None) -> BaseExcepti
 
 
 #: Changes that commit on the loop wait this many more turns of it first (Store._hand_over), unless
-#: this many are waiting already. With 16 clients a commit carried 4.8-5.5 changes, and 8.8-9.3
-#: after two turns (one turn: no more, as the requests read in it reach their changes in the next);
-#: bench/compare.py, the same run: 0.160 -> 0.150 ms of CPU an answer, 0.180 -> 0.165 a run.
+#: this many are waiting already: the requests read in the next turn reach their changes in the one
+#: after, so two turns let a commit carry them too (bench/README.md: "a commit that waits two turns").
 COMMIT_GATHER_TURNS: Final = 2
 COMMIT_GATHER_MAX: Final = 32
 #: The writer checkpoints only if the checkpointer falls this far behind (pages of 4 KiB).
@@ -4484,8 +4484,8 @@ WRITER_AUTOCHECKPOINT_PAGES: Final = 16_000
 #: How long the checkpointer lets commits gather before it copies them into the database file.
 CHECKPOINT_EVERY_S: Final = 0.25
 #: After this long without a commit the checkpointer empties the WAL file (TRUNCATE): under a
-#: steady load the WAL only restarts at the writer's safety net, so its file grows to ~64 MB and
-#: stays that size on disk (6.6 KB per open request after seeding 10,000) unless it is emptied.
+#: steady load the WAL only restarts at the writer's safety net, so its file grows, and stays that
+#: size on disk, unless it is emptied (bench/README.md, "Storage").
 CHECKPOINT_QUIET_S: Final = 1.0
 #: What the WAL file is cut back to whenever it restarts from its beginning.
 WAL_SIZE_LIMIT_BYTES: Final = 4 * MIB
@@ -4534,8 +4534,7 @@ class _Checkpointer(threading.Thread):
 
 class Committed:
     """What a change returns when its result is made from rows it wrote: `make()` runs once the
-    transaction has committed. On PostgreSQL those rows then come back with the commit's round trip
-    (PostgresTx), where reading them inside the change would cost the change a round trip of its own."""
+    transaction has committed, on the event loop, off the writer's thread."""
 
     __slots__ = ("make",)
 
@@ -4641,13 +4640,11 @@ class Store:
         """Run `change(conn, effects)` in the next group commit; resolves after COMMIT.
 
         `ahead` names what the change reads first - ("request", playbook, run_id): the request of a
-        run - which a server's store may read for the whole group commit in one round trip, before
-        its changes run (PostgresTx.run_begun); a file's reads it as the change asks.
+        run. It is a hint a backend may use; both read it as the change asks.
 
-        A change reaches the database through `conn` and the daemon through `effects` only, and may
-        run more than once before it commits (when another change of its group commit fails having
-        written part of itself, or fails late on a server: SQLiteTx.run_begun, PostgresTx.run_begun);
-        what it leaves elsewhere it leaves from its result.
+        A change reaches the database through `conn` and the daemon through `effects` only, and runs
+        once, in a savepoint of its own within the group commit (SQLiteTx.run_begun): when it raises,
+        what it wrote is undone and the other changes of the group commit stand.
 
         The changes and readings asked for in one turn of the event loop go to their threads
         together, at the end of the turn (changes that commit on the loop gather a little longer:
@@ -4717,7 +4714,7 @@ class Store:
         return False
 
 
-def open_sync(path: str) -> "SQLiteTx":
+def open_sync(path: str) -> "SqlTx":
     """The file (or the PostgreSQL database) with the schema applied, outside the loop: for the
     command line (token, check) and tests. Each operation commits on its own."""
     if is_postgres_url(path):
@@ -4734,8 +4731,155 @@ STORE_ERRORS: Final = (sqlite3.Error,)
 Row = Mapping[str, Any]
 
 
-class SQLiteTx:
-    """The store's named operations, on one connection: a change's transaction or a reading.
+class Tx(Protocol):
+    """What a change or a reading is handed: the store's named operations (SqlTx's, on SQLiteTx for
+    the embedded file or PostgresTx on a server). The engine reaches the database through these only;
+    tests/test_store_contract.py runs them on both backends. The main ones, by what they move:"""
+
+    # Runs.
+
+    def insert_run(self, *, playbook: str, run_id: str, type_: str, name: str, version: int, input_text: str,
+                   input_sha: str, parent: str | None, now: int, by: str, tools_called: bool = False,
+                   state: str | None = None) -> bool: ...
+    def insert_asking_run(self, *, playbook: str, run_id: str, type_: str, name: str, version: int, input_text: str,
+                          input_sha: str, parent: str | None, now: int, by: str, limit: int) -> tuple[bool, bool]: ...
+    def run(self, playbook: str, run_id: str) -> Row | None: ...
+    def end_run(self, fx: Effects, playbook: str, run_id: str, status: RunStatus, *, now: int, by: str | None,
+                kind: str | None = None, output: Any = None, problem: Problem | None = None) -> None: ...
+    def list_runs(self, playbook: str, *, status: str | None, function: str | None, before: int | None,
+                  limit: int) -> list[Row]: ...
+    def step_workflow(self, playbook: str, run_id: str, *, read: str, state: str, status: RunStatus,
+                      live_child: str | None = None) -> bool: ...
+
+    # Requests.
+
+    def take_request_slot(self, playbook: str, limit: int) -> bool: ...
+    def open_request(self, *, request_id: str, playbook: str, run_id: str, type_: str, name: str, version: int,
+                     party: str, answerer: str, message: str, answer_schema: str | None, server: str | None,
+                     tool: str | None, delivery: DeliveryState, asked_at: int, expires_at: int,
+                     deliver_args: str | None, notified: bool = False, follow_up: str | None = None) -> int | None: ...
+    def request(self, playbook: str, run_id: str) -> Row | None: ...
+    def close_request(self, fx: Effects, playbook: str, run_id: str, ending: Ending) -> Row | None: ...
+    def record_answer(self, fx: Effects, req: Row, answer: Any, *, by: str, now: int,
+                      claimed_for: str | None = None, reply_id: str | None = None,
+                      reply_sender: str | None = None) -> None: ...
+    def answer_request(self, fx: Effects, req: Row, answer: Any, *, by: str, now: int,
+                       claimed_for: str | None = None, reply_id: str | None = None,
+                       reply_sender: str | None = None) -> Row: ...
+    def record_default(self, fx: Effects, req: Row, answer: Any, *, now: int) -> None: ...
+    def cancel_delivery(self, playbook: str, run_id: str) -> bool: ...
+
+    # Attempts.
+
+    def begin_attempt(self, playbook: str, run_id: str, *, now: int) -> Row | None: ...
+    def end_attempt(self, seq: int, attempt: int, state: DeliveryState, *, sent_conversation: str | None = None,
+                    sent_id: str | None = None, conversation: str | None = None) -> bool: ...
+    def fail_attempt(self, seq: int, *, spent: bool) -> bool: ...
+
+    # Timers and events.
+
+    def set_timer(self, fx: Effects, key: str, due: int) -> None: ...
+    def drop_timer(self, fx: Effects, key: str) -> None: ...
+    def take_timer(self, fx: Effects, key: str, now: int) -> bool: ...
+    def timer_due(self, key: str) -> int | None: ...
+    def all_timers(self) -> list[tuple[str, int]]: ...
+    def append_event(self, fx: Effects | None, playbook: str, run_id: str | None, type_: str, at: int,
+                     by: str | None, payload: dict[str, Any], *, run_seq: int | None = None) -> int: ...
+    def run_events(self, playbook: str, run_id: str, *, after: int, limit: int) -> list[Row]: ...
+    def playbook_events(self, playbook: str, *, type_: str | None, after: int, limit: int) -> list[Row]: ...
+
+    # Readings.
+
+    def join_reading(self, seq: int, *, playbook: str, server: str, tool: str, conversation: str,
+                     wait_ms: int) -> Row: ...
+    def reading(self, reading_id: int) -> Row | None: ...
+    def see_reply(self, reading_id: int, reply_id: str) -> bool: ...
+    def read_up_to(self, reading_id: int, since: str) -> None: ...
+    def count_read(self, reading_id: int) -> Row: ...
+
+    # Definitions.
+
+    def save_definition(self, *, playbook: str, type_: str, name: str, source: str, sha: str, overview: str,
+                        description: str | None, uses: Any, now: int, by: str,
+                        answer_schema: str | None = None) -> tuple[int, bool]: ...
+    def definition(self, playbook: str, type_: str, name: str, version: int | None = None) -> Row | None: ...
+    def list_definitions(self, playbook: str, type_: str | None = None) -> list[Row]: ...
+    def deactivate_definition(self, playbook: str, type_: str, name: str) -> bool: ...
+
+    # Tokens and sessions.
+
+    def insert_token(self, *, token_id: str, digest: str, playbook: str | None, role: str, name: str | None,
+                     purpose: str, now: int, used_at: int | None, expires_at: int | None,
+                     person: str | None = None) -> None: ...
+    def caller_token(self, digest: str) -> Row | None: ...
+    def touch_session(self, token_id: str, now: int) -> bool: ...
+    def spend_login(self, digest: str, now: int) -> Row | None: ...
+    def end_session(self, digest: str, now: int) -> bool: ...
+    def revoke_token(self, token_id: str, now: int) -> bool: ...
+
+    # Idempotency.
+
+    def idempotent_response(self, caller: str, key: str) -> Row | None: ...
+    def remember_response(self, *, caller: str, key: str, body_sha: str, response: dict[str, Any],
+                          now: int) -> None: ...
+
+    # Work held by one daemon among several.
+
+    def release_lease(self, key: str) -> bool: ...
+    def attempt_elsewhere(self, playbook: str, run_id: str) -> bool: ...
+    def take_over(self, fx: Effects, now: int) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Dialect:
+    """How the store's shared SQL (SqlTx's) is said on one backend where the two differ. The
+    statements are written with `?` placeholders; `sql` gives them in the driver's."""
+
+    #: The store's statement in the driver's placeholders.
+    sql: Callable[[str], str]
+    #: The larger of two values: a function of two arguments.
+    greatest: str
+    #: The active definitions of a playbook (of one type, or all: the type given twice, or NULL):
+    #: type, name, latest version and its description, by type and name.
+    latest_definitions: str
+    #: A condition on a definition `d`: its `uses`, a JSON list of [type, name] pairs, holds the pair
+    #: given (two placeholders).
+    uses_pair: str
+    #: The columns an event is inserted with: `daemon` too where several daemons share the database.
+    event_columns: tuple[str, ...]
+    #: An event of a run inserted in one statement that also counts it on the run (its values: the
+    #: run's key, then the event's columns but run_seq), returning its id; "" where two statements do.
+    counted_event: str = ""
+    #: A run inserted (_INSERT_RUN_SQL's values) and, if it was, its request counted (the playbook and
+    #: the limit), in one statement returning whether each happened; "" where two statements do.
+    asking_run: str = ""
+
+    def insert_event(self) -> str:
+        """The statement that inserts an event (its columns' values) and returns its id."""
+        return (f"INSERT INTO events ({', '.join(self.event_columns)}) VALUES ({', '.join('?' * len(self.event_columns))})"
+                " RETURNING id")
+
+
+#: The columns every backend's events have.
+_EVENT_COLUMNS: Final = ("playbook", "run_id", "run_seq", "type", "at", "by", "payload", "size")
+
+SQLITE_DIALECT: Final = Dialect(
+    sql=lambda text: text,
+    greatest="MAX",
+    # SQLite takes a bare column from the row of MAX().
+    latest_definitions="SELECT type, name, MAX(version) AS version, description FROM definitions"
+                       " WHERE playbook = ? AND active = 1 AND (? IS NULL OR type = ?) GROUP BY type, name"
+                       " ORDER BY type, name",
+    uses_pair="EXISTS (SELECT 1 FROM json_each(d.uses) u WHERE json_extract(u.value, '$[0]') = ?"
+              " AND json_extract(u.value, '$[1]') = ?)",
+    event_columns=_EVENT_COLUMNS,
+)
+
+
+class SqlTx:
+    """The store's named operations, on one connection: a change's transaction or a reading; shared
+    by the two backends, SQLiteTx and PostgresTx, each of which says how it begins, commits and
+    undoes a change, and how its SQL differs (`dialect`).
 
     A change is a plain function `change(tx, fx)` handed to `Store.write`; a reading is
     `query(tx)` handed to `Store.read`. Everything above the store talks to the database through
@@ -4745,103 +4889,48 @@ class SQLiteTx:
     False or a `conflict` problem) rather than reading, checking in Python and writing by key.
     """
 
-    __slots__ = ("conn", "busy_ms", "waits")
+    __slots__ = ("conn",)
 
+    #: How the shared SQL is said on this backend (SQLITE_DIALECT, POSTGRES_DIALECT).
+    dialect: "Dialect"
     #: The driver's errors: a rollback after a failure may raise one again, and it is ignored then.
-    errors: tuple[type[BaseException], ...] = (sqlite3.Error,)
+    errors: tuple[type[BaseException], ...] = ()
 
-    def __init__(self, conn: sqlite3.Connection) -> None:
+    def __init__(self, conn: Any) -> None:
         self.conn = conn
-        self.busy_ms: int | None = None     # the connection's busy timeout, once begin_at_once took it off
-        self.waits = True                   # whether a lock held elsewhere is waited for (busy_ms)
 
     def close(self) -> None:
         self.conn.close()
 
-    # The edges of a transaction, as the writer thread drives them: a group commit opens one
-    # transaction and runs its changes one after another in it, with no savepoint between them.
-
-    def begin(self) -> None:
-        """Open the group commit's transaction, holding the write lock from its start (waiting the
-        connection's busy timeout for it when another connection holds it)."""
-        if not self.waits:
-            self.conn.execute(f"PRAGMA busy_timeout = {self.busy_ms}")
-            self.waits = True
-        self.conn.execute("BEGIN IMMEDIATE")
-
-    def begin_at_once(self) -> bool:
-        """begin, without waiting: False, no transaction, when another connection holds the write lock.
-        The busy timeout stays off until a `begin` waits again (one statement fewer each time)."""
-        conn = self.conn
-        if self.waits:
-            if self.busy_ms is None:
-                self.busy_ms = conn.execute("PRAGMA busy_timeout").fetchone()[0]
-            conn.execute("PRAGMA busy_timeout = 0")
-            self.waits = False
-        try:
-            conn.execute("BEGIN IMMEDIATE")
-        except sqlite3.OperationalError as exc:
-            if getattr(exc, "sqlite_errorname", "").startswith("SQLITE_BUSY"):
-                return False
-            raise
-        return True
-
-    def commit(self) -> None:
-        self.conn.execute("COMMIT")
-
-    def rollback(self) -> None:
-        self.conn.execute("ROLLBACK")
-
-    def ready(self) -> None:
-        """Before a reading: nothing to do on a file (a server's connection may need opening again)."""
-
-    def in_transaction(self) -> bool:
-        """Whether the transaction still stands after an error (a full disk rolls it all back)."""
-        return self.conn.in_transaction
+    # The edges of a transaction, as the writer thread drives them, are each backend's (begin,
+    # run_change, commit, rollback, in_transaction, problem): a group commit opens one transaction
+    # and runs its changes one after another in it, each in a savepoint of its own.
 
     def run_begun(self, batch: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
         """Run each change `(change, future, effects, ahead)` of a batch in the transaction just begun,
-        and commit: (future, result, problem, effects) of each. The writer thread (and the loop's
-        commit_here) drives this; the backend says how its changes travel.
+        each in a savepoint of its own (run_change), and commit: (future, result, problem, effects) of
+        each. The writer thread (and the loop's commit_here) drives this.
 
-        A change that raises having written nothing fails alone, and the others go on. One that
-        raises having written part of itself (a guard that failed after its first statements) has
-        the transaction undone: it fails, and every other change runs again, in order, in a new
-        transaction (Store.write: a change may run more than once). No savepoint frames each change:
-        a savepoint copies every page the change touches, which cost a tenth of a change's writes
-        (measured), to undo what a change rarely leaves half done. A commit that fails fails all."""
-        conn = self.conn
-        settled: list[tuple[Any, ...]] = []     # changes that failed half written: their problem stands
-        items = batch
-        while True:
-            out: list[tuple[Any, ...]] = []
-            again = None
-            for i, (fn, fut, fx, _) in enumerate(items):
-                wrote = conn.total_changes
-                try:
-                    result = fn(self, fx)
-                except BaseException as exc:
-                    if not self.in_transaction():
-                        # A full disk or an I/O error rolled the whole transaction back: the changes
-                        # before this one are gone too, and the ones after it must not run outside one.
-                        failure = self.problem(exc)
-                        with contextlib.suppress(*self.errors):
-                            self.rollback()
-                        return settled + [(f, None, failure, None) for f, *_ in out] + \
-                            [(f, None, failure, None) for _, f, *_ in items[i:]]
-                    if conn.total_changes == wrote:
-                        out.append((fut, None, self.problem(exc), None))     # nothing of it to undo
-                        continue
-                    settled.append((fut, None, self.problem(exc), None))
-                    again = [(f, fu, Effects(), a) for f, fu, _, a in items[:i] + items[i + 1:]]
-                    break
-                out.append((fut, result, None, fx))
-            if again is None:
-                break
-            ended = self._run_again(again)
-            if ended is not None:
-                return settled + ended
-            items = again
+        A change that raises is undone back to its savepoint and fails alone: the changes before and
+        after it keep what they wrote, and none runs twice. A failure that ends the transaction
+        itself (a full disk, an I/O error, a lost connection) fails every change of the batch, as
+        does a commit that fails."""
+        out: list[tuple[Any, ...]] = []
+        for i, (fn, fut, fx, _) in enumerate(batch):
+            try:
+                result = self.run_change(fn, fx)
+            except BaseException as exc:
+                if not self.in_transaction():
+                    # The whole transaction is gone: the changes before this one with it, and the ones
+                    # after it must not run outside one.
+                    failure = self.problem(exc)
+                    with contextlib.suppress(*self.errors):
+                        self.rollback()
+                    return [(f, None, failure if e is None else e, None) for f, _, e, _ in out] + \
+                        [(f, None, failure, None) for _, f, *_ in batch[i:]]
+                out.append((fut, None, self.problem(exc), None))
+                continue
+            out.append((fut, result, None, fx))
         try:
             self.before_commit([fx for *_, fx in out if fx is not None])
             self.commit()
@@ -4849,31 +4938,8 @@ class SQLiteTx:
             with contextlib.suppress(*self.errors):
                 self.rollback()
             failure = self.problem(exc, f"the database refused the write: {exc}")
-            return settled + [(fut, None, failure, None) for fut, *_ in out]
-        return settled + out
-
-    def _run_again(self, items: list[tuple[Any, ...]]) -> list[tuple[Any, ...]] | None:
-        """The transaction undone, a new one begun for `items` to run again in: None; or what they
-        come to when none is left to run, or when no transaction begins (its problem, each)."""
-        with contextlib.suppress(*self.errors):
-            self.rollback()
-        if not items:
-            return []
-        try:
-            self.begin()
-        except BaseException as exc:
-            failure = self.problem(exc)
-            return [(fut, None, failure, None) for _, fut, *_ in items]
-        return None
-
-    def before_commit(self, changes: list[Effects]) -> None:
-        """Last in the transaction, with the effects of the changes it commits: nothing to tell others
-        on a file (a server's daemons are told here)."""
-
-    @staticmethod
-    def problem(exc: BaseException, otherwise: str | None = None) -> BaseException:
-        """A driver's error as the problem a caller gets (see _db_problem)."""
-        return _db_problem(exc, otherwise)
+            return [(fut, None, failure if e is None else e, None) for fut, _, e, _ in out]
+        return out
 
     # Events and timers.
 
@@ -4882,20 +4948,31 @@ class SQLiteTx:
         """Append one event; run events also take the next run_seq (or the one given, already
         counted in runs.events by the caller's own UPDATE). Returns the event id."""
         conn = self.conn
+        dialect = self.dialect
         text = dumps(payload)
-        if run_id is not None and run_seq is None:
-            # One statement, not UPDATE then SELECT: 3.7 us against 4.5 on SQLite 3.40, and each
-            # statement lets the event loop take the GIL, which the writer then waits to get back.
-            run_seq = conn.execute("UPDATE runs SET events = events + 1 WHERE playbook = ? AND run_id = ?"
-                                   " RETURNING events", (playbook, run_id)).fetchone()[0]
-        cur = conn.execute(
-            "INSERT INTO events (playbook, run_id, run_seq, type, at, by, payload, size) VALUES (?,?,?,?,?,?,?,?)",
-            (playbook, run_id, run_seq, type_, at, by, text, len(text.encode())))
-        event_id = cur.lastrowid
+        rest = (type_, at, by, text, len(text.encode())) + self._event_extra()
+        if run_id is not None and run_seq is None and dialect.counted_event:
+            row = conn.execute(dialect.counted_event, (playbook, run_id, playbook, run_id) + rest).fetchone()
+        else:
+            if run_id is not None and run_seq is None:
+                # UPDATE ... RETURNING, not UPDATE then SELECT: each statement lets the event loop take
+                # the GIL, which the writer then waits to get back.
+                counted = conn.execute("UPDATE runs SET events = events + 1 WHERE playbook = ? AND run_id = ?"
+                                       " RETURNING events", (playbook, run_id)).fetchone()
+                run_seq = counted[0] if counted is not None else None
+            row = None if run_id is not None and run_seq is None else \
+                conn.execute(dialect.insert_event(), (playbook, run_id, run_seq) + rest).fetchone()
+        if row is None:
+            raise Problem("not_found", f"no run {run_id} in this playbook")
+        event_id: int = row[0]
         if fx is not None:
             fx.published.append({"id": event_id, "playbook": playbook, "run_id": run_id, "type": type_, "at": at,
                                  "by": by, "payload": payload})
         return event_id
+
+    def _event_extra(self) -> tuple[Any, ...]:
+        """The values of the dialect's event columns past the common ones."""
+        return ()
 
     def set_timer(self, fx: Effects, key: str, due: int) -> None:
         self.conn.execute("INSERT INTO timers (key, due_at) VALUES (?, ?)"
@@ -4920,24 +4997,6 @@ class SQLiteTx:
         row = self.conn.execute("SELECT due_at FROM timers WHERE key = ?", (key,)).fetchone()
         return row["due_at"] if row is not None else None
 
-    # Work one daemon holds while it does it: a file has one daemon (the lock beside it), so these
-    # hold nothing here; PostgresTx keeps them in its `leases` table for several daemons.
-
-    def claim_lease(self, key: str, *, due_by: int | None = None) -> bool:
-        """Hold the work of a timer's key for this daemon (see Store.claim): True on a file."""
-        return True
-
-    def release_lease(self, key: str) -> bool:
-        """Give the work of a timer's key back; whether another daemon asked for it meanwhile: never on a file."""
-        return False
-
-    def attempt_elsewhere(self, playbook: str, run_id: str) -> bool:
-        """Whether the attempt in flight of a run's request is another live daemon's: never on a file."""
-        return False
-
-    def take_over(self, fx: Effects, now: int) -> None:
-        """Take over what daemons that are gone held (PostgresTx): none on a file."""
-
     # Runs.
 
     def end_run(self, fx: Effects, playbook: str, run_id: str, status: RunStatus, *, now: int, by: str | None,
@@ -4951,9 +5010,12 @@ class SQLiteTx:
         """end_run; with `before` (type, payload), an event of the run appended just before the
         ending's and counted in the same UPDATE. Its id, or None."""
         pbody = problem.body() if problem is not None else None
-        parent, seq = self._run_ends((status.value, kind, dumps(output) if output is not None else None,
-                                      dumps(pbody) if pbody else None, now, by, 1 if before is None else 2,
-                                      playbook, run_id))
+        ended = self.conn.execute(_END_RUN_SQL, (status.value, kind, dumps(output) if output is not None else None,
+                                                 dumps(pbody) if pbody else None, now, by, 1 if before is None else 2,
+                                                 playbook, run_id)).fetchone()
+        if ended is None:
+            raise Problem("conflict", "the run has already ended")
+        parent, seq = ended["parent"], ended["events"]
         first = None
         if before is not None:
             first = self.append_event(fx, playbook, run_id, before[0], now, by, before[1], run_seq=seq - 1)
@@ -4964,20 +5026,9 @@ class SQLiteTx:
             payload["problem"] = pbody
         self.append_event(fx, playbook, run_id, "run_" + status.value, now, by, payload, run_seq=seq)
         fx.wakes.append((playbook, run_id))
-        self._parent_moves_on(fx, playbook, parent, now)
-        return first
-
-    def _run_ends(self, values: tuple[Any, ...]) -> tuple[Any, Any]:
-        """The guarded UPDATE of _end_run (else `conflict`): the run's parent and its events counted."""
-        ended = self.conn.execute(_END_RUN_SQL, values).fetchone()
-        if ended is None:
-            raise Problem("conflict", "the run has already ended")
-        return ended["parent"], ended["events"]
-
-    def _parent_moves_on(self, fx: Effects, playbook: str, parent: Any, now: int) -> None:
-        """Workflows: the workflow run waiting on an ended one moves on, woken in the same transaction."""
-        if parent is not None:
+        if parent is not None:      # workflows: the one waiting on this run moves on, woken in this transaction
             self.set_timer(fx, timer_key("workflow", playbook, parent), now)
+        return first
 
     # Housekeeping.
 
@@ -5039,10 +5090,7 @@ class SQLiteTx:
 
     def list_definitions(self, playbook: str, type_: str | None = None) -> list[Row]:
         """The active definitions of a playbook (of one type, if given): type, name, latest version, description."""
-        return self.conn.execute(
-            "SELECT type, name, MAX(version) AS version, description FROM definitions"
-            " WHERE playbook = ? AND active = 1 AND (? IS NULL OR type = ?) GROUP BY type, name ORDER BY type, name",
-            (playbook, type_, type_)).fetchall()
+        return self.conn.execute(self.dialect.latest_definitions, (playbook, type_, type_)).fetchall()
 
     def deactivate_definition(self, playbook: str, type_: str, name: str) -> bool:
         """Make every version of a name inactive; False if none was active."""
@@ -5065,6 +5113,11 @@ class SQLiteTx:
                           input_sha: str, parent: str | None, now: int, by: str, limit: int) -> tuple[bool, bool]:
         """insert_run for a run that opens a request, and, when it was inserted, take_request_slot:
         whether the run was inserted, and whether its request was counted."""
+        if self.dialect.asking_run:
+            row = self.conn.execute(self.dialect.asking_run, (
+                playbook, run_id, type_, name, version, input_text, input_sha, RunStatus.STARTED.value, 0, parent,
+                None, now, by, playbook, limit)).fetchone()
+            return bool(row[0]), bool(row[1])
         inserted = self.insert_run(playbook=playbook, run_id=run_id, type_=type_, name=name, version=version,
                                    input_text=input_text, input_sha=input_sha, parent=parent, now=now, by=by)
         return inserted, inserted and self.take_request_slot(playbook, limit)
@@ -5089,23 +5142,13 @@ class SQLiteTx:
         The run_seq of the event that records the request (the caller appends it next), counted in
         the run's UPDATE; None for a notification, whose event counts itself."""
         status = RequestStatus.NOTIFIED if notified else RequestStatus.OPEN
-        self._insert_request(
-            (request_id, playbook, run_id, type_, name, version, party, answerer, message, answer_schema,
-             playbook, type_, name, version, server, tool,
-             status.value, 0 if notified else 1, delivery.value, asked_at, expires_at, deliver_args, follow_up),
-            kept=not notified and server is None and follow_up is None)
+        self.conn.execute(_INSERT_REQUEST_SQL, (
+            request_id, playbook, run_id, type_, name, version, party, answerer, message, answer_schema,
+            playbook, type_, name, version, server, tool,
+            status.value, 0 if notified else 1, delivery.value, asked_at, expires_at, deliver_args, follow_up))
         if notified:
             return None
-        return self._run_waits(playbook, run_id)
-
-    def _insert_request(self, values: tuple[Any, ...], kept: bool) -> None:
-        """A request inserted (_INSERT_REQUEST_SQL); `kept`: one whose row only its ending changes, which
-        a server's writer keeps to answer it without reading it first (PostgresTx)."""
-        self.conn.execute(_INSERT_REQUEST_SQL, values)
-
-    def _run_waits(self, playbook: str, run_id: str) -> Any:
-        """The started run waits for its request (guarded, else `conflict`); its events counted."""
-        waiting = self.conn.execute(_RUN_WAITS_SQL, (playbook, run_id)).fetchone()
+        waiting = self.conn.execute(_RUN_WAITS_SQL, (playbook, run_id)).fetchone()     # guarded: a started run
         if waiting is None:
             raise Problem("conflict", "the run is not waiting to open a request")
         return waiting[0]
@@ -5117,14 +5160,14 @@ class SQLiteTx:
     def close_request(self, fx: Effects, playbook: str, run_id: str, ending: Ending) -> Row | None:
         """Close the run's open request as `ending` closes it (guarded): the inbox drops it, the counter
         follows, its timers go. The closed row, or None when the run has no open request."""
-        conn = self.conn                # UPDATE then SELECT: 39 us, where UPDATE ... RETURNING * took 58
+        conn = self.conn                # UPDATE then SELECT: cheaper than UPDATE ... RETURNING * (bench/README.md)
         if not conn.execute(_CLOSE_REQUEST_SQL[ending.request], (ending.request.value, playbook, run_id)).rowcount:
             return None
         return self._closed(fx, playbook, run_id)
 
     def _closed(self, fx: Effects, playbook: str, run_id: str) -> Row:
         """After a request closed: the counter follows, its timers go; the closed row."""
-        row = self._one(self.conn.execute(_REQUEST_ROW + " WHERE q.playbook = ? AND q.run_id = ?", (playbook, run_id)))
+        row = self.conn.execute(_REQUEST_ROW + " WHERE q.playbook = ? AND q.run_id = ?", (playbook, run_id)).fetchone()
         self._request_gone(fx, playbook, run_id)
         return row
 
@@ -5138,18 +5181,6 @@ class SQLiteTx:
         conn.execute(_DROP_TIMERS_SQL[len(keys)], keys)     # one statement, not one a key
         fx.timers.extend((key, None) for key in keys)
 
-    @staticmethod
-    def _one(result: Any) -> Row:
-        """The one row a statement returns (PostgresTx: read when first looked at)."""
-        return result.fetchone()
-
-    @staticmethod
-    def _as_written(row: Row) -> dict[str, Any]:
-        """A row read in this change, to be updated with what the change wrote on it (PostgresTx:
-        some of those values still to come back from the server). By its keys, zipped: dict(row)
-        looks each name up along the row's columns (7.6 us for a request's, against 1.2)."""
-        return dict(zip(row.keys(), row))
-
     def answer_request(self, fx: Effects, req: Row, answer: Any, *, by: str, now: int,
                        claimed_for: str | None = None, reply_id: str | None = None,
                        reply_sender: str | None = None, by_name: str | None = None) -> Row:
@@ -5159,10 +5190,8 @@ class SQLiteTx:
         on the request as it closes (guarded: open and not being cancelled, else `not_open`); the
         counter follows and the timers go.
 
-        The closed row: `req` (as read in this change) with what the answer wrote, not read back (a
-        tenth of an answer's statements) where request_answered's id is known already, as it is on a
-        file; a server's comes back with the next round trip, and the row is read then. `by_name` is
-        who answered in words (answered_by_name), kept on the request and in request_answered."""
+        The closed row: `req` (as read in this change) with what the answer wrote, not read back.
+        `by_name` is who answered in words (answered_by_name), kept on the request and in request_answered."""
         playbook, run_id = req["playbook"], req["run_id"]
         reply = {"id": reply_id, **({"sender": reply_sender} if reply_sender is not None else {})}
         answer_id = self._end_run(fx, playbook, run_id, RunStatus.SUCCEEDED, now=now, by=by, output=answer,
@@ -5170,20 +5199,15 @@ class SQLiteTx:
                                           **({"reply": reply} if reply_id is not None else {}),
                                           **({"answered_by_name": by_name} if by_name is not None else {})}))
         text = dumps(answer)
-        self._answer_closes(answer_id, (text, answer_id, by, now, claimed_for, reply_id, reply_sender, by_name,
-                                        req["seq"]))
+        if not self.conn.execute(_ANSWER_AND_CLOSE_SQL, (text, answer_id, by, now, claimed_for, reply_id, reply_sender,
+                                                         by_name, req["seq"])).rowcount:
+            raise Problem("not_open", "the request has ended; it takes no answer", kind="ended")
         self._request_gone(fx, playbook, run_id, req)
-        closed = self._as_written(req)
+        closed = dict(zip(req.keys(), req))      # dict(row) looks each name up along the row's columns
         closed.update(answer=text, answer_id=answer_id, answered_by=by, answered_at=now, claimed_for=claimed_for,
                       reply_id=reply_id, reply_sender=reply_sender, answered_by_name=by_name,
                       status=RequestStatus.ANSWERED.value, open=0)
         return closed
-
-    def _answer_closes(self, answer_id: Any, values: tuple[Any, ...]) -> None:
-        """The answer written on the request as it closes (guarded: open and not being cancelled, else
-        `not_open`); `answer_id` is request_answered's id, among `values`."""
-        if not self.conn.execute(_ANSWER_AND_CLOSE_SQL, values).rowcount:
-            raise Problem("not_open", "the request has ended; it takes no answer", kind="ended")
 
     def list_runs(self, playbook: str, *, status: str | None, function: str | None, before: int | None,
                   limit: int) -> list[Row]:
@@ -5387,7 +5411,7 @@ class SQLiteTx:
         reading = self.conn.execute(
             "INSERT INTO readings (playbook, server, tool, conversation, wait_ms) VALUES (?,?,?,?,?)"
             " ON CONFLICT (playbook, server, tool, conversation) DO UPDATE SET reads = 0,"
-            " wait_ms = MAX(wait_ms, excluded.wait_ms) RETURNING id, wait_ms",
+            f" wait_ms = {self.dialect.greatest}(readings.wait_ms, excluded.wait_ms) RETURNING id, wait_ms",
             (playbook, server, tool, conversation, wait_ms)).fetchone()
         self.conn.execute("UPDATE requests SET reading = ? WHERE seq = ?", (reading["id"], seq))
         return reading
@@ -5486,8 +5510,7 @@ class SQLiteTx:
         """The active workflows of the playbook whose `uses` name this definition: name, version."""
         return self.conn.execute(
             "SELECT name, version FROM definitions d WHERE playbook = ? AND type = 'workflow' AND active = 1"
-            " AND EXISTS (SELECT 1 FROM json_each(d.uses) u WHERE json_extract(u.value, '$[0]') = ?"
-            " AND json_extract(u.value, '$[1]') = ?) ORDER BY name", (playbook, type_, name)).fetchall()
+            f" AND {self.dialect.uses_pair} ORDER BY name", (playbook, type_, name)).fetchall()
 
     def defined_names(self, playbook: str) -> set[tuple[str, str]]:
         """The (type, name) of every active definition of the playbook."""
@@ -5602,11 +5625,7 @@ class SQLiteTx:
                                  (request_id,)).fetchone()
 
     # A whole database copied into another (`interactiond copy`): COPIED_TABLES, read in one snapshot
-    # and written in one transaction, in batches.
-
-    def begin_snapshot(self) -> None:
-        """A read transaction: every table read until `end` shows the database at one moment."""
-        self.conn.execute("BEGIN")
+    # (each backend's begin_snapshot, table_rows) and written in one transaction, in batches.
 
     def end(self, commit: bool = True) -> None:
         """Commit (or roll back) the transaction `begin` or `begin_snapshot` opened."""
@@ -5615,6 +5634,107 @@ class SQLiteTx:
         else:
             self.rollback()
 
+    def count_rows(self, table: str) -> int:
+        return self.conn.execute(f"SELECT COUNT(*) FROM {_copied(table)}").fetchone()[0]
+
+
+class SQLiteTx(SqlTx):
+    """The store's operations on an SQLite file (SqlTx's), with the file's transactions: BEGIN
+    IMMEDIATE for a group commit, a SAVEPOINT for each change."""
+
+    __slots__ = ("busy_ms", "waits")
+
+    dialect = SQLITE_DIALECT
+    errors = (sqlite3.Error,)
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        super().__init__(conn)
+        self.busy_ms: int | None = None     # the connection's busy timeout, once begin_at_once took it off
+        self.waits = True                   # whether a lock held elsewhere is waited for (busy_ms)
+
+    def begin(self) -> None:
+        """Open the group commit's transaction, holding the write lock from its start (waiting the
+        connection's busy timeout for it when another connection holds it)."""
+        if not self.waits:
+            self.conn.execute(f"PRAGMA busy_timeout = {self.busy_ms}")
+            self.waits = True
+        self.conn.execute("BEGIN IMMEDIATE")
+
+    def begin_at_once(self) -> bool:
+        """begin, without waiting: False, no transaction, when another connection holds the write lock.
+        The busy timeout stays off until a `begin` waits again (one statement fewer each time)."""
+        conn = self.conn
+        if self.waits:
+            if self.busy_ms is None:
+                self.busy_ms = conn.execute("PRAGMA busy_timeout").fetchone()[0]
+            conn.execute("PRAGMA busy_timeout = 0")
+            self.waits = False
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as exc:
+            if getattr(exc, "sqlite_errorname", "").startswith("SQLITE_BUSY"):
+                return False
+            raise
+        return True
+
+    def commit(self) -> None:
+        self.conn.execute("COMMIT")
+
+    def rollback(self) -> None:
+        self.conn.execute("ROLLBACK")
+
+    def ready(self) -> None:
+        """Before a reading: nothing to do on a file (a server's connection may need opening again)."""
+
+    def in_transaction(self) -> bool:
+        """Whether the transaction still stands after an error (a full disk rolls it all back)."""
+        return self.conn.in_transaction
+
+    def run_change(self, change: Callable[..., Any], fx: Effects) -> Any:
+        """`change(self, fx)` in a savepoint: what it wrote is undone when it raises (if the transaction
+        still stands), and the error goes on."""
+        conn = self.conn
+        conn.execute("SAVEPOINT change")
+        try:
+            result = change(self, fx)
+        except BaseException:
+            if conn.in_transaction:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.execute("ROLLBACK TO change")
+                    conn.execute("RELEASE change")
+            raise
+        conn.execute("RELEASE change")
+        return result
+
+    def before_commit(self, changes: list[Effects]) -> None:
+        """Last in the transaction, with the effects of the changes it commits: nothing to tell others
+        on a file (a server's daemons are told here)."""
+
+    @staticmethod
+    def problem(exc: BaseException, otherwise: str | None = None) -> BaseException:
+        """A driver's error as the problem a caller gets (see _db_problem)."""
+        return _db_problem(exc, otherwise)
+
+    # Work one daemon holds while it does it: a file has one daemon (the lock beside it), so these
+    # hold nothing here; PostgresTx keeps them in its `leases` table for several daemons.
+
+    def release_lease(self, key: str) -> bool:
+        """Give the work of a timer's key back; whether another daemon asked for it meanwhile: never on a file."""
+        return False
+
+    def attempt_elsewhere(self, playbook: str, run_id: str) -> bool:
+        """Whether the attempt in flight of a run's request is another live daemon's: never on a file."""
+        return False
+
+    def take_over(self, fx: Effects, now: int) -> None:
+        """Take over what daemons that are gone held (PostgresTx): none on a file."""
+
+    # A whole database copied (see SqlTx).
+
+    def begin_snapshot(self) -> None:
+        """A read transaction: every table read until `end` shows the database at one moment."""
+        self.conn.execute("BEGIN")
+
     def holds_data(self) -> bool:
         """Whether the database has interactiond's tables (so it is one, of some version)."""
         return self.conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'runs'").fetchone() is not None
@@ -5622,9 +5742,6 @@ class SQLiteTx:
     def table_columns(self, table: str) -> list[str]:
         """A copied table's columns, in their order."""
         return [r["name"] for r in self.conn.execute(f"PRAGMA table_info({_copied(table)})")]
-
-    def count_rows(self, table: str) -> int:
-        return self.conn.execute(f"SELECT COUNT(*) FROM {_copied(table)}").fetchone()[0]
 
     def table_rows(self, table: str, columns: list[str], batch: int) -> Iterable[list[tuple[Any, ...]]]:
         """A copied table's rows (the values of `columns`), `batch` at a time, without holding them all."""
@@ -5677,7 +5794,7 @@ _CANCEL_DELIVERY_SQL: Final = (
     " AND delivery_state IN (" + ", ".join(f"'{s.value}'" for s in allowed_from(DELIVERY_TRANSITIONS, DeliveryEvent.CANCEL))
     + ")")
 
-#: A workflow's transition, guarded by the state it read (SQLiteTx.step_workflow); the second form
+#: A workflow's transition, guarded by the state it read (SqlTx.step_workflow); the second form
 #: also wants the child it saw live still live.
 _STEP_WORKFLOW_SQL: Final = (
     "UPDATE runs SET state = ?, status = ? WHERE playbook = ? AND run_id = ?"
@@ -5685,11 +5802,6 @@ _STEP_WORKFLOW_SQL: Final = (
 _STEP_WORKFLOW_CHILD_SQL: Final = _STEP_WORKFLOW_SQL.replace(
     " RETURNING", f" AND EXISTS (SELECT 1 FROM runs c WHERE c.playbook = runs.playbook AND c.run_id = ?"
     f" AND c.status IN ({_LIVE_SQL})) RETURNING")
-
-
-#: What a change or a reading is handed: the store's operations (SQLiteTx on the embedded file,
-#: PostgresTx on a server).
-Tx = SQLiteTx
 
 
 #: The states an attempt is in flight in: delivering, or cancelling (cancel asked meanwhile; the attempt
@@ -5813,11 +5925,12 @@ def _timer_kinds(req: Row) -> tuple[str, ...]:
 # The same store on a database server: `--db postgresql://...`, `database:` in the configuration,
 # or INTERACTIOND_DB. The driver, psycopg 3, comes with `pip install 'interactiond[postgres]'` and
 # is imported only when such a URL is used, so the default install and its start-up stay as they
-# are. There is one set of SQL: PostgresTx inherits every operation of SQLiteTx and overrides only
-# the few whose SQL differs between the dialects; `?` placeholders become psycopg's `%s` once per
-# statement text. The threads are Store's: one writer with group commit (BEGIN, the changes, one
-# COMMIT) and one reader, each on its own connection. A lost connection answers its
-# changes `unavailable` and is opened again at the next transaction.
+# are. There is one set of SQL, SqlTx's, shared by SQLiteTx and PostgresTx: what differs between
+# the two is said by each one's Dialect (POSTGRES_DIALECT: `?` placeholders as psycopg's `%s`, once
+# per statement text). The threads are Store's: one writer with group commit (BEGIN, the changes
+# each in a savepoint, one COMMIT, all in psycopg's pipeline mode) and one reader, each on its own
+# connection. A lost connection answers its changes `unavailable` and is opened again at the next
+# transaction.
 #
 # Several daemons may share the database; each store is one of them. A third connection enters
 # the daemon in the `daemons` table, beats, and LISTENs: every write transaction NOTIFYs what its
@@ -5873,7 +5986,7 @@ PG_LOCK_TIMEOUT_MS: Final = 5000
 PG_CONNECT_TIMEOUT_S: Final = 10
 #: Each daemon on a database beats this often (daemons.seen_at) ...
 DAEMON_BEAT_S: Final = 5.0
-#: A daemon refreshes the tables' statistics (PostgresTx.refresh_statistics) after its writer has
+#: A daemon refreshes the tables' statistics (PgDaemons.refresh_statistics) after its writer has
 #: committed this many changes, and again each time it has committed this factor more.
 PG_ANALYZE_FIRST: Final = 256
 PG_ANALYZE_GROWTH: Final = 8
@@ -6232,217 +6345,60 @@ class PgRow:
         return f"PgRow({dict(zip(self._names, self._values))!r})"
 
 
-class _PgLazyRow(PgRow):
-    """The one row of a statement still in its connection's queue, read when first looked at (by
-    the change's end its round trip has gone, so reading it then costs none)."""
-
-    __slots__ = ("_result",)
-
-    def __init__(self, result: "_PgResult") -> None:     # PgRow's own slots stay unset: _row() reads
-        self._result = result
-
-    def _row(self) -> PgRow:
-        rows = self._result.rows
-        if not rows:
-            raise RuntimeError("the statement returned no row")
-        return rows[0]
-
-    def __getitem__(self, key: str | int) -> Any:
-        return self._row()[key]
-
-    def keys(self) -> list[str]:
-        return self._row().keys()
-
-    def as_dict(self) -> dict[str, Any]:
-        return self._row().as_dict()
-
-    def __iter__(self) -> Any:
-        return iter(self._row())
-
-    def __len__(self) -> int:
-        return len(self._row())
-
-    def __repr__(self) -> str:
-        return repr(self._row())
+def _pg_rows(cursor: Any) -> Callable[[Any], PgRow]:
+    """psycopg's row factory for the store: each row a PgRow, the result's column names worked out
+    once for all its rows (from the result itself: the cursor's `description` makes an object for
+    each column, a tenth of a change's CPU)."""
+    names: dict[str, int] = {}
+    result = cursor.pgresult
+    if result is not None:
+        for i in range(result.nfields):
+            names.setdefault(result.fname(i).decode(), i)      # a name twice (a join's *): the first
+    return lambda values: PgRow(values, names)
 
 
-class _PgAsWritten(dict):  # type: ignore[type-arg]
-    """A row as a change wrote it, some of whose values (an event's id) are still to come back from
-    the server: each is read when looked at, by the change's end without a round trip of its own."""
+@functools.lru_cache(maxsize=1)
+def _pg_cursor() -> type:
+    """psycopg's cursor, but for its rowcount: in pipeline mode it waits for the statement's result
+    first, as reading the rows does (a guard that counts the rows it changed reads it)."""
+    psycopg = _psycopg()
 
-    def __getitem__(self, key: str) -> Any:
-        value = dict.__getitem__(self, key)
-        return value.value if type(value) is _PgResult else value
+    class PgCursor(psycopg.Cursor):  # type: ignore[misc,name-defined]
+        @property
+        def rowcount(self) -> int:
+            self._fetch_pipeline()
+            return super().rowcount  # type: ignore[no-any-return]
 
-    def __iter__(self) -> Any:                  # so dict(row) and {**row} go through __getitem__
-        return dict.__iter__(self)
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self[key] if key in self else default
-
-    def values(self) -> Any:
-        return [self[k] for k in self]
-
-    def items(self) -> Any:
-        return [(k, self[k]) for k in self]
-
-
-class _PgResult:
-    """A statement's result as sqlite3's cursor gives it to the store: fetchone, fetchall, iteration
-    (rows as PgRow) and rowcount. Within a write transaction the statement waits in its connection's
-    queue until something reads a result (this one or a later one's) or the change ends: every
-    statement whose result nobody reads travels with the next round trip (see _PgConn)."""
-
-    __slots__ = ("_conn", "_sql", "_rows", "_rowcount", "_status", "_error", "_next", "_check", "_owner")
-
-    def __init__(self, conn: "_PgConn", sql: str) -> None:
-        self._conn = conn
-        self._sql = sql
-        self._owner = conn.owner                   # the change of its group commit that sent it (PostgresTx)
-        self._check: Callable[[], BaseException] | None = None     # see _PgConn.expect
-        self._rows: list[PgRow] | None = None      # None: not yet back from the server
-        self._rowcount = -1
-        self._status = b""
-        self._error: BaseException | None = None
-        self._next = 0
-
-    @classmethod
-    def holding(cls, conn: "_PgConn", row: PgRow) -> "_PgResult":
-        """A result that came back already: `row`."""
-        result = cls(conn, "")
-        result._rows, result._rowcount = [row], 1
-        return result
-
-    def _settled(self) -> None:
-        if self._rows is None and self._error is None:
-            self._conn.sync()
-        if self._error is not None:
-            raise self._error
-        if self._rows is None:                      # sent after a failure, so never run
-            raise RuntimeError("the statement did not run: an earlier one of its round trip failed")
-
-    @property
-    def rows(self) -> list[PgRow]:
-        self._settled()
-        return self._rows                           # type: ignore[return-value]
-
-    @property
-    def rowcount(self) -> int:
-        self._settled()
-        return self._rowcount
-
-    @property
-    def statusmessage(self) -> str:
-        self._settled()
-        return self._status.decode()
-
-    @property
-    def value(self) -> Any:
-        """The first column of the first row (an id the statement returned)."""
-        return self.rows[0][0]
-
-    def fetchone(self) -> PgRow | None:
-        rows = self.rows
-        if self._next >= len(rows):
-            return None
-        self._next += 1
-        return rows[self._next - 1]
-
-    def fetchall(self) -> list[PgRow]:
-        rows = self.rows
-        rows, self._next = rows[self._next:], len(rows)
-        return rows
-
-    def __iter__(self) -> Any:
-        return iter(self.fetchall())
+    return PgCursor
 
 
 @functools.lru_cache(maxsize=1024)
 def _pg_sql(sql: str) -> str:
-    """The store's SQL with psycopg's placeholders (`?` as `%s`, a literal `%` doubled), for the few
-    statements run through psycopg's cursors (a copy's batches). No statement of the store holds a
-    `?` inside a string literal."""
+    """The store's SQL with psycopg's placeholders (`?` as `%s`, a literal `%` doubled). No statement
+    of the store holds a `?` inside a string literal."""
     return sql.replace("%", "%%").replace("?", "%s")
 
 
-@functools.lru_cache(maxsize=1024)
-def _pg_native(sql: str) -> bytes:
-    """The store's SQL with the server's own placeholders: each `?` as $1, $2, ... in turn."""
-    parts = sql.split("?")
-    return "".join(p + (f"${i + 1}" if i < len(parts) - 1 else "") for i, p in enumerate(parts)).encode()
-
-
-def _with_parts(sql: str) -> tuple[str, str]:
-    """A statement as its WITH list ("WITH a AS (...), b AS (...)", or "") and the statement after it."""
-    if not sql.startswith("WITH "):
-        return "", sql
-    depth, quoted, i = 0, False, 5
-    while i < len(sql):
-        ch = sql[i]
-        if quoted:
-            quoted = ch != "'"
-        elif ch == "'":
-            quoted = True
-        elif ch == "(":
-            depth += 1
-        elif ch == ")":
-            depth -= 1
-            if depth == 0:
-                rest = sql[i + 1:].lstrip()
-                if not rest.startswith(","):
-                    return sql[:i + 1], rest
-        i += 1
-    raise ValueError("a WITH list that does not end")
-
-
-@functools.lru_cache(maxsize=256)
-def _pg_guarded(sql: str) -> bytes:
-    """A guarded statement (_PgConn.expect) made to fail when it changes or returns no row: its rows
-    as they were, or division_by_zero (22012), which _PgConn._settle turns into the guard's failure."""
-    head, main = _with_parts(sql)
-    if main.startswith(("UPDATE ", "INSERT ", "DELETE ")) and " RETURNING " not in main:
-        main += " RETURNING 1"
-    ctes = (head + ", " if head else "WITH ") + f"guarded AS ({main})"
-    return _pg_native(ctes + " SELECT guarded.* FROM (SELECT 1 / COUNT(*) AS one FROM guarded) AS guard"
-                      " LEFT JOIN guarded ON guard.one IS NOT NULL")
-
-
-#: Statements a connection keeps prepared by name; one past these is parsed each time it runs.
+#: Statements a connection keeps prepared (psycopg's prepared_max); the least used go past it.
 PG_PREPARED_MAX: Final = 512
 
 
 class _PgConn:
     """A PostgreSQL connection that takes the store's SQL as sqlite3's does: `execute(sql, params)`
-    with `?` placeholders, rows by name or index. Autocommit: the writer opens its transactions
-    itself, and a reading's statements each see what is committed.
+    with `?` placeholders, rows by name or index (PgRow). Autocommit: the writer opens its
+    transactions itself, and a reading's statements each see what is committed.
 
-    Statements go to the server through libpq itself (psycopg's `pgconn`), each prepared once by
-    name, their values and rows converted by psycopg's own adapters: a round trip through psycopg's
-    cursor cost the daemon ~55 us of CPU, through libpq ~33 us. Within a write transaction (`begin`
-    to `commit`) the statements queue, and go in one pipeline - one round trip, one wait of the
-    writer thread - when a result is read or the change ends: ~5 us of CPU a statement. A statement
-    whose result nobody reads (an event, a timer, a counter, a notification)
-    costs no wait of its own. Outside a transaction every statement runs at once."""
+    Statements go through psycopg's own cursor, each prepared on the server at its first run
+    (`prepare=True`). Within a write the writer puts the connection in psycopg's pipeline mode
+    (PostgresTx.begin): a statement whose result nobody reads travels with the next one that is
+    read, or with the change's end."""
 
-    __slots__ = ("url", "setup", "raw", "pg", "tf", "auto", "queue", "names", "prepared", "in_tx", "syncs", "fresh",
-                 "owner", "failed", "writes")
+    __slots__ = ("url", "setup", "raw")
 
     def __init__(self, url: str, setup: tuple[str, ...] = ()) -> None:
         self.url = url
         self.setup = setup
         self.raw: Any = None
-        self.queue: list[tuple[bytes, tuple[int, ...], Any, Any, _PgResult]] = []
-        #: The column names of each statement's result, by its text, read once from its first result:
-        #: this connection's (one database's column order), forgotten when its schema changes.
-        self.names: dict[str, dict[str, int]] = {}
-        self.prepared: dict[tuple[bytes, tuple[int, ...]], bytes] = {}
-        self.in_tx = False          # between begin and commit/rollback: statements queue
-        self.syncs = 0              # round trips so far (a change knows whether its statements went)
-        self.writes = 0             # statements sent so far, not reads (SELECT), of the change then running
-        self.fresh = False          # the transaction's first round trip is still to come
-        self.owner = -1             # which change of a group commit the statements now sent are (-1: none)
-        #: The first statement (or guard) that failed since the writer last looked: (its owner, the error).
-        self.failed: tuple[int, BaseException] | None = None
         self.reopen()
 
     def reopen(self) -> None:
@@ -6455,185 +6411,20 @@ class _PgConn:
         extra: dict[str, Any] = {"application_name": "interactiond"}
         if "connect_timeout" not in self.url:
             extra["connect_timeout"] = PG_CONNECT_TIMEOUT_S
-        raw = psycopg.connect(self.url, autocommit=True, **extra)
+        raw = psycopg.connect(self.url, autocommit=True, row_factory=_pg_rows, cursor_factory=_pg_cursor(), **extra)
+        raw.prepared_max = PG_PREPARED_MAX
         for sql in self.setup:
             raw.execute(sql)
         self.raw = raw
-        self.pg = raw.pgconn
-        self.tf = psycopg.adapt.Transformer(raw)
-        self.auto = psycopg.adapt.PyFormat.AUTO
-        self.queue = []
-        self.prepared = {}
 
     @property
     def lost(self) -> bool:
-        return self.raw is None or self.raw.closed or self.pg.status == _psycopg().pq.ConnStatus.BAD
+        return self.raw is None or self.raw.closed or self.raw.broken
 
-    def execute(self, sql: str, params: Any = ()) -> _PgResult:
-        if params:
-            if _PgResult in map(type, params):        # a value still to come back (an event's id)
-                params = [p.value if type(p) is _PgResult else p for p in params]
-            values = self.tf.dump_sequence(params, (self.auto,) * len(params))
-            types, formats = tuple(self.tf.types), self.tf.formats
-        else:
-            values, types, formats = None, (), None
-        result = _PgResult(self, sql)
-        self.queue.append((_pg_native(sql), types, values, formats, result))
-        if not self.in_tx:
-            self.sync()
-        return result
-
-    def expect(self, result: _PgResult, failure: Callable[[], BaseException]) -> None:
-        """A guard: the statement of `result` must change or return a row, else `failure()` is raised -
-        when its result comes back, so a guard costs no round trip of its own. Within a write the
-        statement still queued is sent as _pg_guarded makes it, failing on the server when it finds no
-        row: the statements sent after it in its round trip are not run - nor the COMMIT, which may
-        travel with it - and the transaction waits to be rolled back (PostgresTx.run_begun)."""
-        if result._rows is not None:
-            if not (result._rows or result._rowcount > 0):
-                raise failure()
-            return
-        result._check = failure
-        if self.in_tx:
-            queue = self.queue
-            for k in range(len(queue) - 1, -1, -1):
-                if queue[k][4] is result:
-                    queue[k] = (_pg_guarded(result._sql),) + queue[k][1:]
-                    break
-
-    def sync(self) -> None:
-        """Send what waits in the queue and read every result: one round trip. The first failure is
-        raised (the statements after it in the round trip did not run)."""
-        queue, self.queue = self.queue, []
-        if not queue:
-            return
-        fresh, self.fresh = self.fresh, False
-        try:
-            self._send(queue)
-        except _psycopg().OperationalError:
-            if not (fresh and self.lost):
-                raise
-            # The connection was dropped while idle (a restart, a failover): nothing of the transaction
-            # ran, and nothing of it was read yet, so it is sent again, once, on a new connection.
-            self.reopen()
-            self._send(queue)
-
-    def _send(self, queue: list[tuple[bytes, tuple[int, ...], Any, Any, _PgResult]]) -> None:
-        psycopg = _psycopg()
-        pq = psycopg.pq
-        pg = self.pg
-        self.syncs += 1
-        owner = self.owner                  # the change running: has any of its writes gone?
-        if owner >= 0:
-            self.writes += sum(1 for *_, r in queue if r._owner == owner and not r._sql.startswith("SELECT"))
-        sent: list[Any] = []              # per command: the key it prepares, or the result it fills
-        got: list[Any] = []               # every result, read to the end before any is looked at
-        try:
-            if len(queue) == 1 and (queue[0][0], queue[0][1]) in self.prepared:
-                query, types, values, formats, result = queue[0]
-                sent.append(result)
-                got.append(pg.exec_prepared(self.prepared[(query, types)], values, param_formats=formats))
-            else:
-                self._pipeline(queue, sent, got)
-        except BaseException:
-            with contextlib.suppress(Exception):
-                self.raw.close()              # half a pipeline, or the connection gone: closed, opened at the next use
-            raise
-        failure: BaseException | None = None
-        owner = -1
-        for k, (for_, res) in enumerate(zip(sent, got)):
-            if isinstance(for_, tuple):                      # a prepare (of the statement sent next)
-                if res.status != pq.ExecStatus.COMMAND_OK:
-                    self.prepared.pop(for_, None)
-                    if failure is None and res.status == pq.ExecStatus.FATAL_ERROR:
-                        failure, owner = psycopg.errors.error_from_result(res), sent[k + 1]._owner
-            elif res.status != pq.ExecStatus.PIPELINE_ABORTED:   # an aborted one is left unsettled
-                err = self._settle(for_, res)
-                if failure is None and err is not None:
-                    failure, owner = err, for_._owner
-        if failure is not None:
-            if self.failed is None:
-                self.failed = (owner, failure)
-            for *_, result in queue:
-                if result._rows is None and result._error is None:
-                    result._error = failure
-            raise failure
-
-    def _pipeline(self, queue: list[tuple[bytes, tuple[int, ...], Any, Any, _PgResult]], sent: list[Any],
-                  got: list[Any]) -> None:
-        """The queue in one pipeline: each statement (prepared first, the first time), one sync, every result."""
-        pq = _psycopg().pq
-        pg = self.pg
-        pg.enter_pipeline_mode()
-        for query, types, values, formats, result in queue:
-            key = (query, types)
-            name = self.prepared.get(key)
-            if name is None and len(self.prepared) < PG_PREPARED_MAX:
-                name = self.prepared[key] = b"itd_%d" % len(self.prepared)
-                pg.send_prepare(name, query, param_types=types)
-                sent.append(key)
-            if name is None:
-                pg.send_query_params(query, values, param_types=types, param_formats=formats)
-            else:
-                pg.send_query_prepared(name, values, param_formats=formats)
-            sent.append(result)
-        pg.pipeline_sync()
-        fd = pg.socket
-        while pg.flush():                   # the connection is non-blocking: what is left to send, sent,
-            readable, _, _ = select.select((fd,), (fd,), ())
-            if readable:                    # reading the results meanwhile: a server whose results fill
-                pg.consume_input()          # the socket stops reading what is sent to it
-        gap = False
-        while True:
-            # libpq's PQgetResult waits for the server holding the GIL (psycopg calls it only once a
-            # result is in): the wait is made here, in select, which lets the event loop run meanwhile.
-            while pg.is_busy():
-                select.select((fd,), (), ())
-                pg.consume_input()
-            res = pg.get_result()
-            if res is None:             # between two statements' results; twice in a row, or on a
-                if gap or pg.status == pq.ConnStatus.BAD:       # broken connection: no more will come
-                    raise _psycopg().OperationalError("the connection to the server was lost")
-                gap = True
-                continue
-            gap = False
-            if res.status == pq.ExecStatus.PIPELINE_SYNC:
-                break
-            got.append(res)
-        pg.exit_pipeline_mode()
-
-    def _settle(self, result: _PgResult, res: Any) -> BaseException | None:
-        """Fill `result` from the server's `res`; the error it holds (the statement's, or its guard's), if any."""
-        pq = _psycopg().pq
-        status = res.status
-        if status == pq.ExecStatus.FATAL_ERROR:
-            error = _psycopg().errors.error_from_result(res)
-            # A guard that failed on the server (_pg_guarded): the guard's own failure.
-            result._error = result._check() if result._check is not None and error.sqlstate == "22012" else error
-            return result._error
-        rows: list[PgRow] = []
-        if status == pq.ExecStatus.TUPLES_OK and res.ntuples:
-            sql = result._sql
-            names = self.names.get(sql)
-            if names is None:
-                names = {}
-                for i in range(res.nfields):
-                    names.setdefault(res.fname(i).decode(), i)   # a name twice (a join's *): the first
-                if len(self.names) > 4096:            # statements made from lists of varying length
-                    self.names.clear()
-                self.names[sql] = names
-            self.tf.set_pgresult(res)
-            rows = [PgRow(v, names) for v in self.tf.load_rows(0, res.ntuples, tuple)]
-        result._rows = rows
-        n = res.command_tuples
-        result._rowcount = n if n is not None else -1
-        result._status = res.command_status or b""
-        if result._check is not None and not (rows or result._rowcount > 0):
-            result._error = result._check()         # a guard that failed (see expect)
-        return result._error
+    def execute(self, sql: str, params: Any = ()) -> Any:
+        return self.raw.execute(_pg_sql(sql), params, prepare=True)
 
     def close(self) -> None:
-        self.queue = []
         if self.raw is not None:
             self.raw.close()
 
@@ -6655,97 +6446,48 @@ def _pg_problem(exc: BaseException, otherwise: str | None = None) -> BaseExcepti
     return Problem("failed", otherwise) if otherwise is not None else exc
 
 
-#: The statements of PostgresTx that do in one what SQLiteTx does in several.
-_PG_EVENT_COLUMNS: Final = "INSERT INTO events (playbook, run_id, run_seq, type, at, by, payload, size, daemon)"
-#: _ANSWER_AND_CLOSE_SQL with the answer's id read by the server: the run's request_answered, just appended.
-_PG_ANSWER_AND_CLOSE_SQL: Final = _ANSWER_AND_CLOSE_SQL.replace(
-    "answer_id = ?", "answer_id = (SELECT e.id FROM events e WHERE e.playbook = requests.playbook"
-    " AND e.run_id = requests.run_id AND e.type = 'request_answered' ORDER BY e.id DESC LIMIT 1)")
-_PG_COUNTED_EVENT_SQL: Final = (
-    "WITH r AS (UPDATE runs SET events = events + 1 WHERE playbook = ? AND run_id = ? RETURNING events) "
-    + _PG_EVENT_COLUMNS + " SELECT ?, ?, r.events, ?, ?, ?, ?, ?, ? FROM r RETURNING id")
-
-#: A run that opens a request inserted, and its request counted (see SQLiteTx.insert_asking_run).
-_PG_ASKING_RUN_SQL: Final = (
-    "WITH ins AS (" + _INSERT_RUN_SQL + " RETURNING seq), slot AS (UPDATE playbooks SET open_requests ="
-    " open_requests + 1 WHERE id = ? AND open_requests < ? AND EXISTS (SELECT 1 FROM ins) RETURNING id)")
-#: A request's run's parent, as a column of its row read ahead (it never changes).
-_PG_RUN_PARENT: Final = "(SELECT r.parent FROM runs r WHERE r.playbook = q.playbook AND r.run_id = q.run_id) AS run_parent"
-#: A request's row (SQLiteTx.request) with its row version, which any write of the row changes.
-#: And its run's parent.
-_PG_REQUEST_AHEAD_SQL: Final = _REQUEST_ROW.replace(
-    " FROM requests q", ", CAST(q.ctid AS TEXT) AS row_version, " + _PG_RUN_PARENT + " FROM requests q", 1) + \
-    " WHERE q.playbook = ? AND q.run_id = ?"
+POSTGRES_DIALECT: Final = Dialect(
+    sql=_pg_sql,
+    greatest="GREATEST",
+    # PostgreSQL says which row of a name is its latest with DISTINCT ON.
+    latest_definitions="SELECT DISTINCT ON (type, name) type, name, version, description FROM definitions"
+                       " WHERE playbook = ? AND active = 1 AND (CAST(? AS TEXT) IS NULL OR type = ?)"
+                       " ORDER BY type, name, version DESC",
+    uses_pair="EXISTS (SELECT 1 FROM jsonb_array_elements(d.uses::jsonb) u WHERE u->>0 = ? AND u->>1 = ?)",
+    event_columns=_EVENT_COLUMNS + ("daemon",),
+    # A data-modifying WITH: the run's counter and the event in one round trip.
+    counted_event="WITH r AS (UPDATE runs SET events = events + 1 WHERE playbook = ? AND run_id = ? RETURNING events)"
+                  " INSERT INTO events (" + ", ".join(_EVENT_COLUMNS + ("daemon",)) + ")"
+                  " SELECT ?, ?, r.events, ?, ?, ?, ?, ?, ? FROM r RETURNING id",
+    asking_run="WITH ins AS (" + _INSERT_RUN_SQL + " RETURNING seq), slot AS (UPDATE playbooks SET open_requests ="
+               " open_requests + 1 WHERE id = ? AND open_requests < ? AND EXISTS (SELECT 1 FROM ins) RETURNING id)"
+               " SELECT EXISTS (SELECT 1 FROM ins), EXISTS (SELECT 1 FROM slot)",
+)
 
 
-#: A request inserted (_INSERT_REQUEST_SQL), returned as _PG_REQUEST_AHEAD_SQL reads it but for the order
-#: of its last columns (PostgresTx._insert_request).
-_PG_INSERT_REQUEST_READ_SQL: Final = (
-    "WITH q AS (" + _INSERT_REQUEST_SQL + " RETURNING *, CAST(ctid AS TEXT) AS row_version) SELECT q.*,"
-    " COALESCE(q.own_schema, d.answer_schema) AS answer_schema, " + _PG_RUN_PARENT + " FROM q" + _DEFINITION_JOIN)
-#: How many requests the writer keeps as it inserted them, to answer without reading them first.
-PG_KEPT_REQUESTS: Final = 2048
+class PostgresTx(SqlTx):
+    """The store's operations on a PostgreSQL connection (SqlTx's, in POSTGRES_DIALECT), with the
+    server's transactions, and what several daemons sharing the database need of a change. `daemon`
+    is the id of the daemon whose store it serves (None for the command line)."""
 
-
-@functools.lru_cache(maxsize=8)
-def _kept_order(columns: tuple[tuple[str, int], ...]) -> tuple[list[int], dict[str, int]]:
-    """Which value of a kept row (_PG_INSERT_REQUEST_READ_SQL's; `columns`: its names and where each
-    stands) goes where, for the row to stand as _PG_REQUEST_AHEAD_SQL has it, and the names of the
-    row so ordered: worked out once, not for each row."""
-    last = ("answer_schema", "row_version", "run_parent")
-    at = dict(columns)
-    order = [k for k in at if k not in last] + list(last)
-    return [at[k] for k in order], {k: i for i, k in enumerate(order)}
-
-
-class _Stale(Exception):
-    """What a change went on from assuming (PostgresTx.assume) is not so: it runs again, reading first."""
-
-
-class _PgRunSeq:
-    """A run's event counter still to come back from the server (PostgresTx): the event is numbered
-    by the run's row as the database has it, `back` before its count."""
-
-    __slots__ = ("back",)
-
-    def __init__(self, back: int = 0) -> None:
-        self.back = back
-
-    def __sub__(self, n: int) -> "_PgRunSeq":
-        return _PgRunSeq(self.back + n)
-
-
-class PostgresTx(SQLiteTx):
-    """The store's operations on a PostgreSQL connection: SQLiteTx's, but for the few statements
-    whose SQL differs between the dialects, and what several daemons sharing the database need.
-    `daemon` is the id of the daemon whose store it serves (None for the command line)."""
-
-    __slots__ = ("daemon", "_opening", "_mark", "_ids", "_later", "_early", "_parents", "assume",
-                 "lock_late", "_locked", "kept", "_inserted", "_trimmed")
+    __slots__ = ("daemon", "_pipeline", "_sync")
 
     conn: _PgConn
+    dialect = POSTGRES_DIALECT
 
     def __init__(self, conn: _PgConn, daemon: str | None = None) -> None:
         super().__init__(conn)  # type: ignore[arg-type]
         self.daemon = daemon
-        self._early: dict[tuple[str, str, str], _PgResult] = {}   # what the group commit read ahead (run_begun)
-        self.assume = False                          # whether the change now running may (run_begun)
-        self.lock_late = False                       # the writer's: its lock taken after its reads ahead
-        self._locked = False
-        self._parents: dict[tuple[str, str], str | None] = {}    # runs' parents, known from their requests read ahead
-        self._opening: list[_PgResult] = []          # BEGIN and the lock
-        self._mark = (0, 0, 0, 0)                    # (round trips, queued, later, writes) when the change began
-        self._ids: list[dict[str, Any]] = []         # published events (and rows as written) whose ids are still to come back
-        self._later: list[tuple[int, Callable[[], None]]] = []   # (its change, what waits on a result): done at the end
-        #: The writer's: requests as it inserted them, by what reads them ahead, oldest first (_insert_request).
-        self.kept: OrderedDict[tuple[str, str, str], PgRow] | None = None
-        self._inserted: list[_PgResult] = []         # ... and those of the transaction, kept once it commits
-        #: The names of a request read ahead, and of the same without what only the store reads (request()).
-        self._trimmed: tuple[dict[str, int], dict[str, int]] | None = None
+        self._pipeline: contextlib.ExitStack | None = None     # psycopg's pipeline of the group commit
+        self._sync: Callable[[], None] = lambda: None           # ... and its sync()
 
     @property
     def errors(self) -> tuple[type[BaseException], ...]:  # type: ignore[override]
         return (_psycopg().Error,)
+
+    # A group commit is one transaction in psycopg's pipeline mode (Connection.pipeline), each of its
+    # changes in a savepoint of its own (psycopg's Transaction): a change's statements travel
+    # together, and its end waits for their results, so a change that fails is undone alone.
 
     def begin(self) -> None:
         # Event ids come from a sequence when a row is inserted, not when it commits: two
@@ -6754,208 +6496,65 @@ class PostgresTx(SQLiteTx):
         # sees 7. Every write takes this lock first and holds it to its COMMIT, so transactions
         # take ids and commit one after another. Taken at BEGIN, before any row lock, so it waits
         # in no cycle with one: it is SQLite's BEGIN IMMEDIATE, for every daemon on the database.
-        # BEGIN and the lock travel with the first change's first round trip;
-        # the writer's lock (lock_late) with the first after what its group commit reads ahead
-        # (run_begun), so another daemon's writes wait for its changes' round trips only.
         conn = self.conn
-        conn.queue, conn.in_tx = [], False
+        self._leave_pipeline()
         if conn.lost:
             conn.reopen()
-        elif conn.pg.transaction_status != _psycopg().pq.TransactionStatus.IDLE:
-            conn.execute("ROLLBACK")            # a transaction left open by a failure: never built upon
-        conn.in_tx = True
-        conn.fresh = True
-        conn.owner, conn.failed = -1, None
-        self._ids = []
-        self._later = []
-        self._inserted = []
-        self._opening = [conn.execute("BEGIN")]
-        self._early = {}
-        self._parents = {}
-        self._locked = False
-        if not self.lock_late:
-            self._take_lock()
+        elif conn.raw.info.transaction_status != _psycopg().pq.TransactionStatus.IDLE:
+            conn.raw.rollback()                 # a transaction left open by a failure: never built upon
+        try:
+            self._begin()
+        except _psycopg().OperationalError:
+            self._leave_pipeline()
+            if not conn.lost:
+                raise
+            # The connection was dropped while idle (a restart, a failover): nothing of the
+            # transaction ran, so it begins again, once, on a new connection.
+            conn.reopen()
+            self._begin()
 
-    def _take_lock(self) -> None:
-        conn = self.conn
-        self._opening.append(conn.execute(_PG_LOCK_SQL))
-        self._locked = True
-        self._mark = (conn.syncs, len(conn.queue), 0, conn.writes)
+    def _begin(self) -> None:
+        raw = self.conn.raw
+        stack = contextlib.ExitStack()
+        pipeline = stack.enter_context(raw.pipeline())
+        self._pipeline, self._sync = stack, pipeline.sync
+        raw.execute("BEGIN")
+        raw.execute(_PG_LOCK_SQL)
+        pipeline.sync()
 
-    # A group commit's changes, one after another in its transaction, none in a savepoint of its own
-    # (as on a file: SQLiteTx.run_begun); a change's end costs no round trip, nor do its guards
-    # (_pg_guarded). Its statements go with whichever round trip comes next: a later change's read,
-    # or the commit. A group of runs and answers costs two round
-    # trips, whatever its size: what its answers read first, read ahead before the write lock is
-    # waited for, then every statement with the lock and the COMMIT (one when nothing is read ahead,
-    # as when every answer's request is one this writer opened and kept: _insert_request).
-    # Waiting at each change's end cost n + 2.
+    def _leave_pipeline(self) -> None:
+        stack, self._pipeline = self._pipeline, None
+        if stack is not None:
+            with contextlib.suppress(Exception):
+                stack.close()
 
-    def run_begun(self, batch: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-        """SQLiteTx.run_begun, on the server. A change that raises before any of its writes was sent
-        fails alone: what of it is still queued is dropped. Any other failure - a guard, a statement the
-        server refused (which ends the transaction there), a change whose writes went before it raised,
-        a failure that comes back once its change has ended, with a later change's round trip or the
-        commit's - undoes the whole transaction: that change fails with its problem and every other runs
-        again, in a new transaction, whatever it did the first time (the later ones may have read what
-        it wrote). No savepoint frames a change: its two statements cost the writer and the server
-        more (5% of the pairs a second, measured) than the rare group that runs again. So a change
-        must be safe to run again: it reaches the database through `tx` and the daemon through `fx`
-        only (fresh each run), and keeps nothing of a run that did not commit.
-
-        A change may also go on from what it assumes (`assume`) rather than wait for a round trip to
-        know it: that its new run was inserted and counted, that the request it reads first (`ahead`)
-        is as the group commit read it at its start. A guard checks each assumption where the change
-        relies on it; one found false (_Stale) has that change run again, reading first."""
-        settled: list[tuple[Any, ...]] = []     # changes that failed late: their problem stands
-        careful: set[int] = set()               # changes (their futures' ids) that assume nothing
-        items = list(batch)
-        while True:
-            out, late = self._run_changes(items, careful)
-            if late is None:
-                return settled + out
-            j, exc = late
-            if type(exc) is _Stale:
-                careful.add(id(items[j][1]))
-            else:
-                settled.append((items[j][1], None, self.problem(exc), None))
-                del items[j]
-            items = [(fn, fut, Effects(), ahead) for fn, fut, _, ahead in items]
-            ended = self._run_again(items)
-            if ended is not None:
-                return settled + ended
-
-    def _run_changes(self, items: list[tuple[Any, ...]],
-                     careful: set[int]) -> tuple[list[tuple[Any, ...]], tuple[int, BaseException] | None]:
-        """One try at a group commit: what each change came to, or (None for all) the change that failed
-        late and why."""
-        conn = self.conn
-
-        def lost(exc: BaseException) -> list[tuple[Any, ...]]:
-            # The connection was lost, or BEGIN or its lock failed: there is no transaction to go on in.
-            failure = self.problem(exc)
-            with contextlib.suppress(*self.errors):
-                self.rollback()
-            return [(fut, None, failure, None) for _, fut, *_ in items]
-
-        reads = False
-        for _, fut, _, ahead in items:          # what the changes read first, in one round trip for all
-            if ahead is not None and id(fut) not in careful and ahead not in self._early:
-                row = self.kept.pop(ahead, None) if self.kept is not None else None
-                if row is not None:             # as this writer inserted it: no round trip (guarded as read)
-                    self._early[ahead] = _PgResult.holding(conn, row)
-                else:
-                    self._early[ahead] = self._read_ahead(ahead)
-                    reads = True
-        if not self._locked:
-            if reads:
-                try:
-                    conn.sync()                 # before the lock is waited for: guarded where relied on
-                except BaseException as exc:
-                    return lost(exc), None
-            self._take_lock()
-        out: list[tuple[Any, ...]] = []
-        i = 0
-        while i < len(items):
-            fn, fut, fx, _ = items[i]
-            self._change_begins(i)
-            self.assume = id(fut) not in careful
+    def run_change(self, change: Callable[..., Any], fx: Effects) -> Any:
+        """`change(self, fx)` in a savepoint (the Transaction that Connection.transaction() gives, here
+        without the second sync it makes in pipeline mode): the change's end syncs the pipeline, so a
+        statement of it that failed raises here, and the savepoint is rolled back to; its RELEASE, or
+        ROLLBACK TO, goes with the next change's statements."""
+        psycopg = _psycopg()
+        with psycopg.Transaction(self.conn.raw):
             try:
-                result = fn(self, fx)
-                if conn.failed is not None:         # a failure the change's code let pass
-                    raise conn.failed[1]
-            except BaseException as exc:
-                self.assume = False
-                if not self.in_transaction():
-                    return lost(exc), None
-                owner, why = conn.failed if conn.failed is not None else (i, exc)
-                if owner < 0:                       # the group's own statement (a read ahead): all fail
-                    return lost(why), None
-                if owner != i or conn.failed is not None or not self._change_undone():
-                    # An earlier change's, found by this one's round trip; one the server refused (the
-                    # transaction is over there); or one whose writes went: the whole group again.
-                    return out, (owner, why)
-                if type(why) is _Stale:             # it assumed wrong: again, reading first
-                    careful.add(id(fut))
-                    items[i] = (fn, fut, Effects(), None)
-                    continue
-                out.append((fut, None, self.problem(exc), None))
-            else:
-                out.append((fut, result, None, fx))
-            i += 1
-        self.assume = False
-        try:
-            later, self._later = self._later, []
-            for owner, then in later:           # e.g. a parent woken by its child's ending, once the ending is back
-                conn.owner = owner
-                then()
-            conn.owner = -1
-            if conn.failed is not None:
-                raise conn.failed[1]
-        except BaseException as exc:
-            if not self.in_transaction() or (conn.failed or (conn.owner, None))[0] < 0:
-                return lost(exc), None
-            return out, conn.failed if conn.failed is not None else (conn.owner, exc)
-        try:
-            self.before_commit([fx for *_, fx in out if fx is not None])
-            self.commit()
-        except BaseException as exc:
-            failed, lost_now = conn.failed, conn.lost
-            with contextlib.suppress(*self.errors):
-                self.rollback()
-            if failed is not None and failed[0] >= 0 and not lost_now:
-                return out, failed              # a change's statement, refused in the commit's round trip
-            failure = self.problem(exc, f"the database refused the write: {exc}")
-            return [(fut, None, failure, None) for fut, *_ in out], None
-        return out, None
-
-    def _change_begins(self, i: int) -> None:
-        conn = self.conn
-        conn.owner = i
-        self._mark = (conn.syncs, len(conn.queue), len(self._later), conn.writes)
-
-    def _change_undone(self) -> bool:
-        """The change now running raised, the server having refused none of its statements: what of it
-        is still queued is dropped, the changes before it stand. False (nothing dropped) when some of
-        its writes went already: they stand until the transaction is undone."""
-        conn = self.conn
-        syncs, queued, later, writes = self._mark
-        if conn.writes != writes:
-            return False
-        del self._later[later:]                 # the failed change's own
-        if conn.syncs == syncs:                 # nothing left since it began: the queue's tail is its
-            del conn.queue[queued:]
-        else:                                   # it read: all that waits now is its
-            conn.queue = []
-        return True
+                result = change(self, fx)
+            except BaseException:
+                with contextlib.suppress(psycopg.Error):
+                    self._sync()                # out of the aborted state, so that the rollback runs
+                raise
+            self._sync()
+            return result
 
     def commit(self) -> None:
-        conn = self.conn
-        done = conn.execute("COMMIT")
         try:
-            conn.sync()
+            self.conn.raw.commit()
         finally:
-            conn.in_tx = False
-        if done.statusmessage != "COMMIT":      # the server ends a failed transaction so, silently
-            raise RuntimeError("the transaction had failed and was rolled back at its commit")
-        for written in self._ids:               # every id has come back by now (a rolled-back change's: None)
-            for key, value in dict.items(written):
-                if type(value) is _PgResult:
-                    dict.__setitem__(written, key, value._rows[0][0] if value._rows else None)
-        self._ids = []
-        inserted, self._inserted = self._inserted, []
-        for result in inserted:                 # a dropped change's never ran: no rows
-            if result._rows:
-                self._keep(result._rows[0])
+            self._leave_pipeline()
 
     def rollback(self) -> None:
-        self._later = []
+        self._leave_pipeline()
         conn = self.conn
-        conn.queue = []
-        conn.in_tx = False
-        conn.owner, conn.failed = -1, None
-        if not conn.lost and conn.pg.transaction_status != _psycopg().pq.TransactionStatus.IDLE:
-            conn.execute("ROLLBACK")
+        if not conn.lost and conn.raw.info.transaction_status != _psycopg().pq.TransactionStatus.IDLE:
+            conn.raw.rollback()
 
     def ready(self) -> None:
         if self.conn.lost:
@@ -6963,169 +6562,16 @@ class PostgresTx(SQLiteTx):
 
     def in_transaction(self) -> bool:
         conn = self.conn
-        if any(r._error is not None for r in self._opening):
-            return False                        # BEGIN or its lock failed: there is no transaction to go on in
-        if conn.in_tx and conn.queue and conn.syncs == self._mark[0] and not conn.lost:
-            return True                         # nothing sent since the change began: the transaction stands
-        pq = _psycopg().pq
-        return not conn.lost and conn.pg.transaction_status in (pq.TransactionStatus.INTRANS,
-                                                                pq.TransactionStatus.INERROR)
+        if conn.lost:
+            return False
+        return conn.raw.info.transaction_status != _psycopg().pq.TransactionStatus.IDLE
 
     @staticmethod
     def problem(exc: BaseException, otherwise: str | None = None) -> BaseException:
         return _pg_problem(exc, otherwise)
 
-    # The statements that differ.
-
-    # Each statement is a round trip to the server, and its wait is every change's of the group
-    # commit: where SQLite runs several statements, these run one (data-modifying WITH clauses).
-
-    def append_event(self, fx: Effects | None, playbook: str, run_id: str | None, type_: str, at: int,
-                     by: str | None, payload: dict[str, Any], *, run_seq: int | None = None) -> int:
-        # Within a write the id is not waited for: it comes back with the change's next round trip, and
-        # stands in the published event once the change commits (a statement given it as a value waits
-        # for it: _PgConn.execute). Outside one, the statement has run and the id is returned.
-        text = dumps(payload)
-        if run_id is not None and run_seq is None:   # the run's counter and the event: one statement
-            result = self.conn.execute(_PG_COUNTED_EVENT_SQL, (playbook, run_id, playbook, run_id, type_, at, by, text,
-                                                               len(text.encode()), self.daemon))
-            self.conn.expect(result, lambda: Problem("not_found", f"no run {run_id} in this playbook"))
-        elif type(run_seq) is _PgRunSeq:             # numbered by the run's row, counted before it in the change
-            result = self.conn.execute(_PG_EVENT_COLUMNS + " SELECT ?, ?, events - ?, ?, ?, ?, ?, ?, ? FROM runs"
-                                       " WHERE playbook = ? AND run_id = ? RETURNING id",
-                                       (playbook, run_id, run_seq.back, type_, at, by, text, len(text.encode()),
-                                        self.daemon, playbook, run_id))
-        else:
-            result = self.conn.execute(
-                "INSERT INTO events (playbook, run_id, run_seq, type, at, by, payload, size, daemon)"
-                " VALUES (?,?,?,?,?,?,?,?,?) RETURNING id",
-                (playbook, run_id, run_seq, type_, at, by, text, len(text.encode()), self.daemon))
-        event_id: Any = result if result._rows is None else result._rows[0][0]
-        if fx is not None:
-            published = {"id": event_id, "playbook": playbook, "run_id": run_id, "type": type_, "at": at, "by": by,
-                         "payload": payload}
-            fx.published.append(published)
-            if result._rows is None:
-                self._ids.append(published)
-        return event_id
-
-    # A change's guards and counters, not waited for: each result comes back with the change's next
-    # round trip, a failed guard raises then (_PgConn.expect), and an event numbered by a counter
-    # still to come back is numbered by the run's row in its own statement (_PgRunSeq).
-
-    def insert_asking_run(self, *, playbook: str, run_id: str, type_: str, name: str, version: int, input_text: str,
-                          input_sha: str, parent: str | None, now: int, by: str, limit: int) -> tuple[bool, bool]:
-        values = (playbook, run_id, type_, name, version, input_text, input_sha, RunStatus.STARTED.value, 0, parent,
-                  None, now, by, playbook, limit)
-        if self.assume:                         # inserted and counted, as nearly always: guarded, not waited for
-            result = self.conn.execute(_PG_ASKING_RUN_SQL + " SELECT 1 FROM slot", values)
-            self.conn.expect(result, _Stale)
-            return True, True
-        row = self.conn.execute(_PG_ASKING_RUN_SQL + " SELECT EXISTS (SELECT 1 FROM ins), EXISTS (SELECT 1 FROM slot)",
-                                values).fetchone()
-        return bool(row[0]), bool(row[1])
-
-    def _read_ahead(self, ahead: tuple[str, str, str]) -> _PgResult:
-        kind, playbook, run_id = ahead
-        if kind != "request":
-            raise ValueError(f"nothing of kind {kind!r} is read ahead")
-        return self.conn.execute(_PG_REQUEST_AHEAD_SQL, (playbook, run_id))
-
-    def _insert_request(self, values: tuple[Any, ...], kept: bool) -> None:
-        # The writer keeps the row as inserted (with its row version) of a request that only its ending
-        # changes, so its answer needs no read ahead, and its group commit no round trip before the
-        # commit's: an answer that follows soon after its question (an agent's approval) costs one.
-        # A row that changed meanwhile (another daemon's write, an expiry) fails the guard that
-        # request() puts on it, and the change runs again, reading first.
-        if self.kept is None or not kept:
-            super()._insert_request(values, kept)
-        else:
-            self._inserted.append(self.conn.execute(_PG_INSERT_REQUEST_READ_SQL, values))
-
-    def _keep(self, row: PgRow) -> None:
-        picks, names = _kept_order(tuple(row._names.items()))
-        values = row._values
-        kept = PgRow(tuple([values[i] for i in picks]), names)
-        self.kept[("request", kept["playbook"], kept["run_id"])] = kept     # type: ignore[index]
-        if len(self.kept) > PG_KEPT_REQUESTS:                     # type: ignore[arg-type]
-            self.kept.popitem(last=False)                          # type: ignore[union-attr]
-
-    def request(self, playbook: str, run_id: str) -> Row | None:
-        early = self._early.pop(("request", playbook, run_id), None)
-        if early is None or not self.assume or not early.rows:
-            return super().request(playbook, run_id)
-        # As the group commit read it at its start: the row version the change relies on is guarded
-        # (a change before this one in the group that wrote the row left a new version).
-        got = early.rows[0]
-        unchanged = self.conn.execute("SELECT 1 FROM requests WHERE seq = ? AND ctid = CAST(? AS tid)",
-                                      (got["seq"], got["row_version"]))
-        self.conn.expect(unchanged, _Stale)
-        self._parents[(playbook, run_id)] = got["run_parent"]     # never changes: known, stale or not
-        names, trimmed = self._trimmed or (None, None)
-        if names is not got._names:             # the rows read ahead of one statement, and the kept ones, share theirs
-            names = got._names
-            trimmed = {k: i for k, i in names.items() if k not in ("row_version", "run_parent")}
-            self._trimmed = (names, trimmed)
-        return PgRow(got._values[:-2], trimmed)
-
-    def _run_waits(self, playbook: str, run_id: str) -> Any:
-        result = self.conn.execute(_RUN_WAITS_SQL, (playbook, run_id))
-        self.conn.expect(result, lambda: Problem("conflict", "the run is not waiting to open a request"))
-        return _PgRunSeq() if result._rows is None else result._rows[0][0]
-
-    def _run_ends(self, values: tuple[Any, ...]) -> tuple[Any, Any]:
-        result = self.conn.execute(_END_RUN_SQL, values)
-        self.conn.expect(result, lambda: Problem("conflict", "the run has already ended"))
-        if result._rows is None:
-            return self._parents.get((values[-2], values[-1]), result), _PgRunSeq()
-        return result._rows[0]["parent"], result._rows[0]["events"]
-
-    @staticmethod
-    def _one(result: Any) -> Row:
-        return _PgLazyRow(result) if result._rows is None else result.fetchone()
-
-    def _as_written(self, row: Row) -> dict[str, Any]:
-        written = _PgAsWritten(row.as_dict() if isinstance(row, PgRow) else row)
-        self._ids.append(written)               # its values that come back, put in place by the commit
-        return written
-
-    def _parent_moves_on(self, fx: Effects, playbook: str, parent: Any, now: int) -> None:
-        if type(parent) is _PgResult:             # known when the ending comes back: by the commit at the latest
-            ended = parent
-            self._later.append((self.conn.owner,
-                                lambda: SQLiteTx._parent_moves_on(self, fx, playbook, ended.rows[0]["parent"], now)))
-        else:
-            super()._parent_moves_on(fx, playbook, parent, now)
-
-    def _answer_closes(self, answer_id: Any, values: tuple[Any, ...]) -> None:
-        if type(answer_id) is _PgResult:           # request_answered's id, as the server gave it
-            result = self.conn.execute(_PG_ANSWER_AND_CLOSE_SQL, values[:1] + values[2:])
-        else:
-            result = self.conn.execute(_ANSWER_AND_CLOSE_SQL, values)
-        self.conn.expect(result, lambda: Problem("not_open", "the request has ended; it takes no answer", kind="ended"))
-
-    def list_definitions(self, playbook: str, type_: str | None = None) -> list[Row]:
-        # SQLite takes a bare column from the row of MAX(); PostgreSQL says which row with DISTINCT ON.
-        return self.conn.execute(
-            "SELECT DISTINCT ON (type, name) type, name, version, description FROM definitions"
-            " WHERE playbook = ? AND active = 1 AND (CAST(? AS TEXT) IS NULL OR type = ?)"
-            " ORDER BY type, name, version DESC", (playbook, type_, type_)).fetchall()
-
-    def join_reading(self, seq: int, *, playbook: str, server: str, tool: str, conversation: str,
-                     wait_ms: int) -> Row:
-        reading = self.conn.execute(
-            "INSERT INTO readings (playbook, server, tool, conversation, wait_ms) VALUES (?,?,?,?,?)"
-            " ON CONFLICT (playbook, server, tool, conversation) DO UPDATE SET reads = 0,"
-            " wait_ms = GREATEST(readings.wait_ms, excluded.wait_ms) RETURNING id, wait_ms",
-            (playbook, server, tool, conversation, wait_ms)).fetchone()
-        self.conn.execute("UPDATE requests SET reading = ? WHERE seq = ?", (reading["id"], seq))
-        return reading
-
-    def workflows_calling(self, playbook: str, type_: str, name: str) -> list[Row]:
-        return self.conn.execute(
-            "SELECT name, version FROM definitions d WHERE playbook = ? AND type = 'workflow' AND active = 1"
-            " AND EXISTS (SELECT 1 FROM jsonb_array_elements(d.uses::jsonb) u WHERE u->>0 = ? AND u->>1 = ?)"
-            " ORDER BY name", (playbook, type_, name)).fetchall()
+    def _event_extra(self) -> tuple[Any, ...]:
+        return (self.daemon,)
 
     # Several daemons on one database.
 
@@ -7140,7 +6586,7 @@ class PostgresTx(SQLiteTx):
                 self.conn.execute("SELECT pg_notify(?, ?) WHERE EXISTS (SELECT 1 FROM daemons WHERE id <> ?)",
                                   (PG_CHANNEL, payload, self.daemon))
 
-    # A whole database copied (see SQLiteTx).
+    # A whole database copied (see SqlTx).
 
     def begin_snapshot(self) -> None:
         self.conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
@@ -7186,72 +6632,6 @@ class PostgresTx(SQLiteTx):
             f" FROM daemons d WHERE d.id = e.daemon AND d.seen_at > {_PG_NOW_SQL} - ?)",
             (EventType.TOOL_CALL_STARTED.value, RunStatus.STARTED.value, int(DAEMON_LEASE_S * 1000))).fetchall()
         return [(r["playbook"], r["run_id"], json.loads(r["payload"]) if r["payload"] else None) for r in rows]
-
-    def register_daemon(self, daemon: str, host: str, pid: int) -> None:
-        """Enter a daemon that starts (its connection LISTENs already); a daemon of this host whose
-        process is gone (a crash, a kill) leaves now rather than when its lease ends. Under the writes'
-        lock: a write that finds no other daemon entered notifies nobody (before_commit), so it must
-        commit before this one enters, and the new daemon then reads what it wrote."""
-        for row in self.conn.execute("SELECT id, pid FROM daemons WHERE host = ?", (host,)).fetchall():
-            if row["pid"] != pid and not _process_alive(row["pid"]):
-                self.conn.execute("DELETE FROM daemons WHERE id = ?", (row["id"],))
-        self.conn.execute("BEGIN")
-        try:
-            self.conn.execute(_PG_LOCK_SQL)
-            self.conn.execute(f"INSERT INTO daemons (id, host, pid, started_at, seen_at) VALUES (?, ?, ?,"
-                              f" {_PG_NOW_SQL}, {_PG_NOW_SQL})", (daemon, host, pid))
-            self.conn.execute("COMMIT")
-        except BaseException:
-            with contextlib.suppress(*self.errors):
-                self.conn.execute("ROLLBACK")
-            raise
-
-    def refresh_statistics(self) -> None:
-        """ANALYZE the tables the changes address by key. A statement's plan is made once per
-        connection (its fifth run), from the statistics of the moment, and made again when they
-        change; made before a table had any, it may take a key lookup for a scan of an index on a
-        leading column the two share (a run's events numbered by scanning every run of its playbook:
-        answers ~4x slower with 3,000 open). The server's autovacuum refreshes them too, but looks at
-        most once a minute. Only a table never analyzed, or changed by half its rows since, is: a
-        large database's are left to autovacuum. A table another session holds locked (a VACUUM FULL,
-        another daemon's ANALYZE) is skipped, never waited for: the listener's thread beats the
-        daemon's heartbeat. A role that does not own the tables is told so by a warning, and skipped."""
-        stale = [r[0] for r in self.conn.execute(
-            "SELECT relname FROM pg_stat_user_tables WHERE schemaname = current_schema()"
-            " AND relname IN ('runs', 'requests', 'events', 'timers') AND (COALESCE(last_analyze, last_autoanalyze)"
-            " IS NULL OR n_mod_since_analyze * 2 > n_live_tup) ORDER BY relname").fetchall()]
-        if stale:
-            self.conn.execute("ANALYZE (SKIP_LOCKED) " + ", ".join(stale))     # names of the list above, not a caller's
-
-    def beat(self, daemon: str) -> bool:
-        """A live daemon's heartbeat, which renews the leases it holds; False when its row has gone (it is
-        entered again)."""
-        if not self.conn.execute(f"UPDATE daemons SET seen_at = {_PG_NOW_SQL} WHERE id = ?", (daemon,)).rowcount:
-            return False
-        self.conn.execute(f"UPDATE leases SET until_ms = {_PG_NOW_SQL} + ? WHERE daemon = ?", (_lease_ms(), daemon))
-        return True
-
-    def reap_daemons(self, host: str, pid: int) -> list[str]:
-        """Remove the daemons that are gone - unseen past their lease, or of this host with their process
-        ended (a crash, a kill) - and say which: each is removed once, by one daemon, which takes its
-        work over (Engine._take_over)."""
-        ended = [r["id"] for r in self.conn.execute("SELECT id, pid FROM daemons WHERE host = ?", (host,)).fetchall()
-                 if r["pid"] != pid and not _process_alive(r["pid"])]
-        return [r[0] for r in self.conn.execute(
-            f"DELETE FROM daemons WHERE seen_at <= {_PG_NOW_SQL} - ? OR id = ANY(CAST(? AS TEXT[])) RETURNING id",
-            (_lease_ms(), ended)).fetchall()]
-
-    def leave(self, daemon: str) -> None:
-        """A daemon that stops: its calls still in flight are the next start's to end (or a live daemon's
-        `lost` timer's); the work it still held is given back, its timers told again to every daemon."""
-        self.conn.execute("DELETE FROM daemons WHERE id = ?", (daemon,))
-        fx = Effects()
-        for (key,) in self.conn.execute("DELETE FROM leases WHERE daemon = ? RETURNING key", (daemon,)).fetchall():
-            due = self.timer_due(key)
-            if due is not None:
-                fx.timers.append((key, due))
-        for payload in _bus_payloads(daemon, [fx]):
-            self.conn.execute("SELECT pg_notify(?, ?)", (PG_CHANNEL, payload))
 
     # Leases: work one daemon does at a time (a conversation's reading, a workflow run's steps), and
     # the work of daemons that are gone.
@@ -7314,6 +6694,86 @@ class PostgresTx(SQLiteTx):
         """The manual clock's time in the database; None before a manual clock kept one."""
         row = self.conn.execute("SELECT now_ms FROM clock").fetchone()
         return row[0] if row is not None else None
+
+
+class PgDaemons:
+    """The daemons sharing a database, on a connection of their own (a store's listening one, or the
+    command line's): entering, heartbeats, the daemons found gone, leaving, and the tables'
+    statistics. A file has one daemon, and nothing of this."""
+
+    __slots__ = ("conn",)
+
+    def __init__(self, conn: _PgConn) -> None:
+        self.conn = conn
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def register_daemon(self, daemon: str, host: str, pid: int) -> None:
+        """Enter a daemon that starts (its connection LISTENs already); a daemon of this host whose
+        process is gone (a crash, a kill) leaves now rather than when its lease ends. Under the writes'
+        lock: a write that finds no other daemon entered notifies nobody (before_commit), so it must
+        commit before this one enters, and the new daemon then reads what it wrote."""
+        for row in self.conn.execute("SELECT id, pid FROM daemons WHERE host = ?", (host,)).fetchall():
+            if row["pid"] != pid and not _process_alive(row["pid"]):
+                self.conn.execute("DELETE FROM daemons WHERE id = ?", (row["id"],))
+        self.conn.execute("BEGIN")
+        try:
+            self.conn.execute(_PG_LOCK_SQL)
+            self.conn.execute(f"INSERT INTO daemons (id, host, pid, started_at, seen_at) VALUES (?, ?, ?,"
+                              f" {_PG_NOW_SQL}, {_PG_NOW_SQL})", (daemon, host, pid))
+            self.conn.execute("COMMIT")
+        except BaseException:
+            with contextlib.suppress(_psycopg().Error):
+                self.conn.execute("ROLLBACK")
+            raise
+
+    def refresh_statistics(self) -> None:
+        """ANALYZE the tables the changes address by key. A statement's plan is made once per
+        connection (its fifth run), from the statistics of the moment, and made again when they
+        change; made before a table had any, it may take a key lookup for a scan of an index on a
+        leading column the two share (a run's events numbered by scanning every run of its playbook:
+        answers ~4x slower with 3,000 open). The server's autovacuum refreshes them too, but looks at
+        most once a minute. Only a table never analyzed, or changed by half its rows since, is: a
+        large database's are left to autovacuum. A table another session holds locked (a VACUUM FULL,
+        another daemon's ANALYZE) is skipped, never waited for: the listener's thread beats the
+        daemon's heartbeat. A role that does not own the tables is told so by a warning, and skipped."""
+        stale = [r[0] for r in self.conn.execute(
+            "SELECT relname FROM pg_stat_user_tables WHERE schemaname = current_schema()"
+            " AND relname IN ('runs', 'requests', 'events', 'timers') AND (COALESCE(last_analyze, last_autoanalyze)"
+            " IS NULL OR n_mod_since_analyze * 2 > n_live_tup) ORDER BY relname").fetchall()]
+        if stale:
+            self.conn.execute("ANALYZE (SKIP_LOCKED) " + ", ".join(stale))     # names of the list above, not a caller's
+
+    def beat(self, daemon: str) -> bool:
+        """A live daemon's heartbeat, which renews the leases it holds; False when its row has gone (it is
+        entered again)."""
+        if not self.conn.execute(f"UPDATE daemons SET seen_at = {_PG_NOW_SQL} WHERE id = ?", (daemon,)).rowcount:
+            return False
+        self.conn.execute(f"UPDATE leases SET until_ms = {_PG_NOW_SQL} + ? WHERE daemon = ?", (_lease_ms(), daemon))
+        return True
+
+    def reap_daemons(self, host: str, pid: int) -> list[str]:
+        """Remove the daemons that are gone - unseen past their lease, or of this host with their process
+        ended (a crash, a kill) - and say which: each is removed once, by one daemon, which takes its
+        work over (Engine._take_over)."""
+        ended = [r["id"] for r in self.conn.execute("SELECT id, pid FROM daemons WHERE host = ?", (host,)).fetchall()
+                 if r["pid"] != pid and not _process_alive(r["pid"])]
+        return [r[0] for r in self.conn.execute(
+            f"DELETE FROM daemons WHERE seen_at <= {_PG_NOW_SQL} - ? OR id = ANY(CAST(? AS TEXT[])) RETURNING id",
+            (_lease_ms(), ended)).fetchall()]
+
+    def leave(self, daemon: str) -> None:
+        """A daemon that stops: its calls still in flight are the next start's to end (or a live daemon's
+        `lost` timer's); the work it still held is given back, its timers told again to every daemon."""
+        self.conn.execute("DELETE FROM daemons WHERE id = ?", (daemon,))
+        fx = Effects()
+        for (key,) in self.conn.execute("DELETE FROM leases WHERE daemon = ? RETURNING key", (daemon,)).fetchall():
+            timer = self.conn.execute("SELECT due_at FROM timers WHERE key = ?", (key,)).fetchone()
+            if timer is not None:
+                fx.timers.append((key, timer[0]))
+        for payload in _bus_payloads(daemon, [fx]):
+            self.conn.execute("SELECT pg_notify(?, ?)", (PG_CHANNEL, payload))
 
     def live_daemons(self) -> list[Row]:
         """The daemons seen within their lease: id, host, pid, started_at, seen_at."""
@@ -7447,7 +6907,7 @@ class _PgListener(threading.Thread):
         super().__init__(name="interactiond-listener", daemon=True)
         self.url = url
         self.daemon_id = daemon
-        self.tx: PostgresTx | None = None
+        self.daemons: PgDaemons | None = None
         self.halt = threading.Event()
         self.deliver: Callable[[str], None] | None = None      # a notification's payload, to the bus
         self.lost: Callable[[], None] | None = None            # the connection came back: resync
@@ -7457,12 +6917,12 @@ class _PgListener(threading.Thread):
 
     def register(self) -> None:
         """Connect, LISTEN and enter the daemon (on the caller's thread, before the store serves)."""
-        self.tx = PostgresTx(_PgConn(self.url, ("SET application_name = 'interactiond-listener'",
-                                                f"LISTEN {PG_CHANNEL}")), self.daemon_id)
-        self.tx.register_daemon(self.daemon_id, _HOST, os.getpid())
+        self.daemons = PgDaemons(_PgConn(self.url, ("SET application_name = 'interactiond-listener'",
+                                                    f"LISTEN {PG_CHANNEL}")))
+        self.daemons.register_daemon(self.daemon_id, _HOST, os.getpid())
 
     def run(self) -> None:
-        tx = self.tx
+        tx = self.daemons
         own = '{"d":' + dumps(self.daemon_id) + ","          # as _bus_payloads begins this daemon's
         next_beat = time.monotonic() + DAEMON_BEAT_S
         failures = 0
@@ -7493,15 +6953,12 @@ class _PgListener(threading.Thread):
                 if self._analyze.is_set():
                     self._analyze.clear()
                     tx.refresh_statistics()
-                # What arrived (and what a beat's query read meanwhile, kept by libpq for here), read
-                # from libpq itself: psycopg's notifies() cost ~50 us a call. This daemon's own
-                # notifications come back too: dropped here, without waking the loop.
-                pg = tx.conn.pg
-                pg.consume_input()
-                while (note := pg.notifies()) is not None:
-                    payload = note.extra.decode()
-                    if self.deliver is not None and not payload.startswith(own):
-                        self.deliver(payload)
+                # What arrived, and what a beat's query read meanwhile (psycopg keeps those for
+                # notifies()). This daemon's own notifications come back too: dropped here,
+                # without waking the loop.
+                for note in tx.conn.raw.notifies(timeout=0):
+                    if self.deliver is not None and not note.payload.startswith(own):
+                        self.deliver(note.payload)
                 failures = 0
             except Exception as exc:
                 failures += 1
@@ -7512,7 +6969,8 @@ class _PgListener(threading.Thread):
                 tx.conn.raw = None
                 self.halt.wait(min(5.0, 0.1 * 2 ** failures))
         with contextlib.suppress(Exception):
-            tx.ready()
+            if tx.conn.lost:
+                tx.conn.reopen()
             tx.leave(self.daemon_id)
         tx.close()
         os.close(self._wake_r)
@@ -7524,7 +6982,7 @@ class _PgListener(threading.Thread):
             os.write(self._wake_w, b"x")
 
     def analyze_soon(self) -> None:
-        """Have the tables' statistics refreshed (PostgresTx.refresh_statistics), here, not on the caller's thread."""
+        """Have the tables' statistics refreshed (PgDaemons.refresh_statistics), here, not on the caller's thread."""
         self._analyze.set()
         with contextlib.suppress(OSError):
             os.write(self._wake_w, b"x")
@@ -7559,7 +7017,6 @@ def apply_postgres_schema(conn: _PgConn) -> None:
         raw.execute("INSERT INTO schema_version (version) VALUES (%s) ON CONFLICT (one) DO UPDATE"
                     " SET version = GREATEST(schema_version.version, excluded.version)",
                     (max(version, SCHEMA_VERSION),))
-    conn.names.clear()                          # a migration may have changed what `SELECT *` returns
 
 
 def _reach_postgres(url: str) -> _PgConn:
@@ -7582,12 +7039,12 @@ def open_postgres_sync(url: str) -> PostgresTx:
     return PostgresTx(conn)
 
 
-def open_copy_source(db: str) -> SQLiteTx:
+def open_copy_source(db: str) -> SqlTx:
     """A database to copy from (`interactiond copy`), brought to this version's schema as a start would
     bring it; ValueError, in one line, when it is no file or holds no interactiond database (nothing
     is made or changed then)."""
     if is_postgres_url(db):
-        probe: SQLiteTx = PostgresTx(_reach_postgres(db))
+        probe: SqlTx = PostgresTx(_reach_postgres(db))
     elif not Path(db).is_file():
         raise ValueError(f"{db}: no such file")
     else:
@@ -7664,11 +7121,7 @@ class PostgresStore(Store):
         setup: tuple[str, ...] = ("SET enable_seqscan = off",)
         if writer:
             setup += (f"SET lock_timeout = {PG_LOCK_TIMEOUT_MS}", "SET standard_conforming_strings = on")
-        tx = PostgresTx(_PgConn(self.path, setup), self.daemon_id)
-        tx.lock_late = writer
-        if writer:
-            tx.kept = OrderedDict()
-        return tx
+        return PostgresTx(_PgConn(self.path, setup), self.daemon_id)
 
     async def claim(self, key: str, *, due_by: int | None = None) -> bool:
         return await self.write(lambda tx, fx: tx.claim_lease(key, due_by=due_by))
@@ -9853,7 +9306,6 @@ class Readings:
         tellings: list[tuple[Row, str]] = []
 
         def change(tx: Tx, fx: Effects) -> None:
-            tellings.clear()                    # what a run of the change that did not commit found
             tx.release_lease(key)
             if not tx.take_timer(fx, key, now):
                 return

@@ -37,7 +37,7 @@ async def test_a_daemon_registers_beats_and_leaves(pg, monkeypatch):
     await store.open()
     tx = itd.open_sync(pg)
     try:
-        (row,) = [r for r in tx.live_daemons() if r["id"] == store.daemon_id]
+        (row,) = [r for r in itd.PgDaemons(tx.conn).live_daemons() if r["id"] == store.daemon_id]
         assert row["host"] == itd._HOST and row["pid"] == os.getpid()
         first = row["seen_at"]
         for _ in range(200):                          # the heartbeat thread moves seen_at on (real time)
@@ -48,15 +48,15 @@ async def test_a_daemon_registers_beats_and_leaves(pg, monkeypatch):
         assert seen > first
     finally:
         await store.close()
-    assert [r["id"] for r in tx.live_daemons()] == []         # a stop leaves the table
+    assert [r["id"] for r in itd.PgDaemons(tx.conn).live_daemons()] == []         # a stop leaves the table
     tx.close()
 
 
 async def test_a_start_takes_over_only_the_calls_of_daemons_that_are_gone(pg, aiohttp_client):
     tx = itd.open_sync(pg)
     tx.ensure_playbook(PB, now=START_MS)
-    tx.register_daemon("dmn_live", "elsewhere", 1)
-    tx.register_daemon("dmn_dead", "elsewhere", 2)
+    itd.PgDaemons(tx.conn).register_daemon("dmn_live", "elsewhere", 1)
+    itd.PgDaemons(tx.conn).register_daemon("dmn_dead", "elsewhere", 2)
     tx.conn.execute("UPDATE daemons SET seen_at = seen_at - ? WHERE id = 'dmn_dead'",
                     (int(itd.DAEMON_LEASE_S * 1000) + 1,))
     _call_in_flight(tx, "r-live", "dmn_live")
@@ -75,10 +75,10 @@ def test_a_daemon_of_this_host_whose_process_is_gone_leaves_at_the_next_start(pg
     gone.wait()
     tx = itd.open_sync(pg)
     try:
-        tx.register_daemon("dmn_crashed", itd._HOST, gone.pid)
-        tx.register_daemon("dmn_other_host", "elsewhere", gone.pid)
-        tx.register_daemon("dmn_new", itd._HOST, os.getpid())
-        assert {r["id"] for r in tx.live_daemons()} == {"dmn_other_host", "dmn_new"}
+        itd.PgDaemons(tx.conn).register_daemon("dmn_crashed", itd._HOST, gone.pid)
+        itd.PgDaemons(tx.conn).register_daemon("dmn_other_host", "elsewhere", gone.pid)
+        itd.PgDaemons(tx.conn).register_daemon("dmn_new", itd._HOST, os.getpid())
+        assert {r["id"] for r in itd.PgDaemons(tx.conn).live_daemons()} == {"dmn_other_host", "dmn_new"}
     finally:
         tx.close()
 
@@ -187,7 +187,7 @@ async def test_a_daemon_whose_listening_connection_drops_looks_again_at_everythi
     _, run = await a.run("approve", INPUT)
     waiter = asyncio.create_task(a.call("POST", f"/runs/{run['run_id']}/wait?timeout=30"))
     await asyncio.sleep(0.05)
-    listener = a.engine.store._listener.tx.conn.raw.info.backend_pid
+    listener = a.engine.store._listener.daemons.conn.raw.info.backend_pid
     with psycopg.connect(a.db, autocommit=True) as admin:     # a's listener is cut off ...
         assert admin.execute("SELECT pg_terminate_backend(%s)", (listener,)).fetchone()[0] is True
     # ... and b's answer is committed while it is: its notification may never reach a.
@@ -268,7 +268,7 @@ def test_a_lease_is_held_by_one_daemon_until_released_or_its_holder_is_gone(pg):
     tx = itd.open_sync(pg)
     try:
         for d in ("dmn_a", "dmn_b", "dmn_c"):
-            tx.register_daemon(d, "elsewhere", 1)
+            itd.PgDaemons(tx.conn).register_daemon(d, "elsewhere", 1)
         key = f"read:{PB}:1"
         assert _as(tx, "dmn_a").claim_lease(key) is True
         assert _as(tx, "dmn_a").claim_lease(key) is False          # not twice, not even by its holder
@@ -282,7 +282,7 @@ def test_a_lease_is_held_by_one_daemon_until_released_or_its_holder_is_gone(pg):
         assert _as(tx, "dmn_a").claim_lease(key) is True
         tx.conn.execute("UPDATE leases SET until_ms = until_ms - ? WHERE key = ?", (itd._lease_ms() + 1, key))
         assert _as(tx, "dmn_c").claim_lease(key) is True
-        tx.leave("dmn_c")
+        itd.PgDaemons(tx.conn).leave("dmn_c")
         assert _as(tx, "dmn_b").claim_lease(key) is True
         # With a due time, only a due timer is claimed.
         fx = itd.Effects()
@@ -300,18 +300,18 @@ def test_the_heartbeat_renews_the_leases_of_its_daemon_and_finds_the_daemons_tha
     gone.wait()
     tx = itd.open_sync(pg)
     try:
-        tx.register_daemon("dmn_a", "elsewhere", 1)
-        tx.register_daemon("dmn_late", "elsewhere", 2)
-        tx.register_daemon("dmn_here", itd._HOST, os.getpid())
-        tx.register_daemon("dmn_crashed", itd._HOST, gone.pid)          # (its process ends after)
+        itd.PgDaemons(tx.conn).register_daemon("dmn_a", "elsewhere", 1)
+        itd.PgDaemons(tx.conn).register_daemon("dmn_late", "elsewhere", 2)
+        itd.PgDaemons(tx.conn).register_daemon("dmn_here", itd._HOST, os.getpid())
+        itd.PgDaemons(tx.conn).register_daemon("dmn_crashed", itd._HOST, gone.pid)          # (its process ends after)
         _as(tx, "dmn_a").claim_lease("workflow:x:1")
         tx.conn.execute("UPDATE leases SET until_ms = 0")
-        assert tx.beat("dmn_a")
+        assert itd.PgDaemons(tx.conn).beat("dmn_a")
         assert tx.conn.execute("SELECT until_ms FROM leases").fetchone()[0] > time.time() * 1000   # the server's clock
         tx.conn.execute("UPDATE daemons SET seen_at = seen_at - ? WHERE id = 'dmn_late'", (itd._lease_ms() + 1,))
-        assert sorted(tx.reap_daemons(itd._HOST, os.getpid())) == ["dmn_crashed", "dmn_late"]
-        assert tx.reap_daemons(itd._HOST, os.getpid()) == []         # each is found gone once
-        assert {r["id"] for r in tx.live_daemons()} == {"dmn_a", "dmn_here"}
+        assert sorted(itd.PgDaemons(tx.conn).reap_daemons(itd._HOST, os.getpid())) == ["dmn_crashed", "dmn_late"]
+        assert itd.PgDaemons(tx.conn).reap_daemons(itd._HOST, os.getpid()) == []         # each is found gone once
+        assert {r["id"] for r in itd.PgDaemons(tx.conn).live_daemons()} == {"dmn_a", "dmn_here"}
     finally:
         tx.close()
 
@@ -392,7 +392,7 @@ async def _until(what, seconds: float = 10.0):
 
 def _other_daemon(db: str, daemon: str) -> None:
     tx = itd.open_sync(db)
-    tx.register_daemon(daemon, "elsewhere", 1)
+    itd.PgDaemons(tx.conn).register_daemon(daemon, "elsewhere", 1)
     tx.close()
 
 
@@ -447,7 +447,7 @@ async def test_a_conversation_is_read_by_the_daemon_that_holds_its_lease(chat):
     tx = itd.open_sync(d.db)
     reading = tx.request(PB, run_id)["reading"]
     key = itd.timer_key("read", PB, str(reading))
-    tx.register_daemon("dmn_x", "elsewhere", 1)
+    itd.PgDaemons(tx.conn).register_daemon("dmn_x", "elsewhere", 1)
     assert _as(tx, "dmn_x").claim_lease(key)       # another daemon reads this conversation now
     tx.close()
     ts = d.chat_server.messages(d.chat, "ana")[0]["ts"]

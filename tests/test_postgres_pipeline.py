@@ -1,7 +1,7 @@
-"""The PostgreSQL store's round trips: within a write, statements whose results nobody reads yet travel
-together, and a guard is checked when its result comes back. What a change does must stay its own:
-a failed guard or a refused statement fails that change alone, the others of its group commit keep
-what they wrote, and every published event carries its id once the change commits."""
+"""The PostgreSQL store's group commit: one transaction in psycopg's pipeline mode, each change in a
+savepoint of its own. What a change does stays its own: a failed guard or a refused statement fails
+that change alone, the others of its group commit keep what they wrote, no change runs twice, and
+every published event carries its id once the change commits."""
 from __future__ import annotations
 
 import asyncio
@@ -131,6 +131,36 @@ async def test_a_change_that_fails_before_anything_was_sent_leaves_the_rest_of_i
         await store.close()
 
 
+async def test_a_change_that_reads_a_refused_statement_is_undone_alone_and_the_next_one_commits(pg):
+    # The server refuses a statement whose result the change reads (the pipeline aborts there): the
+    # change fails, its earlier write is undone with its savepoint, and the change after it in the
+    # same transaction runs once and commits.
+    _runs(pg, "r1")
+    committed: list[itd.Effects] = []
+    batches: list[int] = []
+    store = await _store(pg, committed, batches)
+    ran: list[str] = []
+
+    def divides(tx, fx):
+        ran.append("divides")
+        tx.set_timer(fx, "expire:x:divides", START_MS)
+        return tx.conn.execute("SELECT 1 / (COUNT(*) - COUNT(*)) FROM runs").fetchone()[0]
+
+    def ends(tx, fx):
+        ran.append("ends")
+        return _end("r1")(tx, fx)
+
+    try:
+        got = await asyncio.gather(store.write(divides), store.write(ends), return_exceptions=True)
+        assert batches == [2] and ran == ["divides", "ends"]
+        assert isinstance(got[0], Exception) and got[1] == "r1"
+        assert await store.read(lambda tx: tx.all_timers()) == []
+        assert await store.read(lambda tx: tx.run(PB, "r1")["status"]) == "succeeded"
+        assert [e["type"] for fx in committed for e in fx.published] == ["run_succeeded"]
+    finally:
+        await store.close()
+
+
 async def test_the_event_loop_runs_while_a_write_waits_on_the_server(pg):
     # Another daemon's write holds the database's write lock. Ours waits for it in its round trip,
     # and the event loop meanwhile goes on serving: here it is the loop itself that ends the other
@@ -162,7 +192,8 @@ def _marked_then_guarded(tx, fx):
     result nobody reads in the change: the marker must not stay."""
     tx.append_event(fx, PB, None, "marker", START_MS, "tok_x", {})
     moved = tx.conn.execute("UPDATE runs SET status = 'cancelled' WHERE run_id = ? RETURNING 1", ("nope",))
-    tx.conn.expect(moved, lambda: itd.Problem("conflict", "no run nope"))
+    if moved.fetchone() is None:
+        raise itd.Problem("conflict", "no run nope")
     return "marked"
 
 
@@ -185,9 +216,9 @@ async def test_a_change_alone_whose_guard_fails_leaves_nothing_written(pg):
         await store.close()
 
 
-async def test_a_guard_that_fails_after_its_change_ended_fails_that_change_and_the_rest_run_again(pg):
-    # Change 1's guard comes back with change 2's read, in the middle of change 2: change 1 fails,
-    # and the others run again in a new transaction, on what the database holds without change 1.
+async def test_a_change_whose_guard_fails_is_undone_alone_and_the_next_runs_once_without_its_writes(pg):
+    # Change 1 writes a marker, then its guard fails: it is rolled back to its savepoint, and change 2,
+    # next in the same transaction, runs once and finds no marker.
     _runs(pg, "r1")
     committed: list[itd.Effects] = []
     batches: list[int] = []
@@ -206,7 +237,7 @@ async def test_a_guard_that_fails_after_its_change_ended_fails_that_change_and_t
         assert batches == [3]
         assert got[0] == "r1"
         assert isinstance(got[1], itd.Problem) and got[1].name == "conflict"
-        assert got[2] == 0 and runs == ["counts", "counts"]     # cut short by change 1's failure, then run again
+        assert got[2] == 0 and runs == ["counts"]               # once, after change 1 was undone
         rows = await store.read(lambda tx: [(r[0], r[1], r[2]) for r in tx.conn.execute(
             "SELECT id, type, payload FROM events ORDER BY id").fetchall()])
         assert [t for _, t, _ in rows] == ["run_succeeded", "counted"]
@@ -217,9 +248,8 @@ async def test_a_guard_that_fails_after_its_change_ended_fails_that_change_and_t
         await store.close()
 
 
-# A change may go on from what it assumes, rather than wait for a round trip to know it: that the
-# run it inserts was inserted and counted, that the request it reads first is as the group commit
-# read it at its start. Where an assumption is false, the change runs again, reading first.
+# A change reads what the changes before it in its group commit wrote, and what other daemons
+# committed before its transaction took the write lock.
 
 
 def _open(tx, run_id: str) -> None:
@@ -251,7 +281,7 @@ def _answers(run_id: str, runs: list[str]):
     return change
 
 
-async def test_a_request_read_ahead_and_written_before_its_answer_runs_is_read_again(pg):
+async def test_a_request_closed_earlier_in_the_group_commit_refuses_its_answer_which_runs_once(pg):
     _requests(pg, "r1", "r2")
     committed: list[itd.Effects] = []
     batches: list[int] = []
@@ -268,11 +298,10 @@ async def test_a_request_read_ahead_and_written_before_its_answer_runs_is_read_a
                                    return_exceptions=True)
         assert batches == [3]
         assert got[0] == "expired"
-        # r1's answer first went on from the row read at the group's start (open), then again from
-        # the row as the expiry left it; r2's, read ahead and untouched, stood.
+        # r1's answer read the row as the expiry left it; r2's stood.
         assert isinstance(got[1], itd.Problem) and got[1].name == "not_open"
         assert got[2] == ("open", "ok?")
-        assert runs.count("r1") == 2
+        assert runs == ["r1", "r2"]
         state = await store.read(lambda tx: {r: (tx.request(PB, r)["status"], tx.run(PB, r)["status"])
                                              for r in ("r1", "r2")})
         assert state == {"r1": ("expired", "waiting"), "r2": ("answered", "succeeded")}
@@ -282,7 +311,7 @@ async def test_a_request_read_ahead_and_written_before_its_answer_runs_is_read_a
         await store.close()
 
 
-async def test_a_run_assumed_inserted_and_counted_is_inserted_again_reading_first_when_it_was_not(pg):
+async def test_a_run_inserted_and_counted_says_so_once_each(pg):
     _requests(pg, "taken")
     store = await _store(pg, [], [])
     runs: list[str] = []
@@ -299,9 +328,7 @@ async def test_a_run_assumed_inserted_and_counted_is_inserted_again_reading_firs
         got = await asyncio.gather(store.write(asks("taken", 10)), store.write(asks("fresh", 10)),
                                    store.write(asks("full", 2)))
         assert got == [(False, False), (True, True), (True, False)]     # run id taken; new; no slot left
-        # Each wrong assumption, found when the group's statements went with its commit, cost the
-        # group one more try: the first found, then the second.
-        assert runs == ["taken", "fresh", "full"] * 3
+        assert runs == ["taken", "fresh", "full"]
         counted = await store.read(lambda tx: tx.conn.execute(
             "SELECT open_requests FROM playbooks WHERE id = ?", (PB,)).fetchone()[0])
         assert counted == 2
@@ -348,7 +375,7 @@ async def test_a_daemon_refreshes_its_tables_statistics_as_its_writes_grow_them(
         counted = await store.read(analyzed)
         tx = itd.open_sync(pg)
         try:
-            tx.refresh_statistics()
+            itd.PgDaemons(tx.conn).refresh_statistics()
         finally:
             tx.close()
         assert await store.read(analyzed) == counted
@@ -356,9 +383,9 @@ async def test_a_daemon_refreshes_its_tables_statistics_as_its_writes_grow_them(
         await store.close()
 
 
-async def test_a_request_read_ahead_then_changed_by_another_daemon_before_the_lock_is_read_again(pg):
-    # The writer reads ahead before it waits for the database's write lock; another daemon's write,
-    # holding the lock meanwhile, closes the request: the answer must not go on from what it read.
+async def test_a_request_closed_by_another_daemon_while_the_writer_waits_for_the_lock_refuses_its_answer(pg):
+    # The writer takes the database's write lock before any change runs; another daemon's write,
+    # holding the lock meanwhile, closes the request: the answer reads it closed, once.
     import time
 
     import psycopg
@@ -379,12 +406,12 @@ async def test_a_request_read_ahead_then_changed_by_another_daemon_before_the_lo
             assert time.monotonic() < deadline, "the writer never waited for the lock"
             await asyncio.sleep(0.01)
         watch.close()
-        assert runs == ["r1"] and not answer.done()      # it went on from the row it read, and waits to write
+        assert runs == [] and not answer.done()         # nothing of the change ran before the lock
         other.execute("UPDATE requests SET status = 'expired', open = 0 WHERE run_id = 'r1'")
         other.execute("COMMIT")
         with pytest.raises(itd.Problem) as got:
             await asyncio.wait_for(answer, 30)
-        assert got.value.name == "not_open" and runs == ["r1", "r1"]
+        assert got.value.name == "not_open" and runs == ["r1"]
         assert await store.read(lambda tx: tx.request(PB, "r1")["status"]) == "expired"
         assert [e for fx in committed for e in fx.published] == []
     finally:
@@ -392,34 +419,9 @@ async def test_a_request_read_ahead_then_changed_by_another_daemon_before_the_lo
         await store.close()
 
 
-async def test_a_request_its_writer_opened_is_answered_in_one_round_trip_and_one_opened_elsewhere_in_two(pg):
-    # The writer keeps the row of an inbox request as it inserted it: the answer's group commit
-    # needs no read ahead, so BEGIN, the lock, every statement and the COMMIT go in one round trip.
-    _requests(pg, "elsewhere")                  # the playbook entered, and a request opened by another connection
-    store = await _store(pg, [], [])
-    runs: list[str] = []
-    try:
-        await store.write(lambda tx, fx: _open(tx, "here"))
-        conn = store._writer.tx.conn
-
-        async def answered(run_id: str) -> tuple[tuple[str, str], int]:
-            before = conn.syncs
-            got = await store.write(_answers(run_id, runs), ahead=("request", PB, run_id))
-            return got, conn.syncs - before
-
-        assert await answered("here") == (("open", "ok?"), 1)
-        assert await answered("elsewhere") == (("open", "ok?"), 2)
-        assert runs == ["here", "elsewhere"]
-        state = await store.read(lambda tx: {r: tx.request(PB, r)["status"] for r in ("here", "elsewhere")})
-        assert state == {"here": "answered", "elsewhere": "answered"}
-    finally:
-        await store.close()
-
-
-async def test_a_request_kept_as_its_writer_opened_it_then_changed_elsewhere_is_read_again(pg):
-    # Another daemon (here, another connection) expires the request after this writer kept its row:
-    # the answer goes on from the kept row, its guard finds the row changed, and it runs again,
-    # reading first, to the request's real state.
+async def test_a_request_this_writer_opened_then_closed_elsewhere_refuses_its_answer(pg):
+    # Another daemon (here, another connection) expires the request this writer opened: the answer
+    # reads the request's real state, once.
     import psycopg
 
     _runs(pg)
@@ -433,7 +435,7 @@ async def test_a_request_kept_as_its_writer_opened_it_then_changed_elsewhere_is_
         other.execute("UPDATE requests SET status = 'expired', open = 0 WHERE run_id = 'r1'")
         with pytest.raises(itd.Problem) as got:
             await store.write(_answers("r1", runs), ahead=("request", PB, "r1"))
-        assert got.value.name == "not_open" and runs == ["r1", "r1"]
+        assert got.value.name == "not_open" and runs == ["r1"]
         assert await store.read(lambda tx: (tx.request(PB, "r1")["status"], tx.run(PB, "r1")["status"])) == \
             ("expired", "waiting")
         assert [e for fx in committed for e in fx.published] == []
@@ -443,9 +445,9 @@ async def test_a_request_kept_as_its_writer_opened_it_then_changed_elsewhere_is_
 
 
 async def test_a_round_trip_larger_each_way_than_the_socket_holds_completes(pg):
-    # The writer sends a round trip's statements while the server already sends results back: when
-    # both are larger than the socket holds, the writer must read while it sends, or each side
-    # waits for the other to read, for ever.
+    # A change sends many statements before it reads any result: when what is sent and what comes
+    # back are both larger than the socket holds, the pipeline must read while it sends, or each
+    # side waits for the other to read, for ever.
     _runs(pg)
     store = await _store(pg, [], [])
     sent = "x" * 1_000
@@ -483,7 +485,7 @@ async def test_a_daemon_alone_on_its_database_notifies_nobody_and_one_with_compa
         assert heard() == []                    # nobody else entered: nothing sent
         other = itd.open_sync(pg)
         try:
-            other.register_daemon("dmn_other", "elsewhere", os.getpid())
+            itd.PgDaemons(other.conn).register_daemon("dmn_other", "elsewhere", os.getpid())
         finally:
             other.close()
         await store.write(timer("expire:local/default:r2"))
@@ -514,7 +516,8 @@ async def test_a_table_held_locked_elsewhere_is_skipped_by_the_statistics_not_wa
         before = {t: analyzed(t) for t in ("runs", "requests")}
         holder.execute("BEGIN")
         holder.execute("LOCK TABLE runs IN SHARE UPDATE EXCLUSIVE MODE")
-        await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, tx.refresh_statistics), 20)
+        statistics = itd.PgDaemons(tx.conn).refresh_statistics
+        await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, statistics), 20)
         holder.execute("COMMIT")
         assert analyzed("runs") == before["runs"] and analyzed("requests") > before["requests"]
     finally:

@@ -440,6 +440,22 @@ def test_prune_drops_old_keys_and_ended_sessions(tx):
     assert tx.caller_token(itd.sha256_hex(session)) is None
 
 
+def test_an_event_of_a_run_that_does_not_exist_is_not_found_and_writes_nothing(tx):
+    with pytest.raises(itd.Problem) as info:
+        tx.append_event(itd.Effects(), PB, "nope", "marker", NOW, "tok_1", {})
+    assert info.value.name == "not_found"
+    assert tx.conn.execute("SELECT COUNT(*) FROM events").fetchone()[0] == 0
+
+
+def test_the_backends_are_siblings_sharing_their_sql_through_a_dialect():
+    assert issubclass(itd.SQLiteTx, itd.SqlTx) and issubclass(itd.PostgresTx, itd.SqlTx)
+    assert not issubclass(itd.PostgresTx, itd.SQLiteTx)
+    assert (itd.SQLiteTx.dialect, itd.PostgresTx.dialect) == (itd.SQLITE_DIALECT, itd.POSTGRES_DIALECT)
+    # The daemons of a shared database are an object of their own, which a file does not carry.
+    for op in ("register_daemon", "beat", "reap_daemons", "leave", "live_daemons", "refresh_statistics"):
+        assert hasattr(itd.PgDaemons, op) and not hasattr(itd.SqlTx, op) and not hasattr(itd.PostgresTx, op)
+
+
 def test_rows_are_read_by_name_and_by_index(tx):
     _workflow(tx, "r1")
     row = tx.run(PB, "r1")
@@ -486,7 +502,7 @@ async def test_a_failing_change_rolls_back_alone_and_effects_follow_the_commit(d
 async def test_a_file_commits_a_turns_changes_on_the_loop_and_a_failing_one_alone(tmp_path):
     """On a file, with the write lock free and the writer thread idle, a turn's changes run and commit
     on the event loop's thread, one transaction; a change that raises having written part of itself
-    is undone (the transaction with it: the others run again, in order) and fails alone, and each
+    is undone back to its savepoint and fails alone, the others run once and commit, and each
     change's effects follow the commit."""
     store = itd.Store(str(tmp_path / "t.db"))
     seen: list[itd.Effects] = []
@@ -515,8 +531,8 @@ async def test_a_file_commits_a_turns_changes_on_the_loop_and_a_failing_one_alon
         results = await asyncio.gather(store.write(good("a")), store.write(bad), store.write(good("b")),
                                        return_exceptions=True)
         assert results[0] == "a" and results[2] == "b" and isinstance(results[1], itd.Problem | Exception)
-        assert ran == ["a", "bad", "a", "b"]            # its timer written, `bad` failed: `a` again without it
-        assert threads == [threading.main_thread()] * 4
+        assert ran == ["a", "bad", "b"]                 # its timer written, `bad` failed: each ran once
+        assert threads == [threading.main_thread()] * 3
         keys = await store.read(lambda tx: sorted(k for k, _ in tx.all_timers()))
         assert keys == [f"expire:{PB}:a", f"expire:{PB}:b"]
         assert [fx.timers for fx in seen[-2:]] == [[(f"expire:{PB}:a", NOW)], [(f"expire:{PB}:b", NOW)]]
@@ -532,9 +548,9 @@ async def test_a_file_commits_a_turns_changes_on_the_loop_and_a_failing_one_alon
 
 
 async def test_a_change_that_fails_having_written_nothing_leaves_the_others_to_commit_as_they_ran(db):
-    """A change that raises before it writes has nothing to undo: the changes around it in its group
-    commit run once and commit; one that raises having written has its writes undone with the
-    transaction and fails alone, the others running again, whatever the backend."""
+    """A change that raises, before it writes or having written, is undone back to its own savepoint
+    and fails alone: the changes around it in its group commit run once and commit, whatever the
+    backend."""
     store = itd.Store(db)
     await store.open()
     try:
@@ -571,7 +587,7 @@ async def test_a_change_that_fails_having_written_nothing_leaves_the_others_to_c
         results = await asyncio.gather(store.write(good("c")), store.write(half), store.write(good("d")),
                                        return_exceptions=True)
         assert results[0] == "c" and results[2] == "d" and results[1].name == "conflict"
-        assert ran == ["c", "half", "c", "d"]               # undone with its transaction; the others again
+        assert ran == ["c", "half", "d"]                    # undone alone; the others ran once
         assert await store.read(lambda tx: sorted(k for k, _ in tx.all_timers())) == [
             f"expire:{PB}:{k}" for k in ("a", "b", "c", "d")]
     finally:
