@@ -136,6 +136,7 @@ async def test_no_door_calls_a_gated_tool_without_an_approval(db, tmp_path, aioh
                          ("tell", chat_function("c3", tell="channel_history")), ("restart", RESTART)):
         await before.define(name, source)
     assert (await before.call("POST", "/definitions", {"type": "workflow", "name": "restarts", "source": WORKFLOW}))[0] == 201
+    await before.client.close()                         # the daemon stops; it starts again gated
     d = await start_daemon(aiohttp_client, db, config=config(tmp_path, gated=True),
                            clock=itd.ManualClock(before.clock.now_ms()), tokens=before.tokens)
 
