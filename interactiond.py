@@ -1209,7 +1209,10 @@ def check_limit(limit: Any) -> int:
 #     render never hangs and never eats memory;
 #   - known in advance: a template lists the names it reads (the library's static analysis), so
 #     `check_template` refuses, when the document is saved, a name its place does not offer, a
-#     property the input schema does not allow, or an object printed inside text.
+#     property the input schema does not allow, or an object printed inside text;
+#   - cheap to check: before python-liquid parses a template, `markup_problem` refuses what it
+#     would take seconds over (brackets nested deep, an opening nothing closes) and charges the
+#     document's tags to its bounds (MAX_DOCUMENT_TAGS, MAX_DOCUMENT_MARKUP).
 #
 # Rendering is typed. A template that is exactly one `{{ expression }}` yields the value itself
 # (a number stays a number, an object stays an object); any other template renders text, and an
