@@ -293,6 +293,10 @@ START_LOGIN_NAME: Final = "inbox login"
 #: ended inbox sessions and spent login links; it runs this often (the first a minute after start).
 IDEMPOTENCY_KEEP: Final = timedelta(hours=24)
 PRUNE_EVERY: Final = timedelta(hours=1)
+#: The timer wheel holds the due times of the next hour, reading the next hour's from the store as
+#: it goes: memory stays flat however many requests are open (each has an expiry), and an hour's
+#: read is one indexed range of the timers table.
+TIMER_WINDOW_MS: Final = 3_600_000
 
 #: Template rendering: never hangs, never eats memory.
 TEMPLATE_LOOP_LIMIT: Final = 10_000
@@ -4074,6 +4078,7 @@ CREATE TABLE IF NOT EXISTS timers (
     key    TEXT PRIMARY KEY,                         -- kind:playbook:ref
     due_at INTEGER NOT NULL
 ) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS timers_due ON timers (due_at);   -- the timer wheel reads a window at a time
 
 -- API tokens, stored as sha256 hashes of their secrets; also one-time login links and the inbox
 -- sessions they trade for (12 h idle, 7 days at most). A person's token, link or session names
@@ -4786,6 +4791,7 @@ class Tx(Protocol):
     def take_timer(self, fx: Effects, key: str, now: int) -> bool: ...
     def timer_due(self, key: str) -> int | None: ...
     def all_timers(self) -> list[tuple[str, int]]: ...
+    def timers_due(self, after: int | None, until: int) -> list[tuple[str, int]]: ...
     def append_event(self, fx: Effects | None, playbook: str, run_id: str | None, type_: str, at: int,
                      by: str | None, payload: dict[str, Any], *, run_seq: int | None = None) -> int: ...
     def run_events(self, playbook: str, run_id: str, *, after: int, limit: int) -> list[Row]: ...
@@ -5261,8 +5267,14 @@ class SqlTx:
         return {r[0]: r[1] for r in self.conn.execute("SELECT id, open_requests FROM playbooks")}
 
     def all_timers(self) -> list[tuple[str, int]]:
-        """Every due time the file holds (key, due_at): the timer wheel loads them at start."""
+        """Every due time the database holds (key, due_at)."""
         return [(r[0], r[1]) for r in self.conn.execute("SELECT key, due_at FROM timers")]
+
+    def timers_due(self, after: int | None, until: int) -> list[tuple[str, int]]:
+        """The due times of a window of the timer wheel: after `after` (None: any) and up to `until`."""
+        return [(r[0], r[1]) for r in self.conn.execute(
+            "SELECT key, due_at FROM timers WHERE due_at > ? AND due_at <= ?",
+            (after if after is not None else -(2 ** 62), until))]
 
     # Requests, answers, deliveries and readings: the inbox and the chat tools.
 
@@ -6198,6 +6210,7 @@ CREATE TABLE IF NOT EXISTS timers (
     key    TEXT PRIMARY KEY,                         -- kind:playbook:ref
     due_at BIGINT NOT NULL
 );
+CREATE INDEX IF NOT EXISTS timers_due ON timers (due_at);   -- the timer wheel reads a window at a time
 
 -- API tokens, stored as sha256 hashes of their secrets; also one-time login links and the inbox
 -- sessions they trade for (12 h idle, 7 days at most). A person's token, link or session names
@@ -7954,13 +7967,21 @@ def session_ended(row: Row, now: int) -> bool:
 
 
 class TimerWheel:
-    """The daemon's one timer task: a heap of (due, key) mirrored from the `timers` table."""
+    """The daemon's one timer task: a heap of (due, key) mirrored from the `timers` table, a window
+    at a time. With a `load`, the wheel holds only the due times up to its `horizon` (TIMER_WINDOW
+    ahead); when the clock reaches the horizon it moves it one window on and reads that window from
+    the store. A timer set beyond the horizon stays in the store until its window comes, so memory
+    does not grow with open requests (every one of which has a due time: its expiry)."""
 
-    def __init__(self, clock: Clock, fire: Callable[[list[str]], Any]) -> None:
+    def __init__(self, clock: Clock, fire: Callable[[list[str]], Any],
+                 load: Callable[[int, int], Any] | None = None) -> None:
         self.clock = clock
         self.fire = fire
+        self.load = load                # async (after, until) -> [(key, due)]: the store's due times in a window
+        self.horizon: int | None = None     # the wheel holds every due time up to here (None: all of them)
         self._heap: list[tuple[int, str]] = []
         self._due: dict[str, int] = {}
+        self._touched: set[str] | None = None   # keys set or cancelled while a window loads
         self._wake = asyncio.Event()
         self._lock = asyncio.Lock()
         self.on_lag: Callable[[float], None] | None = None     # seconds a due timer fired late (metrics)
@@ -7969,7 +7990,14 @@ class TimerWheel:
     def __len__(self) -> int:
         return len(self._due)
 
-    def set(self, key: str, due: int) -> None:
+    def set(self, key: str, due: int, *, own: bool = False) -> None:
+        """Hold `key` due at `due`; an `own` timer (the wheel's alone, kept in no store) is held
+        whatever the horizon."""
+        if self._touched is not None:
+            self._touched.add(key)
+        if self.horizon is not None and due > self.horizon and not own:
+            self._due.pop(key, None)        # its window will read it (an earlier due time it had is gone)
+            return
         earliest = self._heap[0][0] if self._heap else None
         self._due[key] = due
         heapq.heappush(self._heap, (due, key))
@@ -7977,12 +8005,37 @@ class TimerWheel:
             self._wake.set()
 
     def cancel(self, key: str) -> None:
+        if self._touched is not None:
+            self._touched.add(key)
         self._due.pop(key, None)
+
+    def start_window(self, now: int, due: Iterable[tuple[str, int]]) -> None:
+        """At start: the due times of the first window (read up to now + TIMER_WINDOW)."""
+        self.horizon = now + TIMER_WINDOW_MS if self.load is not None else None
+        for key, at in due:
+            self.set(key, at)
+
+    async def _next_window(self, now: int) -> None:
+        """Move the horizon a window on and read the due times it now covers. Keys set or cancelled
+        while the read is under way keep what the bus told (the read may predate them)."""
+        assert self.load is not None and self.horizon is not None
+        after, self.horizon = self.horizon, now + TIMER_WINDOW_MS
+        self._touched = set()
+        try:
+            due = await self.load(after, self.horizon)
+        finally:
+            touched, self._touched = self._touched, None
+        for key, at in due:
+            if key not in touched:
+                self.set(key, at)
 
     def next_due(self) -> int | None:
         while self._heap and self._due.get(self._heap[0][1]) != self._heap[0][0]:
             heapq.heappop(self._heap)
-        return self._heap[0][0] if self._heap else None
+        nxt = self._heap[0][0] if self._heap else None
+        if self.horizon is not None and (nxt is None or self.horizon < nxt):
+            return self.horizon             # the next window is read then
+        return nxt
 
     def _pop_due(self, now: int) -> list[str]:
         keys = []
@@ -7998,7 +8051,10 @@ class TimerWheel:
     async def run_due(self) -> int:
         """Fire every timer that is due now; returns how many fired."""
         async with self._lock:
-            keys = self._pop_due(self.clock.now_ms())
+            now = self.clock.now_ms()
+            if self.horizon is not None and now >= self.horizon:
+                await self._next_window(now)
+            keys = self._pop_due(now)
             if keys:
                 await self.fire(keys)
             return len(keys)
@@ -10111,7 +10167,8 @@ class Engine:
         self.config = config
         self.bus = store.make_bus(clock)      # LocalBus; on PostgreSQL, a PgBus that hears other daemons too
         store.on_commit = self.bus.deliver
-        self.wheel = TimerWheel(clock, self._fire)
+        self.wheel = TimerWheel(clock, self._fire,
+                                lambda after, until: store.read(lambda tx: tx.timers_due(after, until)))
         self.bus.on_timer(lambda key, due: self.wheel.cancel(key) if due is None else self.wheel.set(key, due))
         self.bus.on_invalidate(self._invalidate)
         self.bus.on_gone(lambda: self.spawn(self._take_over(), "take over"))
@@ -10206,11 +10263,10 @@ class Engine:
             # Recount open requests: the counter is a cache of requests.open.
             tx.recount_open_requests()
             self.links.load(tx, now)
-            return tx.all_timers()
+            return tx.timers_due(None, now + TIMER_WINDOW_MS)
 
-        for key, due in await self.store.write(init):
-            self.wheel.set(key, due)
-        self.wheel.set(PRUNE_TIMER, now + 60_000)
+        self.wheel.start_window(now, await self.store.write(init))
+        self.wheel.set(PRUNE_TIMER, now + 60_000, own=True)
         self._timer_task = asyncio.create_task(self.wheel.run(), name="interactiond-timers")
 
     def _end_calls_in_flight(self, tx: Tx, fx: Effects, now: int) -> None:
@@ -10359,7 +10415,7 @@ class Engine:
         try:
             await self.store.write(lambda tx, fx: tx.prune(now=now))
         finally:
-            self.wheel.set(key, now + int(PRUNE_EVERY.total_seconds() * 1000))
+            self.wheel.set(key, now + int(PRUNE_EVERY.total_seconds() * 1000), own=True)
 
 
 # Workflows ######################################################################################
@@ -13547,7 +13603,7 @@ class McpSessions:
         now = self.engine.clock.now_ms()
         idle = [s.used for s in self.by_id.values() if s.busy == 0]
         self.armed = (min(idle) if idle else now) + self.idle_ms
-        self.engine.wheel.set(self.TIMER, self.armed)
+        self.engine.wheel.set(self.TIMER, self.armed, own=True)
 
     async def sweep(self, key: str) -> None:
         """The idle check (a timer of the wheel): close each session idle for MCP_SESSION_IDLE."""

@@ -183,6 +183,7 @@ CREATE TABLE IF NOT EXISTS timers (
     key    TEXT PRIMARY KEY,                         -- kind:playbook:ref
     due_at BIGINT NOT NULL
 );
+CREATE INDEX IF NOT EXISTS timers_due ON timers (due_at);   -- the timer wheel reads a window at a time
 
 -- API tokens, stored as sha256 hashes of their secrets; also one-time login links and the inbox
 -- sessions they trade for (12 h idle, 7 days at most). A person's token, link or session names

@@ -101,6 +101,39 @@ async def test_a_question_expires_on_the_manual_clock(engine):
     assert exc.value.name == "not_open" and exc.value.kind == "expired"
 
 
+async def test_the_timer_wheel_holds_one_window_of_due_times(engine):
+    """Due times past the wheel's window stay in the store until the window reaches them; each
+    still fires at its own moment, after a restart too."""
+    near, _ = await ask(engine, "text", expires="PT10M")
+    later, _ = await ask(engine, "text", expires="PT3H")
+    far, _ = await ask(engine, "text", expires="P2D")
+    held = {key.split(":", 2)[2] for key in engine.wheel._due}
+    assert near["run_id"] in held and later["run_id"] not in held and far["run_id"] not in held
+    assert engine.wheel.horizon == START_MS + itd.TIMER_WINDOW_MS
+    await engine.advance(timedelta(hours=2, minutes=30))           # two windows on: P3H's is held now
+    held = {key.split(":", 2)[2] for key in engine.wheel._due}
+    assert later["run_id"] in held and far["run_id"] not in held
+    assert (await engine.get_run(OP, PB, near["run_id"]))["kind"] == "expired"
+    assert (await engine.get_run(OP, PB, later["run_id"]))["status"] == "waiting"
+    await engine.advance(timedelta(minutes=30))
+    ended = await engine.get_run(OP, PB, later["run_id"])
+    assert ended["kind"] == "expired" and ended["ended_at"] == itd.fmt_time(START_MS + 3 * 3_600_000)
+    # A restart reads the first window only; the far one still expires at its moment.
+    await engine.stop()
+    again = itd.Engine(engine.store, engine.clock, engine.config)
+    await again.start()
+    try:
+        assert far["run_id"] not in {key.split(":", 2)[2] for key in again.wheel._due}
+        await again.advance(timedelta(days=2) - timedelta(hours=3, seconds=1))
+        assert (await again.get_run(OP, PB, far["run_id"]))["status"] == "waiting"
+        await again.advance(timedelta(seconds=1))
+        ended = await again.get_run(OP, PB, far["run_id"])
+        assert ended["kind"] == "expired" and ended["ended_at"] == itd.fmt_time(START_MS + 2 * 86_400_000)
+    finally:
+        await again.stop()
+        await engine.start()                                # the fixture stops what it started
+
+
 async def test_a_cancel_ends_the_run_once(engine):
     run, _ = await ask(engine, "confirmation", run_id="to-cancel")
     cancelled = await engine.cancel_run(OP, PB, "to-cancel")
