@@ -135,7 +135,10 @@ def test_their_templates_read_only_what_the_message_reads():
 def test_a_delivered_function_that_reminds_or_escalates_needs_replies_tell():
     chat = (ROOT / "tests" / "fixtures" / "seed-chat-approval.md").read_text()
     chat = chat.replace("expires: P2D\n", "expires: P2D\nremind: {after: [PT4H]}\nescalate: {after: P1D, to: boss}\n")
-    itd.parse_function(chat)                                            # it has replies.tell
+    doc = itd.parse_function(chat)                                      # it has replies.tell
+    assert doc.replies.tell is not None and doc.shape is itd.Shape.TOOL
+    assert doc.remind.after == (timedelta(hours=4),) and doc.remind.message is None
+    assert doc.escalate.after == timedelta(days=1) and doc.escalate.to.source == "boss" and doc.escalate.message is None
     untold = re.sub(r"  tell:\n(    .*\n)+", "", chat)
     assert problems(untold) == [
         (5, "remind", "a function sent through a tool sends its reminders into the message's thread with"
