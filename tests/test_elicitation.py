@@ -251,7 +251,7 @@ async def test_answered_elsewhere_while_the_question_is_open(where):
             async def respond(params, n):
                 opened.set()
                 try:
-                    await asyncio.sleep(60)
+                    await asyncio.Event().wait()        # never answered: only withdrawn
                 except asyncio.CancelledError:
                     cancelled.set()
                     raise
