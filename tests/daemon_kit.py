@@ -1,19 +1,28 @@
 """Shared pieces for the daemon's tests: a real app on a temporary database (an SQLite file, or a
-fresh PostgreSQL database), on the manual clock."""
+fresh PostgreSQL database), on the manual clock, delivering through the example chat service where
+a test needs a tool server."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import inspect
 import json
 import os
 import secrets
+import sys
+import time
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import interactiond as itd
 
 START_MS = 1_800_000_000_000          # 2027-01-15T08:00:00Z: far from any real date
+
+ROOT = Path(__file__).resolve().parent.parent
+#: The example chat service: a real MCP tool server, and the one most tests deliver through.
+CHAT_SERVER = ROOT / "examples" / "chat_server.py"
 
 #: The backends a test can run on; the `db` fixture (conftest.py) runs a test once on each.
 BACKENDS = ("sqlite", "postgres")
@@ -123,6 +132,8 @@ class Daemon:
     db: str
     tokens: dict[str, str] = field(default_factory=dict)
     playbook: str = "local/default"
+    config: Any = None
+    chat: str = ""                      # the chat service's database, where the daemon delivers through one
 
     def url(self, tail: str = "", playbook: str | None = None) -> str:
         org, name = (playbook or self.playbook).split("/")
@@ -174,4 +185,69 @@ async def start_daemon(aiohttp_client: Any, db: str, *, clock: Any = None, confi
     tokens = tokens or make_tokens(db)
     engine = itd.Engine(itd.Store(db), clock, config)
     client = await aiohttp_client(itd.build_app(engine))
-    return Daemon(client, engine, clock, db, tokens)
+    return Daemon(client, engine, clock, db, tokens, config=config)
+
+
+def chat_command(chat_db: str | Path) -> tuple[str, ...]:
+    """The command line that serves the example chat service, over stdio, on the database `chat_db`."""
+    return (sys.executable, str(CHAT_SERVER), "serve", "--db", str(chat_db))
+
+
+def chat_config(chat_db: str | Path, *, playbook: str = "local/default", servers: dict[str, Any] | None = None) -> Any:
+    """A Config whose `playbook` may use the example chat service (as `chat`) and `servers`, if any;
+    acme/other uses none."""
+    servers = {"chat": itd.ServerConfig("chat", command=chat_command(chat_db)), **(servers or {})}
+    return itd.Config(servers=servers, playbooks={playbook: tuple(servers), "acme/other": ()})
+
+
+def write_chat_config(path: Path, chat_db: str | Path) -> Path:
+    """A configuration file at `path` whose playbook local/default delivers through the example chat
+    service on `chat_db`: for daemons started as `interactiond serve --config`."""
+    path.write_text(json.dumps({"servers": {"chat": {"command": list(chat_command(chat_db))}},
+                                "playbooks": {"local/default": {"servers": ["chat"]}}}))
+    return path
+
+
+async def start_chat_daemon(aiohttp_client: Any, db: str, chat_db: str | Path, *, playbook: str = "local/default",
+                            servers: dict[str, Any] | None = None, clock: Any = None) -> Daemon:
+    """A daemon whose `playbook` delivers through the example chat service, keeping its messages in
+    `chat_db` (read them with examples/chat_server.py's `messages`); `servers` are added beside it."""
+    daemon = await start_daemon(aiohttp_client, db, clock=clock,
+                                config=chat_config(chat_db, playbook=playbook, servers=servers))
+    daemon.chat = str(chat_db)
+    return daemon
+
+
+# Waiting without guessing how long ######################################################################
+
+async def until(check: Callable[[], Any], seconds: float = 10.0, what: str = "") -> Any:
+    """Ask `check()` (awaited when it returns an awaitable) again and again until it is truthy, and
+    return what it gave; fail after `seconds` of real time. For what happens outside the daemon's
+    event loop: a tool server's subprocess, another process, a thread of the store."""
+    deadline = time.monotonic() + seconds
+    while True:
+        got = check()
+        if inspect.isawaitable(got):
+            got = await got
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"not within {seconds} s: {what or check}"
+        await asyncio.sleep(0.02)
+
+
+@contextlib.contextmanager
+def watching_waits(daemon: Daemon) -> Iterator[asyncio.Event]:
+    """An event set when a long poll (`/wait`, MCP `wait_run`) parks on the daemon's bus: once set, an
+    answer committed after it wakes that wait. The bus's own `waiter` does the work; this only sees it."""
+    bus, parked = daemon.engine.bus, asyncio.Event()
+    real = bus.waiter
+
+    def waiter(key: Any) -> Any:
+        fut = real(key)
+        parked.set()
+        return fut
+    bus.waiter = waiter
+    try:
+        yield parked
+    finally:
+        del bus.waiter

@@ -14,7 +14,7 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 
 import interactiond as itd
-from daemon_kit import APPROVAL, START_MS, start_daemon
+from daemon_kit import APPROVAL, START_MS
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
@@ -25,15 +25,9 @@ WHEN = "2027-01-15 08:00 UTC"                       # START_MS as the answer lin
 
 
 @pytest.fixture
-async def d(db, tmp_path, aiohttp_client):
-    chat_db = str(tmp_path / "chat.db")
-    config = itd.Config(servers={"chat": itd.ServerConfig(
-        "chat", command=(sys.executable, str(ROOT / "examples" / "chat_server.py"), "serve", "--db", chat_db))},
-        playbooks={"local/default": ("chat",)})
-    daemon = await start_daemon(aiohttp_client, db, config=config)
-    daemon.chat = chat_db
-    await daemon.define("approve", APPROVAL)
-    return daemon
+async def d(chat_d):
+    await chat_d.define("approve", APPROVAL)
+    return chat_d
 
 
 def person_token(db: str, person: str) -> str:

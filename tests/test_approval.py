@@ -7,7 +7,6 @@ PostgreSQL; the page in a real Chromium.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import signal
 import sqlite3
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import interactiond as itd
-from daemon_kit import fresh_postgres, start_daemon
+from daemon_kit import chat_command, fresh_postgres, start_daemon, until
 
 ROOT = Path(__file__).resolve().parent.parent
 OPS = str(Path(__file__).parent / "servers" / "ops_server.py")
@@ -95,8 +94,7 @@ output:
 def ops_config(log: Path, *, policy: itd.ApprovalPolicy | None = None, chat_db: str | None = None) -> itd.Config:
     servers = {"ops": itd.ServerConfig("ops", command=(sys.executable, OPS, "--calls-log", str(log)), approve=policy)}
     if chat_db is not None:
-        servers["chat"] = itd.ServerConfig("chat", command=(sys.executable, str(ROOT / "examples" / "chat_server.py"),
-                                                            "serve", "--db", chat_db))
+        servers["chat"] = itd.ServerConfig("chat", command=chat_command(chat_db))
     return itd.Config(servers=servers, playbooks={"local/default": tuple(servers), "acme/other": ()})
 
 
@@ -375,10 +373,7 @@ async def test_an_approved_call_cut_off_in_flight_ends_effect_unknown(d, aiohttp
                                {"arguments": {"service": "web"}, "approve": {"to": "ana"}})
     assert status == 202
     assert (await answer(d, run["run_id"], {"approved": True}))[0] == 200
-    for _ in range(200):                    # the timer task makes the call (an advance would wait for it)
-        if calls(d):
-            break
-        await asyncio.sleep(0.05)
+    await until(lambda: calls(d), what="the ops server is called")   # (an advance would wait for the call)
     assert [c["tool"] for c in calls(d)] == ["restart_slowly"]
     assert (await d.call("GET", f"/runs/{run['run_id']}"))[1]["status"] == "started"
     for task in list(d.engine._tasks):      # the stop cuts the call off (as a kill would)

@@ -42,14 +42,13 @@ def total(samples, name) -> float:
 
 
 @pytest.fixture
-async def d(tmp_path, aiohttp_client):
-    chat_db = str(tmp_path / "chat.db")
-    config = itd.Config(servers={"chat": itd.ServerConfig(
-        "chat", command=(sys.executable, str(ROOT / "examples" / "chat_server.py"), "serve", "--db", chat_db))},
-        playbooks={"local/default": ("chat",), "acme/other": ()})
-    daemon = await start_daemon(aiohttp_client, str(tmp_path / "t.db"), config=config)
-    daemon.chat = chat_db
-    return daemon
+def backend() -> str:
+    return "sqlite"                                 # the exposition and the command line: one backend is enough
+
+
+@pytest.fixture
+def d(chat_d):
+    return chat_d
 
 
 async def test_metrics_parse_and_move_when_a_request_is_answered(d):

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import interactiond as itd
+import daemon_kit
 from daemon_kit import APPROVAL, NOTIFY, START_MS, fresh_postgres, start_daemon
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,10 +52,7 @@ def pg():
 @pytest.fixture
 def chat_config(tmp_path):
     chat_db = str(tmp_path / "chat.db")
-    config = itd.Config(servers={"chat": itd.ServerConfig(
-        "chat", command=(sys.executable, str(ROOT / "examples" / "chat_server.py"), "serve", "--db", chat_db))},
-        playbooks={PB: ("chat",), "acme/other": ()})
-    return config, chat_db
+    return daemon_kit.chat_config(chat_db, playbook=PB), chat_db
 
 
 async def made_by_a_daemon(aiohttp_client, db: str, config, chat_db: str) -> dict:

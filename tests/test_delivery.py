@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import interactiond as itd
-from daemon_kit import START_MS, start_daemon
+from daemon_kit import START_MS, start_daemon, until
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
@@ -75,15 +75,8 @@ The release went out.
 
 
 @pytest.fixture
-async def d(db, tmp_path, aiohttp_client):
-    chat_db = str(tmp_path / "chat.db")
-    config = itd.Config(servers={"chat": itd.ServerConfig(
-        "chat", command=(sys.executable, str(ROOT / "examples" / "chat_server.py"), "serve", "--db", chat_db))},
-        playbooks={"local/default": ("chat",)})
-    daemon = await start_daemon(aiohttp_client, db, config=config)
-    daemon.chat = chat_db
-    daemon.config = config
-    return daemon
+def d(chat_d):
+    return chat_d
 
 
 async def events(d, run_id):
@@ -279,11 +272,7 @@ async def test_restart_in_the_middle_of_an_attempt(tmp_path, aiohttp_client, d, 
     await d.define("chat-approval", SEED_CHAT)
     run_id = (await d.run("chat-approval", {"owner": "ana", "draft": "x"}))[1]["run_id"]
     # Let the attempt start (it hangs in the tool), then stop the daemon under it.
-    import asyncio
-    for _ in range(100):
-        await asyncio.sleep(0.05)
-        if chat_server.calls(d.chat, "post_message") == 1:
-            break
+    await until(lambda: chat_server.calls(d.chat, "post_message") == 1, what="the chat server is sent to")
     assert (await request_of(d, run_id))["delivery_state"] == "delivering"
     now = d.clock.now_ms()
     await d.client.close()
@@ -409,11 +398,7 @@ async def test_an_attempts_end_refused_by_a_busy_database_is_written_again_not_s
 
     monkeypatch.setattr(store, "write", busy_once)
     run_id = await start(d, "chat-approval", SEED_CHAT, {"owner": "ana", "draft": "x"})
-    for _ in range(100):                        # the end is written again after a pause in real time
-        if (await request_of(d, run_id))["delivery_state"] == "delivered":
-            break
-        await asyncio.sleep(0.02)
-    assert refused
+    assert refused                              # the attempt wrote its end again, after a pause, before it ended
     req = await request_of(d, run_id)
     assert req["delivery_state"] == "delivered" and req["attempts"] == 1
     await d.advance(f"PT{itd.LOST_ATTEMPT_S + 1}S")        # past when a lost attempt would be sent again

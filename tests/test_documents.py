@@ -324,7 +324,8 @@ def test_description_bounds(value, says):
 
 
 def test_description_of_1000_characters_is_accepted():
-    parse_function(edit(INBOX, "description: Ask the owner to approve an item", "description: " + "x" * 1000))
+    doc = parse_function(edit(INBOX, "description: Ask the owner to approve an item", "description: " + "x" * 1000))
+    assert doc.description == "x" * 1000 and doc.shape is Shape.INBOX
 
 
 @pytest.mark.parametrize("value, ok", [("PT1M", True), ("P30D", True), ("PT59S", False), ("P31D", False),
@@ -384,7 +385,9 @@ def test_server_and_tool_names_are_checked(base, old, new, field):
 
 
 def test_names_that_only_look_odd_are_accepted():
-    parse_function(edit(edit(SYSTEM, "server: chat", "server: c-2"), "tool: thread_replies", "tool: Thread.replies-2"))
+    doc = parse_function(edit(edit(SYSTEM, "server: chat", "server: c-2"), "tool: thread_replies", "tool: Thread.replies-2"))
+    assert (doc.call.server, doc.call.tool) == ("c-2", "Thread.replies-2")
+    assert doc.shape is Shape.SYSTEM and doc.call.read == "/messages"
 
 
 # Fields by shape ###################################################################################
@@ -555,19 +558,29 @@ def test_templates_read_only_the_names_of_their_place(old, new, field, marker):
     assert_problem(source, line_of(source, marker), field, "not a name this place reads")
 
 
-@pytest.mark.parametrize("old, new", [
-    ("text: '{{ message }}'\n  sent", "text: '{{ message }} {{ run_id }} {{ function }} {{ expires_at }} {{ to }} {{ today }}'\n  sent"),
-    ("text: '{{ message }}'\n  sent", "text: '{{ answer_schema }}'\n  sent"),
-    ("ts: '{{ sent.id }}'", "ts: '{{ since }}{{ conversation }}{{ to }}'"),
-    ("      text: '{{ message }}'\nreply", "      text: '{{ message }} {{ to }} {{ sent.id }}'\nreply"),
-    ("  tool: thread_replies\n", "  tool: thread_replies\n  conversation: '{{ to }}:{{ sent.id }}'\n"),
+@pytest.mark.parametrize("old, new, where, roots", [
+    ("text: '{{ message }}'\n  sent", "text: '{{ message }} {{ run_id }} {{ function }} {{ expires_at }} {{ to }} {{ today }}'\n  sent",
+     lambda doc: doc.deliver.with_["text"], {"message", "run_id", "function", "expires_at", "to", "today"}),
+    ("text: '{{ message }}'\n  sent", "text: '{{ answer_schema }}'\n  sent",
+     lambda doc: doc.deliver.with_["text"], {"answer_schema"}),
+    ("ts: '{{ sent.id }}'", "ts: '{{ since }}{{ conversation }}{{ to }}'",
+     lambda doc: doc.replies.with_["ts"], {"since", "conversation", "to"}),
+    ("      text: '{{ message }}'\nreply", "      text: '{{ message }} {{ to }} {{ sent.id }}'\nreply",
+     lambda doc: doc.replies.tell.with_["text"], {"message", "to", "sent"}),
+    ("  tool: thread_replies\n", "  tool: thread_replies\n  conversation: '{{ to }}:{{ sent.id }}'\n",
+     lambda doc: doc.replies.conversation, {"to", "sent"}),
 ])
-def test_templates_may_read_the_names_of_their_place(old, new):
-    parse_function(edit(TOOL, old, new))
+def test_templates_may_read_the_names_of_their_place(old, new, where, roots):
+    source = edit(TOOL, old, new)
+    template = where(parse_function(source))
+    assert f"'{template.source}'" in new and template.line == line_of(source, template.source)
+    assert template.roots == roots
 
 
 def test_call_with_reads_input_today_and_now_only():
-    parse_function(edit(SYSTEM, "limit: 10", "limit: '{{ today }} {{ now }}'"))
+    doc = parse_function(edit(SYSTEM, "limit: 10", "limit: '{{ today }} {{ now }}'"))
+    assert doc.call.with_["limit"].source == "{{ today }} {{ now }}" and doc.call.with_["limit"].roots == {"today", "now"}
+    assert doc.call.reads_input                                         # channel still reads input.channel
     source = edit(SYSTEM, "limit: 10", "limit: '{{ to }}'")
     assert_problem(source, line_of(source, "limit:"), "call.with.limit", "not a name")
 
@@ -609,7 +622,9 @@ def test_input_properties_outside_the_schema_are_refused():
 def test_other_input_properties_are_allowed_when_the_schema_says_so(extra):
     source = edit(edit(INBOX, "    required: [owner, item]\n", f"    required: [owner, item]\n    {extra}\n"),
                   "{{ input.item }}", "{{ input.other }}")
-    parse_function(source)
+    doc = parse_function(source)
+    assert doc.message.roots == {"input"} and "{{ input.other }}" in doc.message.source
+    assert doc.message.render_text({"input": {"owner": "o", "item": "i", "other": "X"}}).startswith("Please look at X and")
 
 
 def test_additional_properties_false_refuses_them():
@@ -622,7 +637,9 @@ def test_any_input_property_is_allowed_without_a_schema_listing_them():
     source = edit(INBOX, "    properties:\n      owner: { type: string }\n", "    properties_: {}\n")
     source = source.replace("      item: { type: string, maxLength: 300, description: The thing to approve }\n"
                             "      tags: { type: array }\n      meta: { type: object }\n", "")
-    parse_function(edit(source, "{{ input.item }}", "{{ input.anything }}"))
+    doc = parse_function(edit(source, "{{ input.item }}", "{{ input.anything }}"))
+    assert doc.input_schema == {"type": "object", "required": ["owner", "item"], "properties_": {}}
+    assert doc.message.render_text({"input": {"anything": "Y"}}).startswith("Please look at Y and")
 
 
 @pytest.mark.parametrize("template", ["{{ input.tags }}", "{{ input.meta }}", "{{ input }}", "{{ input.tags | sort }}"])
@@ -631,10 +648,12 @@ def test_a_structure_inside_text_is_refused(template):
     assert_problem(source, line_of(source, "Please look"), "body", "inside text")
 
 
-@pytest.mark.parametrize("template", ["{{ input.tags | json }}", "{{ input.meta | json }}", "{{ input.tags | size }}",
-                                      "{{ input.tags | join: ', ' }}"])
-def test_a_structure_made_text_is_accepted(template):
-    parse_function(edit(INBOX, "{{ input.item }}", template))
+@pytest.mark.parametrize("template, text", [("{{ input.tags | json }}", '["a", "b"]'), ("{{ input.meta | json }}", '{"k": 1}'),
+                                            ("{{ input.tags | size }}", "2"), ("{{ input.tags | join: ', ' }}", "a, b")])
+def test_a_structure_made_text_is_accepted(template, text):
+    doc = parse_function(edit(INBOX, "{{ input.item }}", template))
+    rendered = doc.message.render_text({"input": {"owner": "o", "item": "i", "tags": ["a", "b"], "meta": {"k": 1}}})
+    assert rendered == f"Please look at {text} and approve it or ask for a revision."
 
 
 def test_a_whole_expression_argument_may_send_a_structure():
@@ -670,16 +689,21 @@ def test_call_arguments_that_render_past_16_kib_from_a_loop_are_refused():
 
 def test_call_arguments_just_under_16_kib_are_accepted():
     pad = 16 * 1024 - len('{"channel":"C","limit":10,"pad":""}')
-    parse_function(edit(edit(SYSTEM, "'{{ input.channel }}'", "C"), "limit: 10", f"limit: 10\n    pad: '{'x' * pad}'"))
+    doc = parse_function(edit(edit(SYSTEM, "'{{ input.channel }}'", "C"), "limit: 10", f"limit: 10\n    pad: '{'x' * pad}'"))
+    assert not doc.call.reads_input
+    assert doc.call.with_["pad"].source == "x" * pad and doc.call.with_["channel"].source == "C"
 
 
 def test_call_arguments_that_read_input_are_measured_at_run_time():
-    parse_function(edit(SYSTEM, "limit: 10", "limit: 10\n    pad: '" + "x" * (16 * 1024) + "'"))
+    doc = parse_function(edit(SYSTEM, "limit: 10", "limit: 10\n    pad: '" + "x" * (16 * 1024) + "'"))
+    assert doc.call.reads_input and doc.call.with_["pad"].source == "x" * (16 * 1024)
 
 
 def test_delivery_arguments_with_only_constants_are_measured_too():
     source = edit(TOOL, "    text: '{{ message }}'\n  sent:", "    text: '{{ message }}'\n    pad: '" + "x" * (17 * 1024) + "'\n  sent:")
-    parse_function(source)  # reads message and to: measured when sent
+    doc = parse_function(source)  # reads message and to: measured when sent
+    assert doc.deliver.with_["pad"].source == "x" * (17 * 1024)
+    assert {name: t.roots for name, t in doc.deliver.with_.items() if name != "pad"} == {"channel": {"to"}, "text": {"message"}}
     source = edit(TOOL, "    channel: '{{ to }}'\n    text: '{{ message }}'\n", "    pad: '" + "x" * (17 * 1024) + "'\n")
     assert_problem(source, line_of(source, "  with:"), "deliver.with", "16 KiB")
 
@@ -712,8 +736,10 @@ def test_an_unknown_dialect_is_refused_and_a_known_one_accepted():
 def test_remote_references_are_refused_and_local_ones_accepted():
     source = edit(SYSTEM, "schema: { type: array }", "schema: { items: { $ref: 'https://example.com/x.json' } }")
     assert_problem(source, line_of(source, "$ref"), "output.schema.items.$ref", "fetched")
-    parse_function(edit(SYSTEM, "schema: { type: array }",
-                        "schema: { $defs: { m: { type: object } }, type: array, items: { $ref: '#/$defs/m' } }"))
+    doc = parse_function(edit(SYSTEM, "schema: { type: array }",
+                              "schema: { $defs: { m: { type: object } }, type: array, items: { $ref: '#/$defs/m' } }"))
+    assert doc.output_schema == {"$defs": {"m": {"type": "object"}}, "type": "array", "items": {"$ref": "#/$defs/m"}}
+    assert doc.output_validator.is_valid([{}]) and not doc.output_validator.is_valid([1])   # the reference resolved
 
 
 def test_compile_schema_checks_formats_and_caches():

@@ -26,7 +26,7 @@ from mcp import types as mt
 from mcp.client.streamable_http import streamable_http_client
 
 import interactiond as itd
-from daemon_kit import APPROVAL, database, start_daemon
+from daemon_kit import APPROVAL, database, start_daemon, until
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
@@ -197,11 +197,9 @@ async def test_decline_leaves_the_request_open_and_the_wait_goes_on(where):
         h.respond = respond
         waiting = asyncio.create_task(h.wait(run_id))
         await asyncio.wait_for(asked.wait(), 10)
-        for _ in range(200):                            # the decline is recorded; the request stays open
-            declined = [e for e in await h.events(run_id) if e["type"] == "elicitation_declined"]
-            if declined:
-                break
-            await asyncio.sleep(0.05)
+        async def declines() -> list[dict]:             # the decline is recorded; the request stays open
+            return [e for e in await h.events(run_id) if e["type"] == "elicitation_declined"]
+        declined = await until(declines, what="the decline is recorded")
         assert [(e["by"], e["payload"]) for e in declined] == [("ana", {"mode": "form", "action": action})]
         assert not waiting.done()
         inbox = (await h.tool("list_interactions", {"to": "ana"}))["data"]
@@ -251,7 +249,7 @@ async def test_answered_elsewhere_while_the_question_is_open(where):
             async def respond(params, n):
                 opened.set()
                 try:
-                    await asyncio.sleep(60)
+                    await asyncio.Event().wait()        # never answered: only withdrawn
                 except asyncio.CancelledError:
                     cancelled.set()
                     raise

@@ -192,8 +192,7 @@ def test_serve_runs_on_uvloop_when_installed_and_on_asyncio_when_told(tmp_path):
 async def test_the_wal_file_is_emptied_once_writes_go_quiet(tmp_path, monkeypatch):
     """Under writes the WAL grows (it restarts only at the writer's safety net); once they stop, the
     checkpointer copies what is left and empties the file, so the disk holds the database alone."""
-    import asyncio
-    import time
+    from daemon_kit import until
 
     monkeypatch.setattr(interactiond, "CHECKPOINT_QUIET_S", 0.2)
     db = str(tmp_path / "wal.db")
@@ -205,10 +204,7 @@ async def test_the_wal_file_is_emptied_once_writes_go_quiet(tmp_path, monkeypatc
             await store.write(lambda tx, fx, i=i: tx.set_timer(fx, f"expire:local/default:{i}", i))
         wal = Path(db + "-wal")
         assert wal.stat().st_size > 0
-        deadline = time.monotonic() + 10
-        while wal.stat().st_size > 0 and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)                   # waiting for the checkpointer's thread, not for logic
-        assert wal.stat().st_size == 0
+        await until(lambda: wal.stat().st_size == 0, what="the checkpointer's thread empties the WAL")
         assert len(await store.read(lambda tx: tx.all_timers())) == 200
     finally:
         await store.close()

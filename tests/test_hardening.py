@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import interactiond as itd
-from daemon_kit import start_daemon
+from daemon_kit import start_chat_daemon, start_daemon
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
@@ -144,10 +144,7 @@ COLOUR = SHARED % ("colour: { from: word }", "colour", "colour: { type: string, 
 
 async def test_replies_in_a_shared_conversation_use_each_function_after_a_restart(tmp_path, aiohttp_client):
     chat_db = str(tmp_path / "chat.db")
-    config = itd.Config(servers={"chat": itd.ServerConfig(
-        "chat", command=(sys.executable, str(ROOT / "examples" / "chat_server.py"), "serve", "--db", chat_db))},
-        playbooks={"local/default": ("chat",)})
-    d = await start_daemon(aiohttp_client, str(tmp_path / "t.db"), config=config)
+    d = await start_chat_daemon(aiohttp_client, str(tmp_path / "t.db"), chat_db)
     await d.define("verdict", VERDICT)
     await d.define("colour", COLOUR)
     first = (await d.run("verdict", {"owner": "ana", "ask": "Ship?"}))[1]["run_id"]
@@ -159,7 +156,7 @@ async def test_replies_in_a_shared_conversation_use_each_function_after_a_restar
     await d.client.close()
 
     # A new daemon knows no document until it needs one; the oldest request is `verdict`'s.
-    d2 = await start_daemon(aiohttp_client, d.db, clock=itd.ManualClock(now), config=config, tokens=d.tokens)
+    d2 = await start_daemon(aiohttp_client, d.db, clock=itd.ManualClock(now), config=d.config, tokens=d.tokens)
     chat_server.say(chat_db, "team", "ana", "blue", thread_ts=ts["Which colour?"])
     await d2.advance("PT5S")
     run2 = (await d2.call("GET", f"/runs/{second}"))[1]

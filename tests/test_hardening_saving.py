@@ -14,7 +14,6 @@ import time
 import pytest
 
 import interactiond as itd
-from daemon_kit import database, start_daemon
 
 SAVE_S = 2.0        # SPEC 22: saving any document answers within 2 s
 HEALTHZ_S = 0.1     # ... and /healthz answers within 100 ms meanwhile
@@ -27,9 +26,8 @@ def wf(name: str, body: str) -> str:
 
 
 @pytest.fixture
-async def d(tmp_path, aiohttp_client):
-    with database("sqlite", tmp_path) as db:      # checking a document does not touch the store
-        yield await start_daemon(aiohttp_client, db)
+def backend() -> str:
+    return "sqlite"                                 # checking a document does not touch the store
 
 
 async def save_watching_healthz(d, type_: str, name: str, source: str) -> tuple[int, dict, float, list[float]]:

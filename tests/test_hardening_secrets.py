@@ -6,7 +6,6 @@ as a reader would read it, and the database file and its -wal file are searched 
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import sys
@@ -19,7 +18,7 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 
 import interactiond as itd
-from daemon_kit import APPROVAL, start_daemon
+from daemon_kit import APPROVAL, start_chat_daemon, start_daemon, until
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -36,16 +35,9 @@ SEED_CHAT = (HERE / "fixtures" / "seed-chat-approval.md").read_text()
 
 @pytest.fixture
 async def d(tmp_path, aiohttp_client):
-    chat_db = str(tmp_path / "chat.db")
-    servers = {
-        "secret": itd.ServerConfig("secret", command=(sys.executable, SECRET_SERVER), env={"SECRET_VALUE": SECRET}),
-        "chat": itd.ServerConfig("chat", command=(sys.executable, str(ROOT / "examples" / "chat_server.py"),
-                                                  "serve", "--db", chat_db)),
-    }
-    config = itd.Config(servers=servers, playbooks={"local/default": ("secret", "chat"), "acme/other": ()})
-    daemon = await start_daemon(aiohttp_client, str(tmp_path / "t.db"), config=config)
-    daemon.chat = chat_db
-    return daemon
+    secret = itd.ServerConfig("secret", command=(sys.executable, SECRET_SERVER), env={"SECRET_VALUE": SECRET})
+    return await start_chat_daemon(aiohttp_client, str(tmp_path / "t.db"), tmp_path / "chat.db",
+                                   servers={"secret": secret})
 
 
 def call_doc(tool: str, read: str | None = None, output: str = "{}") -> str:
@@ -170,10 +162,8 @@ async def test_a_tool_servers_stderr_is_logged_scrubbed(d, caplog, capfd):
     caplog.set_level(logging.INFO, logger="interactiond")
     status, out = await d.call("POST", "/tools/secret/stderr", {"arguments": {}}, role="writer")
     assert status == 200 and out["answer"] == "ok", out
-    for _ in range(200):                         # the server's stderr arrives on a pipe of its own
-        if "secret_server: debug" in caplog.text:
-            break
-        await asyncio.sleep(0.02)
+    await until(lambda: "secret_server: debug" in caplog.text,   # the server's stderr arrives on a pipe of its own
+                what="the tool server's stderr is logged")
     assert "secret_server: debug: key=[scrubbed]" in caplog.text
     assert_absent((SECRET,), caplog.text, capfd.readouterr().err)
 

@@ -39,8 +39,8 @@ MCP_HEADERS = {"Accept": "application/json, text/event-stream", "Content-Type": 
 
 
 @pytest.fixture
-async def d(tmp_path, aiohttp_client):
-    return await start_daemon(aiohttp_client, str(tmp_path / "t.db"))
+def backend() -> str:
+    return "sqlite"                                 # sessions live in the daemon, not in the store
 
 
 # -- MCP sessions ---------------------------------------------------------------------------------

@@ -7,12 +7,7 @@ import re
 import pytest
 
 import interactiond as itd
-from daemon_kit import APPROVAL, NOTIFY, START_MS, start_daemon
-
-
-@pytest.fixture
-async def d(db, aiohttp_client):
-    return await start_daemon(aiohttp_client, db)
+from daemon_kit import APPROVAL, NOTIFY, START_MS, start_daemon, watching_waits
 
 
 INPUT = {"owner": "ana", "review": "Clear goals; budget missing."}
@@ -273,8 +268,9 @@ async def test_fifty_concurrent_different_answers_one_wins(d):
 async def test_wait_is_woken_by_the_answer(d):
     await d.define("approve", APPROVAL)
     _, run = await d.run("approve", INPUT)
-    waiter = asyncio.create_task(d.call("POST", f"/runs/{run['run_id']}/wait?timeout=30"))
-    await asyncio.sleep(0.05)          # let the long poll park (real time; not the daemon's clock)
+    with watching_waits(d) as parked:
+        waiter = asyncio.create_task(d.call("POST", f"/runs/{run['run_id']}/wait?timeout=30"))
+        await asyncio.wait_for(parked.wait(), 5)
     assert not waiter.done()
     loop = asyncio.get_running_loop()
     t0 = loop.time()

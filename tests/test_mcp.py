@@ -13,14 +13,9 @@ from mcp import Client, StdioServerParameters
 from mcp.client.sse import sse_client
 from mcp.client.streamable_http import streamable_http_client
 
-from daemon_kit import APPROVAL, start_daemon
+from daemon_kit import APPROVAL, watching_waits
 
 INPUT = {"owner": "ana", "review": "Looks complete."}
-
-
-@pytest.fixture
-async def d(db, aiohttp_client):
-    return await start_daemon(aiohttp_client, db)
 
 
 @contextlib.asynccontextmanager
@@ -116,9 +111,10 @@ async def test_ask_and_wait_run(d):
         async def on_progress(p, total, message):
             progress.append(message)
 
-        waiting = asyncio.create_task(c.call_tool("wait_run", {"run_id": run_id, "max_wait": 30},
-                                                  progress_callback=on_progress))
-        await asyncio.sleep(0.1)
+        with watching_waits(d) as parked:
+            waiting = asyncio.create_task(c.call_tool("wait_run", {"run_id": run_id, "max_wait": 30},
+                                                      progress_callback=on_progress))
+            await asyncio.wait_for(parked.wait(), 10)
         assert not waiting.done()
         ok = await c.call_tool("answer_interaction", {"run_id": run_id, "answer": {"option_ids": ["blue"]}})
         assert not ok.is_error

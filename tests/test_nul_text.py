@@ -9,16 +9,15 @@ import pytest
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 
-from daemon_kit import APPROVAL, start_daemon
+from daemon_kit import APPROVAL
 
 PROBLEM = "application/problem+json"
 
 
 @pytest.fixture
-async def d(db, aiohttp_client):
-    daemon = await start_daemon(aiohttp_client, db)
-    await daemon.define("approve", APPROVAL)
-    return daemon
+async def d(d):
+    await d.define("approve", APPROVAL)
+    return d
 
 
 async def post(d, tail: str, body: dict, **headers: str) -> tuple[int, dict]:

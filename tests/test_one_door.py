@@ -16,11 +16,10 @@ from pathlib import Path
 import pytest
 
 import interactiond as itd
-from daemon_kit import start_daemon
+from daemon_kit import chat_command, start_daemon
 
 ROOT = Path(__file__).resolve().parent.parent
 OPS = str(Path(__file__).parent / "servers" / "ops_server.py")
-CHAT = str(ROOT / "examples" / "chat_server.py")
 sys.path.insert(0, str(ROOT / "examples"))
 import chat_server  # noqa: E402
 
@@ -32,7 +31,7 @@ GATES = {"ops": ("restart_service",), "c1": ("post_message",), "c2": ("thread_re
 def config(tmp_path: Path, *, gated: bool) -> itd.Config:
     servers = {"ops": itd.ServerConfig("ops", command=(sys.executable, OPS, "--calls-log", str(tmp_path / "ops.jsonl")))}
     for name in ("c1", "c2", "c3"):
-        servers[name] = itd.ServerConfig(name, command=(sys.executable, CHAT, "serve", "--db", str(tmp_path / f"{name}.db")))
+        servers[name] = itd.ServerConfig(name, command=chat_command(tmp_path / f"{name}.db"))
     if gated:
         servers = {name: itd.ServerConfig(sc.name, command=sc.command, approve=itd.ApprovalPolicy(
             GATES[name], "ops-oncall", itd.parse_duration("PT1H"))) for name, sc in servers.items()}

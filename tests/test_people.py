@@ -19,7 +19,7 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 
 import interactiond as itd
-from daemon_kit import APPROVAL, START_MS, fresh_postgres, start_daemon
+from daemon_kit import APPROVAL, START_MS, fresh_postgres, start_chat_daemon
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -27,10 +27,9 @@ EXE = [sys.executable, "-m", "interactiond"]
 
 
 @pytest.fixture
-async def d(db, aiohttp_client):
-    daemon = await start_daemon(aiohttp_client, db)
-    await daemon.define("approve", APPROVAL)
-    return daemon
+async def d(d):
+    await d.define("approve", APPROVAL)
+    return d
 
 
 async def ask(d, owner: str) -> str:
@@ -419,10 +418,7 @@ async def test_a_chat_message_carries_the_answer_link(db, tmp_path, aiohttp_clie
     import chat_server
 
     chat_db = str(tmp_path / "chat.db")
-    config = itd.Config(servers={"chat": itd.ServerConfig(
-        "chat", command=(sys.executable, str(ROOT / "examples" / "chat_server.py"), "serve", "--db", chat_db))},
-        playbooks={"local/default": ("chat",)})
-    d = await start_daemon(aiohttp_client, db, config=config)
+    d = await start_chat_daemon(aiohttp_client, db, chat_db)
     await d.define("linked", LINKED_CHAT)
     _, run = await d.run("linked", {"owner": "ana"})
     await d.advance("PT0S")

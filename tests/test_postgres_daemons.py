@@ -11,7 +11,7 @@ import time
 import pytest
 
 import interactiond as itd
-from daemon_kit import START_MS, fresh_postgres, start_daemon
+from daemon_kit import START_MS, fresh_postgres, start_chat_daemon, start_daemon, watching_waits
 
 PB = "local/default"
 
@@ -101,8 +101,9 @@ async def test_a_wait_on_one_daemon_is_woken_by_an_answer_on_the_other(two):
     a, b = two
     await a.define("approve", APPROVAL)
     _, run = await a.run("approve", INPUT)
-    waiter = asyncio.create_task(a.call("POST", f"/runs/{run['run_id']}/wait?timeout=30"))
-    await asyncio.sleep(0.05)          # let the long poll park (real time; not the daemon's clock)
+    with watching_waits(a) as parked:
+        waiter = asyncio.create_task(a.call("POST", f"/runs/{run['run_id']}/wait?timeout=30"))
+        await asyncio.wait_for(parked.wait(), 5)
     assert not waiter.done()
     loop = asyncio.get_running_loop()
     t0 = loop.time()
@@ -128,8 +129,9 @@ async def test_each_daemon_counts_in_its_metrics_what_it_did_not_what_it_heard(t
     a, b = two
     await a.define("approve", APPROVAL)
     _, run = await a.run("approve", INPUT)
-    waiter = asyncio.create_task(a.call("POST", f"/runs/{run['run_id']}/wait?timeout=30"))
-    await asyncio.sleep(0.05)          # let the long poll park (real time; not the daemon's clock)
+    with watching_waits(a) as parked:
+        waiter = asyncio.create_task(a.call("POST", f"/runs/{run['run_id']}/wait?timeout=30"))
+        await asyncio.wait_for(parked.wait(), 5)
     status, _ = await b.call("POST", f"/runs/{run['run_id']}/answer", {"answer": {"verdict": "approve"}})
     assert status == 200
     status, got = await asyncio.wait_for(waiter, 5)   # a heard of the answer...
@@ -185,8 +187,9 @@ async def test_a_daemon_whose_listening_connection_drops_looks_again_at_everythi
     a, b = two
     await a.define("approve", APPROVAL)
     _, run = await a.run("approve", INPUT)
-    waiter = asyncio.create_task(a.call("POST", f"/runs/{run['run_id']}/wait?timeout=30"))
-    await asyncio.sleep(0.05)
+    with watching_waits(a) as parked:
+        waiter = asyncio.create_task(a.call("POST", f"/runs/{run['run_id']}/wait?timeout=30"))
+        await asyncio.wait_for(parked.wait(), 5)
     listener = a.engine.store._listener.daemons.conn.raw.info.backend_pid
     with psycopg.connect(a.db, autocommit=True) as admin:     # a's listener is cut off ...
         assert admin.execute("SELECT pg_terminate_backend(%s)", (listener,)).fetchone()[0] is True
@@ -370,12 +373,8 @@ async def chat(pg, tmp_path, aiohttp_client, monkeypatch):
     import chat_server
 
     monkeypatch.setattr(itd, "DAEMON_BEAT_S", 0.05)
-    chat_db = str(tmp_path / "chat.db")
-    config = itd.Config(servers={"chat": itd.ServerConfig(
-        "chat", command=(sys.executable, str(ROOT / "examples" / "chat_server.py"), "serve", "--db", chat_db))},
-        playbooks={PB: ("chat",)})
-    d = await start_daemon(aiohttp_client, pg, config=config)
-    d.chat, d.chat_server = chat_db, chat_server
+    d = await start_chat_daemon(aiohttp_client, pg, tmp_path / "chat.db", playbook=PB)
+    d.chat_server = chat_server
     await d.define("chat-approval", SEED_CHAT)
     return d
 

@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 
 import interactiond as itd
-from daemon_kit import APPROVAL, fresh_postgres, make_tokens
+from daemon_kit import APPROVAL, fresh_postgres, make_tokens, write_chat_config
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
@@ -99,11 +99,7 @@ def pg():
 async def test_three_daemons_one_killed_in_the_middle_leave_every_run_ended_once(pg, tmp_path):
     t_start = time.monotonic()
     chat_db = str(tmp_path / "chat.db")
-    config = tmp_path / "config.yaml"
-    config.write_text(json.dumps({
-        "servers": {"chat": {"command": [sys.executable, str(ROOT / "examples" / "chat_server.py"), "serve",
-                                         "--db", chat_db]}},
-        "playbooks": {"local/default": {"servers": ["chat"]}}}))
+    config = write_chat_config(tmp_path / "config.yaml", chat_db)
     token = make_tokens(pg)["operator"]
     daemons = [Served(name, pg, config, tmp_path, token) for name in ("a", "b", "c")]
     try:

@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import interactiond as itd
-from daemon_kit import APPROVAL, NOTIFY, start_daemon
+from daemon_kit import APPROVAL, NOTIFY, chat_command, start_daemon, write_chat_config
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
@@ -190,12 +190,7 @@ def audit(db: Path, acknowledged: dict[str, tuple[Any, str]], *, final: bool = F
 
 def chat_config(tmp_path: Path) -> tuple[Path, str]:
     chat_db = str(tmp_path / "chat.db")
-    config = tmp_path / "interactiond.yaml"
-    config.write_text(json.dumps({
-        "servers": {"chat": {"command": [sys.executable, str(ROOT / "examples" / "chat_server.py"), "serve",
-                                         "--db", chat_db]}},
-        "playbooks": {"local/default": {"servers": ["chat"]}}}))
-    return config, chat_db
+    return write_chat_config(tmp_path / "interactiond.yaml", chat_db), chat_db
 
 
 async def kill_loop(tmp_path: Path, kills: int, seed: int, per_round: int) -> dict[str, int]:
@@ -533,8 +528,7 @@ async def test_hung_crashing_and_garbage_servers_block_no_one(tmp_path, aiohttp_
     garbage.write_text(GARBAGE_SERVER)
     chat_db = str(tmp_path / "chat.db")
     servers = {
-        "chat": itd.ServerConfig("chat", command=(sys.executable, str(ROOT / "examples" / "chat_server.py"),
-                                                  "serve", "--db", chat_db)),
+        "chat": itd.ServerConfig("chat", command=chat_command(chat_db)),
         "flaky": itd.ServerConfig("flaky", command=(sys.executable, FLAKY)),
         "garbage": itd.ServerConfig("garbage", command=(sys.executable, str(garbage))),
     }

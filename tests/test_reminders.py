@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import interactiond as itd
-from daemon_kit import APPROVAL, START_MS, fresh_postgres, start_daemon
+from daemon_kit import APPROVAL, START_MS, fresh_postgres, start_daemon, until
 from test_mcp import connect
 from test_typed_api import open_stream
 from test_web_inbox import CHROMIUM, CHROMIUM_ARGS, _playwright, served  # noqa: F401 (served: a fixture)
@@ -135,7 +135,10 @@ def test_their_templates_read_only_what_the_message_reads():
 def test_a_delivered_function_that_reminds_or_escalates_needs_replies_tell():
     chat = (ROOT / "tests" / "fixtures" / "seed-chat-approval.md").read_text()
     chat = chat.replace("expires: P2D\n", "expires: P2D\nremind: {after: [PT4H]}\nescalate: {after: P1D, to: boss}\n")
-    itd.parse_function(chat)                                            # it has replies.tell
+    doc = itd.parse_function(chat)                                      # it has replies.tell
+    assert doc.replies.tell is not None and doc.shape is itd.Shape.TOOL
+    assert doc.remind.after == (timedelta(hours=4),) and doc.remind.message is None
+    assert doc.escalate.after == timedelta(days=1) and doc.escalate.to.source == "boss" and doc.escalate.message is None
     untold = re.sub(r"  tell:\n(    .*\n)+", "", chat)
     assert problems(untold) == [
         (5, "remind", "a function sent through a tool sends its reminders into the message's thread with"
@@ -373,16 +376,9 @@ CHAT_INPUT = {"owner": "ana", "manager": "bo", "draft": "Spring campaign copy"}
 
 
 @pytest.fixture
-async def chat(db, tmp_path, aiohttp_client):
-    chat_db = str(tmp_path / "chat.db")
-    config = itd.Config(servers={"chat": itd.ServerConfig(
-        "chat", command=(sys.executable, str(ROOT / "examples" / "chat_server.py"), "serve", "--db", chat_db))},
-        playbooks={"local/default": ("chat",)})
-    daemon = await start_daemon(aiohttp_client, db, config=config)
-    daemon.chat = chat_db
-    daemon.config = config
-    await daemon.define("chat-brief", CHAT)
-    return daemon
+async def chat(chat_d):
+    await chat_d.define("chat-brief", CHAT)
+    return chat_d
 
 
 async def start_chat(d) -> tuple[str, str]:
@@ -458,10 +454,7 @@ async def test_a_stop_in_the_middle_of_a_reminders_attempt_recovers_as_a_deliver
     chat_server.inject_fault(d.chat, "post_message", 1, mode="hang")
     calls = chat_server.calls(d.chat, "post_message")
     d.clock.advance(1)                      # the reminder falls due; its telling hangs in the tool
-    for _ in range(200):
-        await asyncio.sleep(0.05)
-        if chat_server.calls(d.chat, "post_message") > calls:
-            break
+    await until(lambda: chat_server.calls(d.chat, "post_message") > calls, what="the telling reaches the chat server")
     assert [e["type"] for e in await events(d, run_id)][-2:] == ["request_reminded", "telling_started"]
     now = d.clock.now_ms()
     await d.client.close()                  # gone with the attempt in flight: no end recorded

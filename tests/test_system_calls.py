@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import interactiond as itd
-from daemon_kit import start_daemon
+from daemon_kit import start_daemon, until
 
 FLAKY = str(Path(__file__).parent / "servers" / "flaky_server.py")
 SECRET = "s3cr3t-flaky-value"
@@ -115,7 +115,7 @@ async def test_hung_call_times_out_and_blocks_nobody(d, monkeypatch):
     await d.define("hang", call_doc("hang_ro"))
     await d.define("echo", call_doc("echo", "{text: meanwhile}", read="/echo", output="{type: string}"))
     hung = asyncio.create_task(d.run("hang", {}))
-    await asyncio.sleep(0.3)
+    await until(lambda: calls(d), what="the hanging tool is called")
     status, ok = await d.run("echo", {})
     assert status == 201 and ok["output"] == "meanwhile" and not hung.done()
     status, run = await hung
@@ -196,10 +196,7 @@ async def test_search_introspect_execute_over_http(d):
 async def test_a_call_cut_off_by_a_stop_ends_at_restart(d, aiohttp_client, tool, status_, kind):
     await d.define("hang", call_doc(tool))
     pending = asyncio.create_task(d.run("hang", {}, run_id="cut"))
-    for _ in range(200):
-        await asyncio.sleep(0.05)
-        if calls(d):
-            break
+    await until(lambda: calls(d), what="the hanging tool is called")
     assert [c["tool"] for c in calls(d)] == [tool]
     status, run = await d.call("GET", "/runs/cut")
     assert run["status"] == "started"
