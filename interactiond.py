@@ -923,19 +923,17 @@ def read_json(raw: bytes | str) -> Any:
     JSON the daemon can keep: malformed, NaN or Infinity, a number past a float's range, nesting
     too deep for the parser, a lone surrogate.
 
-    orjson reads it first (about five times faster), where it reads it as the standard library
-    does: it refuses NaN, infinities, lone surrogates and invalid UTF-8 itself, and it is not
-    asked to read an integer past 64 bits (it would read a float) or nesting near its depth limit.
-    Whatever it refuses is read again below, which says why in the daemon's words.
+    orjson reads it first, where it reads it as the standard library does: it refuses NaN,
+    infinities, lone surrogates, invalid UTF-8 and nesting past 1,024 levels itself, and it is not
+    asked to read an integer past 64 bits (it would read a float). Whatever it refuses is read
+    again below, which says why in the daemon's words.
     """
     if _orjson is not None and len(raw) < 4 * MIB and not _LONG_NUMBER.search(raw if isinstance(raw, bytes) else
                                                                                raw.encode("utf-8", "surrogatepass")):
-        brackets = raw.count(b"[") + raw.count(b"{") if isinstance(raw, bytes) else raw.count("[") + raw.count("{")
-        if brackets < 500:
-            try:
-                return _orjson.loads(raw)
-            except ValueError:
-                pass
+        try:
+            return _orjson.loads(raw)
+        except ValueError:
+            pass
     try:
         value = json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
     except JsonRefused:
