@@ -1126,23 +1126,11 @@ def fmt_time(ms: int | None) -> str | None:
     if ms is None:
         return None
     seconds, millis = divmod(ms, 1000)
-    return f"{_second_text(seconds)}{millis:03d}Z"
-
-
-@functools.lru_cache(maxsize=256)
-def _second_text(seconds: int) -> str:
-    """The text of one second, kept: the times a run writes and shows fall in a few seconds
-    (gmtime + strftime: 2.4x faster than datetime, same text; kept: 6x faster again)."""
-    return time.strftime("%Y-%m-%dT%H:%M:%S.", time.gmtime(seconds))
-
-
-@functools.lru_cache(maxsize=64)
-def _day_text(day: int) -> str:
-    return time.strftime("%Y-%m-%d", time.gmtime(day * 86400))
+    return time.strftime("%Y-%m-%dT%H:%M:%S.", time.gmtime(seconds)) + f"{millis:03d}Z"
 
 
 def fmt_date(ms: int) -> str:
-    return _day_text(ms // 86_400_000)         # as fmt_time: no datetime
+    return time.strftime("%Y-%m-%d", time.gmtime(ms // 1000))
 
 
 def encode_cursor(values: list[Any]) -> str:
