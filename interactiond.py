@@ -2070,7 +2070,73 @@ def _compiled_schema(text: str) -> Any:
     unevaluated = not _KEYWORDS_BY_RE <= {key for _, key, _ in _schema_entries(schema, ())}
     if not unevaluated:
         log.warning("a schema's unevaluatedProperties is not checked: it stands beside patternProperties")
-    return _linear(cls, unevaluated)(schema, format_checker=_format_checker(cls), registry=referencing.Registry())
+    validator = _linear(cls, unevaluated)(schema, format_checker=_format_checker(cls), registry=referencing.Registry())
+    fast = _fast_check(schema)
+    if fast is not None:
+        _FAST_CHECKS[id(validator)] = (validator, fast)
+        if len(_FAST_CHECKS) > 1024:
+            _FAST_CHECKS.popitem(last=False)
+    return validator
+
+
+# The compiled check. jsonschema walks a schema in Python (10-40 us an answer); jsonschema-rs
+# compiles it to Rust (well under 1 us). schema_errors asks the compiled check first, and only an
+# instance it refuses goes through jsonschema, which words the errors (so their pointers and words
+# stay as they were) and has the last word. A schema gets a compiled check only when each of its
+# keywords means the same in both, which they were measured to: no `format` (asserted here, by
+# jsonschema's checkers), no `pattern` (RE2 here), no `multipleOf` (floats are divided
+# differently), no references, and Draft 2020-12.
+
+#: The dialect a schema without `$schema` is read in.
+DRAFT_2020_12: Final = "https://json-schema.org/draft/2020-12/schema"
+
+#: Keywords whose meaning the compiled check shares with jsonschema: a schema made only of these
+#: (at every depth) is checked fast.
+_FAST_KEYWORDS: Final = frozenset({
+    "type", "enum", "const", "required", "minLength", "maxLength", "minimum", "maximum", "exclusiveMinimum",
+    "exclusiveMaximum", "minItems", "maxItems", "uniqueItems", "minProperties", "maxProperties",
+    "title", "description", "default", "examples", "deprecated", "readOnly", "writeOnly", "$comment"})
+_FAST_SUBSCHEMA: Final = frozenset({"items", "additionalProperties", "not", "contains", "propertyNames"})
+_FAST_SUBSCHEMAS: Final = frozenset({"anyOf", "allOf", "oneOf", "prefixItems"})
+
+#: id(jsonschema validator) -> (that validator, its compiled check); the validator is held, so its id
+#: is not reused while the entry stands.
+_FAST_CHECKS: Final[OrderedDict[int, tuple[Any, Callable[[Any], bool]]]] = OrderedDict()
+
+
+def _fast_keywords_only(node: Any) -> bool:
+    if isinstance(node, bool):
+        return True
+    if not isinstance(node, dict):
+        return False
+    for key, value in node.items():
+        if key == "properties":
+            if not isinstance(value, dict) or not all(_fast_keywords_only(v) for v in value.values()):
+                return False
+        elif key in _FAST_SUBSCHEMA:
+            if not _fast_keywords_only(value):
+                return False
+        elif key in _FAST_SUBSCHEMAS:
+            if not isinstance(value, list) or not all(_fast_keywords_only(v) for v in value):
+                return False
+        elif key not in _FAST_KEYWORDS:
+            return False
+    return True
+
+
+def _fast_check(schema: Any) -> Callable[[Any], bool] | None:
+    """The compiled check of a schema whose keywords allow one (see above), else None."""
+    if isinstance(schema, dict) and schema.get("$schema", DRAFT_2020_12) != DRAFT_2020_12:
+        return None
+    if not _fast_keywords_only({k: v for k, v in schema.items() if k != "$schema"} if isinstance(schema, dict)
+                               else schema):
+        return None
+    try:
+        import jsonschema_rs
+        return jsonschema_rs.validator_for(schema).is_valid
+    except Exception:                     # not installed, or a schema it reads otherwise: jsonschema alone
+        return None
+
 
 
 def compile_schema(schema: Any) -> Any:
@@ -2083,6 +2149,15 @@ def schema_errors(validator: Any, instance: Any, prefix: str = "") -> list[dict[
 
     A missing required member is pointed at itself, not at the object that lacks it.
     """
+    fast = _FAST_CHECKS.get(id(validator))
+    if fast is not None and fast[0] is validator:
+        with contextlib.suppress(KeyError):     # a document checked in a thread may have dropped it
+            _FAST_CHECKS.move_to_end(id(validator))
+        try:
+            if fast[1](instance):
+                return []
+        except Exception:                 # a value it cannot take (e.g. an integer past 64 bits)
+            pass
     try:
         errors = list(validator.iter_errors(instance))
     except referencing.exceptions.Unresolvable as exc:

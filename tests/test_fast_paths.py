@@ -1,5 +1,5 @@
-"""The fast paths give what the slow ones gave: JSON read and written by orjson, and `serve` on
-uvloop (or on asyncio's own loop when told)."""
+"""The fast paths give what the slow ones gave: JSON read and written by orjson, answers and inputs
+checked by a compiled schema first, and `serve` on uvloop (or on asyncio's own loop when told)."""
 from __future__ import annotations
 
 import json
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import interactiond
-from interactiond import JsonRefused, dumps, read_json
+from interactiond import JsonRefused, compile_schema, dumps, read_json, schema_errors
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -98,6 +98,56 @@ def test_loads_reads_a_stored_text_as_the_standard_library_does(value):
 def test_dumps_writes_what_orjson_cannot_through_the_standard_library():
     assert dumps({"n": 2 ** 70, 1: "one"}) == '{"n":1180591620717411303424,"1":"one"}'
     assert dumps({"t": "é✓", "s": ["a", None]}) == '{"t":"é✓","s":["a",null]}'
+
+
+# -- the compiled check ---------------------------------------------------------------------------
+
+APPROVAL = {"type": "object", "required": ["verdict"], "additionalProperties": False, "properties": {
+    "verdict": {"type": "string", "enum": ["approve", "revise"]}, "note": {"type": "string", "maxLength": 20},
+    "score": {"type": "integer", "minimum": 0, "maximum": 10},
+    "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True, "maxItems": 3}}}
+
+INSTANCES = [{"verdict": "approve"}, {"verdict": "maybe"}, {}, {"verdict": "approve", "extra": 1},
+             {"verdict": "revise", "note": "x" * 21}, {"verdict": "revise", "score": 10.0}, {"verdict": "revise", "score": 11},
+             {"verdict": "revise", "score": True}, {"verdict": "revise", "tags": ["a", "a"]},
+             {"verdict": "revise", "tags": ["a", "b", "c", "d"]}, {"verdict": "revise", "score": 2 ** 80}, [], "approve",
+             {"verdict": "approve", "note": "\U0001F600" * 20}]
+
+
+def _jsonschema_alone(validator, instance):
+    saved = dict(interactiond._FAST_CHECKS)
+    interactiond._FAST_CHECKS.clear()
+    try:
+        return schema_errors(validator, instance, "/answer")
+    finally:
+        interactiond._FAST_CHECKS.update(saved)
+
+
+def test_a_plain_schema_is_checked_fast_with_the_same_verdicts_and_words():
+    validator = compile_schema(APPROVAL)
+    assert interactiond._FAST_CHECKS[id(validator)][0] is validator        # it has a compiled check
+    for instance in INSTANCES:
+        assert schema_errors(validator, instance, "/answer") == _jsonschema_alone(validator, instance), instance
+    assert schema_errors(validator, {"verdict": "maybe"}, "/answer") == [
+        {"pointer": "/answer/verdict", "message": "'maybe' is not one of ['approve', 'revise']"}]
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "string", "format": "email"}, {"type": "string", "pattern": "^a+$"}, {"type": "number", "multipleOf": 0.1},
+    {"$defs": {"a": {"type": "string"}}, "$ref": "#/$defs/a"}, {"type": "object", "patternProperties": {"^x": {}}},
+    {"$schema": "http://json-schema.org/draft-07/schema#", "type": "string"},
+    {"type": "object", "properties": {"when": {"type": "string", "format": "date-time"}}}])
+def test_a_schema_whose_keywords_differ_between_the_two_is_checked_by_jsonschema_alone(schema):
+    validator = compile_schema(schema)
+    assert id(validator) not in interactiond._FAST_CHECKS
+    assert interactiond._fast_check(schema) is None
+
+
+def test_what_the_compiled_check_refuses_jsonschema_still_decides():
+    """A value the compiled check cannot take (an integer past 64 bits) goes to jsonschema, which decides."""
+    validator = compile_schema({"type": "integer", "minimum": 0})
+    assert schema_errors(validator, 2 ** 200) == []
+    assert schema_errors(validator, -(2 ** 200)) == [{"pointer": "", "message": f"{-(2 ** 200)} is less than the minimum of 0"}]
 
 
 # -- the event loop -------------------------------------------------------------------------------
