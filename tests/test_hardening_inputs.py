@@ -147,6 +147,25 @@ async def test_deep_nesting_is_400_on_every_body_route(d):
             assert "too deep" in body["detail"], body
 
 
+async def test_nesting_the_parser_reads_past_the_bound_is_a_clear_problem_on_every_body_route(d):
+    """Nested 600 and 1,024 levels (orjson reads up to 1,024) in each value a body route reads: the
+    route refuses it past its bound (or reads it into nothing it keeps), and never answers 500."""
+    _, iid = await seed(d)
+    for depth in (600, 1_024):
+        nest = b"[" * depth + b"]" * depth
+        for path, raw in [(d.url("/definitions"), b'{"type": "interaction", "name": "n", "source": ' + nest + b"}"),
+                          (d.url("/runs"), b'{"name": "approve", "input": ' + nest + b"}"),
+                          (d.url("/runs"), b'{"name": "approve", "input": {"owner": "ana", "review": ' + nest + b"}}"),
+                          (f"/v2/interactions/{iid}/responses", b'{"type": "form", "answer": ' + nest + b"}"),
+                          ("/v1/admin/clock", b'{"advance": ' + nest + b"}"),
+                          ("/web/render", b'{"items": [{"markdown": "x", "schema": ' + nest + b"}]}"),
+                          ("/web/render", nest)]:
+            status, ctype, body = await send(d, "POST", path, raw, {"Idempotency-Key": f"k-{depth}"})
+            assert status < 300 or (400 <= status < 500 and ctype == "application/problem+json"), (depth, path, body)
+            if path.endswith("/runs") or path.endswith("/responses"):       # inputs and answers: 512 levels
+                assert 400 <= status < 500, (depth, path, body)
+
+
 async def test_mcp_arguments_with_nan_or_a_bad_cursor_are_errors_that_say_so(d):
     """Over the real /mcp transport, raw JSON-RPC (an SDK client cannot send NaN)."""
     headers = {**d.auth(), "Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
