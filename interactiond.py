@@ -23,13 +23,16 @@ The module reads top to bottom, each section using only those above it:
     Store                     the schema and migrations, one writer with group commit, a reader, and
                               the Tx operations: every SQL statement, named and guarded (SqlTx,
                               on SQLiteTx or PostgresTx, their SQL's differences in a Dialect)
-    Tool servers              MCP client sessions, one owner task per server
-    Engine                    the timer task and eight parts - Definitions, Runs, SystemCalls,
-                              Inbox, Deliveries, Readings, Approvals (a person approves a call),
-                              Reminders (reminders, escalation, default answers) - each built
-                              with only what it uses, behind Engine: it builds them, starts and
-                              stops, fires the timers and answers every operation the sections
-                              below call; AnswerLinks signs the links people answer on
+    Tool servers              MCP client sessions, one owner task per server, and the one door
+                              every tool call goes through (ToolServers.call)
+    Engine                    the timer task, end() (the one way a run ends) and the parts -
+                              Definitions, ToolCalls (a system call's call and ending), Approvals
+                              (a person approves a call), SystemCalls, Inbox, Readings,
+                              Deliveries, Reminders (reminders, escalation, default answers),
+                              Runs - each built after the parts it calls and given them, behind
+                              Engine: it builds them, starts and stops, fires the timers and
+                              answers every operation the sections below call; AnswerLinks signs
+                              the links people answer on
     Workflows                 the workflow language, its checker and its step-by-step executor
     HTTP API                  aiohttp routes, problem+json, auth, OpenAPI
     MCP server                the same operations as MCP tools over three transports
@@ -42,8 +45,9 @@ How to change it:
 
     a new ending              one row of ENDINGS (States): its run status, request status, kind,
                               problem, HTTP, v2 and stream names follow from it; then the code
-                              that reaches it calls end_run / close_request with it
-    a field of the run        a column in schema.sql (and SCHEMA_SQL, and a step in MIGRATIONS),
+                              that reaches it calls end(tx, fx, playbook, run_id, "name", detail)
+    a field of the run        a column in schema.sql and schema-postgres.sql (and SCHEMA_SQL and
+                              POSTGRES_SCHEMA_SQL, and a step in MIGRATIONS and POSTGRES_MIGRATIONS),
                               the INSERT in SqlTx.insert_run, and one line in run_object
     a state change            an operation of SqlTx: one UPDATE guarded by the states it may
                               leave (allowed_from), whose empty RETURNING means "not allowed"
@@ -51,7 +55,10 @@ How to change it:
                               what it uses (a part it calls is built before it and passed in);
                               if a section below calls it, one line in Engine.__init__ hands it on
     a timer                   a key `kind:<playbook>:<ref>` set inside a change (tx.set_timer),
-                              and one Engine.on_timer(kind, handler) saying what fires it
+                              and one Engine.on_timer(kind, handler) saying what fires it (the
+                              wheel holds the next hour's due times and reads on as it goes)
+    a tool call               ToolServers.call, the one door (allow-list, approval gate, bounds,
+                              scrubbing); never a session's call directly
     a kind of run             a RunKind registered in RUN_KINDS (as Workflows does)
     a problem type            one entry of PROBLEM_TYPES, and its name in README.md (the tests
                               check every name the module raises is in both)

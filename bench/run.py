@@ -20,6 +20,14 @@ Figures (SPEC.md section 13):
   reads_per_tick_1000_in_10    chat reads per read tick, 1,000 requests, 10 channels   <= 10
   storage_bytes_per_open_request  file and WAL per open request, 10,000 open            <= 3 KB
 
+Scale (`--only scale`; 300,000 open, or 1,000,000 with --scale): the requests are seeded in a
+process of their own through the engine (no HTTP: only the daemon's memory and answers are the
+figures), then the daemon starts on the database:
+  scale_peak_rss_mb_delta      VmHWM with N open minus VmHWM with 10,000 open           <= 20 MB
+  scale_restart_to_answer_ms   start with N open: the first answer's 200                < 1000 ms
+  scale_list_p50_ms            GET /interactions?to=..&limit=50 with N open             p50 < 5 ms
+  scale_storage_bytes_per_request  the file over the open requests                      <= 3 KB
+
 Each throughput carries the daemon's CPU per operation (from /proc, all threads), the bare
 handler its CPU per request. --check compares with the run recorded in bench/last.json (--record
 writes it) and exits 1 when a figure is more than 15% worse.
@@ -548,6 +556,77 @@ async def main_figures(args: argparse.Namespace, work: Path) -> None:
         await bare.close()
 
 
+#: Seeds open requests of APPROVE into a database through the engine, in group commits of 512.
+SEEDER = """
+import asyncio, sys
+import interactiond as itd
+db, start, n, source = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+async def main():
+    config = itd.Config(playbooks={"local/default": ()}, open_requests=10_000_000)
+    eng = itd.Engine(itd.Store(db), itd.SystemClock(), config)
+    await eng.store.open()
+    await eng.start()
+    op, pb = itd.OPERATOR_LOCAL, "local/default"
+    if start == 0:
+        await eng.create_definition(op, pb, "interaction", "approve", source)
+    for base in range(start, start + n, 512):
+        await asyncio.gather(*(eng.run_definition(op, pb, "interaction", "approve",
+                                                  {"owner": f"user{i % 20}", "brief": f"Brief number {i}."})
+                               for i in range(base, min(base + 512, start + n))))
+    await eng.stop()
+    await eng.store.close()
+asyncio.run(main())
+"""
+
+
+async def scale_figures(args: argparse.Namespace, work: Path) -> None:
+    """Memory, restart and listing with many open requests, against the same daemon with 10,000."""
+    n = 1_000_000 if args.scale else 300_000
+    db = work / "scale.db"
+    env = {"INTERACTION_OPEN_REQUESTS": str(n + 10_000)}
+
+    def seed(start: int, count: int) -> float:
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-c", SEEDER, str(db), str(start), str(count), APPROVE], check=True,
+                       cwd=ROOT, env=_daemon_env())
+        return count / (time.perf_counter() - t0)
+
+    async def measure(open_: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        daemon = start_daemon(db, env=env, log=work / "scale.log")
+        api = Api(daemon.url, (Path(str(db) + ".token")).read_text().strip())
+        try:
+            status, page = await api.call("GET", "/interactions?to=user7&limit=1")
+            assert status == 200 and page["data"], status
+            await api.answer(page["data"][0]["run_id"], {"verdict": "approve"})
+            restart = (time.perf_counter() - t0) * 1000
+            lat = []
+            for i in range(200):
+                t1 = time.perf_counter()
+                status, page = await api.call("GET", f"/interactions?to=user{i % 20}&limit=50")
+                lat.append((time.perf_counter() - t1) * 1000)
+                assert status == 200 and len(page["data"]) == 50, status
+            await asyncio.sleep(1.0)
+            return {"rss": daemon.status("VmHWM") / 1024, "restart": restart, "list": statistics.median(lat)}
+        finally:
+            await api.close()
+            daemon.kill(signal.SIGTERM)
+
+    rate = seed(0, 10_000)
+    small = await measure(10_000)
+    rate = min(rate, seed(10_000, n - 10_000))
+    large = await measure(n)
+    delta = large["rss"] - small["rss"]
+    figure("scale_peak_rss_mb_delta", delta, "MB", "<= 20", delta <= 20, open=n, rss_10k_mb=round(small["rss"], 1),
+           rss_mb=round(large["rss"], 1), seeded_per_s=round(rate),
+           note="VmHWM after a start, a listing page, an answer and 200 pages, with N open and with 10,000")
+    figure("scale_restart_to_answer_ms", large["restart"], "ms", "< 1000", large["restart"] < 1000, open=n,
+           with_10k_ms=round(small["restart"]))
+    figure("scale_list_p50_ms", large["list"], "ms", "< 5", large["list"] < 5, open=n)
+    per = (db.stat().st_size + (Path(str(db) + "-wal").stat().st_size if Path(str(db) + "-wal").exists() else 0)) / n
+    figure("scale_storage_bytes_per_request", per, "bytes", "<= 3072 (3 KB)", per <= 3072, open=n)
+
+
 def input_of(i: int, size: int) -> dict[str, Any]:
     """An input of the bench's function that is `size` bytes as compact JSON (the brief padded)."""
     value = {"owner": f"user{i % 20}", "brief": f"Brief number {i}: a launch plan with a budget. "}
@@ -936,6 +1015,8 @@ async def amain(args: argparse.Namespace) -> int:
             await reads_figure(args, work)
         if not args.only or "postgres" in args.only:
             await postgres_figures(args, work)
+        if not args.only or "scale" in args.only:
+            await scale_figures(args, work)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -964,7 +1045,9 @@ async def amain(args: argparse.Namespace) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer samples: a run of about a minute")
-    parser.add_argument("--only", type=lambda s: s.split(","), help="main, storage, reads and/or postgres")
+    parser.add_argument("--only", type=lambda s: s.split(","), help="main, storage, reads, postgres and/or scale")
+    parser.add_argument("--scale", action="store_true", help="the scale part with 1,000,000 open requests"
+                        " (300,000 without it)")
     parser.add_argument("--keep", help="work in this directory and keep it (logs, databases)")
     parser.add_argument("--check", action="store_true", help="exit 1 when a figure is more than 15%% worse than"
                         " the run recorded in bench/last.json (or misses a bar it met)")
