@@ -104,8 +104,6 @@ from typing import TYPE_CHECKING, Any, Callable, Final, Iterable, Iterator, Prot
 # of Documents that need them, aiohttp where the HTTP API makes an app or a response, and the MCP
 # SDK (with its pydantic models, a third of a daemon's memory) at a tool server's session or the
 # first MCP request. The names below are for annotations only.
-import yaml
-
 if TYPE_CHECKING:
     from aiohttp import web
     from jsonschema import FormatChecker
@@ -2600,91 +2598,100 @@ class DocumentError(Exception):
 
 # Reading the front matter with lines.
 
-try:
-    from yaml._yaml import CParser as _YamlEvents    # libyaml: a MiB of YAML read in milliseconds
-except ImportError:                                  # PyYAML built without it: its reader in Python
-    _YamlEvents = yaml.SafeLoader
-
-
-class _TooLarge(yaml.MarkedYAMLError):
+class _TooLarge(Exception):
     """A document past MAX_DOCUMENT_NODES or MAX_DOCUMENT_DEPTH, marked where it passed."""
 
-
-class _FrontMatterLoader(yaml.composer.Composer, yaml.resolver.Resolver):
-    """Composes YAML 1.2 core scalars only, refuses anchors and aliases, and stops at the bounds.
-
-    libyaml reads the text into events, which are composed here, in Python, with their marks; the
-    composing stops at the node past MAX_DOCUMENT_NODES or MAX_DOCUMENT_DEPTH (`_TooLarge`), so
-    neither the time nor the memory of composing grows with what a document holds past them.
-    """
-
-    yaml_implicit_resolvers: dict[Any, Any] = {}
-
-    def __init__(self, text: str) -> None:
-        yaml.composer.Composer.__init__(self)
-        yaml.resolver.Resolver.__init__(self)
-        self.text = text
-        self.nodes = 0
-        self.depth = 0
-        self.events = self._read(_YamlEvents, text)
-
-    def _read(self, step: Callable[..., Any], *args: Any) -> Any:
-        try:
-            return step(*args)
-        except UnicodeEncodeError as exc:   # libyaml reads UTF-8, which a lone surrogate is not
-            raise yaml.reader.ReaderError("<unicode string>", exc.start, ord(self.text[exc.start]), "unicode",
-                                          "special characters are not allowed") from None
-        except yaml.reader.ReaderError as exc:
-            if _YamlEvents is not yaml.SafeLoader:   # libyaml's position counts bytes of UTF-8
-                exc.position = len(self.text.encode("utf-8", "surrogatepass")[:exc.position].decode("utf-8", "ignore"))
-            raise
-
-    def check_event(self, *choices: Any) -> bool:
-        return self._read(self.events.check_event, *choices)
-
-    def peek_event(self) -> Any:
-        return self._read(self.events.peek_event)
-
-    def get_event(self) -> Any:
-        return self._read(self.events.get_event)
-
-    def dispose(self) -> None:
-        self.events.dispose()
-
-    def compose_node(self, parent: Any, index: Any) -> Any:
-        event = self.peek_event()
-        self.nodes += 1
-        if self.nodes > MAX_DOCUMENT_NODES:
-            raise _TooLarge(problem=f"the document holds more than {MAX_DOCUMENT_NODES} YAML nodes"
-                            " (mappings, lists and values)", problem_mark=event.start_mark)
-        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)) and self.depth >= MAX_DOCUMENT_DEPTH:
-            raise _TooLarge(problem=f"mappings and lists nest more than {MAX_DOCUMENT_DEPTH} deep",
-                            problem_mark=event.start_mark)
-        # Refused, not raised, so the document's other problems still come back: an alias
-        # becomes a scalar that `_scalar` refuses, an anchor a mark that `construct` reports.
-        if isinstance(event, yaml.AliasEvent):
-            self.get_event()
-            return yaml.ScalarNode(_ALIAS_TAG, "", event.start_mark, event.end_mark)
-        anchored = getattr(event, "anchor", None) is not None
-        if anchored:
-            event.anchor = None
-        self.depth += 1
-        try:
-            node = super().compose_node(parent, index)
-        finally:
-            self.depth -= 1
-        node.anchored = anchored
-        return node
+    def __init__(self, problem: str, problem_mark: Any) -> None:
+        super().__init__(problem)
+        self.problem = problem
+        self.problem_mark = problem_mark
 
 
-for _tag, _pattern, _first in (
-    ("null", r"~|null|Null|NULL|", "~nN"),
-    ("bool", r"true|True|TRUE|false|False|FALSE", "tTfF"),
-    ("int", r"[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+", "-+0123456789"),
-    ("float", r"[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?", "-+.0123456789"),
-):
-    _FrontMatterLoader.add_implicit_resolver(
-        f"tag:yaml.org,2002:{_tag}", re.compile(f"^(?:{_pattern})$"), list(_first) + ([""] if _tag == "null" else []))
+@functools.cache
+def _front_matter_loader() -> type:
+    """The loader class of front matter and workflow documents, made on first use (with PyYAML)."""
+    import yaml
+    try:
+        from yaml._yaml import CParser as _YamlEvents    # libyaml: a MiB of YAML read in milliseconds
+    except ImportError:                                  # PyYAML built without it: its reader in Python
+        _YamlEvents = yaml.SafeLoader
+
+    class _FrontMatterLoader(yaml.composer.Composer, yaml.resolver.Resolver):
+        """Composes YAML 1.2 core scalars only, refuses anchors and aliases, and stops at the bounds.
+
+        libyaml reads the text into events, which are composed here, in Python, with their marks; the
+        composing stops at the node past MAX_DOCUMENT_NODES or MAX_DOCUMENT_DEPTH (`_TooLarge`), so
+        neither the time nor the memory of composing grows with what a document holds past them.
+        """
+
+        yaml_implicit_resolvers: dict[Any, Any] = {}
+
+        def __init__(self, text: str) -> None:
+            yaml.composer.Composer.__init__(self)
+            yaml.resolver.Resolver.__init__(self)
+            self.text = text
+            self.nodes = 0
+            self.depth = 0
+            self.events = self._read(_YamlEvents, text)
+
+        def _read(self, step: Callable[..., Any], *args: Any) -> Any:
+            try:
+                return step(*args)
+            except UnicodeEncodeError as exc:   # libyaml reads UTF-8, which a lone surrogate is not
+                raise yaml.reader.ReaderError("<unicode string>", exc.start, ord(self.text[exc.start]), "unicode",
+                                              "special characters are not allowed") from None
+            except yaml.reader.ReaderError as exc:
+                if _YamlEvents is not yaml.SafeLoader:   # libyaml's position counts bytes of UTF-8
+                    exc.position = len(self.text.encode("utf-8", "surrogatepass")[:exc.position].decode("utf-8", "ignore"))
+                raise
+
+        def check_event(self, *choices: Any) -> bool:
+            return self._read(self.events.check_event, *choices)
+
+        def peek_event(self) -> Any:
+            return self._read(self.events.peek_event)
+
+        def get_event(self) -> Any:
+            return self._read(self.events.get_event)
+
+        def dispose(self) -> None:
+            self.events.dispose()
+
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            event = self.peek_event()
+            self.nodes += 1
+            if self.nodes > MAX_DOCUMENT_NODES:
+                raise _TooLarge(problem=f"the document holds more than {MAX_DOCUMENT_NODES} YAML nodes"
+                                " (mappings, lists and values)", problem_mark=event.start_mark)
+            if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)) and self.depth >= MAX_DOCUMENT_DEPTH:
+                raise _TooLarge(problem=f"mappings and lists nest more than {MAX_DOCUMENT_DEPTH} deep",
+                                problem_mark=event.start_mark)
+            # Refused, not raised, so the document's other problems still come back: an alias
+            # becomes a scalar that `_scalar` refuses, an anchor a mark that `construct` reports.
+            if isinstance(event, yaml.AliasEvent):
+                self.get_event()
+                return yaml.ScalarNode(_ALIAS_TAG, "", event.start_mark, event.end_mark)
+            anchored = getattr(event, "anchor", None) is not None
+            if anchored:
+                event.anchor = None
+            self.depth += 1
+            try:
+                node = super().compose_node(parent, index)
+            finally:
+                self.depth -= 1
+            node.anchored = anchored
+            return node
+
+    for tag, pattern, first in (
+        ("null", r"~|null|Null|NULL|", "~nN"),
+        ("bool", r"true|True|TRUE|false|False|FALSE", "tTfF"),
+        ("int", r"[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+", "-+0123456789"),
+        ("float", r"[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?", "-+.0123456789"),
+    ):
+        _FrontMatterLoader.add_implicit_resolver(
+            f"tag:yaml.org,2002:{tag}", re.compile(f"^(?:{pattern})$"), list(first) + ([""] if tag == "null" else []))
+    return _FrontMatterLoader
+
 
 _YAML_TAG: Final = "tag:yaml.org,2002:"
 _ALIAS_TAG: Final = "!alias"
@@ -2744,6 +2751,7 @@ class _Reader:
 
     def construct(self, node: Any, path: tuple[Any, ...]) -> Any:
         """Plain data from a YAML node, noting each field's line; problems are collected."""
+        import yaml
         if getattr(node, "anchored", False):
             self.add(path, _NO_ANCHORS, line=node.start_mark.line + _FRONT_OFFSET)
         if isinstance(node, (yaml.MappingNode, yaml.SequenceNode)) and node.tag not in _COLLECTION_TAGS:
@@ -2918,6 +2926,7 @@ def _objects_in(value: Any) -> int:
 
 
 def _text_line(node: Any) -> int:
+    import yaml
     block = isinstance(node, yaml.ScalarNode) and node.style in ("|", ">")
     return node.start_mark.line + _FRONT_OFFSET + (1 if block else 0)
 
@@ -2950,9 +2959,10 @@ def _split_source(source: str) -> tuple[str, str, int]:
 
 
 def _compose(r: _Reader, text: str) -> dict[str, Any]:
+    import yaml
     loader = None
     try:
-        loader = _FrontMatterLoader(text)
+        loader = _front_matter_loader()(text)
         node = loader.get_single_node()
     except _TooLarge as exc:
         raise DocumentError([{"line": exc.problem_mark.line + _FRONT_OFFSET, "field": "", "message": exc.problem}]) from None
@@ -3830,6 +3840,7 @@ def load_config(path: str | None, environ: dict[str, str] | None = None) -> Conf
     environ = os.environ if environ is None else environ
     raw: Any = {}
     if path:
+        import yaml
         try:
             with open(path, encoding="utf-8") as fh:
                 raw = yaml.safe_load(fh) or {}
@@ -8653,6 +8664,7 @@ def _ask_source(kind: str) -> str:
                              "properties": props}},
         "output": {"schema": ASK_ANSWER_SCHEMAS[kind]},
     }
+    import yaml
     return "---\n" + yaml.safe_dump(front, sort_keys=False) + "---\n{{ input.prompt }}\n"
 
 
@@ -11331,10 +11343,11 @@ def parse_workflow(source: str, name: str | None = None) -> WorkflowDoc:
 
 def _compose_workflow(r: _Reader, source: str) -> dict[str, Any]:
     """The document's data; `r` learns every field's line. Same loader as the front matter."""
+    import yaml
     text = source.replace("\r\n", "\n").replace("\r", "\n").removeprefix("\ufeff")
     loader = None
     try:
-        loader = _FrontMatterLoader(text)
+        loader = _front_matter_loader()(text)
         node = loader.get_single_node()
     except _TooLarge as exc:
         raise DocumentError([{"line": exc.problem_mark.line + 1, "field": "", "message": exc.problem}]) from None
@@ -16689,6 +16702,7 @@ def file_kind(path: Path, source: str) -> str:
     document."""
     if path.suffix.lower() not in (".yaml", ".yml"):
         return "function document"
+    import yaml
     try:
         raw = yaml.safe_load(source)
     except yaml.YAMLError:
