@@ -70,7 +70,6 @@ import gc
 import hashlib
 import heapq
 import hmac
-import http.client
 import itertools
 import json
 import logging
@@ -86,9 +85,7 @@ import sqlite3
 import sys
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -99,11 +96,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Final, Iterable, Iterator, Protocol
 
 # The heavy libraries load where they are first used, so a command that only talks to a daemon
-# (`inbox`, `get`, `answer`, `runs`, `--version`) starts in a fraction of the time: python-liquid
-# in the Templates section's `_liquid()`, jsonschema, referencing, RE2 and PyYAML in the functions
-# of Documents that need them, aiohttp where the HTTP API makes an app or a response, and the MCP
-# SDK (with its pydantic models, a third of a daemon's memory) at a tool server's session or the
-# first MCP request. The names below are for annotations only.
+# (`inbox`, `get`, `answer`, `runs`, `--version`) starts in a fraction of the time (SPEC section 13):
+# python-liquid in the Templates section's `_liquid()`, jsonschema (`_jsonschema()`), referencing,
+# RE2 and PyYAML in the functions of Documents that need them, aiohttp where the HTTP API makes an
+# app or a response, urllib's HTTP client where a client calls the daemon, and the MCP SDK (with its
+# pydantic models, a third of a daemon's memory) at a tool server's session or the first MCP
+# request. The names below are for annotations only.
 if TYPE_CHECKING:
     from aiohttp import web
     from jsonschema import FormatChecker
@@ -14880,6 +14878,9 @@ class Client:
 
         A run object comes back whatever its HTTP status (the status tells the run's ending).
         """
+        import http.client
+        import urllib.error
+        import urllib.request
         url = self.base_url + path
         if query:
             url += "?" + urllib.parse.urlencode({k: v for k, v in query.items() if v is not None})
@@ -16115,6 +16116,8 @@ def daemon_address(args: Any, db: str, config: Config) -> DaemonAddress:
 def _http(method: str, url: str, token: str | None, body: Any = None,
           timeout: float = MAX_HTTP_WAIT_S + 10) -> tuple[int, Any, Mapping[str, str]]:
     """One call: (status, JSON body, headers). Raises OSError (URLError included) when nothing answered."""
+    import urllib.error
+    import urllib.request
     data = dumps(body).encode() if body is not None else None
     headers = {"Content-Type": "application/json", "Accept": "application/json"}
     if token:
@@ -16134,6 +16137,7 @@ def _http(method: str, url: str, token: str | None, body: Any = None,
 def call_daemon(d: DaemonAddress, method: str, path: str, body: Any = None,
                 query: Mapping[str, Any] | None = None) -> tuple[int, Any, Mapping[str, str]]:
     """A call to the daemon, or a CliError that says in one line why there was none."""
+    import http.client
     q = {k: v for k, v in (query or {}).items() if v is not None}
     url = d.url + path + ("?" + urllib.parse.urlencode(q) if q else "")
     unreachable = CliError(f"cannot reach the daemon at {d.url} (from {d.source}): is `interactiond serve` running?",
