@@ -19,6 +19,7 @@ Figures (SPEC.md section 13):
   idle_cpu_pct_10k_open        CPU of the idle daemon with 10,000 open                 < 1 %
   reads_per_tick_1000_in_10    chat reads per read tick, 1,000 requests, 10 channels   <= 10
   storage_bytes_per_open_request  file and WAL per open request, 10,000 open            <= 3 KB
+  startup_cpu_ms               CPU of a client command (--version, inbox, runs), the worst  <= 150 ms
 
 Each throughput carries the daemon's CPU per operation (from /proc, all threads), the bare
 handler its CPU per request. --check compares with the run recorded in bench/last.json (--record
@@ -40,6 +41,7 @@ import asyncio
 import json
 import os
 import re
+import resource
 import secrets
 import shutil
 import signal
@@ -387,6 +389,34 @@ async def import_ms() -> float:
     return best
 
 
+def command_cpu_ms(argv: list[str], runs: int) -> float:
+    """CPU (user + system) of `interactiond ARGV` in a fresh process: the best of `runs`."""
+    best = float("inf")
+    for _ in range(runs):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        subprocess.run([sys.executable, "-m", "interactiond", *argv], check=True, cwd=ROOT, env=_daemon_env(),
+                       stdout=subprocess.DEVNULL)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        best = min(best, (after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime) * 1000)
+    return best
+
+
+async def startup_figure(args: argparse.Namespace, work: Path) -> None:
+    """SPEC 13's start-up bar: a client command, run as a user runs it against a serving daemon."""
+    db = work / "startup.db"
+    daemon = start_daemon(db, log=work / "startup.log")
+    try:
+        runs = 3 if args.quick else 7
+        cpu = {name: command_cpu_ms(argv, runs) for name, argv in (
+            ("version_ms", ["--version"]), ("inbox_ms", ["inbox", "--db", str(db)]),
+            ("runs_ms", ["runs", "--db", str(db)]))}
+        worst = max(cpu.values())
+        figure("startup_cpu_ms", worst, "ms", "<= 150", worst <= 150, **{k: round(v) for k, v in cpu.items()},
+               note=f"user + system CPU of each command in a fresh process, the best of {runs}; the worst command")
+    finally:
+        daemon.kill(signal.SIGTERM)
+
+
 async def main_figures(args: argparse.Namespace, work: Path) -> None:
     quick = args.quick
     rounds = 2 if quick else 3
@@ -646,6 +676,7 @@ CHECKED: tuple[tuple[str, str, str], ...] = (
     ("peak_rss_mb_10k_open", "value", "lower"),
     ("storage_bytes_per_open_request", "value", "lower"),
     ("reads_per_tick_1000_in_10", "value", "lower"),
+    ("startup_cpu_ms", "value", "lower"),
 )
 #: How much worse than the recorded run a checked figure may be.
 TOLERANCE = 0.15
@@ -885,6 +916,8 @@ async def amain(args: argparse.Namespace) -> int:
             await reads_figure(args, work)
         if not args.only or "postgres" in args.only:
             await postgres_figures(args, work)
+        if not args.only or "startup" in args.only:
+            await startup_figure(args, work)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -913,7 +946,7 @@ async def amain(args: argparse.Namespace) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer samples: a run of about a minute")
-    parser.add_argument("--only", type=lambda s: s.split(","), help="main, storage, reads and/or postgres")
+    parser.add_argument("--only", type=lambda s: s.split(","), help="main, storage, reads, postgres and/or startup")
     parser.add_argument("--keep", help="work in this directory and keep it (logs, databases)")
     parser.add_argument("--check", action="store_true", help="exit 1 when a figure is more than 15%% worse than"
                         " the run recorded in bench/last.json (or misses a bar it met)")
