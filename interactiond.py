@@ -1347,6 +1347,7 @@ class _Liquid:
 
 @functools.cache
 def _liquid() -> _Liquid:
+    """python-liquid and the one locked-down environment, loaded and made by the first template."""
     from liquid import Environment, StrictDefaultUndefined
     from liquid.builtin.output import Output, OutputNode
     from liquid.builtin.tags.echo_tag import EchoNode, EchoTag
@@ -1556,9 +1557,9 @@ _LIQUID_OWN_NAMES: Final = frozenset({"partial", "template"})
 def _plain_parts(nodes: list[Any]) -> tuple[str | tuple[str, ...], ...] | None:
     """A template's nodes as text and plain names (`{{ name }}`, `{{ input.a.b }}`: no filter, no
     index, no name inside a name), or None when a node is anything else."""
-    parts: list[str | tuple[str, ...]] = []
     from liquid.builtin.content import ContentNode
     from liquid.builtin.expressions import FilteredExpression, Path as LiquidPath
+    parts: list[str | tuple[str, ...]] = []
     for node in nodes:
         if type(node) is ContentNode:
             parts.append(node.text)
@@ -1936,7 +1937,6 @@ def _re2_options() -> Any:
     options.log_errors = False     # a refused pattern is told to its writer, not to stderr
     options.never_capture = True   # only whether it matches: the fastest of RE2's engines
     return options
-
 
 
 def _re2_compile(pattern: str) -> tuple[Any, str | None]:
@@ -12404,8 +12404,6 @@ RUN_KINDS["workflow"] = Workflows
 # authenticates: `Authorization: Bearer <token>`, or the inbox page's session cookie (then a
 # state-changing request must also carry a matching Origin). The route table below is the single
 # source of both the router and /openapi.json, so the two cannot drift apart.
-
-
 
 @functools.cache
 def state_key(name: str, kind: Any, request: bool = False) -> Any:
