@@ -78,7 +78,6 @@ import gc
 import hashlib
 import heapq
 import hmac
-import http.client
 import itertools
 import json
 import logging
@@ -94,9 +93,7 @@ import sqlite3
 import sys
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -104,35 +101,21 @@ from datetime import datetime, timedelta, timezone
 from decimal import Decimal
 from html import escape as _esc
 from pathlib import Path
-from typing import Any, Callable, Final, Iterable, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Final, Iterable, Iterator, Protocol
 
-import re2
-import referencing
-import referencing.exceptions
-import referencing.jsonschema
-import yaml
-from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
-# The MCP SDK (and its pydantic models, half of the start-up time and a third of the memory) is
-# imported where it is first needed: a tool server's session, or the first MCP request. A daemon
-# that only serves the HTTP API and the inbox never loads it.
-# jsonschema imports the checkers of some formats as it loads when their packages are installed;
-# two cost start-up time (rfc3987_syntax builds a grammar for `iri`: seconds; isoduration for
-# `duration`: a tenth of one). Keep them out of start-up; each loads on the first value of its format.
-_DEFERRED = [m for m in ("rfc3987_syntax", "isoduration") if sys.modules.setdefault(m, None) is None]  # type: ignore[arg-type]
-from jsonschema import Draft202012Validator, FormatChecker, validators  # noqa: E402
-for _name in _DEFERRED:
-    del sys.modules[_name]
-from jsonschema.exceptions import SchemaError, ValidationError
-from liquid import Environment, RenderContext, StrictDefaultUndefined
-from liquid.builtin.content import ContentNode
-from liquid.builtin.expressions import FilteredExpression, Path as LiquidPath
-from liquid.builtin.output import Output, OutputNode
-from liquid.builtin.tags.echo_tag import EchoNode, EchoTag
-from liquid.exceptions import LiquidError, ResourceLimitError, UndefinedError
-from liquid.extra import JSON as LiquidJSON
-from liquid.stringify import to_liquid_string
-from liquid.undefined import Undefined
+# The heavy libraries load where they are first used, so a command that only talks to a daemon
+# (`inbox`, `get`, `answer`, `runs`, `--version`) starts in a fraction of the time (SPEC section 13):
+# python-liquid in the Templates section's `_liquid()`, jsonschema (`_jsonschema()`), referencing,
+# RE2 and PyYAML in the functions of Documents that need them, aiohttp where the HTTP API makes an
+# app or a response, urllib's HTTP client where a client calls the daemon, and the MCP SDK (with its
+# pydantic models, a third of a daemon's memory) at a tool server's session or the first MCP
+# request. The names below are for annotations only.
+if TYPE_CHECKING:
+    from aiohttp import web
+    from jsonschema import FormatChecker
+    from jsonschema.exceptions import ValidationError
+    from liquid import Environment, RenderContext
+    from liquid.builtin.output import OutputNode
 
 try:                                    # JSON in and out, five to ten times faster (see dumps, read_json)
     import orjson as _orjson
@@ -1185,7 +1168,7 @@ def check_limit(limit: Any) -> int:
 #
 # Every text of a function that can differ from run to run is a Liquid template: `to`, `from`,
 # the message, and each string inside a `with` tree. All of them compile in one locked-down
-# environment, `LIQUID`:
+# environment, `_liquid().env`:
 #
 #   - strict: reading a name that is not there is an error (`| default:` still works), so is a
 #     filter that does not exist; nothing is HTML-escaped, and there is no other template to
@@ -1221,42 +1204,13 @@ class RenderError(Exception):
         self.message = message
 
 
-class _StructureError(LiquidError):
-    """An object or a list was printed inside text."""
-
-
 def _write_text(node: OutputNode, context: RenderContext, buffer: Any) -> int:
     value = node.expression.evaluate(context)
     if not _is_undefined(value) and isinstance(value, (Mapping, list, tuple)):
         what = "an object" if isinstance(value, Mapping) else "a list"
-        raise _StructureError(f"{node.expression} is {what}; write `| json` to put it in text", token=node.token)
-    return buffer.write(to_liquid_string(value, context.autoescape))
-
-
-class _OutputNode(OutputNode):
-    __slots__ = ()
-
-    def render_to_output(self, context: RenderContext, buffer: Any) -> int:
-        return _write_text(self, context, buffer)
-
-
-class _EchoNode(EchoNode):
-    __slots__ = ()
-
-    def render_to_output(self, context: RenderContext, buffer: Any) -> int:
-        return _write_text(self, context, buffer)
-
-
-class _Output(Output):
-    node_class = _OutputNode
-
-
-class _Echo(EchoTag):
-    node_class = _EchoNode
-
-
-class _ValueLimitError(ResourceLimitError):
-    """A value a render computes would pass its bound (TEMPLATE_VALUE_LIMIT and the others)."""
+        raise _liquid().structure_error(f"{node.expression} is {what}; write `| json` to put it in text",
+                                        token=node.token)
+    return buffer.write(_liquid().to_text(value, context.autoescape))
 
 
 #: What one item of a list or an object counts, beyond its contents: a list of a million empty
@@ -1325,7 +1279,7 @@ class _BoundedFilter:
     result is measured after. `date` reads no date longer than TEMPLATE_DATE_CHARS, nor a format
     (strftime writes up to 256 characters for each of its own). What the filters of one render
     read and make is tallied against TEMPLATE_WORK_LIMIT (`uniq` counts its comparisons). Each
-    failure is a `_ValueLimitError`, a render failure of kind "limit".
+    failure is a `value_limit_error`, a render failure of kind "limit".
     """
 
     with_context = True
@@ -1335,7 +1289,7 @@ class _BoundedFilter:
         self.func = functools.partial(func, environment=env) if getattr(func, "with_environment", False) else func
 
     def _fail(self, what: str) -> None:
-        raise _ValueLimitError(f"{self.name}: {what}", token=None)
+        raise _liquid().value_limit_error(f"{self.name}: {what}", token=None)
 
     def __call__(self, left: Any, *args: Any, context: RenderContext, **kwargs: Any) -> Any:
         limit = TEMPLATE_VALUE_LIMIT
@@ -1369,23 +1323,70 @@ class _BoundedFilter:
         return result
 
 
-class _LiquidEnv(Environment):
-    loop_iteration_limit = TEMPLATE_LOOP_LIMIT
-    output_stream_limit = TEMPLATE_OUTPUT_LIMIT
-    local_namespace_limit = TEMPLATE_NAMESPACE_LIMIT
-    context_depth_limit = 10
-    block_nesting_limit = 20
+@dataclass(frozen=True)
+class _Liquid:
+    """python-liquid, locked down: the environment every template compiles in, and the classes of
+    ours it renders with. Made on first use (`_liquid()`), so a command that renders no template
+    never loads the library."""
 
-    def error(self, exc: Any, msg: str | None = None, token: Any = None) -> None:
-        # python-liquid 2.3.6 gives errors found at the end of an expression a token with no
-        # position; the enclosing token has one, and the line is what a document's author needs.
-        if (isinstance(exc, LiquidError) and token is not None and token.start_index >= 0
-                and (exc.token is None or exc.token.start_index < 0)):
-            exc.token = token
-        super().error(exc, msg, token)
+    env: Any                #: the one environment every template compiles in
+    output_node: type       #: a `{{ ... }}` of ours: an object or a list inside text is an error
+    structure_error: type   #: an object or a list was printed inside text
+    value_limit_error: type  #: a value a render computes would pass its bound
+    undefined: type         #: the library's undefined value (a name that is not there)
+    to_text: Callable[[Any, bool], str]  #: a value as Liquid prints it
 
 
-def _make_liquid() -> Environment:
+@functools.cache
+def _liquid() -> _Liquid:
+    """python-liquid and the one locked-down environment, loaded and made by the first template."""
+    from liquid import Environment, StrictDefaultUndefined
+    from liquid.builtin.output import Output, OutputNode
+    from liquid.builtin.tags.echo_tag import EchoNode, EchoTag
+    from liquid.exceptions import LiquidError, ResourceLimitError
+    from liquid.extra import JSON as LiquidJSON
+    from liquid.stringify import to_liquid_string
+    from liquid.undefined import Undefined
+
+    class _StructureError(LiquidError):
+        """An object or a list was printed inside text."""
+
+    class _OutputNode(OutputNode):
+        __slots__ = ()
+
+        def render_to_output(self, context: RenderContext, buffer: Any) -> int:
+            return _write_text(self, context, buffer)
+
+    class _EchoNode(EchoNode):
+        __slots__ = ()
+
+        def render_to_output(self, context: RenderContext, buffer: Any) -> int:
+            return _write_text(self, context, buffer)
+
+    class _Output(Output):
+        node_class = _OutputNode
+
+    class _Echo(EchoTag):
+        node_class = _EchoNode
+
+    class _ValueLimitError(ResourceLimitError):
+        """A value a render computes would pass its bound (TEMPLATE_VALUE_LIMIT and the others)."""
+
+    class _LiquidEnv(Environment):
+        loop_iteration_limit = TEMPLATE_LOOP_LIMIT
+        output_stream_limit = TEMPLATE_OUTPUT_LIMIT
+        local_namespace_limit = TEMPLATE_NAMESPACE_LIMIT
+        context_depth_limit = 10
+        block_nesting_limit = 20
+
+        def error(self, exc: Any, msg: str | None = None, token: Any = None) -> None:
+            # python-liquid 2.3.6 gives errors found at the end of an expression a token with no
+            # position; the enclosing token has one, and the line is what a document's author needs.
+            if (isinstance(exc, LiquidError) and token is not None and token.start_index >= 0
+                    and (exc.token is None or exc.token.start_index < 0)):
+                exc.token = token
+            super().error(exc, msg, token)
+
     env = _LiquidEnv(undefined=StrictDefaultUndefined, strict_filters=True, autoescape=False)
     env.add_tag(_Output)
     env.add_tag(_Echo)
@@ -1393,18 +1394,15 @@ def _make_liquid() -> Environment:
         env.tags.pop(name, None)
     env.filters["json"] = LiquidJSON(default=str)
     env.filters = {name: _BoundedFilter(name, func, env) for name, func in env.filters.items()}
-    return env
-
-
-#: The one environment every template compiles in.
-LIQUID: Final = _make_liquid()
+    return _Liquid(env, _OutputNode, _StructureError, _ValueLimitError, Undefined, to_liquid_string)
 
 
 def _render_error(exc: BaseException) -> RenderError:
+    from liquid.exceptions import LiquidError, ResourceLimitError, UndefinedError
     message = str(exc.message) if isinstance(exc, LiquidError) else f"{type(exc).__name__}: {exc}"
     if isinstance(exc, UndefinedError):
         return RenderError("undefined", message)
-    if isinstance(exc, _StructureError):
+    if isinstance(exc, _liquid().structure_error):
         return RenderError("structure", message)
     if isinstance(exc, ResourceLimitError):
         return RenderError("limit", message)
@@ -1413,7 +1411,7 @@ def _render_error(exc: BaseException) -> RenderError:
 
 def _is_undefined(value: Any) -> bool:
     # isinstance() would ask the value for its __class__, which a strict undefined refuses.
-    return issubclass(type(value), Undefined)
+    return issubclass(type(value), _liquid().undefined)
 
 
 def _plain(value: Any) -> Any:
@@ -1430,7 +1428,7 @@ def _plain(value: Any) -> Any:
         return {str(k): _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
-    return to_liquid_string(value, False)
+    return _liquid().to_text(value, False)
 
 
 #: Words python-liquid 2 reserves inside expressions even after a dot, where Liquid lets a path
@@ -1551,11 +1549,13 @@ _LIQUID_OWN_NAMES: Final = frozenset({"partial", "template"})
 def _plain_parts(nodes: list[Any]) -> tuple[str | tuple[str, ...], ...] | None:
     """A template's nodes as text and plain names (`{{ name }}`, `{{ input.a.b }}`: no filter, no
     index, no name inside a name), or None when a node is anything else."""
+    from liquid.builtin.content import ContentNode
+    from liquid.builtin.expressions import FilteredExpression, Path as LiquidPath
     parts: list[str | tuple[str, ...]] = []
     for node in nodes:
         if type(node) is ContentNode:
             parts.append(node.text)
-        elif type(node) is _OutputNode:
+        elif type(node) is _liquid().output_node:
             expr = node.expression
             if type(expr) is not FilteredExpression or expr.filters or type(expr.left) is not LiquidPath:
                 return None
@@ -1591,9 +1591,9 @@ class Template:
     def __init__(self, source: str, line: int = 1) -> None:
         self.source = source
         self.line = line
-        self._bound = LIQUID.from_string(_unreserve(source))  # LiquidError when it does not compile
+        self._bound = _liquid().env.from_string(_unreserve(source))  # LiquidError when it does not compile
         nodes = self._bound.nodes
-        self._whole = nodes[0] if len(nodes) == 1 and isinstance(nodes[0], _OutputNode) else None
+        self._whole = nodes[0] if len(nodes) == 1 and isinstance(nodes[0], _liquid().output_node) else None
         self._parts = _plain_parts(nodes)     # None: Liquid renders it
 
     def __repr__(self) -> str:
@@ -1626,6 +1626,7 @@ class Template:
 
     def _liquid_value(self, ctx: Mapping[str, Any]) -> Any:
         """`render` of a whole expression by Liquid."""
+        from liquid import RenderContext
         assert self._whole is not None
         expr = self._whole.expression
         try:
@@ -1647,7 +1648,7 @@ class Template:
                 value = _plain_value(ctx, part)
                 if value is _MISSING or isinstance(value, (Mapping, list, tuple)):
                     break
-                pieces.append(value if type(value) is str else to_liquid_string(value, False))
+                pieces.append(value if type(value) is str else _liquid().to_text(value, False))
             else:
                 text = "".join(pieces)
                 try:
@@ -1776,6 +1777,8 @@ def _line_of(source: str, index: int) -> int:
 
 
 def _walk_outputs(bound: Any) -> Iterable[OutputNode]:
+    from liquid import RenderContext
+    from liquid.builtin.output import OutputNode
     static = RenderContext(bound)
     stack = list(bound.nodes)
     while stack:
@@ -1807,6 +1810,7 @@ def check_template(source: str, line: int, place: Place, input_schema: Any = Non
     found = markup_problem(source, budget)
     if found is not None:
         return None, problems + [(line + _line_of(source, found[0]), found[1])]
+    from liquid.exceptions import LiquidError
     try:
         template = Template(source, line)
     except LiquidError as exc:
@@ -1818,7 +1822,7 @@ def check_template(source: str, line: int, place: Place, input_schema: Any = Non
     compiled = _unreserve(source)  # what the analysis indexes into; it has the same lines
     analysis = template._bound.analyze(include_partials=False)
     for name, spans in analysis.filters.items():
-        if name not in LIQUID.filters:
+        if name not in _liquid().env.filters:
             problems.append((line + _line_of(compiled, spans[0].index), f"there is no filter {name!r}"))
     for refs in analysis.globals.values():
         for var in refs:
@@ -1918,20 +1922,20 @@ def _re2_source(pattern: str) -> str:
     return _ECMA_ESCAPE_RE.sub(escape, pattern)
 
 
+@functools.cache
 def _re2_options() -> Any:
+    import re2
     options = re2.Options()
     options.log_errors = False     # a refused pattern is told to its writer, not to stderr
     options.never_capture = True   # only whether it matches: the fastest of RE2's engines
     return options
 
 
-_RE2_OPTIONS: Final = _re2_options()
-
-
 def _re2_compile(pattern: str) -> tuple[Any, str | None]:
     """The RE2 program of an ECMA-262 pattern, or None and why RE2 cannot take it."""
+    import re2
     try:
-        return re2.compile(_re2_source(pattern), _RE2_OPTIONS), None
+        return re2.compile(_re2_source(pattern), _re2_options()), None
     except re2.error as exc:
         reason = exc.args[0] if exc.args else "RE2 refuses it"
         return None, reason.decode(errors="replace") if isinstance(reason, bytes) else str(reason)
@@ -1968,9 +1972,28 @@ def _pattern_refusal(pattern: Any) -> str:
             "by RE2, which takes no backreference, lookahead or lookbehind")
 
 
+@functools.cache
+def _jsonschema() -> Any:
+    """The jsonschema package, loaded on first use (a command that checks no schema never loads it).
+
+    It imports the checkers of some formats as it loads when their packages are installed; two
+    cost time (rfc3987_syntax builds a grammar for `iri`: seconds; isoduration for `duration`: a
+    tenth of one). They are kept out while it loads; each loads on the first value of its format.
+    """
+    deferred = [m for m in ("rfc3987_syntax", "isoduration") if sys.modules.setdefault(m, None) is None]  # type: ignore[arg-type]
+    try:
+        import jsonschema
+        import jsonschema.exceptions
+        import jsonschema.validators
+    finally:
+        for name in deferred:
+            del sys.modules[name]
+    return jsonschema
+
+
 def _kw_pattern(validator: Any, pattern: Any, instance: Any, schema: Any) -> Iterable[ValidationError]:
     if validator.is_type(instance, "string") and isinstance(pattern, str) and _finds(pattern, instance) is False:
-        yield ValidationError(f"{instance!r} does not match {pattern!r}")
+        yield _jsonschema().ValidationError(f"{instance!r} does not match {pattern!r}")
 
 
 def _kw_pattern_properties(validator: Any, patterns: Any, instance: Any, schema: Any) -> Iterable[ValidationError]:
@@ -2003,10 +2026,10 @@ def _kw_additional_properties(validator: Any, extra: Any, instance: Any, schema:
             verb = "does" if len(extras) == 1 else "do"
             joined = ", ".join(repr(each) for each in sorted(extras))
             patterns = ", ".join(repr(each) for each in sorted(schema["patternProperties"]))
-            yield ValidationError(f"{joined} {verb} not match any of the regexes: {patterns}")
+            yield _jsonschema().ValidationError(f"{joined} {verb} not match any of the regexes: {patterns}")
         else:
             names = sorted(extras, key=str)
-            yield ValidationError(f"Additional properties are not allowed ({', '.join(repr(n) for n in names)} "
+            yield _jsonschema().ValidationError(f"Additional properties are not allowed ({', '.join(repr(n) for n in names)} "
                                   f"{'was' if len(names) == 1 else 'were'} unexpected)")
 
 
@@ -2030,7 +2053,7 @@ def _linear(cls: Any, unevaluated: bool = True) -> Any:
                 "additionalProperties": _kw_additional_properties}
     if not unevaluated:
         keywords["unevaluatedProperties"] = _unchecked
-    linear = validators.extend(cls, keywords)
+    linear = _jsonschema().validators.extend(cls, keywords)
     linear.__name__ = linear.__qualname__ = cls.__name__   # the dialect's name, as validator_for gives it
     return linear
 
@@ -2066,7 +2089,7 @@ def _format_checker(cls: Any, regex: bool = True) -> FormatChecker:
     `regex` is checked by RE2; without `regex`, it is not checked (a schema from elsewhere whose
     pattern RE2 cannot take is still used, that pattern unchecked).
     """
-    checker = FormatChecker()
+    checker = _jsonschema().FormatChecker()
     checker.checkers = dict(cls.FORMAT_CHECKER.checkers)
     for name, rule in (("iri", "iri"), ("iri-reference", "iri_reference")):
         checker.checks(name, raises=ValueError)(functools.partial(_iri_ok, rule))
@@ -2079,8 +2102,10 @@ def _format_checker(cls: Any, regex: bool = True) -> FormatChecker:
 
 @functools.lru_cache(maxsize=1024)
 def _compiled_schema(text: str) -> Any:
+    import referencing
     schema = json.loads(text)
-    cls = validators.validator_for(schema, default=Draft202012Validator)
+    jsonschema = _jsonschema()
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     cls.check_schema(schema, format_checker=_format_checker(cls, regex=False))
     unevaluated = not _KEYWORDS_BY_RE <= {key for _, key, _ in _schema_entries(schema, ())}
     if not unevaluated:
@@ -2166,6 +2191,7 @@ def schema_errors(validator: Any, instance: Any, prefix: str = "") -> list[dict[
 
     A missing required member is pointed at itself, not at the object that lacks it.
     """
+    import referencing.exceptions
     fast = _FAST_CHECKS.get(id(validator))
     if fast is not None and fast[0] is validator:
         with contextlib.suppress(KeyError):     # a document checked in a thread may have dropped it
@@ -2195,10 +2221,12 @@ def schema_errors(validator: Any, instance: Any, prefix: str = "") -> list[dict[
 
 def _schema_problem(schema: Any) -> tuple[tuple[Any, ...], str] | None:
     """Why `schema` cannot be used, as (where within it, message), or None."""
+    jsonschema = _jsonschema()
+    validators = jsonschema.validators
     if isinstance(schema, dict) and "$schema" in schema and (
             not isinstance(schema["$schema"], str) or validators.validator_for(schema, default=None) is None):
         return ("$schema",), f"{schema['$schema']!r} is not a JSON Schema dialect this daemon knows"
-    cls = validators.validator_for(schema, default=Draft202012Validator)
+    cls = validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     entries = list(_schema_entries(schema, ()))
     for path, key, value in entries:   # before the meta-schema, which points at the mapping, not the key
         if key == "patternProperties" and isinstance(value, dict):
@@ -2207,7 +2235,7 @@ def _schema_problem(schema: Any) -> tuple[tuple[Any, ...], str] | None:
                     return path + (key, pattern), _pattern_refusal(pattern)
     try:
         cls.check_schema(schema, format_checker=_format_checker(cls))
-    except SchemaError as exc:
+    except jsonschema.SchemaError as exc:
         if exc.validator == "format" and exc.validator_value == "regex":
             return tuple(exc.absolute_path), _pattern_refusal(exc.instance)
         return tuple(exc.absolute_path), f"not a valid JSON Schema: {exc.message}"
@@ -2238,6 +2266,8 @@ def _unheld_reference(schema: Any, cls: Any) -> tuple[tuple[Any, ...], str] | No
     Each is looked up as the validator will, from the base its enclosing `$id`s make, in a
     registry that holds the schema and nothing else.
     """
+    import referencing.exceptions
+    import referencing.jsonschema
     spec = referencing.jsonschema.specification_with(cls.META_SCHEMA.get("$id", ""),
                                                       default=referencing.jsonschema.DRAFT202012)
     root = spec.create_resource(schema)
@@ -2560,91 +2590,100 @@ class DocumentError(Exception):
 
 # Reading the front matter with lines.
 
-try:
-    from yaml._yaml import CParser as _YamlEvents    # libyaml: a MiB of YAML read in milliseconds
-except ImportError:                                  # PyYAML built without it: its reader in Python
-    _YamlEvents = yaml.SafeLoader
-
-
-class _TooLarge(yaml.MarkedYAMLError):
+class _TooLarge(Exception):
     """A document past MAX_DOCUMENT_NODES or MAX_DOCUMENT_DEPTH, marked where it passed."""
 
-
-class _FrontMatterLoader(yaml.composer.Composer, yaml.resolver.Resolver):
-    """Composes YAML 1.2 core scalars only, refuses anchors and aliases, and stops at the bounds.
-
-    libyaml reads the text into events, which are composed here, in Python, with their marks; the
-    composing stops at the node past MAX_DOCUMENT_NODES or MAX_DOCUMENT_DEPTH (`_TooLarge`), so
-    neither the time nor the memory of composing grows with what a document holds past them.
-    """
-
-    yaml_implicit_resolvers: dict[Any, Any] = {}
-
-    def __init__(self, text: str) -> None:
-        yaml.composer.Composer.__init__(self)
-        yaml.resolver.Resolver.__init__(self)
-        self.text = text
-        self.nodes = 0
-        self.depth = 0
-        self.events = self._read(_YamlEvents, text)
-
-    def _read(self, step: Callable[..., Any], *args: Any) -> Any:
-        try:
-            return step(*args)
-        except UnicodeEncodeError as exc:   # libyaml reads UTF-8, which a lone surrogate is not
-            raise yaml.reader.ReaderError("<unicode string>", exc.start, ord(self.text[exc.start]), "unicode",
-                                          "special characters are not allowed") from None
-        except yaml.reader.ReaderError as exc:
-            if _YamlEvents is not yaml.SafeLoader:   # libyaml's position counts bytes of UTF-8
-                exc.position = len(self.text.encode("utf-8", "surrogatepass")[:exc.position].decode("utf-8", "ignore"))
-            raise
-
-    def check_event(self, *choices: Any) -> bool:
-        return self._read(self.events.check_event, *choices)
-
-    def peek_event(self) -> Any:
-        return self._read(self.events.peek_event)
-
-    def get_event(self) -> Any:
-        return self._read(self.events.get_event)
-
-    def dispose(self) -> None:
-        self.events.dispose()
-
-    def compose_node(self, parent: Any, index: Any) -> Any:
-        event = self.peek_event()
-        self.nodes += 1
-        if self.nodes > MAX_DOCUMENT_NODES:
-            raise _TooLarge(problem=f"the document holds more than {MAX_DOCUMENT_NODES} YAML nodes"
-                            " (mappings, lists and values)", problem_mark=event.start_mark)
-        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)) and self.depth >= MAX_DOCUMENT_DEPTH:
-            raise _TooLarge(problem=f"mappings and lists nest more than {MAX_DOCUMENT_DEPTH} deep",
-                            problem_mark=event.start_mark)
-        # Refused, not raised, so the document's other problems still come back: an alias
-        # becomes a scalar that `_scalar` refuses, an anchor a mark that `construct` reports.
-        if isinstance(event, yaml.AliasEvent):
-            self.get_event()
-            return yaml.ScalarNode(_ALIAS_TAG, "", event.start_mark, event.end_mark)
-        anchored = getattr(event, "anchor", None) is not None
-        if anchored:
-            event.anchor = None
-        self.depth += 1
-        try:
-            node = super().compose_node(parent, index)
-        finally:
-            self.depth -= 1
-        node.anchored = anchored
-        return node
+    def __init__(self, problem: str, problem_mark: Any) -> None:
+        super().__init__(problem)
+        self.problem = problem
+        self.problem_mark = problem_mark
 
 
-for _tag, _pattern, _first in (
-    ("null", r"~|null|Null|NULL|", "~nN"),
-    ("bool", r"true|True|TRUE|false|False|FALSE", "tTfF"),
-    ("int", r"[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+", "-+0123456789"),
-    ("float", r"[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?", "-+.0123456789"),
-):
-    _FrontMatterLoader.add_implicit_resolver(
-        f"tag:yaml.org,2002:{_tag}", re.compile(f"^(?:{_pattern})$"), list(_first) + ([""] if _tag == "null" else []))
+@functools.cache
+def _front_matter_loader() -> type:
+    """The loader class of front matter and workflow documents, made on first use (with PyYAML)."""
+    import yaml
+    try:
+        from yaml._yaml import CParser as _YamlEvents    # libyaml: a MiB of YAML read in milliseconds
+    except ImportError:                                  # PyYAML built without it: its reader in Python
+        _YamlEvents = yaml.SafeLoader
+
+    class _FrontMatterLoader(yaml.composer.Composer, yaml.resolver.Resolver):
+        """Composes YAML 1.2 core scalars only, refuses anchors and aliases, and stops at the bounds.
+
+        libyaml reads the text into events, which are composed here, in Python, with their marks; the
+        composing stops at the node past MAX_DOCUMENT_NODES or MAX_DOCUMENT_DEPTH (`_TooLarge`), so
+        neither the time nor the memory of composing grows with what a document holds past them.
+        """
+
+        yaml_implicit_resolvers: dict[Any, Any] = {}
+
+        def __init__(self, text: str) -> None:
+            yaml.composer.Composer.__init__(self)
+            yaml.resolver.Resolver.__init__(self)
+            self.text = text
+            self.nodes = 0
+            self.depth = 0
+            self.events = self._read(_YamlEvents, text)
+
+        def _read(self, step: Callable[..., Any], *args: Any) -> Any:
+            try:
+                return step(*args)
+            except UnicodeEncodeError as exc:   # libyaml reads UTF-8, which a lone surrogate is not
+                raise yaml.reader.ReaderError("<unicode string>", exc.start, ord(self.text[exc.start]), "unicode",
+                                              "special characters are not allowed") from None
+            except yaml.reader.ReaderError as exc:
+                if _YamlEvents is not yaml.SafeLoader:   # libyaml's position counts bytes of UTF-8
+                    exc.position = len(self.text.encode("utf-8", "surrogatepass")[:exc.position].decode("utf-8", "ignore"))
+                raise
+
+        def check_event(self, *choices: Any) -> bool:
+            return self._read(self.events.check_event, *choices)
+
+        def peek_event(self) -> Any:
+            return self._read(self.events.peek_event)
+
+        def get_event(self) -> Any:
+            return self._read(self.events.get_event)
+
+        def dispose(self) -> None:
+            self.events.dispose()
+
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            event = self.peek_event()
+            self.nodes += 1
+            if self.nodes > MAX_DOCUMENT_NODES:
+                raise _TooLarge(problem=f"the document holds more than {MAX_DOCUMENT_NODES} YAML nodes"
+                                " (mappings, lists and values)", problem_mark=event.start_mark)
+            if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)) and self.depth >= MAX_DOCUMENT_DEPTH:
+                raise _TooLarge(problem=f"mappings and lists nest more than {MAX_DOCUMENT_DEPTH} deep",
+                                problem_mark=event.start_mark)
+            # Refused, not raised, so the document's other problems still come back: an alias
+            # becomes a scalar that `_scalar` refuses, an anchor a mark that `construct` reports.
+            if isinstance(event, yaml.AliasEvent):
+                self.get_event()
+                return yaml.ScalarNode(_ALIAS_TAG, "", event.start_mark, event.end_mark)
+            anchored = getattr(event, "anchor", None) is not None
+            if anchored:
+                event.anchor = None
+            self.depth += 1
+            try:
+                node = super().compose_node(parent, index)
+            finally:
+                self.depth -= 1
+            node.anchored = anchored
+            return node
+
+    for tag, pattern, first in (
+        ("null", r"~|null|Null|NULL|", "~nN"),
+        ("bool", r"true|True|TRUE|false|False|FALSE", "tTfF"),
+        ("int", r"[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+", "-+0123456789"),
+        ("float", r"[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?", "-+.0123456789"),
+    ):
+        _FrontMatterLoader.add_implicit_resolver(
+            f"tag:yaml.org,2002:{tag}", re.compile(f"^(?:{pattern})$"), list(first) + ([""] if tag == "null" else []))
+    return _FrontMatterLoader
+
 
 _YAML_TAG: Final = "tag:yaml.org,2002:"
 _ALIAS_TAG: Final = "!alias"
@@ -2704,6 +2743,7 @@ class _Reader:
 
     def construct(self, node: Any, path: tuple[Any, ...]) -> Any:
         """Plain data from a YAML node, noting each field's line; problems are collected."""
+        import yaml
         if getattr(node, "anchored", False):
             self.add(path, _NO_ANCHORS, line=node.start_mark.line + _FRONT_OFFSET)
         if isinstance(node, (yaml.MappingNode, yaml.SequenceNode)) and node.tag not in _COLLECTION_TAGS:
@@ -2878,6 +2918,7 @@ def _objects_in(value: Any) -> int:
 
 
 def _text_line(node: Any) -> int:
+    import yaml
     block = isinstance(node, yaml.ScalarNode) and node.style in ("|", ">")
     return node.start_mark.line + _FRONT_OFFSET + (1 if block else 0)
 
@@ -2910,9 +2951,10 @@ def _split_source(source: str) -> tuple[str, str, int]:
 
 
 def _compose(r: _Reader, text: str) -> dict[str, Any]:
+    import yaml
     loader = None
     try:
-        loader = _FrontMatterLoader(text)
+        loader = _front_matter_loader()(text)
         node = loader.get_single_node()
     except _TooLarge as exc:
         raise DocumentError([{"line": exc.problem_mark.line + _FRONT_OFFSET, "field": "", "message": exc.problem}]) from None
@@ -3790,6 +3832,7 @@ def load_config(path: str | None, environ: dict[str, str] | None = None) -> Conf
     environ = os.environ if environ is None else environ
     raw: Any = {}
     if path:
+        import yaml
         try:
             with open(path, encoding="utf-8") as fh:
                 raw = yaml.safe_load(fh) or {}
@@ -8117,6 +8160,7 @@ def _ask_source(kind: str) -> str:
                              "properties": props}},
         "output": {"schema": ASK_ANSWER_SCHEMAS[kind]},
     }
+    import yaml
     return "---\n" + yaml.safe_dump(front, sort_keys=False) + "---\n{{ input.prompt }}\n"
 
 
@@ -10794,10 +10838,11 @@ def parse_workflow(source: str, name: str | None = None) -> WorkflowDoc:
 
 def _compose_workflow(r: _Reader, source: str) -> dict[str, Any]:
     """The document's data; `r` learns every field's line. Same loader as the front matter."""
+    import yaml
     text = source.replace("\r\n", "\n").replace("\r", "\n").removeprefix("\ufeff")
     loader = None
     try:
-        loader = _FrontMatterLoader(text)
+        loader = _front_matter_loader()(text)
         node = loader.get_single_node()
     except _TooLarge as exc:
         raise DocumentError([{"line": exc.problem_mark.line + 1, "field": "", "message": exc.problem}]) from None
@@ -11857,9 +11902,19 @@ RUN_KINDS["workflow"] = Workflows
 # state-changing request must also carry a matching Origin). The route table below is the single
 # source of both the router and /openapi.json, so the two cannot drift apart.
 
-ENGINE_KEY: Final = web.AppKey("engine", Engine)
-TOKENS_KEY: Final = web.AppKey("tokens", dict)
-CALLER_KEY: Final = web.RequestKey("caller", Caller)
+@functools.cache
+def state_key(name: str, kind: Any, request: bool = False) -> Any:
+    """The typed key of the app's (or, with `request`, a request's) state `name`, one object a name.
+
+    Made on first use, with aiohttp, which loads only where an app is built or a response made.
+    """
+    from aiohttp import web
+    return web.RequestKey(name, kind) if request else web.AppKey(name, kind)
+
+
+engine_key: Final = functools.partial(state_key, "engine", Engine)
+tokens_key: Final = functools.partial(state_key, "tokens", dict)
+caller_key: Final = functools.partial(state_key, "caller", Caller, True)
 SESSION_COOKIE: Final = "interactiond_session"
 TOKEN_CACHE_S: Final = 2.0          # a revoked token stops working within this long
 PB: Final = "/v1/orgs/{org}/playbooks/{playbook}"
@@ -11883,6 +11938,7 @@ class Route:
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:
+    from aiohttp import web
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
@@ -11905,6 +11961,7 @@ def body_json(raw: bytes) -> Any:
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
+    from aiohttp import web
     try:                                # orjson's bytes as they are: no round trip through str
         body = _orjson.dumps(data) if _orjson is not None else dumps(data).encode()
     except TypeError:
@@ -11913,6 +11970,7 @@ def _json(data: Any, status: int = 200) -> web.Response:
 
 
 def problem_response(exc: Problem) -> web.Response:
+    from aiohttp import web
     resp = web.Response(text=dumps(exc.body()), status=exc.status, content_type="application/problem+json")
     if exc.status == 401:
         resp.headers["WWW-Authenticate"] = BEARER_CHALLENGE
@@ -11927,11 +11985,11 @@ def _run_response(run: dict[str, Any], fresh: bool = False) -> web.Response:
 
 
 def _caller(request: web.Request) -> Caller:
-    return request[CALLER_KEY]
+    return request[caller_key()]
 
 
 def _pb(request: web.Request) -> str:
-    engine = request.app[ENGINE_KEY]
+    engine = request.app[engine_key()]
     return engine.playbook(_caller(request), f"{request.match_info['org']}/{request.match_info['playbook']}")
 
 
@@ -11951,14 +12009,14 @@ async def h_healthz(request: web.Request) -> web.Response:
 
 async def h_create_definition(request: web.Request) -> web.Response:
     body = await _json_body(request)
-    engine = request.app[ENGINE_KEY]
+    engine = request.app[engine_key()]
     d, created = await engine.create_definition(_caller(request), _pb(request), body.get("type", "interaction"),
                                                 _str_field(body, "name"), _str_field(body, "source"))
     return _json(d, 201 if created else 200)
 
 
 async def h_list_definitions(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE_KEY]
+    engine = request.app[engine_key()]
     return _json({"data": await engine.list_definitions(_caller(request), _pb(request), request.query.get("type"))})
 
 
@@ -11973,20 +12031,20 @@ def _version_param(request: web.Request) -> int | None:
 
 
 async def h_get_definition(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE_KEY]
+    engine = request.app[engine_key()]
     return _json(await engine.get_definition(_caller(request), _pb(request), request.match_info["type"],
                                              request.match_info["name"], _version_param(request)))
 
 
 async def h_delete_definition(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE_KEY]
+    engine = request.app[engine_key()]
     return _json(await engine.delete_definition(_caller(request), _pb(request), request.match_info["type"],
                                                 request.match_info["name"]))
 
 
 async def h_run_definition(request: web.Request) -> web.Response:
     body = await _json_body(request)
-    engine = request.app[ENGINE_KEY]
+    engine = request.app[engine_key()]
     run, fresh = await engine.run_definition(_caller(request), _pb(request), body.get("type", "interaction"),
                                              _str_field(body, "name"), body.get("input"),
                                              _str_field(body, "run_id", required=False))
@@ -11995,13 +12053,13 @@ async def h_run_definition(request: web.Request) -> web.Response:
 
 async def h_list_runs(request: web.Request) -> web.Response:
     q = request.query
-    engine = request.app[ENGINE_KEY]
+    engine = request.app[engine_key()]
     return _json(await engine.list_runs(_caller(request), _pb(request), q.get("status"), q.get("function"),
                                         q.get("limit"), q.get("cursor")))
 
 
 async def h_get_run(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE_KEY]
+    engine = request.app[engine_key()]
     return _json(await engine.get_run(_caller(request), _pb(request), request.match_info["run_id"]))
 
 
@@ -12017,7 +12075,7 @@ async def h_wait_run(request: web.Request) -> web.Response:
         raise Problem("invalid_request", f"{name} is a number of seconds, 0 or more (at most {MAX_HTTP_WAIT_S:g} are waited)",
                       errors=[{"pointer": f"/{name}", "message": "a number of seconds, 0 or more"}])
     cut = timeout > MAX_HTTP_WAIT_S
-    engine = request.app[ENGINE_KEY]
+    engine = request.app[engine_key()]
     run = await engine.wait_run(_caller(request), _pb(request), request.match_info["run_id"],
                                 min(timeout, MAX_HTTP_WAIT_S))
     resp = _run_response(run)
@@ -12046,32 +12104,32 @@ def run_loop(main: Any) -> Any:
 
 
 async def h_cancel_run(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE_KEY]
+    engine = request.app[engine_key()]
     return _json(await engine.cancel_run(_caller(request), _pb(request), request.match_info["run_id"]))
 
 
 async def h_run_events(request: web.Request) -> web.Response:
     q = request.query
-    engine = request.app[ENGINE_KEY]
+    engine = request.app[engine_key()]
     return _json(await engine.list_run_events(_caller(request), _pb(request), request.match_info["run_id"],
                                               q.get("limit"), q.get("cursor")))
 
 
 async def h_get_event(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE_KEY]
+    engine = request.app[engine_key()]
     return _json(await engine.get_event(_caller(request), _pb(request), request.match_info["event_id"]))
 
 
 async def h_playbook_events(request: web.Request) -> web.Response:
     q = request.query
-    engine = request.app[ENGINE_KEY]
+    engine = request.app[engine_key()]
     return _json(await engine.list_playbook_events(_caller(request), _pb(request), q.get("type"), q.get("limit"),
                                                    q.get("cursor")))
 
 
 async def h_list_interactions(request: web.Request) -> web.Response:
     q = request.query
-    engine = request.app[ENGINE_KEY]
+    engine = request.app[engine_key()]
     return _json(await engine.list_interactions(_caller(request), _pb(request), q.get("to"), q.get("type"),
                                                 q.get("function"), q.get("limit"), q.get("cursor")))
 
@@ -12080,26 +12138,26 @@ async def h_answer(request: web.Request) -> web.Response:
     body = await _json_body(request)
     if "answer" not in body:
         raise Problem("invalid_request", "answer is required", errors=[{"pointer": "/answer", "message": "required"}])
-    engine = request.app[ENGINE_KEY]
+    engine = request.app[engine_key()]
     fact, _ = await engine.answer_interaction(_caller(request), _pb(request), request.match_info["run_id"],
                                               body["answer"], body.get("claimed_for"))
     return _json(fact)
 
 
 async def h_search(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE_KEY]
+    engine = request.app[engine_key()]
     return _json(await engine.search(_caller(request), _pb(request), request.query.get("query")))
 
 
 async def h_introspect(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE_KEY]
+    engine = request.app[engine_key()]
     m = request.match_info
     return _json(await engine.introspect(_caller(request), _pb(request), m["server"], m["tool"]))
 
 
 async def h_execute(request: web.Request) -> web.Response:
     body = await _json_body(request)
-    engine = request.app[ENGINE_KEY]
+    engine = request.app[engine_key()]
     m = request.match_info
     out = await engine.execute_tool(_caller(request), _pb(request), m["server"], m["tool"], body.get("arguments", {}),
                                     body.get("approve"))
@@ -12107,7 +12165,7 @@ async def h_execute(request: web.Request) -> web.Response:
 
 
 async def h_clock(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE_KEY]
+    engine = request.app[engine_key()]
     if not engine.clock.manual:
         raise Problem("conflict", "the clock is the system's; start the daemon with --clock manual to move it")
     body = await _json_body(request)
@@ -12123,7 +12181,7 @@ async def h_clock(request: web.Request) -> web.Response:
 
 async def h_create_link(request: web.Request) -> web.Response:
     body = await _json_body(request)
-    engine, playbook = request.app[ENGINE_KEY], _pb(request)
+    engine, playbook = request.app[engine_key()], _pb(request)
     try:
         person = person_name(body["for"]) if body.get("for") is not None else None
     except ValueError as exc:
@@ -12141,6 +12199,7 @@ async def h_create_link(request: web.Request) -> web.Response:
 
 
 async def h_problem_page(request: web.Request) -> web.Response:
+    from aiohttp import web
     name = request.match_info["name"]
     if name not in PROBLEM_TYPES:
         raise not_found(f"no problem type {name}")
@@ -12263,7 +12322,7 @@ class Connections:
         return self.open.get(request.transport)
 
 
-CONNECTIONS_KEY: Final = web.AppKey("connections", Connections)
+connections_key: Final = functools.partial(state_key, "connections", Connections)
 
 
 # -- metrics and request ids ------------------------------------------------------------------------
@@ -12382,8 +12441,8 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-METRICS_KEY: Final = web.AppKey("metrics", Metrics)
-ACCESS_LOG_KEY: Final = web.AppKey("access_log", bool)
+metrics_key: Final = functools.partial(state_key, "metrics", Metrics)
+access_log_key: Final = functools.partial(state_key, "access_log", bool)
 
 
 def _from_loopback(request: web.Request) -> bool:
@@ -12393,28 +12452,29 @@ def _from_loopback(request: web.Request) -> bool:
 
 
 async def h_metrics(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE_KEY]
+    from aiohttp import web
+    engine = request.app[engine_key()]
     if not (engine.config.metrics_open_on_loopback and _from_loopback(request)):
         (await _authenticate(request)).require(Role.OPERATOR)
     from prometheus_client import CONTENT_TYPE_LATEST
 
-    return web.Response(body=await request.app[METRICS_KEY].exposition(),
+    return web.Response(body=await request.app[metrics_key()].exposition(),
                         headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-@web.middleware
 async def observe_middleware(request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
     """Give the request an id (the client's `X-Request-Id` when it is a plain one), time it by its
     route for the metrics, and write the access line when asked (`serve --access-log`); within it,
     api_middleware, and after it the typed API's `code` on a /v2 problem (one middleware for
     aiohttp, not three: each costs every request a layer)."""
+    from aiohttp import web
     rid = request.headers.get("X-Request-Id", "")
     if not rid or not _REQUEST_ID_RE.fullmatch(rid):
         rid = _next_request_id()
     reset = REQUEST_ID.set(rid)
     began = time.perf_counter()
     status = 500
-    conn = connections.of(request) if (connections := request.app.get(CONNECTIONS_KEY)) is not None else None
+    conn = connections.of(request) if (connections := request.app.get(connections_key())) is not None else None
     if conn is not None:
         conn.started()
     try:
@@ -12433,12 +12493,12 @@ async def observe_middleware(request: web.Request, handler: Callable[[web.Reques
         raise
     finally:
         elapsed = time.perf_counter() - began
-        metrics = request.app.get(METRICS_KEY)
+        metrics = request.app.get(metrics_key())
         if metrics is not None:
             resource = request.match_info.route.resource
             metrics.child(metrics.http, request.method if request.method in _HTTP_METHODS else "other",
                           resource.canonical if resource is not None else "unmatched", str(status)).observe(elapsed)
-        if request.app.get(ACCESS_LOG_KEY):
+        if request.app.get(access_log_key()):
             access_log.info("%s %s %s %.1f ms", request.method, request.path, status, elapsed * 1000)
         if conn is not None:
             conn.ended()
@@ -12622,7 +12682,7 @@ def _same_origin(request: web.Request, origin: str | None) -> bool:
         return False
     if origin == f"{request.scheme}://{request.host}":
         return True
-    public = public_origin(request.app[ENGINE_KEY].config.public_url)
+    public = public_origin(request.app[engine_key()].config.public_url)
     return public is not None and origin == public[0]
 
 
@@ -12649,8 +12709,8 @@ async def _authenticate(request: web.Request) -> Caller:
 async def lookup_token(app: web.Application, secret: str) -> Caller | None:
     """The caller a token (or an inbox session's cookie) stands for; None when unknown, revoked or,
     for a session, expired on the daemon's clock. A session's use is written at most once a minute."""
-    cache: dict[str, tuple[float, Caller | None, dict[str, Any] | None]] = app[TOKENS_KEY]
-    engine = app[ENGINE_KEY]
+    cache: dict[str, tuple[float, Caller | None, dict[str, Any] | None]] = app[tokens_key()]
+    engine = app[engine_key()]
     digest = sha256_hex(secret)
     hit = cache.get(digest)
     if hit is None or hit[0] <= time.monotonic():
@@ -12682,19 +12742,19 @@ def _challenge(request: web.Request) -> str:
     return BEARER_CHALLENGE + (', error="invalid_token"' if sent else "")
 
 
-@web.middleware
 async def api_middleware(request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
+    from aiohttp import web
     try:
         route: Route | None = ROUTE_BY_HANDLER.get(request.match_info.route.handler)
         if route is not None and not route.public:
             caller = await _authenticate(request)
-            request[CALLER_KEY] = caller
+            request[caller_key()] = caller
             if caller.person is not None and not route.person:
                 raise not_found("a person's sign-in sees only the requests addressed to them")
             caller.require(route.role)
         elif route is None and not request.path.startswith(PUBLIC_PATHS) and request.match_info.http_exception is None \
                 and request.path not in ("/",):
-            request[CALLER_KEY] = await _authenticate(request)
+            request[caller_key()] = await _authenticate(request)
         return await handler(request)
     except Problem as exc:
         if exc.status == 401 and request.path == "/mcp" and request.method == "POST":
@@ -13417,13 +13477,14 @@ def asgi_handler(app: Callable[..., Any], *, grace_s: float = 2.0,
     to the token that opened it. Per request, `on_send` sees each message the app sends, and
     `on_start` is handed a function that ends the request as if the peer had left.
     """
+    from aiohttp import web
     async def handler(request: web.Request, on_send: Callable[[dict[str, Any]], None] | None = None,
                       on_start: Callable[[Callable[[], None]], None] | None = None) -> web.StreamResponse:
         body = await request.read()         # HTTPRequestEntityTooLarge past client_max_size: a 413 problem
         tr = request.transport
         peer = tr.get_extra_info("peername") if tr else None
         sock = tr.get_extra_info("sockname") if tr else None
-        caller = request.get(CALLER_KEY)
+        caller = request.get(caller_key())
         scope: dict[str, Any] = {
             "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
             "http_version": f"{request.version.major}.{request.version.minor}", "method": request.method,
@@ -13470,7 +13531,7 @@ def asgi_handler(app: Callable[..., Any], *, grace_s: float = 2.0,
                     await resp.write_eof()
 
         task = asyncio.ensure_future(app(scope, receive, send))
-        streams: set[asyncio.Task[Any]] = request.app[STREAMS_KEY]
+        streams: set[asyncio.Task[Any]] = request.app[streams_key()]
         me = asyncio.current_task()
         if me is not None:
             streams.add(me)
@@ -13490,7 +13551,7 @@ def asgi_handler(app: Callable[..., Any], *, grace_s: float = 2.0,
     return handler
 
 
-STREAMS_KEY: Final = web.AppKey("streams", set)
+streams_key: Final = functools.partial(state_key, "streams", set)
 
 
 @dataclass(eq=False)
@@ -13693,7 +13754,7 @@ class _McpTransports:
 
     async def serve_mcp(self, request: web.Request) -> web.StreamResponse:
         handler = await self.handler("mcp")
-        caller: Caller = request[CALLER_KEY]
+        caller: Caller = request[caller_key()]
         reg = self.sessions
         sid = request.headers.get("mcp-session-id")
         if sid is not None:
@@ -13733,7 +13794,7 @@ class _McpTransports:
 
     async def serve_sse(self, request: web.Request) -> web.StreamResponse:
         handler = await self.handler("sse")
-        caller: Caller = request[CALLER_KEY]
+        caller: Caller = request[caller_key()]
         reg = self.sessions
         await reg.admit(caller)
         opened: list[McpSession] = []
@@ -13764,7 +13825,7 @@ class _McpTransports:
 
     async def serve_messages(self, request: web.Request) -> web.StreamResponse:
         handler = await self.handler("messages")
-        s = self.sessions.owned(request.query.get("session_id", ""), request[CALLER_KEY])
+        s = self.sessions.owned(request.query.get("session_id", ""), request[caller_key()])
         if s is not None:
             self.sessions.touch(s)
         return await handler(request)
@@ -13793,13 +13854,13 @@ def mcp_allowed(listen_hosts: Iterable[str], public_url: str | None) -> tuple[li
 def mount_mcp(app: web.Application, engine: Engine, listen_hosts: Iterable[str] = ()) -> None:
     """Streamable HTTP at /mcp and legacy SSE at /sse (+ /messages/) on the API's port."""
     transports = _McpTransports(engine, *mcp_allowed(listen_hosts, engine.config.public_url))
-    app[STREAMS_KEY] = set()
+    app[streams_key()] = set()
     app.router.add_route("*", "/mcp", transports.serve_mcp)
     app.router.add_get("/sse", transports.serve_sse)
     app.router.add_post("/messages/", transports.serve_messages)
 
     async def cancel_streams(app: web.Application) -> None:
-        for t in list(app[STREAMS_KEY]):
+        for t in list(app[streams_key()]):
             t.cancel()
 
     async def close(app: web.Application) -> None:
@@ -14140,10 +14201,11 @@ def _last_event_id(request: web.Request) -> int | None:
 
 async def serve_stream(request: web.Request, playbooks: list[str]) -> web.StreamResponse:
     """Server-Sent Events of `playbooks`, from Last-Event-ID (or from now) on, until the client leaves."""
-    engine = request.app[ENGINE_KEY]
+    from aiohttp import web
+    engine = request.app[engine_key()]
     after = _last_event_id(request)
     doorbell = engine.subscribe()           # before reading: nothing committed from here on is missed
-    tasks: set[asyncio.Task[Any]] = request.app[SSE_TASKS_KEY]
+    tasks: set[asyncio.Task[Any]] = request.app[sse_tasks_key()]
     me = asyncio.current_task()
     tasks.add(me)
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -14184,23 +14246,24 @@ async def serve_stream(request: web.Request, playbooks: list[str]) -> web.Stream
 
 # -- routes -------------------------------------------------------------------------------------
 
-SSE_TASKS_KEY: Final = web.AppKey("sse_tasks", set)
+sse_tasks_key: Final = functools.partial(state_key, "sse_tasks", set)
 
 
 async def h_v2_list(request: web.Request) -> web.Response:
     q = request.query
-    return _json(await list_typed_interactions(request.app[ENGINE_KEY], _caller(request), q.get("status"),
+    return _json(await list_typed_interactions(request.app[engine_key()], _caller(request), q.get("status"),
                                                q.get("run_id"), q.get("limit"), q.get("cursor")))
 
 
 async def h_v2_get(request: web.Request) -> web.Response:
-    engine, caller = request.app[ENGINE_KEY], _caller(request)
+    engine, caller = request.app[engine_key()], _caller(request)
     row = await find_interaction(engine, caller, request.match_info["id"])
     return _json(engine.links.shown(interaction_object(row), row, caller))
 
 
 async def h_v2_respond(request: web.Request) -> web.Response:
-    engine, caller = request.app[ENGINE_KEY], _caller(request)
+    from aiohttp import web
+    engine, caller = request.app[engine_key()], _caller(request)
     row = await find_interaction(engine, caller, request.match_info["id"])     # 404 before anything else
     try:
         raw = await request.read()
@@ -14214,7 +14277,7 @@ async def h_v2_respond(request: web.Request) -> web.Response:
 
 
 async def h_v2_events(request: web.Request) -> web.StreamResponse:
-    return await serve_stream(request, _visible(request.app[ENGINE_KEY], _caller(request)))
+    return await serve_stream(request, _visible(request.app[engine_key()], _caller(request)))
 
 
 async def h_playbook_stream(request: web.Request) -> web.StreamResponse:
@@ -14242,6 +14305,7 @@ ROUTE_BY_HANDLER.update({r.handler: r for r in TYPED_ROUTES})
 
 def _v2_code(resp: web.StreamResponse) -> None:
     """Every problem on /v2 carries `code` beside the problem fields, also those of auth and routing."""
+    from aiohttp import web
     if (isinstance(resp, web.Response) and resp.content_type == "application/problem+json"
             and isinstance(resp.body, bytes)):
         body = json.loads(resp.body)
@@ -14250,7 +14314,6 @@ def _v2_code(resp: web.StreamResponse) -> None:
             resp.text = dumps(body)         # its headers stand (WWW-Authenticate, X-Request-Id)
 
 
-@web.middleware
 async def _v2_codes(request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
     """_v2_code as a middleware of its own, for an app without observe_middleware (which does it)."""
     resp = await handler(request)
@@ -14261,12 +14324,13 @@ async def _v2_codes(request: web.Request, handler: Callable[[web.Request], Any])
 
 def mount_typed_api(app: web.Application) -> None:
     """What the typed API needs of an app beyond its routes: `code` on its problems, streams ended at shutdown."""
+    from aiohttp import web
     if observe_middleware not in app.middlewares:
-        app.middlewares.insert(0, _v2_codes)
-    app[SSE_TASKS_KEY] = set()
+        app.middlewares.insert(0, web.middleware(_v2_codes))
+    app[sse_tasks_key()] = set()
 
     async def end_streams(app: web.Application) -> None:
-        for task in list(app[SSE_TASKS_KEY]):
+        for task in list(app[sse_tasks_key()]):
             task.cancel()
     app.on_shutdown.append(end_streams)
 
@@ -14309,6 +14373,9 @@ class Client:
 
         A run object comes back whatever its HTTP status (the status tells the run's ending).
         """
+        import http.client
+        import urllib.error
+        import urllib.request
         url = self.base_url + path
         if query:
             url += "?" + urllib.parse.urlencode({k: v for k, v in query.items() if v is not None})
@@ -14649,10 +14716,11 @@ def _error_words(err: Any, label: str) -> str:
 def answer_error_words(schema: Any, answer: Any, labels: Mapping[str, str] | None = None) -> list[dict[str, str]]:
     """Every way `answer` fails `schema`, in words, as `{"pointer": "/answer/...", "message"}` (the
     pointers schema_errors gives). `labels` names fields by their pointer within the answer."""
+    import referencing.exceptions
     labels = labels or {}
     try:
         errors = list(compile_schema(schema).iter_errors(answer))
-    except (SchemaError, referencing.exceptions.Unresolvable):
+    except (_jsonschema().SchemaError, referencing.exceptions.Unresolvable):
         return []
     out: list[dict[str, str]] = []
     seen: dict[tuple[Any, ...], int] = {}
@@ -14711,17 +14779,20 @@ async def trade_login_token(store: Store, secret: str, now: int | None = None) -
 
 
 def _see_other(location: str) -> web.Response:
+    from aiohttp import web
     return web.Response(status=303, headers={"Location": location, "Cache-Control": "no-store",
                                              "Referrer-Policy": "no-referrer"})
 
 
 async def h_inbox_page(request: web.Request) -> web.Response:
+    from aiohttp import web
     return web.Response(text=INBOX_HTML, content_type="text/html", headers=INBOX_HEADERS)
 
 
 async def h_login(request: web.Request) -> web.Response:
+    from aiohttp import web
     secret = request.query.get("token", "")
-    engine = request.app[ENGINE_KEY]
+    engine = request.app[engine_key()]
     session = await trade_login_token(engine.store, secret, engine.clock.now_ms()) if secret else None
     if session is None:
         current = request.cookies.get(SESSION_COOKIE)
@@ -14736,18 +14807,19 @@ async def h_login(request: web.Request) -> web.Response:
 
 
 async def h_logout(request: web.Request) -> web.Response:
+    from aiohttp import web
     secret = request.cookies.get(SESSION_COOKIE)
     if secret:
-        digest, now = sha256_hex(secret), request.app[ENGINE_KEY].clock.now_ms()
-        await request.app[ENGINE_KEY].store.write(lambda tx, fx: tx.end_session(digest, now))
-        request.app[TOKENS_KEY].pop(digest, None)
+        digest, now = sha256_hex(secret), request.app[engine_key()].clock.now_ms()
+        await request.app[engine_key()].store.write(lambda tx, fx: tx.end_session(digest, now))
+        request.app[tokens_key()].pop(digest, None)
     resp = web.Response(status=204, headers={"Cache-Control": "no-store"})
     resp.del_cookie(SESSION_COOKIE, path="/")
     return resp
 
 
 async def h_web_session(request: web.Request) -> web.Response:
-    caller, engine = _caller(request), request.app[ENGINE_KEY]
+    caller, engine = _caller(request), request.app[engine_key()]
     seen = sorted(pb for pb in engine.playbooks if caller.sees(pb))
     # A person's page asks for their requests every poll_ms: the event stream is the playbook's.
     stream = caller.person is None and any(getattr(r, "canonical", None) == PB + "/stream"
@@ -14778,7 +14850,7 @@ async def h_web_render(request: web.Request) -> web.Response:
 async def _named_options(request: web.Request, items: list[dict[str, Any]]) -> dict[int, dict[str, str]]:
     """The option labels of the items that name an ask-choice's run (`playbook`, `run_id`) the caller
     may answer, by the item's index: read from the runs' input, in one reading."""
-    caller, engine = _caller(request), request.app[ENGINE_KEY]
+    caller, engine = _caller(request), request.app[engine_key()]
     wanted = {i: (it["playbook"], it["run_id"]) for i, it in enumerate(items)
               if isinstance(it.get("playbook"), str) and isinstance(it.get("run_id"), str)
               and it["playbook"] in engine.playbooks and caller.sees(it["playbook"])
@@ -14801,7 +14873,7 @@ async def h_web_answer(request: web.Request) -> web.Response:
     body = await _json_body(request)
     if "answer" not in body:
         raise Problem("invalid_request", "answer is required", errors=[{"pointer": "/answer", "message": "required"}])
-    engine, caller, playbook = request.app[ENGINE_KEY], _caller(request), _pb(request)
+    engine, caller, playbook = request.app[engine_key()], _caller(request), _pb(request)
     run_id = request.match_info["run_id"]
     try:
         fact, _ = await engine.answer_interaction(caller, playbook, run_id, body["answer"])
@@ -14815,7 +14887,7 @@ async def h_web_answer(request: web.Request) -> web.Response:
 
 
 async def h_web_counts(request: web.Request) -> web.Response:
-    playbook, engine, caller = _pb(request), request.app[ENGINE_KEY], _caller(request)
+    playbook, engine, caller = _pb(request), request.app[engine_key()], _caller(request)
     rows = [r for r in await engine.store.read(lambda tx: tx.open_counts_by_party(playbook)) if caller.addressed(r)]
     return _json({"total": sum(r["n"] for r in rows), "to": [{"to": r["party"], "count": r["n"]} for r in rows],
                   "now": fmt_time(engine.clock.now_ms())})
@@ -14836,7 +14908,7 @@ _LINK_RE: Final = re.compile(r"(int_[0-9A-Za-z]{1,64})\.[A-Za-z0-9_-]{32}")
 
 async def _linked(request: web.Request) -> tuple[str, Row] | None:
     """The link's signed part and its request (with the run's input), or None when it does not verify."""
-    engine, token = request.app[ENGINE_KEY], request.match_info["token"]
+    engine, token = request.app[engine_key()], request.match_info["token"]
     m = _LINK_RE.fullmatch(token)
     if m is None:
         return None
@@ -14867,6 +14939,7 @@ async def _answered_by_words(engine: Engine, by: str | None, name: str | None = 
 
 
 def _link_html(title: str, *parts: str, status: int = 200) -> web.Response:
+    from aiohttp import web
     head, tail = LINK_PAGE.split("{body}")
     return web.Response(text=head.replace("{title}", _esc(title)) + "".join(parts) + tail,
                         status=status, content_type="text/html", headers=LINK_HEADERS)
@@ -15048,7 +15121,7 @@ async def h_answer_link(request: web.Request) -> web.Response:
     found = await _linked(request)
     if found is None:
         return _link_not_found()
-    return await _link_page(request.app[ENGINE_KEY], *found)
+    return await _link_page(request.app[engine_key()], *found)
 
 
 async def h_answer_link_post(request: web.Request) -> web.Response:
@@ -15057,7 +15130,7 @@ async def h_answer_link_post(request: web.Request) -> web.Response:
         if request.content_type == "application/json":
             raise not_found("no such answer link")
         return _link_not_found()
-    engine, (token, row) = request.app[ENGINE_KEY], found
+    engine, (token, row) = request.app[engine_key()], found
     caller = _link_caller(row)
     if request.content_type == "application/json":     # a program holding the link: answer_interaction's answers
         body = await _json_body(request)
@@ -15116,12 +15189,14 @@ def build_app(engine: Engine, *, manage_engine: bool = True, hosts: Iterable[str
     """The aiohttp application over an engine (started and stopped with the app when asked); its
     metrics count from now on, `access_log` writes a line per request, and /mcp and /sse accept
     `hosts` (the addresses it listens at) in `Host`."""
-    app = web.Application(middlewares=[observe_middleware], client_max_size=MAX_BODY_BYTES)   # api_middleware within
-    app[ENGINE_KEY] = engine
-    app[TOKENS_KEY] = {}
-    app[CONNECTIONS_KEY] = Connections(engine.config.max_connections)
-    app[METRICS_KEY] = Metrics(engine)
-    app[ACCESS_LOG_KEY] = access_log
+    from aiohttp import web
+    app = web.Application(middlewares=[web.middleware(observe_middleware)],   # api_middleware within
+                          client_max_size=MAX_BODY_BYTES)
+    app[engine_key()] = engine
+    app[tokens_key()] = {}
+    app[connections_key()] = Connections(engine.config.max_connections)
+    app[metrics_key()] = Metrics(engine)
+    app[access_log_key()] = access_log
     # aiohttp tries the routes under /v1/orgs one after another, in the order they were added: a
     # run's and an answer's first (POST /runs 3.2 -> 2.0 us to resolve, an answer 6.0 -> 2.8 us).
     for r in sorted(ROUTES, key=lambda r: r.path not in _HOT_PATHS):
@@ -15164,8 +15239,9 @@ async def start_serving(app: web.Application, host: str, port: int) -> tuple[web
     """Start `app` and accept its connections at host:port, each through the app's `Connections`,
     whose cap leaves FD_RESERVE descriptors under the open-file limit; stop with stop_serving.
     OSError when it cannot listen there (the app is cleaned up)."""
+    from aiohttp import web
     limit = raise_open_file_limit()
-    conns = app[CONNECTIONS_KEY]
+    conns = app[connections_key()]
     room = limit - min(FD_RESERVE, limit // 4)
     if conns.cap > room:
         log.warning("the open-file limit is %d: at most %d connections (max_connections: %d)", limit, room,
@@ -15535,6 +15611,8 @@ def daemon_address(args: Any, db: str, config: Config) -> DaemonAddress:
 def _http(method: str, url: str, token: str | None, body: Any = None,
           timeout: float = MAX_HTTP_WAIT_S + 10) -> tuple[int, Any, Mapping[str, str]]:
     """One call: (status, JSON body, headers). Raises OSError (URLError included) when nothing answered."""
+    import urllib.error
+    import urllib.request
     data = dumps(body).encode() if body is not None else None
     headers = {"Content-Type": "application/json", "Accept": "application/json"}
     if token:
@@ -15554,6 +15632,7 @@ def _http(method: str, url: str, token: str | None, body: Any = None,
 def call_daemon(d: DaemonAddress, method: str, path: str, body: Any = None,
                 query: Mapping[str, Any] | None = None) -> tuple[int, Any, Mapping[str, str]]:
     """A call to the daemon, or a CliError that says in one line why there was none."""
+    import http.client
     q = {k: v for k, v in (query or {}).items() if v is not None}
     url = d.url + path + ("?" + urllib.parse.urlencode(q) if q else "")
     unreachable = CliError(f"cannot reach the daemon at {d.url} (from {d.source}): is `interactiond serve` running?",
@@ -16047,6 +16126,7 @@ class BadRequestFilter(logging.Filter):
     what was wrong but not quoting what was sent."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        from aiohttp.http_exceptions import HttpProcessingError
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, HttpProcessingError):
             first = (str(exc.message).strip().splitlines() or [""])[0]
@@ -16121,6 +16201,7 @@ def file_kind(path: Path, source: str) -> str:
     document."""
     if path.suffix.lower() not in (".yaml", ".yml"):
         return "function document"
+    import yaml
     try:
         raw = yaml.safe_load(source)
     except yaml.YAMLError:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from jsonschema.exceptions import SchemaError
 
 import interactiond as itd
 from interactiond import DocumentError, Shape, Template, parse_function
@@ -751,7 +752,7 @@ def test_compile_schema_checks_formats_and_caches():
 
 
 def test_compile_schema_refuses_a_bad_schema():
-    with pytest.raises(itd.SchemaError):
+    with pytest.raises(SchemaError):
         itd.compile_schema({"type": "strin"})
 
 

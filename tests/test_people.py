@@ -113,7 +113,7 @@ async def test_a_persons_link_signs_in_to_their_own_requests_only(d):
         assert tx.revoke_token(mine["id"], START_MS)
     finally:
         tx.close()
-    d.client.app[itd.TOKENS_KEY].clear()             # the token cache: a revocation counts within 2 s
+    d.client.app[itd.tokens_key()].clear()             # the token cache: a revocation counts within 2 s
     assert (await d.client.get("/web/session")).status == 401
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 
 import pytest
+from liquid.exceptions import LiquidError
 
 import interactiond as itd
 from interactiond import PLACES, RenderError, Template, check_template, render_args
@@ -144,7 +145,7 @@ def test_base_context_gives_today_and_now_from_the_moment():
 
 
 def test_a_template_that_does_not_compile_raises_at_construction():
-    with pytest.raises(itd.LiquidError):
+    with pytest.raises(LiquidError):
         Template("{{ input.owner | }}")
 
 
