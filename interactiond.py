@@ -22,7 +22,9 @@ The module reads top to bottom, each section using only those above it:
     Settings                  the configuration file: tool servers, playbooks, secrets
     Store                     the schema and migrations, one writer with group commit, a reader, and
                               the Tx operations: every SQL statement, named and guarded (SqlTx,
-                              on SQLiteTx or PostgresTx, their SQL's differences in a Dialect)
+                              on SQLiteTx; the SQL's differences between backends in a Dialect)
+    PostgreSQL                the same store on a server: its schema and migrations, PostgresTx,
+                              the daemons' registry (PgDaemons), the bus across daemons (PgBus)
     Tool servers              MCP client sessions, one owner task per server, and the one door
                               every tool call goes through (ToolServers.call)
     Engine                    the timer task, end() (the one way a run ends) and the parts -
@@ -37,9 +39,9 @@ The module reads top to bottom, each section using only those above it:
     HTTP API                  aiohttp routes, problem+json, auth, OpenAPI
     MCP server                the same operations as MCP tools over three transports
     Typed API and client      /v2/interactions and interactiond.Client
+    The page's text           the inbox page's HTML, CSS and script
     Web inbox                 the page a person answers on
     Command line              serve, stdio, demo, check, token, and the clients of the HTTP API
-    The page's text           the inbox page's HTML, CSS and script
 
 How to change it:
 
@@ -1164,6 +1166,71 @@ def check_limit(limit: Any) -> int:
     return n
 
 
+# Patterns are matched by RE2 in time linear in the text, read in ECMA-262's dialect (the rules
+# are written out where JSON Schemas are, in Documents); templates' static analysis matches
+# `patternProperties` with them too.
+
+_ECMA_ESCAPE_RE: Final = re.compile(
+    r"\\(?:u(D[89AB][0-9A-F]{2})\\u(D[C-F][0-9A-F]{2})|u([0-9A-F]{4})|u\{([0-9A-F]{1,6})\}|c([A-Z])|(.))",
+    re.S | re.I)
+
+
+def _re2_source(pattern: str) -> str:
+    """An ECMA-262 pattern in RE2's spelling: its `\\u` and `\\c` escapes as `\\x{...}`."""
+    def escape(m: re.Match[str]) -> str:
+        high, low, four, braced, control, _ = m.groups()
+        if high:
+            code = 0x10000 + ((int(high, 16) - 0xD800) << 10) + (int(low, 16) - 0xDC00)
+        elif four or braced:
+            code = int(four or braced, 16)
+        elif control:
+            code = ord(control) % 32
+        else:
+            return m.group(0)
+        return f"\\x{{{code:X}}}"
+    return _ECMA_ESCAPE_RE.sub(escape, pattern)
+
+
+@functools.cache
+def _re2_options() -> Any:
+    import re2
+    options = re2.Options()
+    options.log_errors = False     # a refused pattern is told to its writer, not to stderr
+    options.never_capture = True   # only whether it matches: the fastest of RE2's engines
+    return options
+
+
+def _re2_compile(pattern: str) -> tuple[Any, str | None]:
+    """The RE2 program of an ECMA-262 pattern, or None and why RE2 cannot take it."""
+    import re2
+    try:
+        return re2.compile(_re2_source(pattern), _re2_options()), None
+    except re2.error as exc:
+        reason = exc.args[0] if exc.args else "RE2 refuses it"
+        return None, reason.decode(errors="replace") if isinstance(reason, bytes) else str(reason)
+    except UnicodeError:
+        return None, "it holds a lone surrogate"
+
+
+#: Schemas' patterns, compiled once each (a validator is cached too; this outlives its schema).
+_re2_program: Final = functools.lru_cache(maxsize=256)(_re2_compile)
+
+
+@functools.lru_cache(maxsize=256)
+def _unchecked_pattern(pattern: str, reason: str) -> None:
+    log.warning("a schema's pattern %r is not checked: RE2 cannot take it (%s)", pattern, reason)
+
+
+def _finds(pattern: str, text: str) -> bool | None:
+    """Whether `pattern` matches somewhere in `text`; None when RE2 cannot take the pattern."""
+    program, reason = _re2_program(pattern)
+    if program is None:
+        _unchecked_pattern(pattern, reason or "")
+        return None
+    return program.search(text.encode("utf-8", "surrogatepass")) is not None
+
+
+
 # Templates ######################################################################################
 #
 # Every text of a function that can differ from run to run is a Liquid template: `to`, `from`,
@@ -1900,66 +1967,6 @@ class Shape(str, enum.Enum):
 # backreference, a lookaround, a repetition past 1000) is refused when a document is saved, with
 # its line. A schema from elsewhere (a tool server's) may hold one: its validator leaves that
 # pattern unchecked, says so once in the log, and the tool server checks its own arguments.
-
-_ECMA_ESCAPE_RE: Final = re.compile(
-    r"\\(?:u(D[89AB][0-9A-F]{2})\\u(D[C-F][0-9A-F]{2})|u([0-9A-F]{4})|u\{([0-9A-F]{1,6})\}|c([A-Z])|(.))",
-    re.S | re.I)
-
-
-def _re2_source(pattern: str) -> str:
-    """An ECMA-262 pattern in RE2's spelling: its `\\u` and `\\c` escapes as `\\x{...}`."""
-    def escape(m: re.Match[str]) -> str:
-        high, low, four, braced, control, _ = m.groups()
-        if high:
-            code = 0x10000 + ((int(high, 16) - 0xD800) << 10) + (int(low, 16) - 0xDC00)
-        elif four or braced:
-            code = int(four or braced, 16)
-        elif control:
-            code = ord(control) % 32
-        else:
-            return m.group(0)
-        return f"\\x{{{code:X}}}"
-    return _ECMA_ESCAPE_RE.sub(escape, pattern)
-
-
-@functools.cache
-def _re2_options() -> Any:
-    import re2
-    options = re2.Options()
-    options.log_errors = False     # a refused pattern is told to its writer, not to stderr
-    options.never_capture = True   # only whether it matches: the fastest of RE2's engines
-    return options
-
-
-def _re2_compile(pattern: str) -> tuple[Any, str | None]:
-    """The RE2 program of an ECMA-262 pattern, or None and why RE2 cannot take it."""
-    import re2
-    try:
-        return re2.compile(_re2_source(pattern), _re2_options()), None
-    except re2.error as exc:
-        reason = exc.args[0] if exc.args else "RE2 refuses it"
-        return None, reason.decode(errors="replace") if isinstance(reason, bytes) else str(reason)
-    except UnicodeError:
-        return None, "it holds a lone surrogate"
-
-
-#: Schemas' patterns, compiled once each (a validator is cached too; this outlives its schema).
-_re2_program: Final = functools.lru_cache(maxsize=256)(_re2_compile)
-
-
-@functools.lru_cache(maxsize=256)
-def _unchecked_pattern(pattern: str, reason: str) -> None:
-    log.warning("a schema's pattern %r is not checked: RE2 cannot take it (%s)", pattern, reason)
-
-
-def _finds(pattern: str, text: str) -> bool | None:
-    """Whether `pattern` matches somewhere in `text`; None when RE2 cannot take the pattern."""
-    program, reason = _re2_program(pattern)
-    if program is None:
-        _unchecked_pattern(pattern, reason or "")
-        return None
-    return program.search(text.encode("utf-8", "surrogatepass")) is not None
-
 
 def _regex_ok(instance: object) -> bool:
     """The `regex` format: a pattern RE2 takes (not cached: answers are not schemas)."""
@@ -4599,11 +4606,29 @@ def _settle_all(settled: list[tuple[Any, ...]], sink: Callable[[Effects], None] 
             fut.set_result(result)
 
 
+@dataclass(frozen=True)
+class Backend:
+    """A database the store also runs on, registered by its section below (as PostgreSQL does):
+    which paths are its (`owns`), its Store subclass, and its open_sync."""
+
+    owns: Callable[[str], bool]
+    store: type
+    open_sync: Callable[[str], Any]
+
+
+#: The other backends, by their sections; a path none of them owns is an SQLite file.
+STORE_BACKENDS: Final[list[Backend]] = []
+
+
+def _backend_of(path: str) -> Backend | None:
+    return next((b for b in STORE_BACKENDS if b.owns(path)), None)
+
+
 class Store:
     """The SQLite file: the schema, one writer thread with group commit, one reader thread.
 
-    `Store(path)` with a PostgreSQL URL (postgresql://...) makes a PostgresStore instead: the same
-    operations, threads and commits over a database server (see the end of this section).
+    `Store(path)` with a path another backend owns (a PostgreSQL URL, postgresql://...) makes that
+    backend's store instead: the same operations, threads and commits over a database server.
     """
 
     #: Whether a turn's changes commit on the event loop's thread when the writer thread is idle and
@@ -4612,8 +4637,8 @@ class Store:
     commits_on_loop = True
 
     def __new__(cls, path: str, on_commit: Callable[[Effects], None] | None = None) -> "Store":
-        if cls is Store and is_postgres_url(path):
-            cls = PostgresStore
+        if cls is Store and (backend := _backend_of(path)) is not None:
+            cls = backend.store
         return super().__new__(cls)
 
     def __init__(self, path: str, on_commit: Callable[[Effects], None] | None = None) -> None:
@@ -4754,8 +4779,8 @@ class Store:
 def open_sync(path: str) -> "SqlTx":
     """The file (or the PostgreSQL database) with the schema applied, outside the loop: for the
     command line (token, check) and tests. Each operation commits on its own."""
-    if is_postgres_url(path):
-        return open_postgres_sync(path)
+    if (backend := _backend_of(path)) is not None:
+        return backend.open_sync(path)
     conn = _connect(path)
     apply_schema(conn)
     return SQLiteTx(conn)
@@ -5964,7 +5989,7 @@ def _timer_kinds(req: Row) -> tuple[str, ...]:
         (("remind", "escalate") if req["follow_up"] is not None else ())
 
 
-# PostgreSQL.
+# PostgreSQL #####################################################################################
 #
 # The same store on a database server: `--db postgresql://...`, `database:` in the configuration,
 # or INTERACTIOND_DB. The driver, psycopg 3, comes with `pip install 'interactiond[postgres]'` and
@@ -7187,6 +7212,9 @@ class PostgresStore(Store):
             return query(tx)
         finally:
             tx.close()
+
+
+STORE_BACKENDS.append(Backend(is_postgres_url, PostgresStore, open_postgres_sync))
 
 
 # Tool servers ###################################################################################
@@ -11912,6 +11940,17 @@ def state_key(name: str, kind: Any, request: bool = False) -> Any:
     return web.RequestKey(name, kind) if request else web.AppKey(name, kind)
 
 
+def _v2_code(resp: web.StreamResponse) -> None:
+    """Every problem on /v2 carries `code` beside the problem fields, also those of auth and routing."""
+    from aiohttp import web
+    if (isinstance(resp, web.Response) and resp.content_type == "application/problem+json"
+            and isinstance(resp.body, bytes)):
+        body = json.loads(resp.body)
+        if "code" not in body:
+            body["code"] = str(body.get("type", "")).rsplit("/", 1)[-1]
+            resp.text = dumps(body)         # its headers stand (WWW-Authenticate, X-Request-Id)
+
+
 engine_key: Final = functools.partial(state_key, "engine", Engine)
 tokens_key: Final = functools.partial(state_key, "tokens", dict)
 caller_key: Final = functools.partial(state_key, "caller", Caller, True)
@@ -14303,17 +14342,6 @@ ROUTES.extend(TYPED_ROUTES)                 # served by build_app's loop and doc
 ROUTE_BY_HANDLER.update({r.handler: r for r in TYPED_ROUTES})
 
 
-def _v2_code(resp: web.StreamResponse) -> None:
-    """Every problem on /v2 carries `code` beside the problem fields, also those of auth and routing."""
-    from aiohttp import web
-    if (isinstance(resp, web.Response) and resp.content_type == "application/problem+json"
-            and isinstance(resp.body, bytes)):
-        body = json.loads(resp.body)
-        if "code" not in body:
-            body["code"] = str(body.get("type", "")).rsplit("/", 1)[-1]
-            resp.text = dumps(body)         # its headers stand (WWW-Authenticate, X-Request-Id)
-
-
 async def _v2_codes(request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
     """_v2_code as a middleware of its own, for an app without observe_middleware (which does it)."""
     resp = await handler(request)
@@ -14482,6 +14510,895 @@ class _Definitions:
     def get(self, type: str, name: str, version: int | None = None) -> dict[str, Any]:
         return self._c.request("GET", f"{self._c.pb_path}/definitions/{type}/{urllib.parse.quote(name, safe='')}",
                                query={"version": version})
+
+
+# The page's text ################################################################################
+#
+# The inbox page's stylesheet, script and HTML, just above the code that serves them. The page is
+# one document with its style and script inline, allowed by their hashes (INBOX_HEADERS).
+
+_INBOX_CSS: Final = """
+:root { color-scheme: light dark; --fg: #1c1f24; --bg: #f5f6f8; --card: #fff; --line: #cfd5de; --muted: #565e6b;
+  --accent: #1b5cc4; --on-accent: #fff; --err: #b0001e; --ok: #1b7a3a; }
+@media (prefers-color-scheme: dark) { :root { --fg: #e6e8eb; --bg: #14161a; --card: #1e2126; --line: #3b414a;
+  --muted: #a7aeb9; --accent: #86b4ff; --on-accent: #0b1830; --err: #ff9090; --ok: #80d69b; } }
+* { box-sizing: border-box; }
+[hidden] { display: none !important; }
+body { margin: 0; font: 16px/1.5 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; color: var(--fg);
+  background: var(--bg); }
+a { color: var(--accent); }
+:focus-visible { outline: 3px solid var(--accent); outline-offset: 2px; }
+header.top { display: flex; flex-wrap: wrap; gap: .5rem 1rem; align-items: center; padding: .6rem 1rem;
+  background: var(--card); border-bottom: 1px solid var(--line); }
+.brand { font-weight: 700; }
+nav a { margin-right: .9rem; }
+nav a[aria-current=page] { font-weight: 700; text-decoration: none; }
+.ctl { margin-left: auto; display: flex; flex-wrap: wrap; gap: .5rem; align-items: center; }
+main { max-width: 60rem; margin: 0 auto; padding: 1rem; }
+h1 { font-size: 1.5rem; margin: .25rem 0 .75rem; }
+h2 { font-size: 1.15rem; margin: 0; }
+.muted, .hint { color: var(--muted); }
+.hint { font-size: .875rem; margin: .15rem 0 0; }
+.bar { display: flex; flex-wrap: wrap; gap: .5rem; align-items: center; margin-bottom: 1rem; }
+ol.requests, ol.timeline { list-style: none; padding: 0; margin: 0; }
+.card, .req article { background: var(--card); border: 1px solid var(--line); border-radius: .5rem; padding: 1rem;
+  margin-bottom: 1rem; }
+.to { font-weight: 400; color: var(--muted); font-size: .95rem; }
+.meta { margin: .25rem 0 .5rem; font-size: .875rem; color: var(--muted); }
+.msg { overflow-wrap: anywhere; }
+.msg pre { overflow-x: auto; }
+.msg img { max-width: 100%; }
+.msg table { border-collapse: collapse; }
+.msg th, .msg td { border: 1px solid var(--line); padding: .2rem .4rem; }
+label, legend { font-weight: 600; }
+.field { display: flex; flex-direction: column; margin: .6rem 0; }
+.opt { font-weight: 400; display: inline-flex; gap: .4rem; align-items: center; margin-right: 1rem; min-height: 2rem; }
+textarea, input, select { font: inherit; color: inherit; background: var(--bg); border: 1px solid var(--line);
+  border-radius: .35rem; padding: .4rem .5rem; max-width: 100%; }
+textarea { width: 100%; resize: vertical; }
+textarea.json, code, pre, .preview { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; }
+textarea.json { font-size: .9rem; }
+input[type=number] { width: 12rem; }
+fieldset { border: 1px solid var(--line); border-radius: .35rem; margin: 0; padding: .3rem .75rem .5rem; }
+legend { padding: 0 .25rem; }
+button { font: inherit; cursor: pointer; border: 1px solid var(--line); border-radius: .35rem; padding: .45rem .9rem;
+  background: var(--card); color: inherit; min-height: 2.5rem; }
+button.primary, .choice button { background: var(--accent); border-color: var(--accent); color: var(--on-accent);
+  font-weight: 600; }
+button:disabled { opacity: .6; cursor: default; }
+[aria-invalid=true] { border-color: var(--err); box-shadow: 0 0 0 1px var(--err); }
+.choice-row { display: flex; flex-wrap: wrap; gap: .5rem 1rem; align-items: flex-end; margin-top: .5rem; }
+.choice-row .field { flex: 1 1 16rem; margin: 0; }
+.choice-col { display: flex; flex-direction: column; gap: .25rem; }
+.choice { display: flex; flex-wrap: wrap; gap: .5rem; }
+.err { color: var(--err); font-size: .9rem; margin: .2rem 0 0; font-weight: 600; }
+.err:empty { display: none; }
+#status p { background: var(--card); border-left: 4px solid var(--ok); padding: .5rem .75rem; margin: 0 0 1rem; }
+.timeline li { margin-bottom: .5rem; }
+button.event { width: 100%; text-align: left; display: flex; flex-wrap: wrap; gap: .1rem .75rem; }
+.preview { flex-basis: 100%; font-size: .85rem; color: var(--muted); overflow-wrap: anywhere; }
+pre { background: var(--card); border: 1px solid var(--line); border-radius: .35rem; padding: .75rem;
+  overflow-x: auto; font-size: .85rem; margin: .25rem 0 .75rem; }
+dl.run { display: grid; grid-template-columns: max-content 1fr; gap: .25rem 1rem; }
+dl.run dt { font-weight: 600; }
+dl.run dd { margin: 0; overflow-wrap: anywhere; }
+details.card summary { cursor: pointer; font-weight: 600; }
+.wide { overflow-x: auto; }
+table { border-collapse: collapse; width: 100%; }
+th, td { text-align: left; padding: .35rem .5rem; border-bottom: 1px solid var(--line); }
+@media (max-width: 40rem) { main { padding: .75rem; } .ctl { margin-left: 0; } .choice button { flex: 1 1 auto; }
+  input[type=number] { width: 100%; } }
+"""
+
+_INBOX_JS: Final = r"""
+"use strict";
+const $ = (sel) => document.querySelector(sel);
+const enc = encodeURIComponent;
+const S = {session: null, pb: null, to: "", items: new Map(), gone: new Set(), timer: null, es: null, skew: 0,
+           seq: 0, busy: false, again: false, countsSig: "", loaded: false};
+const STREAM_EVENTS = ["interaction.created", "interaction.answered", "interaction.expired", "interaction.cancelled",
+                       "interaction.reminded", "interaction.escalated", "run.ended"];
+const FORCE_POLL = new URLSearchParams(location.search).get("live") === "poll";   // for proxies that break SSE
+
+function h(tag, attrs, ...kids) {
+  const el = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (v === false || v === null || v === undefined) continue;
+    if (k === "text") el.textContent = v;
+    else if (k === "class") el.className = v;
+    else el.setAttribute(k, v === true ? "" : String(v));
+  }
+  for (const kid of kids.flat(Infinity)) {
+    if (kid !== null && kid !== undefined && kid !== false) el.append(kid instanceof Node ? kid : String(kid));
+  }
+  return el;
+}
+
+function base(pb = S.pb) {
+  const [org, name] = pb.split("/");
+  return `/v1/orgs/${enc(org)}/playbooks/${enc(name)}`;
+}
+
+async function api(method, path, body) {
+  const init = {method, credentials: "same-origin", headers: {"Accept": "application/json"}};
+  if (body !== undefined) {
+    init.headers["Content-Type"] = "application/json";
+    init.body = JSON.stringify(body);
+  }
+  let resp;
+  try {
+    resp = await fetch(path, init);
+  } catch (e) {
+    return {status: 0, ok: false, body: {title: "The daemon did not answer", detail: String(e)}};
+  }
+  const text = await resp.text();
+  let data = null;
+  try { data = text ? JSON.parse(text) : null; } catch (e) { data = {detail: text}; }
+  if (resp.status === 401 && S.session) signedOut();
+  return {status: resp.status, ok: resp.ok, body: data};
+}
+
+function problemText(p) {
+  if (!p) return "The daemon did not say why.";
+  return [p.title, p.detail].filter(Boolean).join(": ") || JSON.stringify(p);
+}
+
+// Times: the daemon's clock may differ from this machine's (a manual clock in demos), so relative
+// times count from the daemon's "now" as last reported.
+const RTF = new Intl.RelativeTimeFormat("en", {numeric: "auto"});
+const UNITS = [["year", 31536000], ["month", 2592000], ["week", 604800], ["day", 86400], ["hour", 3600], ["minute", 60]];
+function setNow(iso) { if (iso) S.skew = Date.parse(iso) - Date.now(); }
+function relative(iso) {
+  if (!iso) return "";
+  const d = (Date.parse(iso) - (Date.now() + S.skew)) / 1000, a = Math.abs(d);
+  for (const [unit, s] of UNITS) if (a >= s) return RTF.format(Math.round(d / s), unit);
+  return RTF.format(Math.round(d), "second");
+}
+function relTime(iso) { return h("time", {datetime: iso, title: iso, "data-rel": ""}, relative(iso)); }
+function absTime(iso) {
+  return h("time", {datetime: iso, title: relative(iso)},
+           iso ? new Date(iso).toLocaleString("en-GB", {dateStyle: "medium", timeStyle: "medium"}) : "");
+}
+setInterval(() => document.querySelectorAll("time[data-rel]").forEach(t => { t.textContent = relative(t.dateTime); }), 15000);
+
+function say(...parts) {
+  const p = h("p", {tabindex: "-1"}, ...parts);
+  $("#status").replaceChildren(p);
+  return p;
+}
+
+// Signing in and the playbook -----------------------------------------------------------------
+
+async function boot() {
+  const r = await api("GET", "/web/session");
+  $("#loading").hidden = true;
+  if (r.status === 401) return signedOut();
+  if (!r.ok) return say(problemText(r.body));
+  S.session = r.body;
+  setNow(r.body.now);
+  const saved = sessionStorage.getItem("interactiond.playbook");
+  S.pb = r.body.playbooks.includes(saved) ? saved : r.body.playbook;
+  if (!S.pb) return say("This sign-in sees no playbook.");
+  // A person sees the requests addressed to them, and nothing else: no runs, definitions or filter.
+  const person = r.body.person;
+  $("#who").textContent = person ? `Signed in as ${person}` : `Signed in as ${r.body.role}`;
+  $("#who").title = r.body.caller;
+  const sel = $("#pb");
+  sel.replaceChildren(...r.body.playbooks.map(pb => h("option", {value: pb}, pb)));
+  sel.value = S.pb;
+  $("#pb-wrap").hidden = r.body.playbooks.length < 2;
+  for (const id of ["#logout", "#app"]) $(id).hidden = false;
+  $("#nav").hidden = Boolean(person);
+  $("#to-wrap").hidden = Boolean(person);
+  if (person) $("#inbox-h").firstChild.textContent = `Inbox of ${person} `;
+  route(false);
+  startLive();
+}
+
+function signedOut() {
+  S.session = null;
+  stopLive();
+  for (const id of ["#nav", "#logout", "#app", "#pb-wrap"]) $(id).hidden = true;
+  $("#who").textContent = "";
+  $("#signin").hidden = false;
+}
+
+function switchPlaybook(pb) {
+  S.pb = pb;
+  sessionStorage.setItem("interactiond.playbook", pb);
+  for (const it of S.items.values()) it.el.remove();
+  S.items.clear();
+  S.to = "";
+  S.countsSig = "";
+  S.loaded = false;
+  startLive();
+  route(false);
+}
+
+// Live updates: the event stream when the daemon serves one, else asking again every poll_ms -----
+
+function stopLive() {
+  clearInterval(S.timer);
+  S.timer = null;
+  if (S.es) { S.es.close(); S.es = null; }
+}
+
+function startLive() {
+  stopLive();
+  refresh();
+  if (S.session.stream && window.EventSource && !FORCE_POLL) {
+    const es = new EventSource(`${base()}/stream`);
+    S.es = es;
+    const kick = () => refresh();
+    es.onopen = () => { $("#live").textContent = "Live: event stream"; refresh(); };
+    es.onmessage = kick;
+    for (const t of STREAM_EVENTS) es.addEventListener(t, kick);
+    es.onerror = () => { if (es.readyState === EventSource.CLOSED && S.es === es) { S.es = null; poll(); } };
+    S.timer = setInterval(refresh, 10000);      // a backstop: the stream tells no notification's arrival
+  } else {
+    poll();
+  }
+}
+
+function poll() {
+  clearInterval(S.timer);
+  S.timer = setInterval(refresh, S.session.poll_ms);
+  $("#live").textContent = `Live: checks every ${S.session.poll_ms / 1000} s`;
+}
+
+async function refresh() {
+  if (!S.session) return;
+  if (S.busy) { S.again = true; return; }
+  S.busy = true;
+  try {
+    do {
+      S.again = false;
+      const pb = S.pb, to = S.to;
+      const query = to ? `&to=${enc(to)}` : "";
+      const [list, counts] = await Promise.all([
+        api("GET", `${base(pb)}/interactions?limit=200${query}`),
+        api("GET", `/web${base(pb).slice(3)}/counts`)]);
+      if (pb !== S.pb || to !== S.to) { S.again = true; continue; }
+      if (counts.ok) showCounts(counts.body);
+      if (list.ok) await showList(list.body, pb);
+    } while (S.again && S.session);
+  } finally {
+    S.busy = false;
+  }
+}
+
+// The inbox ----------------------------------------------------------------------------------
+
+function showCounts(c) {
+  setNow(c.now);
+  $("#count").textContent = `${c.total} pending`;
+  const sig = JSON.stringify([c.to, c.total, S.to]);
+  if (sig === S.countsSig) return;
+  S.countsSig = sig;
+  const sel = $("#to");
+  const opts = [h("option", {value: ""}, `everyone (${c.total})`)];
+  if (S.to && !c.to.some(x => x.to === S.to)) opts.push(h("option", {value: S.to}, `${S.to} (0)`));
+  for (const x of c.to) opts.push(h("option", {value: x.to}, `${x.to} (${x.count})`));
+  sel.replaceChildren(...opts);
+  sel.value = S.to;
+}
+
+async function showList(page, pb) {
+  const want = page.data.filter(r => !S.gone.has(r.run_id));
+  const ids = new Set(want.map(r => r.run_id));
+  let left = 0;
+  for (const [id, it] of S.items) {
+    if (!ids.has(id)) { it.el.remove(); S.items.delete(id); left += 1; }
+  }
+  const fresh = want.filter(r => !S.items.has(r.run_id));
+  if (fresh.length) {
+    const r = await api("POST", "/web/render", {items: fresh.map(x => ({markdown: x.message, schema: x.answer_schema,
+                                                                      playbook: pb, run_id: x.run_id}))});
+    if (!r.ok || pb !== S.pb) return;
+    fresh.forEach((x, i) => {
+      if (!S.items.has(x.run_id) && !S.gone.has(x.run_id)) S.items.set(x.run_id, {req: x, el: requestEl(x, r.body.items[i])});
+    });
+  }
+  const ol = $("#requests");
+  let cur = ol.firstElementChild;
+  for (const x of want) {
+    const it = S.items.get(x.run_id);
+    if (!it) continue;
+    it.el.querySelector(".nudged").textContent = nudgedWords(x);
+    it.el.querySelector("h2 .to").textContent = forWords(x);
+    if (it.el === cur) cur = cur.nextElementSibling;
+    else ol.insertBefore(it.el, cur);
+  }
+  $("#empty").hidden = S.items.size > 0;
+  $("#more").hidden = !page.next_cursor;
+  if (S.loaded && (fresh.length || left)) {
+    const words = [];
+    if (fresh.length) words.push(`${fresh.length} new request${fresh.length > 1 ? "s" : ""}`);
+    if (left) words.push(`${left} left the inbox`);
+    $("#news").textContent = words.join(", ") + ".";
+    clearTimeout(S.newsTimer);
+    S.newsTimer = setTimeout(() => { $("#news").textContent = ""; }, 8000);
+  }
+  S.loaded = true;
+}
+
+function requestEl(req, shown) {
+  const n = ++S.seq, hid = `req-${n}`;
+  const msg = h("div", {class: "msg"});
+  msg.innerHTML = shown.html || "";             // rendered by the daemon with raw HTML off
+  const form = req.approval ? approvalEl(req, n) : req.takes_answer ? formEl(req, shown.form, n)
+                                : h("p", {class: "muted"}, "A notification: there is nothing to answer.");
+  const delivery = req.delivery ? ` · sent with ${req.delivery.server}/${req.delivery.tool} (${req.delivery_state})` : "";
+  const person = S.session.person;
+  return h("li", {class: "req", "data-run-id": req.run_id},
+    h("article", {"aria-labelledby": hid},
+      h("h2", {id: hid}, req.name, " ", h("span", {class: "to"}, forWords(req))),
+      h("p", {class: "meta"}, "asked ", relTime(req.asked_at), " · ",
+        req.expires_at ? ["expires ", relTime(req.expires_at)] : "never expires", delivery,
+        h("span", {class: "nudged"}, nudgedWords(req)),
+        person ? null : [" · ", h("a", {href: `#/runs/${enc(req.run_id)}`}, "History")],
+        req.answer_url && !person ? [" · ", h("a", {href: req.answer_url, class: "answer-link", target: "_blank", rel: "noreferrer",
+          title: `The link ${req.to} answers on without signing in; copy it to send it`}, "Answer link")] : null),
+      msg, form));
+}
+
+// Whom a request asks (its party, and whom it was escalated to), and how often it was reminded: both
+// change while it stays listed, so showList writes them again on each refresh.
+function forWords(req) { return `for ${(req.addressees || [req.to]).join(" and ")}`; }
+function nudgedWords(req) {
+  return req.reminded ? ` · reminded ${req.reminded} time${req.reminded === 1 ? "" : "s"}` : "";
+}
+
+function formEl(req, form, n) {
+  const f = h("form", {class: "answer", novalidate: true, "aria-label": `Answer: ${req.name}`});
+  const fields = [];
+  const formErr = h("p", {class: "err", id: `fe-${n}`, "aria-live": "polite"});
+  const notes = form.mode === "choice" ? form.fields.filter(fd => fd.note) : [];
+  const others = form.fields.filter(fd => !notes.includes(fd));
+  if (form.mode === "choice") {
+    // The first submit button is a form's default: a disabled one keeps Enter from picking a choice.
+    f.append(h("button", {type: "submit", disabled: true, hidden: true, tabindex: "-1", "aria-hidden": "true"}));
+  }
+  others.forEach((fd, i) => f.append(fieldEl(fd, `${n}-${i}`, fields)));
+  if (form.mode === "choice") {
+    const c = form.choice, gid = `c-${n}`;
+    const err = h("p", {class: "err", id: `${gid}-err`});
+    const group = h("div", {class: "choice", role: "group", "aria-labelledby": gid, "aria-describedby": `${gid}-err`},
+      c.values.map((v, i) => h("button", {type: "submit", "data-index": String(i)}, c.labels[i])));
+    fields.push({fd: c, err, control: group.firstElementChild, box: group, choice: true});
+    f.append(h("div", {class: "choice-row"}, notes.map((fd, i) => fieldEl(fd, `${n}-n${i}`, fields)),
+      h("div", {class: "choice-col"}, h("span", {class: "label", id: gid}, c.label), group, err)));
+  } else {
+    f.append(h("div", {class: "actions"}, h("button", {type: "submit", class: "primary"}, "Send the answer")));
+  }
+  f.append(formErr);
+  f.addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    submitAnswer(req, form, f, fields, formErr, ev.submitter);
+  });
+  return f;
+}
+
+// An approval of a tool call: its arguments as a table, the ones the approver may change as fields,
+// then Approve or Reject with an optional note. Errors come back at /answer/arguments/... pointers.
+function approvalEl(req, n) {
+  const a = req.approval, fields = [], rows = [];
+  const f = h("form", {class: "answer approval", novalidate: true, "aria-label": `Approve: ${req.name}`});
+  const formErr = h("p", {class: "err", id: `fe-${n}`, "aria-live": "polite"});
+  const esc = (k) => String(k).replace(/~/g, "~0").replace(/\//g, "~1");
+  const walk = (value, ptr) => {
+    if (value && typeof value === "object" && a.edit.some(e => e.startsWith(ptr + "/"))) {
+      for (const [k, v] of Object.entries(value)) walk(v, `${ptr}/${esc(k)}`);
+    } else rows.push([ptr, value]);
+  };
+  walk(a.arguments, "");
+  const body = rows.map(([ptr, value], i) => {
+    const id = `ap-${n}-${i}`, name = ptr.slice(1).replace(/~1/g, "/").replace(/~0/g, "~") || "(all)";
+    if (!a.edit.includes(ptr)) {
+      return h("tr", {}, h("th", {scope: "row"}, h("code", {}, name)),
+        h("td", {}, typeof value === "string" ? value : JSON.stringify(value)));
+    }
+    const err = h("p", {class: "err", id: `${id}-err`});
+    let control, kind;
+    if (typeof value === "boolean") {
+      kind = "boolean";
+      control = h("select", {id, "aria-describedby": `${id}-err`},
+        h("option", {value: "true", selected: value}, "true"), h("option", {value: "false", selected: !value}, "false"));
+    } else if (typeof value === "number") {
+      kind = "number";
+      control = h("input", {id, type: "number", step: "any", value: String(value), "aria-describedby": `${id}-err`});
+    } else if (typeof value === "string") {
+      kind = "text";
+      control = h("input", {id, type: "text", value, "aria-describedby": `${id}-err`});
+    } else {
+      kind = "json";
+      control = h("textarea", {id, rows: 3, class: "json", spellcheck: "false", "aria-describedby": `${id}-err`},
+        JSON.stringify(value === undefined ? null : value, null, 2));
+    }
+    const cell = h("td", {}, control, err);
+    fields.push({fd: {pointer: `/arguments${ptr}`, arg: ptr, kind}, err, control, box: cell});
+    return h("tr", {}, h("th", {scope: "row"}, h("label", {for: id}, h("code", {}, name), " (may change)")), cell);
+  });
+  const noteId = `ap-${n}-note`, noteErr = h("p", {class: "err", id: `${noteId}-err`});
+  const note = h("textarea", {id: noteId, rows: 2, maxlength: 2000, "aria-describedby": `${noteId}-err`});
+  const noteBox = h("div", {class: "field"}, h("label", {for: noteId}, "Note (optional)"), note, noteErr);
+  fields.push({fd: {pointer: "/note"}, err: noteErr, control: note, box: noteBox});
+  // The first submit button is a form's default: a disabled one keeps Enter in a field from deciding.
+  f.append(h("button", {type: "submit", disabled: true, hidden: true, tabindex: "-1", "aria-hidden": "true"}));
+  f.append(
+    h("p", {class: "meta"}, "Calls ", h("strong", {}, a.tool), " on ", h("strong", {}, a.server), " · ",
+      a.read_only ? "read-only" : "may change something"),
+    rows.length ? h("div", {class: "wide"}, h("table", {class: "arguments"},
+      h("thead", {}, h("tr", {}, h("th", {scope: "col"}, "Argument"), h("th", {scope: "col"}, "Value"))),
+      h("tbody", {}, body)))
+      : h("p", {class: "muted"}, "The call takes no arguments."),
+    noteBox,
+    h("div", {class: "choice"}, h("button", {type: "submit", class: "primary", value: "approve"}, "Approve"),
+      h("button", {type: "submit", value: "reject"}, "Reject")),
+    formErr);
+  f.addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    if (ev.submitter && ev.submitter.value) submitApproval(req, f, fields, formErr, ev.submitter.value === "approve");
+  });
+  return f;
+}
+
+async function submitApproval(req, f, fields, formErr, approved) {
+  clearErrors(fields, formErr);
+  const answer = {approved}, args = JSON.parse(JSON.stringify(req.approval.arguments));
+  let first = null, edited = false;
+  for (const x of fields) {
+    const {arg, kind} = x.fd;
+    if (arg === undefined) continue;
+    let v = x.control.value;
+    if (kind === "boolean") v = v === "true";
+    else if (kind === "number") {
+      if (v.trim() === "" || Number.isNaN(Number(v))) { first = first || placeError(fields, formErr, `/answer${x.fd.pointer}`, "Write a number."); continue; }
+      v = Number(v);
+    } else if (kind === "json") {
+      try { v = JSON.parse(v); } catch (e) { first = first || placeError(fields, formErr, `/answer${x.fd.pointer}`, `Not JSON: ${e.message}`); continue; }
+    }
+    edited = true;
+    if (arg === "") { Object.keys(args).forEach(k => delete args[k]); Object.assign(args, v); continue; }
+    const parts = arg.split("/").slice(1).map(p => p.replace(/~1/g, "/").replace(/~0/g, "~"));
+    let cur = args;
+    for (const p of parts.slice(0, -1)) cur = cur[p];
+    cur[parts[parts.length - 1]] = v;
+  }
+  if (first) { first.control.focus(); return; }
+  if (approved && edited) answer.arguments = args;
+  const note = fields.find(x => x.fd.pointer === "/note").control.value.trim();
+  if (note) answer.note = note;
+  const buttons = [...f.querySelectorAll("button:not([hidden])")];
+  buttons.forEach(b => { b.disabled = true; });
+  f.setAttribute("aria-busy", "true");
+  const r = await api("POST", `${base()}/runs/${enc(req.run_id)}/answer`, {answer});
+  f.removeAttribute("aria-busy");
+  buttons.forEach(b => { b.disabled = false; });
+  if (r.ok) return answered(req);
+  const errors = r.body && Array.isArray(r.body.errors) ? r.body.errors : [];
+  for (const e of errors) first = placeError(fields, formErr, e.pointer, e.message) || first;
+  if (!errors.length) formErr.textContent = problemText(r.body);
+  if (first) first.control.focus();
+  if ([404, 409, 410].includes(r.status)) refresh();
+}
+
+function fieldEl(fd, key, fields) {
+  const id = `f-${key}`, errId = `${id}-err`, hintId = `${id}-hint`;
+  const err = h("p", {class: "err", id: errId});
+  const words = [fd.hint, fd.bounds].filter(Boolean).join(" · ");
+  const hint = words ? h("p", {class: "hint", id: hintId}, words) : null;
+  const describedBy = [hint ? hintId : null, errId].filter(Boolean).join(" ");
+  const label = fd.required ? fd.label : `${fd.label} (optional)`;
+  if (fd.kind === "choice" || fd.kind === "checkboxes") {
+    const multi = fd.kind === "checkboxes";
+    const box = h("fieldset", {"aria-describedby": describedBy}, h("legend", {}, label),
+      fd.values.map((v, i) => h("label", {class: "opt"},
+        h("input", {type: multi ? "checkbox" : "radio", name: id, value: String(i)}), fd.labels[i])));
+    fields.push({fd, err, control: box.querySelector("input"), box});
+    return h("div", {class: "field"}, box, hint, err);
+  }
+  let control;
+  if (fd.kind === "number") {
+    control = h("input", {id, name: fd.name, type: "number", inputmode: fd.integer ? "numeric" : "decimal",
+                          step: fd.integer ? "1" : "any", min: fd.min, max: fd.max, "aria-describedby": describedBy});
+  } else if (fd.kind === "text") {
+    control = h("textarea", {id, name: fd.name, rows: fd.note ? 2 : 3, maxlength: fd.maxLength, minlength: fd.minLength,
+                             "aria-describedby": describedBy});
+  } else {
+    control = h("textarea", {id, name: fd.name, rows: 6, class: "json", spellcheck: "false",
+                             "aria-describedby": describedBy}, fd.example || "");
+  }
+  const box = h("div", {class: "field"}, h("label", {for: id}, label), control, hint, err);
+  fields.push({fd, err, control, box});
+  return box;
+}
+
+function collect(form, fields, submitter) {
+  const answer = {}, bad = [];
+  let root, hasRoot = false;
+  const put = (fd, v) => { if (fd.pointer === "") { root = v; hasRoot = true; } else answer[fd.name] = v; };
+  for (const {fd, control, box, choice} of fields) {
+    if (choice) continue;
+    if (fd.kind === "text") {
+      if (control.value !== "" || fd.pointer === "") put(fd, control.value);
+    } else if (fd.kind === "number") {
+      if (control.validity.badInput) bad.push([fd.pointer, "Not a number."]);
+      else if (control.value !== "") put(fd, Number(control.value));
+    } else if (fd.kind === "choice") {
+      const c = box.querySelector("input:checked");
+      if (c) put(fd, fd.array ? [fd.values[Number(c.value)]] : fd.values[Number(c.value)]);
+    } else if (fd.kind === "checkboxes") {
+      const vs = [...box.querySelectorAll("input:checked")].map(c => fd.values[Number(c.value)]);
+      if (vs.length || fd.required) put(fd, vs);
+    } else {
+      const t = control.value.trim();
+      if (t) {
+        try { put(fd, JSON.parse(t)); } catch (e) { bad.push([fd.pointer, `Not JSON: ${e.message}`]); }
+      } else if (fd.pointer === "") {
+        bad.push([fd.pointer, "Write the answer as JSON."]);
+      }
+    }
+  }
+  if (form.mode === "choice") put(form.choice, form.choice.values[Number(submitter.dataset.index)]);
+  return {answer: hasRoot ? root : answer, bad};
+}
+
+function clearErrors(fields, formErr) {
+  formErr.textContent = "";
+  for (const x of fields) {
+    x.err.textContent = "";
+    x.box.querySelectorAll("[aria-invalid]").forEach(el => el.removeAttribute("aria-invalid"));
+    x.box.removeAttribute("aria-invalid");
+  }
+}
+
+// An error lands at the field whose pointer is the longest prefix of the error's pointer.
+function placeError(fields, formErr, pointer, message) {
+  const rel = typeof pointer === "string" && (pointer === "/answer" || pointer.startsWith("/answer/")) ? pointer.slice(7) : null;
+  let best = null;
+  if (rel !== null) {
+    for (const x of fields) {
+      const p = x.fd.pointer;
+      if ((rel === p || rel.startsWith(p + "/")) && (!best || p.length > best.fd.pointer.length)) best = x;
+    }
+  }
+  if (!best) {
+    formErr.textContent = [formErr.textContent, message].filter(Boolean).join(" ");
+    return null;
+  }
+  best.err.textContent = [best.err.textContent, message].filter(Boolean).join(" ");
+  const target = best.choice || best.box.tagName === "FIELDSET" ? best.box : best.control;
+  target.setAttribute("aria-invalid", "true");
+  return best;
+}
+
+async function submitAnswer(req, form, f, fields, formErr, submitter) {
+  if (form.mode === "choice" && !(submitter && submitter.dataset.index !== undefined)) return;
+  clearErrors(fields, formErr);
+  const {answer, bad} = collect(form, fields, submitter);
+  let first = null;
+  if (bad.length) {
+    for (const [p, m] of bad) first = first || placeError(fields, formErr, `/answer${p}`, m);
+    (first ? first.control : f).focus();
+    return;
+  }
+  const buttons = [...f.querySelectorAll("button:not([hidden])")];
+  buttons.forEach(b => { b.disabled = true; });
+  f.setAttribute("aria-busy", "true");
+  // The page's own answer route: answer_interaction's rules, its errors in a person's words.
+  const r = await api("POST", `/web${base().slice(3)}/runs/${enc(req.run_id)}/answer`, {answer});
+  f.removeAttribute("aria-busy");
+  buttons.forEach(b => { b.disabled = false; });
+  if (r.ok) return answered(req);
+  const errors = r.body && Array.isArray(r.body.errors) ? r.body.errors : [];
+  for (const e of errors) first = placeError(fields, formErr, e.pointer, e.message) || first;
+  if (!errors.length) formErr.textContent = problemText(r.body);
+  const invalid = f.querySelector("[aria-invalid=true]");
+  if (invalid) (invalid.matches("input, textarea") ? invalid : invalid.querySelector("input, button") || invalid).focus();
+  if ([404, 409, 410].includes(r.status)) refresh();
+}
+
+function answered(req) {
+  S.gone.add(req.run_id);
+  const it = S.items.get(req.run_id);
+  if (it) { it.el.remove(); S.items.delete(req.run_id); }
+  $("#empty").hidden = S.items.size > 0;
+  say(`Answered ${req.name} for ${req.to}. `,
+      S.session.person ? null : h("a", {href: `#/runs/${enc(req.run_id)}`}, "Open its history")).focus();
+  refresh();
+}
+
+// Pages: a run's history, the runs, the definitions -------------------------------------------
+
+function route(focus) {
+  const hash = location.hash.replace(/^#/, "") || "/";
+  if (!hash.startsWith("/") || !S.session) return;
+  const inbox = hash === "/";
+  if (!inbox) $("#status").replaceChildren();
+  $("#inbox").hidden = !inbox;
+  $("#page").hidden = inbox;
+  const section = hash.split("/")[1] || "";
+  document.querySelectorAll("#nav a").forEach(a => {
+    if (a.getAttribute("href") === `#/${section}`) a.setAttribute("aria-current", "page");
+    else a.removeAttribute("aria-current");
+  });
+  let m, done;
+  if (inbox) { document.title = "Inbox · interactiond"; done = Promise.resolve($("#inbox-h")); }
+  else if ((m = hash.match(/^\/runs\/(.+)$/))) done = showRun(decodeURIComponent(m[1]));
+  else if (hash === "/runs") done = showRuns();
+  else if (hash === "/definitions") done = showDefinitions();
+  else done = Promise.resolve(page("Not found", h("p", {}, h("a", {href: "#/"}, "Back to the inbox"))));
+  if (focus) done.then(el => el && el.focus());
+}
+
+function page(title, ...parts) {
+  document.title = `${title} · interactiond`;
+  const h1 = h("h1", {tabindex: "-1"}, title);
+  $("#page").replaceChildren(h1, ...parts.flat().filter(x => x !== null && x !== undefined && x !== false));
+  return h1;
+}
+
+function pre(value) { return h("pre", {}, JSON.stringify(value, null, 2)); }
+
+async function showRun(id) {
+  page(`Run ${id}`, h("p", {class: "muted"}, "Loading…"));
+  const [run, events] = await Promise.all([api("GET", `${base()}/runs/${enc(id)}`), runEvents(id)]);
+  if (!run.ok) return page(`Run ${id}`, h("p", {class: "err"}, problemText(run.body)));
+  const r = run.body, who = await answeredBy(events), rows = [["Function", `${r.name} (${r.type}, version ${r.version})`],
+    ["Status", r.kind ? `${r.status} (${r.kind})` : r.status], ["Started", absTime(r.created_at)],
+    ["Ended", r.ended_at ? absTime(r.ended_at) : "not yet"],
+    who ? ["Answered by", h("span", {class: "answered-by"}, who.name, " on ", absTime(who.at))]
+        : ["Settled by", r.settled_by || "—"]];
+  const list = h("ol", {class: "timeline", "aria-label": "History"}, events.map(eventEl));
+  return page(`Run ${id}`,
+    h("dl", {class: "run card"}, rows.map(([k, v]) => [h("dt", {}, k), h("dd", {}, v)])),
+    r.output !== null && r.output !== undefined ? [h("h2", {}, "Output"), pre(r.output)] : null,
+    r.problem ? [h("h2", {}, "Problem"), pre(r.problem)] : null,
+    h("h2", {}, "History"), h("p", {class: "muted"}, "Each event with its time; open one to see all of it."), list);
+}
+
+// Who answered a run's request, in words, and when: request_answered's answered_by_name (read
+// whole when the listing cut its payload), else the event's `by`.
+async function answeredBy(events) {
+  const e = events.find(x => x.type === "request_answered");
+  if (!e) return null;
+  let payload = e.payload;
+  if (e.truncated) {
+    const r = await api("GET", `${base()}/events/${enc(e.id)}`);
+    payload = r.ok ? r.body.payload : null;
+  }
+  const by = e.by && e.by.startsWith("tok_") ? "an API token" : e.by;
+  return {name: (payload && payload.answered_by_name) || by || "—", at: e.at};
+}
+
+async function runEvents(id) {
+  const out = [];
+  let cursor = null;
+  for (let i = 0; i < 25; i++) {
+    const r = await api("GET", `${base()}/runs/${enc(id)}/events?limit=200${cursor ? `&cursor=${enc(cursor)}` : ""}`);
+    if (!r.ok) break;
+    out.push(...r.body.data);
+    cursor = r.body.next_cursor;
+    if (!cursor) break;
+  }
+  return out;
+}
+
+function eventEl(e) {
+  const pid = `ev-${++S.seq}`;
+  const text = e.truncated ? `${e.preview}… (${e.size} bytes)` : JSON.stringify(e.payload);
+  const whole = h("pre", {id: pid, hidden: true});
+  const btn = h("button", {type: "button", class: "event", "aria-expanded": "false", "aria-controls": pid},
+    absTime(e.at), h("strong", {}, e.type), e.by || (e.payload && e.payload.answered_by_name)
+      ? h("span", {class: "muted"}, `by ${(e.payload && e.payload.answered_by_name) || e.by}`) : null,
+    h("span", {class: "preview"}, text.length > 240 ? `${text.slice(0, 240)}…` : text));
+  btn.addEventListener("click", async () => {
+    if (btn.getAttribute("aria-expanded") === "true") {
+      btn.setAttribute("aria-expanded", "false");
+      whole.hidden = true;
+      return;
+    }
+    if (!whole.dataset.loaded) {
+      const r = await api("GET", `${base()}/events/${enc(e.id)}`);
+      whole.textContent = r.ok ? JSON.stringify(r.body, null, 2) : problemText(r.body);
+      if (r.ok) whole.dataset.loaded = "1";
+    }
+    btn.setAttribute("aria-expanded", "true");
+    whole.hidden = false;
+  });
+  return h("li", {"data-event-id": e.id}, btn, whole);
+}
+
+// The runs, newest first, filtered by status and function; "Show older" reads the next page.
+const RUN_STATUSES = ["started", "waiting", "succeeded", "invalid_input", "conflict", "unavailable", "rejected", "failed"];
+S.runs = {status: "", fn: ""};
+
+async function showRuns() {
+  const h1 = page("Runs", h("p", {class: "muted"}, "Loading…"));
+  const [r, defs] = await Promise.all([runsPage(null), api("GET", `${base()}/definitions`)]);
+  if (!r.ok) return page("Runs", h("p", {class: "err"}, problemText(r.body)));
+  const status = h("select", {id: "run-status"}, h("option", {value: ""}, "any status"),
+    RUN_STATUSES.map(st => h("option", {value: st}, st)));
+  const names = defs.ok ? [...new Set(defs.body.data.map(d => d.name))].sort() : [];
+  if (S.runs.fn && !names.includes(S.runs.fn)) names.push(S.runs.fn);
+  const fn = h("select", {id: "run-function"}, h("option", {value: ""}, "any function"),
+    names.map(n => h("option", {value: n}, n)));
+  status.value = S.runs.status;
+  fn.value = S.runs.fn;
+  const body = h("tbody", {});
+  const table = h("div", {class: "wide"}, h("table", {},
+    h("caption", {class: "muted"}, "Runs, newest first"),
+    h("thead", {}, h("tr", {}, ["Run", "Function", "Status", "Started"].map(t => h("th", {scope: "col"}, t)))), body));
+  const none = h("p", {class: "muted", id: "runs-none"}, "No runs here.");
+  const more = h("button", {type: "button", id: "runs-more"}, "Show older runs");
+  let cursor = null;
+  const add = (res) => {
+    body.append(...res.body.data.map(x => h("tr", {"data-run-id": x.run_id},
+      h("td", {}, h("a", {href: `#/runs/${enc(x.run_id)}`}, x.run_id)), h("td", {}, x.name),
+      h("td", {}, x.kind ? `${x.status} (${x.kind})` : x.status), h("td", {}, absTime(x.created_at)))));
+    cursor = res.body.next_cursor;
+    more.hidden = !cursor;
+    none.hidden = body.childElementCount > 0;
+    table.hidden = !none.hidden;
+  };
+  more.addEventListener("click", async () => {
+    more.disabled = true;
+    const next = await runsPage(cursor);
+    more.disabled = false;
+    if (next.ok) add(next); else say(problemText(next.body));
+  });
+  const refilter = () => { S.runs = {status: status.value, fn: fn.value}; route(false); };
+  status.addEventListener("change", refilter);
+  fn.addEventListener("change", refilter);
+  page("Runs", h("div", {class: "bar"}, h("label", {for: "run-status"}, "Status"), status,
+    h("label", {for: "run-function"}, "Function"), fn), table, none, more);
+  add(r);
+  return $("#page h1") || h1;
+}
+
+function runsPage(cursor) {
+  const q = [`limit=200`, S.runs.status ? `status=${enc(S.runs.status)}` : "",
+             S.runs.fn ? `function=${enc(S.runs.fn)}` : "", cursor ? `cursor=${enc(cursor)}` : ""].filter(Boolean);
+  return api("GET", `${base()}/runs?${q.join("&")}`);
+}
+
+async function showDefinitions() {
+  page("Definitions", h("p", {class: "muted"}, "Loading…"));
+  const r = await api("GET", `${base()}/definitions`);
+  if (!r.ok) return page("Definitions", h("p", {class: "err"}, problemText(r.body)));
+  const items = r.body.data.map(d => {
+    const body = h("div", {}, h("p", {class: "muted"}, "Loading…"));
+    const det = h("details", {class: "card", "data-name": d.name},
+      h("summary", {}, `${d.name} `, h("span", {class: "to"}, `${d.type}, version ${d.version}`)),
+      d.description ? h("p", {}, d.description) : null, body);
+    det.addEventListener("toggle", async () => {
+      if (!det.open || det.dataset.loaded) return;
+      det.dataset.loaded = "1";
+      const g = await api("GET", `${base()}/definitions/${enc(d.type)}/${enc(d.name)}`);
+      if (!g.ok) { body.replaceChildren(h("p", {class: "err"}, problemText(g.body))); return; }
+      const shown = await api("POST", "/web/render", {items: [{markdown: g.body.overview || ""}]});
+      const overview = h("div", {class: "msg"});
+      if (shown.ok) overview.innerHTML = shown.body.items[0].html; else overview.textContent = g.body.overview || "";
+      body.replaceChildren(h("h2", {}, "Overview"), overview, h("h2", {}, "Source"), h("pre", {}, g.body.source));
+    });
+    return det;
+  });
+  return page("Definitions", items.length ? items : h("p", {class: "muted"}, "No definitions."));
+}
+
+// Wiring -------------------------------------------------------------------------------------
+
+$("#to").addEventListener("change", (ev) => {
+  S.to = ev.target.value;
+  refresh();
+});
+$("#pb").addEventListener("change", (ev) => switchPlaybook(ev.target.value));
+$("#logout").addEventListener("click", async () => {
+  await api("POST", "/logout");
+  signedOut();
+});
+window.addEventListener("hashchange", () => route(true));
+boot();
+"""
+
+_INBOX_PAGE: Final = """<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<meta name="referrer" content="no-referrer">
+<title>Inbox · interactiond</title>
+<link rel="icon" href="data:,">
+<style>{css}</style>
+</head>
+<body>
+<header class="top">
+  <span class="brand">interactiond</span>
+  <nav id="nav" aria-label="Pages" hidden><a href="#/">Inbox</a><a href="#/runs">Runs</a><a href="#/definitions">Definitions</a></nav>
+  <div class="ctl">
+    <span id="pb-wrap" hidden><label for="pb">Playbook</label> <select id="pb"></select></span>
+    <span id="who" class="muted"></span>
+    <button id="logout" type="button" hidden>Log out</button>
+  </div>
+</header>
+<main id="main">
+  <p id="loading" class="muted">Loading…</p>
+  <section id="signin" hidden>
+    <h1>Sign in</h1>
+    <p>Open a sign-in link: the one <code>interactiond serve</code> printed when it started, or one
+      made for you with <code>interactiond link --for NAME</code>. It ends in <code>/login?token=…</code>
+      and works once; ask for a new one when it is spent.</p>
+  </section>
+  <div id="app" hidden>
+    <div id="status" role="status" aria-live="polite"></div>
+    <section id="inbox" aria-labelledby="inbox-h">
+      <h1 id="inbox-h" tabindex="-1">Inbox <span id="count" class="to"></span></h1>
+      <div class="bar">
+        <span id="to-wrap"><label for="to">Addressed to</label>
+        <select id="to"><option value="">everyone</option></select></span>
+        <span id="live" class="muted"></span>
+        <span id="news" class="muted" aria-live="polite"></span>
+      </div>
+      <p id="empty" class="muted" hidden>Nothing is waiting for an answer.</p>
+      <ol id="requests" class="requests" aria-label="Pending requests, newest first"></ol>
+      <p id="more" class="muted" hidden>Only the newest 200 are shown; answer some to see the rest.</p>
+    </section>
+    <section id="page" hidden></section>
+  </div>
+</main>
+<script>{js}</script>
+</body>
+</html>
+"""
+
+
+def _csp_source(text: str) -> str:
+    return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
+
+
+INBOX_HTML: Final = _INBOX_PAGE.replace("{css}", _INBOX_CSS).replace("{js}", _INBOX_JS)
+#: The page runs only its own inline script and style (by hash) and talks only to this daemon.
+INBOX_HEADERS: Final = {
+    "Content-Security-Policy": f"default-src 'none'; script-src {_csp_source(_INBOX_JS)}; style-src "
+                               f"{_csp_source(_INBOX_CSS)}; connect-src 'self'; img-src 'self' data:; base-uri 'none';"
+                               " form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-store",
+}
+#: An answer link's page (Web inbox, answer links): made on the daemon, the inbox's style, no script;
+#: its form posts only to itself.
+LINK_PAGE: Final = """<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<meta name="referrer" content="no-referrer">
+<meta name="robots" content="noindex, nofollow">
+<title>{title} · interactiond</title>
+<link rel="icon" href="data:,">
+<style>""" + _INBOX_CSS + """</style>
+</head>
+<body>
+<header class="top"><span class="brand">interactiond</span></header>
+<main id="main">{body}</main>
+</body>
+</html>
+"""
+LINK_HEADERS: Final = {
+    "Content-Security-Policy": f"default-src 'none'; style-src {_csp_source(_INBOX_CSS)}; img-src 'self' data:;"
+                               " base-uri 'none'; form-action 'self'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-store",
+    "X-Robots-Tag": "noindex, nofollow",
+}
+LOGIN_SPENT_HTML: Final = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
+<title>Sign-in link spent · interactiond</title></head>
+<body><h1>This sign-in link does not work</h1>
+<p>It was used already, it has expired, or it is not one this daemon made. Each sign-in link works
+once: ask for a new one (<code>interactiond link --for NAME</code> makes one), or use the one the
+latest start of <code>interactiond serve</code> printed.</p></body></html>
+"""
+
 
 
 # Web inbox ######################################################################################
@@ -16556,894 +17473,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"interactiond: {getattr(exc, 'filename', None) or 'the database'}: "
               f"{getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
         return EXIT_REFUSED
-
-
-# The page's text ################################################################################
-#
-# The inbox page's stylesheet, script and HTML, last so the code above reads without them. The
-# page is one document with its style and script inline, allowed by their hashes (INBOX_HEADERS).
-
-_INBOX_CSS: Final = """
-:root { color-scheme: light dark; --fg: #1c1f24; --bg: #f5f6f8; --card: #fff; --line: #cfd5de; --muted: #565e6b;
-  --accent: #1b5cc4; --on-accent: #fff; --err: #b0001e; --ok: #1b7a3a; }
-@media (prefers-color-scheme: dark) { :root { --fg: #e6e8eb; --bg: #14161a; --card: #1e2126; --line: #3b414a;
-  --muted: #a7aeb9; --accent: #86b4ff; --on-accent: #0b1830; --err: #ff9090; --ok: #80d69b; } }
-* { box-sizing: border-box; }
-[hidden] { display: none !important; }
-body { margin: 0; font: 16px/1.5 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; color: var(--fg);
-  background: var(--bg); }
-a { color: var(--accent); }
-:focus-visible { outline: 3px solid var(--accent); outline-offset: 2px; }
-header.top { display: flex; flex-wrap: wrap; gap: .5rem 1rem; align-items: center; padding: .6rem 1rem;
-  background: var(--card); border-bottom: 1px solid var(--line); }
-.brand { font-weight: 700; }
-nav a { margin-right: .9rem; }
-nav a[aria-current=page] { font-weight: 700; text-decoration: none; }
-.ctl { margin-left: auto; display: flex; flex-wrap: wrap; gap: .5rem; align-items: center; }
-main { max-width: 60rem; margin: 0 auto; padding: 1rem; }
-h1 { font-size: 1.5rem; margin: .25rem 0 .75rem; }
-h2 { font-size: 1.15rem; margin: 0; }
-.muted, .hint { color: var(--muted); }
-.hint { font-size: .875rem; margin: .15rem 0 0; }
-.bar { display: flex; flex-wrap: wrap; gap: .5rem; align-items: center; margin-bottom: 1rem; }
-ol.requests, ol.timeline { list-style: none; padding: 0; margin: 0; }
-.card, .req article { background: var(--card); border: 1px solid var(--line); border-radius: .5rem; padding: 1rem;
-  margin-bottom: 1rem; }
-.to { font-weight: 400; color: var(--muted); font-size: .95rem; }
-.meta { margin: .25rem 0 .5rem; font-size: .875rem; color: var(--muted); }
-.msg { overflow-wrap: anywhere; }
-.msg pre { overflow-x: auto; }
-.msg img { max-width: 100%; }
-.msg table { border-collapse: collapse; }
-.msg th, .msg td { border: 1px solid var(--line); padding: .2rem .4rem; }
-label, legend { font-weight: 600; }
-.field { display: flex; flex-direction: column; margin: .6rem 0; }
-.opt { font-weight: 400; display: inline-flex; gap: .4rem; align-items: center; margin-right: 1rem; min-height: 2rem; }
-textarea, input, select { font: inherit; color: inherit; background: var(--bg); border: 1px solid var(--line);
-  border-radius: .35rem; padding: .4rem .5rem; max-width: 100%; }
-textarea { width: 100%; resize: vertical; }
-textarea.json, code, pre, .preview { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; }
-textarea.json { font-size: .9rem; }
-input[type=number] { width: 12rem; }
-fieldset { border: 1px solid var(--line); border-radius: .35rem; margin: 0; padding: .3rem .75rem .5rem; }
-legend { padding: 0 .25rem; }
-button { font: inherit; cursor: pointer; border: 1px solid var(--line); border-radius: .35rem; padding: .45rem .9rem;
-  background: var(--card); color: inherit; min-height: 2.5rem; }
-button.primary, .choice button { background: var(--accent); border-color: var(--accent); color: var(--on-accent);
-  font-weight: 600; }
-button:disabled { opacity: .6; cursor: default; }
-[aria-invalid=true] { border-color: var(--err); box-shadow: 0 0 0 1px var(--err); }
-.choice-row { display: flex; flex-wrap: wrap; gap: .5rem 1rem; align-items: flex-end; margin-top: .5rem; }
-.choice-row .field { flex: 1 1 16rem; margin: 0; }
-.choice-col { display: flex; flex-direction: column; gap: .25rem; }
-.choice { display: flex; flex-wrap: wrap; gap: .5rem; }
-.err { color: var(--err); font-size: .9rem; margin: .2rem 0 0; font-weight: 600; }
-.err:empty { display: none; }
-#status p { background: var(--card); border-left: 4px solid var(--ok); padding: .5rem .75rem; margin: 0 0 1rem; }
-.timeline li { margin-bottom: .5rem; }
-button.event { width: 100%; text-align: left; display: flex; flex-wrap: wrap; gap: .1rem .75rem; }
-.preview { flex-basis: 100%; font-size: .85rem; color: var(--muted); overflow-wrap: anywhere; }
-pre { background: var(--card); border: 1px solid var(--line); border-radius: .35rem; padding: .75rem;
-  overflow-x: auto; font-size: .85rem; margin: .25rem 0 .75rem; }
-dl.run { display: grid; grid-template-columns: max-content 1fr; gap: .25rem 1rem; }
-dl.run dt { font-weight: 600; }
-dl.run dd { margin: 0; overflow-wrap: anywhere; }
-details.card summary { cursor: pointer; font-weight: 600; }
-.wide { overflow-x: auto; }
-table { border-collapse: collapse; width: 100%; }
-th, td { text-align: left; padding: .35rem .5rem; border-bottom: 1px solid var(--line); }
-@media (max-width: 40rem) { main { padding: .75rem; } .ctl { margin-left: 0; } .choice button { flex: 1 1 auto; }
-  input[type=number] { width: 100%; } }
-"""
-
-_INBOX_JS: Final = r"""
-"use strict";
-const $ = (sel) => document.querySelector(sel);
-const enc = encodeURIComponent;
-const S = {session: null, pb: null, to: "", items: new Map(), gone: new Set(), timer: null, es: null, skew: 0,
-           seq: 0, busy: false, again: false, countsSig: "", loaded: false};
-const STREAM_EVENTS = ["interaction.created", "interaction.answered", "interaction.expired", "interaction.cancelled",
-                       "interaction.reminded", "interaction.escalated", "run.ended"];
-const FORCE_POLL = new URLSearchParams(location.search).get("live") === "poll";   // for proxies that break SSE
-
-function h(tag, attrs, ...kids) {
-  const el = document.createElement(tag);
-  for (const [k, v] of Object.entries(attrs || {})) {
-    if (v === false || v === null || v === undefined) continue;
-    if (k === "text") el.textContent = v;
-    else if (k === "class") el.className = v;
-    else el.setAttribute(k, v === true ? "" : String(v));
-  }
-  for (const kid of kids.flat(Infinity)) {
-    if (kid !== null && kid !== undefined && kid !== false) el.append(kid instanceof Node ? kid : String(kid));
-  }
-  return el;
-}
-
-function base(pb = S.pb) {
-  const [org, name] = pb.split("/");
-  return `/v1/orgs/${enc(org)}/playbooks/${enc(name)}`;
-}
-
-async function api(method, path, body) {
-  const init = {method, credentials: "same-origin", headers: {"Accept": "application/json"}};
-  if (body !== undefined) {
-    init.headers["Content-Type"] = "application/json";
-    init.body = JSON.stringify(body);
-  }
-  let resp;
-  try {
-    resp = await fetch(path, init);
-  } catch (e) {
-    return {status: 0, ok: false, body: {title: "The daemon did not answer", detail: String(e)}};
-  }
-  const text = await resp.text();
-  let data = null;
-  try { data = text ? JSON.parse(text) : null; } catch (e) { data = {detail: text}; }
-  if (resp.status === 401 && S.session) signedOut();
-  return {status: resp.status, ok: resp.ok, body: data};
-}
-
-function problemText(p) {
-  if (!p) return "The daemon did not say why.";
-  return [p.title, p.detail].filter(Boolean).join(": ") || JSON.stringify(p);
-}
-
-// Times: the daemon's clock may differ from this machine's (a manual clock in demos), so relative
-// times count from the daemon's "now" as last reported.
-const RTF = new Intl.RelativeTimeFormat("en", {numeric: "auto"});
-const UNITS = [["year", 31536000], ["month", 2592000], ["week", 604800], ["day", 86400], ["hour", 3600], ["minute", 60]];
-function setNow(iso) { if (iso) S.skew = Date.parse(iso) - Date.now(); }
-function relative(iso) {
-  if (!iso) return "";
-  const d = (Date.parse(iso) - (Date.now() + S.skew)) / 1000, a = Math.abs(d);
-  for (const [unit, s] of UNITS) if (a >= s) return RTF.format(Math.round(d / s), unit);
-  return RTF.format(Math.round(d), "second");
-}
-function relTime(iso) { return h("time", {datetime: iso, title: iso, "data-rel": ""}, relative(iso)); }
-function absTime(iso) {
-  return h("time", {datetime: iso, title: relative(iso)},
-           iso ? new Date(iso).toLocaleString("en-GB", {dateStyle: "medium", timeStyle: "medium"}) : "");
-}
-setInterval(() => document.querySelectorAll("time[data-rel]").forEach(t => { t.textContent = relative(t.dateTime); }), 15000);
-
-function say(...parts) {
-  const p = h("p", {tabindex: "-1"}, ...parts);
-  $("#status").replaceChildren(p);
-  return p;
-}
-
-// Signing in and the playbook -----------------------------------------------------------------
-
-async function boot() {
-  const r = await api("GET", "/web/session");
-  $("#loading").hidden = true;
-  if (r.status === 401) return signedOut();
-  if (!r.ok) return say(problemText(r.body));
-  S.session = r.body;
-  setNow(r.body.now);
-  const saved = sessionStorage.getItem("interactiond.playbook");
-  S.pb = r.body.playbooks.includes(saved) ? saved : r.body.playbook;
-  if (!S.pb) return say("This sign-in sees no playbook.");
-  // A person sees the requests addressed to them, and nothing else: no runs, definitions or filter.
-  const person = r.body.person;
-  $("#who").textContent = person ? `Signed in as ${person}` : `Signed in as ${r.body.role}`;
-  $("#who").title = r.body.caller;
-  const sel = $("#pb");
-  sel.replaceChildren(...r.body.playbooks.map(pb => h("option", {value: pb}, pb)));
-  sel.value = S.pb;
-  $("#pb-wrap").hidden = r.body.playbooks.length < 2;
-  for (const id of ["#logout", "#app"]) $(id).hidden = false;
-  $("#nav").hidden = Boolean(person);
-  $("#to-wrap").hidden = Boolean(person);
-  if (person) $("#inbox-h").firstChild.textContent = `Inbox of ${person} `;
-  route(false);
-  startLive();
-}
-
-function signedOut() {
-  S.session = null;
-  stopLive();
-  for (const id of ["#nav", "#logout", "#app", "#pb-wrap"]) $(id).hidden = true;
-  $("#who").textContent = "";
-  $("#signin").hidden = false;
-}
-
-function switchPlaybook(pb) {
-  S.pb = pb;
-  sessionStorage.setItem("interactiond.playbook", pb);
-  for (const it of S.items.values()) it.el.remove();
-  S.items.clear();
-  S.to = "";
-  S.countsSig = "";
-  S.loaded = false;
-  startLive();
-  route(false);
-}
-
-// Live updates: the event stream when the daemon serves one, else asking again every poll_ms -----
-
-function stopLive() {
-  clearInterval(S.timer);
-  S.timer = null;
-  if (S.es) { S.es.close(); S.es = null; }
-}
-
-function startLive() {
-  stopLive();
-  refresh();
-  if (S.session.stream && window.EventSource && !FORCE_POLL) {
-    const es = new EventSource(`${base()}/stream`);
-    S.es = es;
-    const kick = () => refresh();
-    es.onopen = () => { $("#live").textContent = "Live: event stream"; refresh(); };
-    es.onmessage = kick;
-    for (const t of STREAM_EVENTS) es.addEventListener(t, kick);
-    es.onerror = () => { if (es.readyState === EventSource.CLOSED && S.es === es) { S.es = null; poll(); } };
-    S.timer = setInterval(refresh, 10000);      // a backstop: the stream tells no notification's arrival
-  } else {
-    poll();
-  }
-}
-
-function poll() {
-  clearInterval(S.timer);
-  S.timer = setInterval(refresh, S.session.poll_ms);
-  $("#live").textContent = `Live: checks every ${S.session.poll_ms / 1000} s`;
-}
-
-async function refresh() {
-  if (!S.session) return;
-  if (S.busy) { S.again = true; return; }
-  S.busy = true;
-  try {
-    do {
-      S.again = false;
-      const pb = S.pb, to = S.to;
-      const query = to ? `&to=${enc(to)}` : "";
-      const [list, counts] = await Promise.all([
-        api("GET", `${base(pb)}/interactions?limit=200${query}`),
-        api("GET", `/web${base(pb).slice(3)}/counts`)]);
-      if (pb !== S.pb || to !== S.to) { S.again = true; continue; }
-      if (counts.ok) showCounts(counts.body);
-      if (list.ok) await showList(list.body, pb);
-    } while (S.again && S.session);
-  } finally {
-    S.busy = false;
-  }
-}
-
-// The inbox ----------------------------------------------------------------------------------
-
-function showCounts(c) {
-  setNow(c.now);
-  $("#count").textContent = `${c.total} pending`;
-  const sig = JSON.stringify([c.to, c.total, S.to]);
-  if (sig === S.countsSig) return;
-  S.countsSig = sig;
-  const sel = $("#to");
-  const opts = [h("option", {value: ""}, `everyone (${c.total})`)];
-  if (S.to && !c.to.some(x => x.to === S.to)) opts.push(h("option", {value: S.to}, `${S.to} (0)`));
-  for (const x of c.to) opts.push(h("option", {value: x.to}, `${x.to} (${x.count})`));
-  sel.replaceChildren(...opts);
-  sel.value = S.to;
-}
-
-async function showList(page, pb) {
-  const want = page.data.filter(r => !S.gone.has(r.run_id));
-  const ids = new Set(want.map(r => r.run_id));
-  let left = 0;
-  for (const [id, it] of S.items) {
-    if (!ids.has(id)) { it.el.remove(); S.items.delete(id); left += 1; }
-  }
-  const fresh = want.filter(r => !S.items.has(r.run_id));
-  if (fresh.length) {
-    const r = await api("POST", "/web/render", {items: fresh.map(x => ({markdown: x.message, schema: x.answer_schema,
-                                                                      playbook: pb, run_id: x.run_id}))});
-    if (!r.ok || pb !== S.pb) return;
-    fresh.forEach((x, i) => {
-      if (!S.items.has(x.run_id) && !S.gone.has(x.run_id)) S.items.set(x.run_id, {req: x, el: requestEl(x, r.body.items[i])});
-    });
-  }
-  const ol = $("#requests");
-  let cur = ol.firstElementChild;
-  for (const x of want) {
-    const it = S.items.get(x.run_id);
-    if (!it) continue;
-    it.el.querySelector(".nudged").textContent = nudgedWords(x);
-    it.el.querySelector("h2 .to").textContent = forWords(x);
-    if (it.el === cur) cur = cur.nextElementSibling;
-    else ol.insertBefore(it.el, cur);
-  }
-  $("#empty").hidden = S.items.size > 0;
-  $("#more").hidden = !page.next_cursor;
-  if (S.loaded && (fresh.length || left)) {
-    const words = [];
-    if (fresh.length) words.push(`${fresh.length} new request${fresh.length > 1 ? "s" : ""}`);
-    if (left) words.push(`${left} left the inbox`);
-    $("#news").textContent = words.join(", ") + ".";
-    clearTimeout(S.newsTimer);
-    S.newsTimer = setTimeout(() => { $("#news").textContent = ""; }, 8000);
-  }
-  S.loaded = true;
-}
-
-function requestEl(req, shown) {
-  const n = ++S.seq, hid = `req-${n}`;
-  const msg = h("div", {class: "msg"});
-  msg.innerHTML = shown.html || "";             // rendered by the daemon with raw HTML off
-  const form = req.approval ? approvalEl(req, n) : req.takes_answer ? formEl(req, shown.form, n)
-                                : h("p", {class: "muted"}, "A notification: there is nothing to answer.");
-  const delivery = req.delivery ? ` · sent with ${req.delivery.server}/${req.delivery.tool} (${req.delivery_state})` : "";
-  const person = S.session.person;
-  return h("li", {class: "req", "data-run-id": req.run_id},
-    h("article", {"aria-labelledby": hid},
-      h("h2", {id: hid}, req.name, " ", h("span", {class: "to"}, forWords(req))),
-      h("p", {class: "meta"}, "asked ", relTime(req.asked_at), " · ",
-        req.expires_at ? ["expires ", relTime(req.expires_at)] : "never expires", delivery,
-        h("span", {class: "nudged"}, nudgedWords(req)),
-        person ? null : [" · ", h("a", {href: `#/runs/${enc(req.run_id)}`}, "History")],
-        req.answer_url && !person ? [" · ", h("a", {href: req.answer_url, class: "answer-link", target: "_blank", rel: "noreferrer",
-          title: `The link ${req.to} answers on without signing in; copy it to send it`}, "Answer link")] : null),
-      msg, form));
-}
-
-// Whom a request asks (its party, and whom it was escalated to), and how often it was reminded: both
-// change while it stays listed, so showList writes them again on each refresh.
-function forWords(req) { return `for ${(req.addressees || [req.to]).join(" and ")}`; }
-function nudgedWords(req) {
-  return req.reminded ? ` · reminded ${req.reminded} time${req.reminded === 1 ? "" : "s"}` : "";
-}
-
-function formEl(req, form, n) {
-  const f = h("form", {class: "answer", novalidate: true, "aria-label": `Answer: ${req.name}`});
-  const fields = [];
-  const formErr = h("p", {class: "err", id: `fe-${n}`, "aria-live": "polite"});
-  const notes = form.mode === "choice" ? form.fields.filter(fd => fd.note) : [];
-  const others = form.fields.filter(fd => !notes.includes(fd));
-  if (form.mode === "choice") {
-    // The first submit button is a form's default: a disabled one keeps Enter from picking a choice.
-    f.append(h("button", {type: "submit", disabled: true, hidden: true, tabindex: "-1", "aria-hidden": "true"}));
-  }
-  others.forEach((fd, i) => f.append(fieldEl(fd, `${n}-${i}`, fields)));
-  if (form.mode === "choice") {
-    const c = form.choice, gid = `c-${n}`;
-    const err = h("p", {class: "err", id: `${gid}-err`});
-    const group = h("div", {class: "choice", role: "group", "aria-labelledby": gid, "aria-describedby": `${gid}-err`},
-      c.values.map((v, i) => h("button", {type: "submit", "data-index": String(i)}, c.labels[i])));
-    fields.push({fd: c, err, control: group.firstElementChild, box: group, choice: true});
-    f.append(h("div", {class: "choice-row"}, notes.map((fd, i) => fieldEl(fd, `${n}-n${i}`, fields)),
-      h("div", {class: "choice-col"}, h("span", {class: "label", id: gid}, c.label), group, err)));
-  } else {
-    f.append(h("div", {class: "actions"}, h("button", {type: "submit", class: "primary"}, "Send the answer")));
-  }
-  f.append(formErr);
-  f.addEventListener("submit", (ev) => {
-    ev.preventDefault();
-    submitAnswer(req, form, f, fields, formErr, ev.submitter);
-  });
-  return f;
-}
-
-// An approval of a tool call: its arguments as a table, the ones the approver may change as fields,
-// then Approve or Reject with an optional note. Errors come back at /answer/arguments/... pointers.
-function approvalEl(req, n) {
-  const a = req.approval, fields = [], rows = [];
-  const f = h("form", {class: "answer approval", novalidate: true, "aria-label": `Approve: ${req.name}`});
-  const formErr = h("p", {class: "err", id: `fe-${n}`, "aria-live": "polite"});
-  const esc = (k) => String(k).replace(/~/g, "~0").replace(/\//g, "~1");
-  const walk = (value, ptr) => {
-    if (value && typeof value === "object" && a.edit.some(e => e.startsWith(ptr + "/"))) {
-      for (const [k, v] of Object.entries(value)) walk(v, `${ptr}/${esc(k)}`);
-    } else rows.push([ptr, value]);
-  };
-  walk(a.arguments, "");
-  const body = rows.map(([ptr, value], i) => {
-    const id = `ap-${n}-${i}`, name = ptr.slice(1).replace(/~1/g, "/").replace(/~0/g, "~") || "(all)";
-    if (!a.edit.includes(ptr)) {
-      return h("tr", {}, h("th", {scope: "row"}, h("code", {}, name)),
-        h("td", {}, typeof value === "string" ? value : JSON.stringify(value)));
-    }
-    const err = h("p", {class: "err", id: `${id}-err`});
-    let control, kind;
-    if (typeof value === "boolean") {
-      kind = "boolean";
-      control = h("select", {id, "aria-describedby": `${id}-err`},
-        h("option", {value: "true", selected: value}, "true"), h("option", {value: "false", selected: !value}, "false"));
-    } else if (typeof value === "number") {
-      kind = "number";
-      control = h("input", {id, type: "number", step: "any", value: String(value), "aria-describedby": `${id}-err`});
-    } else if (typeof value === "string") {
-      kind = "text";
-      control = h("input", {id, type: "text", value, "aria-describedby": `${id}-err`});
-    } else {
-      kind = "json";
-      control = h("textarea", {id, rows: 3, class: "json", spellcheck: "false", "aria-describedby": `${id}-err`},
-        JSON.stringify(value === undefined ? null : value, null, 2));
-    }
-    const cell = h("td", {}, control, err);
-    fields.push({fd: {pointer: `/arguments${ptr}`, arg: ptr, kind}, err, control, box: cell});
-    return h("tr", {}, h("th", {scope: "row"}, h("label", {for: id}, h("code", {}, name), " (may change)")), cell);
-  });
-  const noteId = `ap-${n}-note`, noteErr = h("p", {class: "err", id: `${noteId}-err`});
-  const note = h("textarea", {id: noteId, rows: 2, maxlength: 2000, "aria-describedby": `${noteId}-err`});
-  const noteBox = h("div", {class: "field"}, h("label", {for: noteId}, "Note (optional)"), note, noteErr);
-  fields.push({fd: {pointer: "/note"}, err: noteErr, control: note, box: noteBox});
-  // The first submit button is a form's default: a disabled one keeps Enter in a field from deciding.
-  f.append(h("button", {type: "submit", disabled: true, hidden: true, tabindex: "-1", "aria-hidden": "true"}));
-  f.append(
-    h("p", {class: "meta"}, "Calls ", h("strong", {}, a.tool), " on ", h("strong", {}, a.server), " · ",
-      a.read_only ? "read-only" : "may change something"),
-    rows.length ? h("div", {class: "wide"}, h("table", {class: "arguments"},
-      h("thead", {}, h("tr", {}, h("th", {scope: "col"}, "Argument"), h("th", {scope: "col"}, "Value"))),
-      h("tbody", {}, body)))
-      : h("p", {class: "muted"}, "The call takes no arguments."),
-    noteBox,
-    h("div", {class: "choice"}, h("button", {type: "submit", class: "primary", value: "approve"}, "Approve"),
-      h("button", {type: "submit", value: "reject"}, "Reject")),
-    formErr);
-  f.addEventListener("submit", (ev) => {
-    ev.preventDefault();
-    if (ev.submitter && ev.submitter.value) submitApproval(req, f, fields, formErr, ev.submitter.value === "approve");
-  });
-  return f;
-}
-
-async function submitApproval(req, f, fields, formErr, approved) {
-  clearErrors(fields, formErr);
-  const answer = {approved}, args = JSON.parse(JSON.stringify(req.approval.arguments));
-  let first = null, edited = false;
-  for (const x of fields) {
-    const {arg, kind} = x.fd;
-    if (arg === undefined) continue;
-    let v = x.control.value;
-    if (kind === "boolean") v = v === "true";
-    else if (kind === "number") {
-      if (v.trim() === "" || Number.isNaN(Number(v))) { first = first || placeError(fields, formErr, `/answer${x.fd.pointer}`, "Write a number."); continue; }
-      v = Number(v);
-    } else if (kind === "json") {
-      try { v = JSON.parse(v); } catch (e) { first = first || placeError(fields, formErr, `/answer${x.fd.pointer}`, `Not JSON: ${e.message}`); continue; }
-    }
-    edited = true;
-    if (arg === "") { Object.keys(args).forEach(k => delete args[k]); Object.assign(args, v); continue; }
-    const parts = arg.split("/").slice(1).map(p => p.replace(/~1/g, "/").replace(/~0/g, "~"));
-    let cur = args;
-    for (const p of parts.slice(0, -1)) cur = cur[p];
-    cur[parts[parts.length - 1]] = v;
-  }
-  if (first) { first.control.focus(); return; }
-  if (approved && edited) answer.arguments = args;
-  const note = fields.find(x => x.fd.pointer === "/note").control.value.trim();
-  if (note) answer.note = note;
-  const buttons = [...f.querySelectorAll("button:not([hidden])")];
-  buttons.forEach(b => { b.disabled = true; });
-  f.setAttribute("aria-busy", "true");
-  const r = await api("POST", `${base()}/runs/${enc(req.run_id)}/answer`, {answer});
-  f.removeAttribute("aria-busy");
-  buttons.forEach(b => { b.disabled = false; });
-  if (r.ok) return answered(req);
-  const errors = r.body && Array.isArray(r.body.errors) ? r.body.errors : [];
-  for (const e of errors) first = placeError(fields, formErr, e.pointer, e.message) || first;
-  if (!errors.length) formErr.textContent = problemText(r.body);
-  if (first) first.control.focus();
-  if ([404, 409, 410].includes(r.status)) refresh();
-}
-
-function fieldEl(fd, key, fields) {
-  const id = `f-${key}`, errId = `${id}-err`, hintId = `${id}-hint`;
-  const err = h("p", {class: "err", id: errId});
-  const words = [fd.hint, fd.bounds].filter(Boolean).join(" · ");
-  const hint = words ? h("p", {class: "hint", id: hintId}, words) : null;
-  const describedBy = [hint ? hintId : null, errId].filter(Boolean).join(" ");
-  const label = fd.required ? fd.label : `${fd.label} (optional)`;
-  if (fd.kind === "choice" || fd.kind === "checkboxes") {
-    const multi = fd.kind === "checkboxes";
-    const box = h("fieldset", {"aria-describedby": describedBy}, h("legend", {}, label),
-      fd.values.map((v, i) => h("label", {class: "opt"},
-        h("input", {type: multi ? "checkbox" : "radio", name: id, value: String(i)}), fd.labels[i])));
-    fields.push({fd, err, control: box.querySelector("input"), box});
-    return h("div", {class: "field"}, box, hint, err);
-  }
-  let control;
-  if (fd.kind === "number") {
-    control = h("input", {id, name: fd.name, type: "number", inputmode: fd.integer ? "numeric" : "decimal",
-                          step: fd.integer ? "1" : "any", min: fd.min, max: fd.max, "aria-describedby": describedBy});
-  } else if (fd.kind === "text") {
-    control = h("textarea", {id, name: fd.name, rows: fd.note ? 2 : 3, maxlength: fd.maxLength, minlength: fd.minLength,
-                             "aria-describedby": describedBy});
-  } else {
-    control = h("textarea", {id, name: fd.name, rows: 6, class: "json", spellcheck: "false",
-                             "aria-describedby": describedBy}, fd.example || "");
-  }
-  const box = h("div", {class: "field"}, h("label", {for: id}, label), control, hint, err);
-  fields.push({fd, err, control, box});
-  return box;
-}
-
-function collect(form, fields, submitter) {
-  const answer = {}, bad = [];
-  let root, hasRoot = false;
-  const put = (fd, v) => { if (fd.pointer === "") { root = v; hasRoot = true; } else answer[fd.name] = v; };
-  for (const {fd, control, box, choice} of fields) {
-    if (choice) continue;
-    if (fd.kind === "text") {
-      if (control.value !== "" || fd.pointer === "") put(fd, control.value);
-    } else if (fd.kind === "number") {
-      if (control.validity.badInput) bad.push([fd.pointer, "Not a number."]);
-      else if (control.value !== "") put(fd, Number(control.value));
-    } else if (fd.kind === "choice") {
-      const c = box.querySelector("input:checked");
-      if (c) put(fd, fd.array ? [fd.values[Number(c.value)]] : fd.values[Number(c.value)]);
-    } else if (fd.kind === "checkboxes") {
-      const vs = [...box.querySelectorAll("input:checked")].map(c => fd.values[Number(c.value)]);
-      if (vs.length || fd.required) put(fd, vs);
-    } else {
-      const t = control.value.trim();
-      if (t) {
-        try { put(fd, JSON.parse(t)); } catch (e) { bad.push([fd.pointer, `Not JSON: ${e.message}`]); }
-      } else if (fd.pointer === "") {
-        bad.push([fd.pointer, "Write the answer as JSON."]);
-      }
-    }
-  }
-  if (form.mode === "choice") put(form.choice, form.choice.values[Number(submitter.dataset.index)]);
-  return {answer: hasRoot ? root : answer, bad};
-}
-
-function clearErrors(fields, formErr) {
-  formErr.textContent = "";
-  for (const x of fields) {
-    x.err.textContent = "";
-    x.box.querySelectorAll("[aria-invalid]").forEach(el => el.removeAttribute("aria-invalid"));
-    x.box.removeAttribute("aria-invalid");
-  }
-}
-
-// An error lands at the field whose pointer is the longest prefix of the error's pointer.
-function placeError(fields, formErr, pointer, message) {
-  const rel = typeof pointer === "string" && (pointer === "/answer" || pointer.startsWith("/answer/")) ? pointer.slice(7) : null;
-  let best = null;
-  if (rel !== null) {
-    for (const x of fields) {
-      const p = x.fd.pointer;
-      if ((rel === p || rel.startsWith(p + "/")) && (!best || p.length > best.fd.pointer.length)) best = x;
-    }
-  }
-  if (!best) {
-    formErr.textContent = [formErr.textContent, message].filter(Boolean).join(" ");
-    return null;
-  }
-  best.err.textContent = [best.err.textContent, message].filter(Boolean).join(" ");
-  const target = best.choice || best.box.tagName === "FIELDSET" ? best.box : best.control;
-  target.setAttribute("aria-invalid", "true");
-  return best;
-}
-
-async function submitAnswer(req, form, f, fields, formErr, submitter) {
-  if (form.mode === "choice" && !(submitter && submitter.dataset.index !== undefined)) return;
-  clearErrors(fields, formErr);
-  const {answer, bad} = collect(form, fields, submitter);
-  let first = null;
-  if (bad.length) {
-    for (const [p, m] of bad) first = first || placeError(fields, formErr, `/answer${p}`, m);
-    (first ? first.control : f).focus();
-    return;
-  }
-  const buttons = [...f.querySelectorAll("button:not([hidden])")];
-  buttons.forEach(b => { b.disabled = true; });
-  f.setAttribute("aria-busy", "true");
-  // The page's own answer route: answer_interaction's rules, its errors in a person's words.
-  const r = await api("POST", `/web${base().slice(3)}/runs/${enc(req.run_id)}/answer`, {answer});
-  f.removeAttribute("aria-busy");
-  buttons.forEach(b => { b.disabled = false; });
-  if (r.ok) return answered(req);
-  const errors = r.body && Array.isArray(r.body.errors) ? r.body.errors : [];
-  for (const e of errors) first = placeError(fields, formErr, e.pointer, e.message) || first;
-  if (!errors.length) formErr.textContent = problemText(r.body);
-  const invalid = f.querySelector("[aria-invalid=true]");
-  if (invalid) (invalid.matches("input, textarea") ? invalid : invalid.querySelector("input, button") || invalid).focus();
-  if ([404, 409, 410].includes(r.status)) refresh();
-}
-
-function answered(req) {
-  S.gone.add(req.run_id);
-  const it = S.items.get(req.run_id);
-  if (it) { it.el.remove(); S.items.delete(req.run_id); }
-  $("#empty").hidden = S.items.size > 0;
-  say(`Answered ${req.name} for ${req.to}. `,
-      S.session.person ? null : h("a", {href: `#/runs/${enc(req.run_id)}`}, "Open its history")).focus();
-  refresh();
-}
-
-// Pages: a run's history, the runs, the definitions -------------------------------------------
-
-function route(focus) {
-  const hash = location.hash.replace(/^#/, "") || "/";
-  if (!hash.startsWith("/") || !S.session) return;
-  const inbox = hash === "/";
-  if (!inbox) $("#status").replaceChildren();
-  $("#inbox").hidden = !inbox;
-  $("#page").hidden = inbox;
-  const section = hash.split("/")[1] || "";
-  document.querySelectorAll("#nav a").forEach(a => {
-    if (a.getAttribute("href") === `#/${section}`) a.setAttribute("aria-current", "page");
-    else a.removeAttribute("aria-current");
-  });
-  let m, done;
-  if (inbox) { document.title = "Inbox · interactiond"; done = Promise.resolve($("#inbox-h")); }
-  else if ((m = hash.match(/^\/runs\/(.+)$/))) done = showRun(decodeURIComponent(m[1]));
-  else if (hash === "/runs") done = showRuns();
-  else if (hash === "/definitions") done = showDefinitions();
-  else done = Promise.resolve(page("Not found", h("p", {}, h("a", {href: "#/"}, "Back to the inbox"))));
-  if (focus) done.then(el => el && el.focus());
-}
-
-function page(title, ...parts) {
-  document.title = `${title} · interactiond`;
-  const h1 = h("h1", {tabindex: "-1"}, title);
-  $("#page").replaceChildren(h1, ...parts.flat().filter(x => x !== null && x !== undefined && x !== false));
-  return h1;
-}
-
-function pre(value) { return h("pre", {}, JSON.stringify(value, null, 2)); }
-
-async function showRun(id) {
-  page(`Run ${id}`, h("p", {class: "muted"}, "Loading…"));
-  const [run, events] = await Promise.all([api("GET", `${base()}/runs/${enc(id)}`), runEvents(id)]);
-  if (!run.ok) return page(`Run ${id}`, h("p", {class: "err"}, problemText(run.body)));
-  const r = run.body, who = await answeredBy(events), rows = [["Function", `${r.name} (${r.type}, version ${r.version})`],
-    ["Status", r.kind ? `${r.status} (${r.kind})` : r.status], ["Started", absTime(r.created_at)],
-    ["Ended", r.ended_at ? absTime(r.ended_at) : "not yet"],
-    who ? ["Answered by", h("span", {class: "answered-by"}, who.name, " on ", absTime(who.at))]
-        : ["Settled by", r.settled_by || "—"]];
-  const list = h("ol", {class: "timeline", "aria-label": "History"}, events.map(eventEl));
-  return page(`Run ${id}`,
-    h("dl", {class: "run card"}, rows.map(([k, v]) => [h("dt", {}, k), h("dd", {}, v)])),
-    r.output !== null && r.output !== undefined ? [h("h2", {}, "Output"), pre(r.output)] : null,
-    r.problem ? [h("h2", {}, "Problem"), pre(r.problem)] : null,
-    h("h2", {}, "History"), h("p", {class: "muted"}, "Each event with its time; open one to see all of it."), list);
-}
-
-// Who answered a run's request, in words, and when: request_answered's answered_by_name (read
-// whole when the listing cut its payload), else the event's `by`.
-async function answeredBy(events) {
-  const e = events.find(x => x.type === "request_answered");
-  if (!e) return null;
-  let payload = e.payload;
-  if (e.truncated) {
-    const r = await api("GET", `${base()}/events/${enc(e.id)}`);
-    payload = r.ok ? r.body.payload : null;
-  }
-  const by = e.by && e.by.startsWith("tok_") ? "an API token" : e.by;
-  return {name: (payload && payload.answered_by_name) || by || "—", at: e.at};
-}
-
-async function runEvents(id) {
-  const out = [];
-  let cursor = null;
-  for (let i = 0; i < 25; i++) {
-    const r = await api("GET", `${base()}/runs/${enc(id)}/events?limit=200${cursor ? `&cursor=${enc(cursor)}` : ""}`);
-    if (!r.ok) break;
-    out.push(...r.body.data);
-    cursor = r.body.next_cursor;
-    if (!cursor) break;
-  }
-  return out;
-}
-
-function eventEl(e) {
-  const pid = `ev-${++S.seq}`;
-  const text = e.truncated ? `${e.preview}… (${e.size} bytes)` : JSON.stringify(e.payload);
-  const whole = h("pre", {id: pid, hidden: true});
-  const btn = h("button", {type: "button", class: "event", "aria-expanded": "false", "aria-controls": pid},
-    absTime(e.at), h("strong", {}, e.type), e.by || (e.payload && e.payload.answered_by_name)
-      ? h("span", {class: "muted"}, `by ${(e.payload && e.payload.answered_by_name) || e.by}`) : null,
-    h("span", {class: "preview"}, text.length > 240 ? `${text.slice(0, 240)}…` : text));
-  btn.addEventListener("click", async () => {
-    if (btn.getAttribute("aria-expanded") === "true") {
-      btn.setAttribute("aria-expanded", "false");
-      whole.hidden = true;
-      return;
-    }
-    if (!whole.dataset.loaded) {
-      const r = await api("GET", `${base()}/events/${enc(e.id)}`);
-      whole.textContent = r.ok ? JSON.stringify(r.body, null, 2) : problemText(r.body);
-      if (r.ok) whole.dataset.loaded = "1";
-    }
-    btn.setAttribute("aria-expanded", "true");
-    whole.hidden = false;
-  });
-  return h("li", {"data-event-id": e.id}, btn, whole);
-}
-
-// The runs, newest first, filtered by status and function; "Show older" reads the next page.
-const RUN_STATUSES = ["started", "waiting", "succeeded", "invalid_input", "conflict", "unavailable", "rejected", "failed"];
-S.runs = {status: "", fn: ""};
-
-async function showRuns() {
-  const h1 = page("Runs", h("p", {class: "muted"}, "Loading…"));
-  const [r, defs] = await Promise.all([runsPage(null), api("GET", `${base()}/definitions`)]);
-  if (!r.ok) return page("Runs", h("p", {class: "err"}, problemText(r.body)));
-  const status = h("select", {id: "run-status"}, h("option", {value: ""}, "any status"),
-    RUN_STATUSES.map(st => h("option", {value: st}, st)));
-  const names = defs.ok ? [...new Set(defs.body.data.map(d => d.name))].sort() : [];
-  if (S.runs.fn && !names.includes(S.runs.fn)) names.push(S.runs.fn);
-  const fn = h("select", {id: "run-function"}, h("option", {value: ""}, "any function"),
-    names.map(n => h("option", {value: n}, n)));
-  status.value = S.runs.status;
-  fn.value = S.runs.fn;
-  const body = h("tbody", {});
-  const table = h("div", {class: "wide"}, h("table", {},
-    h("caption", {class: "muted"}, "Runs, newest first"),
-    h("thead", {}, h("tr", {}, ["Run", "Function", "Status", "Started"].map(t => h("th", {scope: "col"}, t)))), body));
-  const none = h("p", {class: "muted", id: "runs-none"}, "No runs here.");
-  const more = h("button", {type: "button", id: "runs-more"}, "Show older runs");
-  let cursor = null;
-  const add = (res) => {
-    body.append(...res.body.data.map(x => h("tr", {"data-run-id": x.run_id},
-      h("td", {}, h("a", {href: `#/runs/${enc(x.run_id)}`}, x.run_id)), h("td", {}, x.name),
-      h("td", {}, x.kind ? `${x.status} (${x.kind})` : x.status), h("td", {}, absTime(x.created_at)))));
-    cursor = res.body.next_cursor;
-    more.hidden = !cursor;
-    none.hidden = body.childElementCount > 0;
-    table.hidden = !none.hidden;
-  };
-  more.addEventListener("click", async () => {
-    more.disabled = true;
-    const next = await runsPage(cursor);
-    more.disabled = false;
-    if (next.ok) add(next); else say(problemText(next.body));
-  });
-  const refilter = () => { S.runs = {status: status.value, fn: fn.value}; route(false); };
-  status.addEventListener("change", refilter);
-  fn.addEventListener("change", refilter);
-  page("Runs", h("div", {class: "bar"}, h("label", {for: "run-status"}, "Status"), status,
-    h("label", {for: "run-function"}, "Function"), fn), table, none, more);
-  add(r);
-  return $("#page h1") || h1;
-}
-
-function runsPage(cursor) {
-  const q = [`limit=200`, S.runs.status ? `status=${enc(S.runs.status)}` : "",
-             S.runs.fn ? `function=${enc(S.runs.fn)}` : "", cursor ? `cursor=${enc(cursor)}` : ""].filter(Boolean);
-  return api("GET", `${base()}/runs?${q.join("&")}`);
-}
-
-async function showDefinitions() {
-  page("Definitions", h("p", {class: "muted"}, "Loading…"));
-  const r = await api("GET", `${base()}/definitions`);
-  if (!r.ok) return page("Definitions", h("p", {class: "err"}, problemText(r.body)));
-  const items = r.body.data.map(d => {
-    const body = h("div", {}, h("p", {class: "muted"}, "Loading…"));
-    const det = h("details", {class: "card", "data-name": d.name},
-      h("summary", {}, `${d.name} `, h("span", {class: "to"}, `${d.type}, version ${d.version}`)),
-      d.description ? h("p", {}, d.description) : null, body);
-    det.addEventListener("toggle", async () => {
-      if (!det.open || det.dataset.loaded) return;
-      det.dataset.loaded = "1";
-      const g = await api("GET", `${base()}/definitions/${enc(d.type)}/${enc(d.name)}`);
-      if (!g.ok) { body.replaceChildren(h("p", {class: "err"}, problemText(g.body))); return; }
-      const shown = await api("POST", "/web/render", {items: [{markdown: g.body.overview || ""}]});
-      const overview = h("div", {class: "msg"});
-      if (shown.ok) overview.innerHTML = shown.body.items[0].html; else overview.textContent = g.body.overview || "";
-      body.replaceChildren(h("h2", {}, "Overview"), overview, h("h2", {}, "Source"), h("pre", {}, g.body.source));
-    });
-    return det;
-  });
-  return page("Definitions", items.length ? items : h("p", {class: "muted"}, "No definitions."));
-}
-
-// Wiring -------------------------------------------------------------------------------------
-
-$("#to").addEventListener("change", (ev) => {
-  S.to = ev.target.value;
-  refresh();
-});
-$("#pb").addEventListener("change", (ev) => switchPlaybook(ev.target.value));
-$("#logout").addEventListener("click", async () => {
-  await api("POST", "/logout");
-  signedOut();
-});
-window.addEventListener("hashchange", () => route(true));
-boot();
-"""
-
-_INBOX_PAGE: Final = """<!doctype html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<meta name="referrer" content="no-referrer">
-<title>Inbox · interactiond</title>
-<link rel="icon" href="data:,">
-<style>{css}</style>
-</head>
-<body>
-<header class="top">
-  <span class="brand">interactiond</span>
-  <nav id="nav" aria-label="Pages" hidden><a href="#/">Inbox</a><a href="#/runs">Runs</a><a href="#/definitions">Definitions</a></nav>
-  <div class="ctl">
-    <span id="pb-wrap" hidden><label for="pb">Playbook</label> <select id="pb"></select></span>
-    <span id="who" class="muted"></span>
-    <button id="logout" type="button" hidden>Log out</button>
-  </div>
-</header>
-<main id="main">
-  <p id="loading" class="muted">Loading…</p>
-  <section id="signin" hidden>
-    <h1>Sign in</h1>
-    <p>Open a sign-in link: the one <code>interactiond serve</code> printed when it started, or one
-      made for you with <code>interactiond link --for NAME</code>. It ends in <code>/login?token=…</code>
-      and works once; ask for a new one when it is spent.</p>
-  </section>
-  <div id="app" hidden>
-    <div id="status" role="status" aria-live="polite"></div>
-    <section id="inbox" aria-labelledby="inbox-h">
-      <h1 id="inbox-h" tabindex="-1">Inbox <span id="count" class="to"></span></h1>
-      <div class="bar">
-        <span id="to-wrap"><label for="to">Addressed to</label>
-        <select id="to"><option value="">everyone</option></select></span>
-        <span id="live" class="muted"></span>
-        <span id="news" class="muted" aria-live="polite"></span>
-      </div>
-      <p id="empty" class="muted" hidden>Nothing is waiting for an answer.</p>
-      <ol id="requests" class="requests" aria-label="Pending requests, newest first"></ol>
-      <p id="more" class="muted" hidden>Only the newest 200 are shown; answer some to see the rest.</p>
-    </section>
-    <section id="page" hidden></section>
-  </div>
-</main>
-<script>{js}</script>
-</body>
-</html>
-"""
-
-
-def _csp_source(text: str) -> str:
-    return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
-
-
-INBOX_HTML: Final = _INBOX_PAGE.replace("{css}", _INBOX_CSS).replace("{js}", _INBOX_JS)
-#: The page runs only its own inline script and style (by hash) and talks only to this daemon.
-INBOX_HEADERS: Final = {
-    "Content-Security-Policy": f"default-src 'none'; script-src {_csp_source(_INBOX_JS)}; style-src "
-                               f"{_csp_source(_INBOX_CSS)}; connect-src 'self'; img-src 'self' data:; base-uri 'none';"
-                               " form-action 'none'; frame-ancestors 'none'",
-    "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-store",
-}
-#: An answer link's page (Web inbox, answer links): made on the daemon, the inbox's style, no script;
-#: its form posts only to itself.
-LINK_PAGE: Final = """<!doctype html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<meta name="referrer" content="no-referrer">
-<meta name="robots" content="noindex, nofollow">
-<title>{title} · interactiond</title>
-<link rel="icon" href="data:,">
-<style>""" + _INBOX_CSS + """</style>
-</head>
-<body>
-<header class="top"><span class="brand">interactiond</span></header>
-<main id="main">{body}</main>
-</body>
-</html>
-"""
-LINK_HEADERS: Final = {
-    "Content-Security-Policy": f"default-src 'none'; style-src {_csp_source(_INBOX_CSS)}; img-src 'self' data:;"
-                               " base-uri 'none'; form-action 'self'; frame-ancestors 'none'",
-    "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-store",
-    "X-Robots-Tag": "noindex, nofollow",
-}
-LOGIN_SPENT_HTML: Final = """<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
-<title>Sign-in link spent · interactiond</title></head>
-<body><h1>This sign-in link does not work</h1>
-<p>It was used already, it has expired, or it is not one this daemon made. Each sign-in link works
-once: ask for a new one (<code>interactiond link --for NAME</code> makes one), or use the one the
-latest start of <code>interactiond serve</code> printed.</p></body></html>
-"""
 
 
 if __name__ == "__main__":
