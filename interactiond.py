@@ -4576,16 +4576,6 @@ class _Checkpointer(threading.Thread):
         self.due.set()
 
 
-class Committed:
-    """What a change returns when its result is made from rows it wrote: `make()` runs once the
-    transaction has committed, on the event loop, off the writer's thread."""
-
-    __slots__ = ("make",)
-
-    def __init__(self, make: Callable[[], Any]) -> None:
-        self.make = make
-
-
 def _settle_all(settled: list[tuple[Any, ...]], sink: Callable[[Effects], None] | None) -> None:
     for fut, result, exc, fx in settled:
         if fx is not None and sink is not None:
@@ -4595,11 +4585,6 @@ def _settle_all(settled: list[tuple[Any, ...]], sink: Callable[[Effects], None] 
                 log.exception("applying the effects of a committed change failed")
         if fut.done():
             continue
-        if exc is None and type(result) is Committed:
-            try:
-                result = result.make()
-            except Exception as made:
-                exc = made
         if exc is not None:
             fut.set_exception(exc)
         else:
@@ -4697,12 +4682,8 @@ class Store:
             await asyncio.get_running_loop().run_in_executor(None, self._checkpointer.join, 5.0)
         self._writer = self._reader = self._checkpointer = None
 
-    def write(self, change: Callable[[sqlite3.Connection, Effects], Any],
-              ahead: tuple[str, str, str] | None = None) -> asyncio.Future[Any]:
+    def write(self, change: Callable[[sqlite3.Connection, Effects], Any]) -> asyncio.Future[Any]:
         """Run `change(conn, effects)` in the next group commit; resolves after COMMIT.
-
-        `ahead` names what the change reads first - ("request", playbook, run_id): the request of a
-        run. It is a hint a backend may use; both read it as the change asks.
 
         A change reaches the database through `conn` and the daemon through `effects` only, and runs
         once, in a savepoint of its own within the group commit (SQLiteTx.run_begun): when it raises,
@@ -4716,7 +4697,7 @@ class Store:
         a tenth of the loop's time when it was one per call."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._writes.append((change, fut, Effects(), ahead))
+        self._writes.append((change, fut, Effects()))
         if not self._handing_over:
             self._handing_over = True
             loop.call_soon(self._hand_over)
@@ -4970,7 +4951,7 @@ class SqlTx:
     # and runs its changes one after another in it, each in a savepoint of its own.
 
     def run_begun(self, batch: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-        """Run each change `(change, future, effects, ahead)` of a batch in the transaction just begun,
+        """Run each change `(change, future, effects)` of a batch in the transaction just begun,
         each in a savepoint of its own (run_change), and commit: (future, result, problem, effects) of
         each. The writer thread (and the loop's commit_here) drives this.
 
@@ -4979,7 +4960,7 @@ class SqlTx:
         itself (a full disk, an I/O error, a lost connection) fails every change of the batch, as
         does a commit that fails."""
         out: list[tuple[Any, ...]] = []
-        for i, (fn, fut, fx, _) in enumerate(batch):
+        for i, (fn, fut, fx) in enumerate(batch):
             try:
                 result = self.run_change(fn, fx)
             except BaseException as exc:
@@ -9079,12 +9060,12 @@ class Inbox:
                                      errors=errors)
             closed = self.record_answer(tx, fx, row, answer, claimed_for, by, now, by_name=caller.by_name)
             if idempotency is None:
-                return Committed(lambda: (answer_fact(closed), True))
+                return answer_fact(closed), True
             response = idempotency.response(closed)
             tx.remember_response(caller=idempotency.caller, key=idempotency.key, body_sha=idempotency.body_sha,
                                  response=response, now=now)
             return response, True
-        return await self.store.write(change, ahead=("request", playbook, run_id))
+        return await self.store.write(change)
 
     async def replayed(self, key: IdempotencyKey) -> dict[str, Any] | None:
         """The response first given under `key` (a replay), or None when the key is new; the problem

@@ -388,13 +388,13 @@ async def test_an_attempts_end_refused_by_a_busy_database_is_written_again_not_s
     write = store.write
     refused: list[str] = []
 
-    def busy_once(change, ahead=None):
+    def busy_once(change):
         if change.__qualname__.endswith("_end_attempt.<locals>.attempt_ended") and not refused:
             refused.append(change.__qualname__)
             fut = asyncio.get_running_loop().create_future()
             fut.set_exception(itd.Problem("unavailable", "the database is locked", kind="database_busy"))
             return fut
-        return write(change, ahead)
+        return write(change)
 
     monkeypatch.setattr(store, "write", busy_once)
     run_id = await start(d, "chat-approval", SEED_CHAT, {"owner": "ana", "draft": "x"})

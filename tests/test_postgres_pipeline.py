@@ -293,8 +293,8 @@ async def test_a_request_closed_earlier_in_the_group_commit_refuses_its_answer_w
 
     try:
         got = await asyncio.gather(store.write(expires),
-                                   store.write(_answers("r1", runs), ahead=("request", PB, "r1")),
-                                   store.write(_answers("r2", runs), ahead=("request", PB, "r2")),
+                                   store.write(_answers("r1", runs)),
+                                   store.write(_answers("r2", runs)),
                                    return_exceptions=True)
         assert batches == [3]
         assert got[0] == "expired"
@@ -398,7 +398,7 @@ async def test_a_request_closed_by_another_daemon_while_the_writer_waits_for_the
     try:
         other.execute("BEGIN")
         other.execute("SELECT pg_advisory_xact_lock(%s)", (itd._PG_WRITE_LOCK,))
-        answer = asyncio.ensure_future(store.write(_answers("r1", runs), ahead=("request", PB, "r1")))
+        answer = asyncio.ensure_future(store.write(_answers("r1", runs)))
         watch = psycopg.connect(pg, autocommit=True)
         deadline = time.monotonic() + 20
         while not watch.execute("SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE wait_event = 'advisory'"
@@ -434,7 +434,7 @@ async def test_a_request_this_writer_opened_then_closed_elsewhere_refuses_its_an
         committed.clear()
         other.execute("UPDATE requests SET status = 'expired', open = 0 WHERE run_id = 'r1'")
         with pytest.raises(itd.Problem) as got:
-            await store.write(_answers("r1", runs), ahead=("request", PB, "r1"))
+            await store.write(_answers("r1", runs))
         assert got.value.name == "not_open" and runs == ["r1"]
         assert await store.read(lambda tx: (tx.request(PB, "r1")["status"], tx.run(PB, "r1")["status"])) == \
             ("expired", "waiting")
