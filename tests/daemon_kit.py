@@ -166,6 +166,15 @@ class Daemon:
         assert status == 200, body
 
 
+def person_token(db: str, person: str, role: str = "writer", playbook: str = "local/default") -> str:
+    """A new token naming person `person` (a reader's or a writer's, bound to one playbook)."""
+    tx = itd.open_sync(db)
+    try:
+        return itd.create_token(tx, role, playbook, f"{person}'s", person=person)[1]
+    finally:
+        tx.close()
+
+
 def make_tokens(db: str) -> dict[str, str]:
     conn = itd.open_sync(db)
     try:

@@ -14,7 +14,7 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 
 import interactiond as itd
-from daemon_kit import APPROVAL, START_MS
+from daemon_kit import APPROVAL, START_MS, person_token
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
@@ -28,14 +28,6 @@ WHEN = "2027-01-15 08:00 UTC"                       # START_MS as the answer lin
 async def d(chat_d):
     await chat_d.define("approve", APPROVAL)
     return chat_d
-
-
-def person_token(db: str, person: str) -> str:
-    tx = itd.open_sync(db)
-    try:
-        return itd.create_token(tx, "writer", "local/default", f"{person}'s phone", person=person)[1]
-    finally:
-        tx.close()
 
 
 async def ask(d, owner: str) -> tuple[str, str]:

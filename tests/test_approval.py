@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import interactiond as itd
-from daemon_kit import chat_command, fresh_postgres, start_daemon, until
+from daemon_kit import chat_command, fresh_postgres, person_token, start_daemon, until
 
 ROOT = Path(__file__).resolve().parent.parent
 OPS = str(Path(__file__).parent / "servers" / "ops_server.py")
@@ -142,11 +142,7 @@ def person(d, name: str, role: str = "writer") -> str:
     """The key in d.tokens of a token naming person `name` (made on first use)."""
     key = f"person:{name}:{role}"
     if key not in d.tokens:
-        conn = itd.open_sync(d.db)
-        try:
-            d.tokens[key] = itd.create_token(conn, role, "local/default", name, person=name)[1]
-        finally:
-            conn.close()
+        d.tokens[key] = person_token(d.db, name, role)
     return key
 
 

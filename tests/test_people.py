@@ -19,7 +19,7 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 
 import interactiond as itd
-from daemon_kit import APPROVAL, START_MS, fresh_postgres, start_chat_daemon
+from daemon_kit import APPROVAL, START_MS, fresh_postgres, person_token, start_chat_daemon
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -51,14 +51,6 @@ async def sign_in(d, url: str) -> None:
 
 def origin(d) -> dict[str, str]:
     return {"Origin": str(d.client.make_url("/")).rstrip("/")}
-
-
-def person_token(db: str, person: str, role: str = "writer", playbook: str = "local/default") -> str:
-    tx = itd.open_sync(db)
-    try:
-        return itd.create_token(tx, role, playbook, f"{person}'s", person=person)[1]
-    finally:
-        tx.close()
 
 
 # A person's sign-in ###############################################################################
