@@ -4800,7 +4800,7 @@ class Tx(Protocol):
     def open_request(self, *, request_id: str, playbook: str, run_id: str, type_: str, name: str, version: int,
                      party: str, answerer: str, message: str, answer_schema: str | None, server: str | None,
                      tool: str | None, delivery: DeliveryState, asked_at: int, expires_at: int,
-                     deliver_args: str | None, notified: bool = False, follow_up: str | None = None) -> int | None: ...
+                     deliver_args: str | None, notified: bool = False, follow_up: str | None = None) -> None: ...
     def request(self, playbook: str, run_id: str) -> Row | None: ...
     def close_request(self, fx: Effects, playbook: str, run_id: str, ending: Ending) -> Row | None: ...
     def record_answer(self, fx: Effects, req: Row, answer: Any, *, by: str, now: int,
@@ -4889,23 +4889,10 @@ class Dialect:
     #: A condition on a definition `d`: its `uses`, a JSON list of [type, name] pairs, holds the pair
     #: given (two placeholders).
     uses_pair: str
-    #: The columns an event is inserted with: `daemon` too where several daemons share the database.
-    event_columns: tuple[str, ...]
-    #: An event of a run inserted in one statement that also counts it on the run (its values: the
-    #: run's key, then the event's columns but run_seq), returning its id; "" where two statements do.
-    counted_event: str = ""
     #: A run inserted (_INSERT_RUN_SQL's values) and, if it was, its request counted (the playbook and
     #: the limit), in one statement returning whether each happened; "" where two statements do.
     asking_run: str = ""
 
-    def insert_event(self) -> str:
-        """The statement that inserts an event (its columns' values) and returns its id."""
-        return (f"INSERT INTO events ({', '.join(self.event_columns)}) VALUES ({', '.join('?' * len(self.event_columns))})"
-                " RETURNING id")
-
-
-#: The columns every backend's events have.
-_EVENT_COLUMNS: Final = ("playbook", "run_id", "run_seq", "type", "at", "by", "payload", "size")
 
 SQLITE_DIALECT: Final = Dialect(
     sql=lambda text: text,
@@ -4916,7 +4903,6 @@ SQLITE_DIALECT: Final = Dialect(
                        " ORDER BY type, name",
     uses_pair="EXISTS (SELECT 1 FROM json_each(d.uses) u WHERE json_extract(u.value, '$[0]') = ?"
               " AND json_extract(u.value, '$[1]') = ?)",
-    event_columns=_EVENT_COLUMNS,
 )
 
 
@@ -4990,33 +4976,26 @@ class SqlTx:
     def append_event(self, fx: Effects | None, playbook: str, run_id: str | None, type_: str, at: int,
                      by: str | None, payload: dict[str, Any], *, run_seq: int | None = None) -> int:
         """Append one event; run events also take the next run_seq (or the one given, already
-        counted in runs.events by the caller's own UPDATE). Returns the event id."""
-        conn = self.conn
-        dialect = self.dialect
+        counted in runs.events by the caller's own UPDATE); `not_found` when the run is not there.
+        Returns the event id."""
         text = dumps(payload)
-        rest = (type_, at, by, text, len(text.encode())) + self._event_extra()
-        if run_id is not None and run_seq is None and dialect.counted_event:
-            row = conn.execute(dialect.counted_event, (playbook, run_id, playbook, run_id) + rest).fetchone()
-        else:
-            if run_id is not None and run_seq is None:
-                # UPDATE ... RETURNING, not UPDATE then SELECT: each statement lets the event loop take
-                # the GIL, which the writer then waits to get back.
-                counted = conn.execute("UPDATE runs SET events = events + 1 WHERE playbook = ? AND run_id = ?"
-                                       " RETURNING events", (playbook, run_id)).fetchone()
-                run_seq = counted[0] if counted is not None else None
-            row = None if run_id is not None and run_seq is None else \
-                conn.execute(dialect.insert_event(), (playbook, run_id, run_seq) + rest).fetchone()
-        if row is None:
-            raise Problem("not_found", f"no run {run_id} in this playbook")
-        event_id: int = row[0]
+        event_id = self._insert_event(playbook, run_id, run_seq, (type_, at, by, text, len(text.encode())))
         if fx is not None:
             fx.published.append({"id": event_id, "playbook": playbook, "run_id": run_id, "type": type_, "at": at,
                                  "by": by, "payload": payload})
         return event_id
 
-    def _event_extra(self) -> tuple[Any, ...]:
-        """The values of the dialect's event columns past the common ones."""
-        return ()
+    def _insert_event(self, playbook: str, run_id: str | None, run_seq: int | None, values: tuple[Any, ...]) -> int:
+        """The event's row (`values`: type, at, by, payload, size), counted on its run unless `run_seq`
+        is given; its id. Each backend's."""
+        raise NotImplementedError
+
+    def guard(self, cursor: Any, problem: Problem) -> None:
+        """A guarded statement's outcome that the change needs only as a whole: `problem` is raised,
+        and the change undone, when it changed no row - here at once, on a server at the change's
+        end (PostgresTx), so that its statements travel together."""
+        if not cursor.rowcount:
+            raise problem
 
     def set_timer(self, fx: Effects, key: str, due: int) -> None:
         self.conn.execute("INSERT INTO timers (key, due_at) VALUES (?, ?)"
@@ -5178,24 +5157,20 @@ class SqlTx:
     def open_request(self, *, request_id: str, playbook: str, run_id: str, type_: str, name: str, version: int,
                      party: str, answerer: str, message: str, answer_schema: str | None, server: str | None,
                      tool: str | None, delivery: DeliveryState, asked_at: int, expires_at: int,
-                     deliver_args: str | None, notified: bool = False, follow_up: str | None = None) -> int | None:
+                     deliver_args: str | None, notified: bool = False, follow_up: str | None = None) -> None:
         """Insert a run's request: open, and the started run waits for it (guarded, else `conflict`); or,
         `notified`, a notification the inbox shows at once, which leaves the run as it is. `follow_up`
         is its plan of reminders, escalation and default answer (JSON), if it has one.
 
-        The run_seq of the event that records the request (the caller appends it next), counted in
-        the run's UPDATE; None for a notification, whose event counts itself."""
+        The caller appends the event that records it next."""
         status = RequestStatus.NOTIFIED if notified else RequestStatus.OPEN
         self.conn.execute(_INSERT_REQUEST_SQL, (
             request_id, playbook, run_id, type_, name, version, party, answerer, message, answer_schema,
             playbook, type_, name, version, server, tool,
             status.value, 0 if notified else 1, delivery.value, asked_at, expires_at, deliver_args, follow_up))
-        if notified:
-            return None
-        waiting = self.conn.execute(_RUN_WAITS_SQL, (playbook, run_id)).fetchone()     # guarded: a started run
-        if waiting is None:
-            raise Problem("conflict", "the run is not waiting to open a request")
-        return waiting[0]
+        if not notified:
+            self.guard(self.conn.execute(_RUN_WAITS_SQL, (playbook, run_id)),
+                       Problem("conflict", "the run is not waiting to open a request"))
 
     def cancel_delivery(self, playbook: str, run_id: str) -> bool:
         """Mark the attempt in flight of a run's request as cancelling (guarded); False if none is in flight."""
@@ -5243,9 +5218,9 @@ class SqlTx:
                                           **({"reply": reply} if reply_id is not None else {}),
                                           **({"answered_by_name": by_name} if by_name is not None else {})}))
         text = dumps(answer)
-        if not self.conn.execute(_ANSWER_AND_CLOSE_SQL, (text, answer_id, by, now, claimed_for, reply_id, reply_sender,
-                                                         by_name, req["seq"])).rowcount:
-            raise Problem("not_open", "the request has ended; it takes no answer", kind="ended")
+        self.guard(self.conn.execute(_ANSWER_AND_CLOSE_SQL, (text, answer_id, by, now, claimed_for, reply_id,
+                                                             reply_sender, by_name, req["seq"])),
+                   Problem("not_open", "the request has ended; it takes no answer", kind="ended"))
         self._request_gone(fx, playbook, run_id, req)
         closed = dict(zip(req.keys(), req))      # dict(row) looks each name up along the row's columns
         closed.update(answer=text, answer_id=answer_id, answered_by=by, answered_at=now, claimed_for=claimed_for,
@@ -5756,6 +5731,17 @@ class SQLiteTx(SqlTx):
         conn.execute("RELEASE change")
         return result
 
+    def _insert_event(self, playbook: str, run_id: str | None, run_seq: int | None, values: tuple[Any, ...]) -> int:
+        conn = self.conn
+        if run_id is not None and run_seq is None:
+            counted = conn.execute("UPDATE runs SET events = events + 1 WHERE playbook = ? AND run_id = ?"
+                                   " RETURNING events", (playbook, run_id)).fetchone()
+            if counted is None:
+                raise Problem("not_found", f"no run {run_id} in this playbook")
+            run_seq = counted[0]
+        return conn.execute("INSERT INTO events (playbook, run_id, run_seq, type, at, by, payload, size)"
+                            " VALUES (?, ?, ?, ?, ?, ?, ?, ?)", (playbook, run_id, run_seq) + values).lastrowid
+
     def before_commit(self, changes: list[Effects]) -> None:
         """Last in the transaction, with the effects of the changes it commits: nothing to tell others
         on a file (a server's daemons are told here)."""
@@ -5887,10 +5873,10 @@ _END_RUN_SQL: Final = (
     "UPDATE runs SET status = ?, kind = ?, output = ?, problem = ?, ended_at = ?, settled_by = ?,"
     f" events = events + ? WHERE playbook = ? AND run_id = ? AND status IN ({_LIVE_SQL}) RETURNING parent, events")
 
-#: A started run waits for the request it opened (guarded), counting the event that records it.
+#: A started run waits for the request it opened (guarded).
 _RUN_WAITS_SQL: Final = (
-    f"UPDATE runs SET status = '{RunStatus.WAITING.value}', events = events + 1 WHERE playbook = ? AND run_id = ?"
-    f" AND status = '{RunStatus.STARTED.value}' RETURNING events")
+    f"UPDATE runs SET status = '{RunStatus.WAITING.value}' WHERE playbook = ? AND run_id = ?"
+    f" AND status = '{RunStatus.STARTED.value}'")
 
 #: An attempt begins: guarded by the deliveries that may begin one (DELIVERY_TRANSITIONS) and the attempts left.
 _BEGIN_ATTEMPT_SQL: Final = (
@@ -6505,15 +6491,23 @@ POSTGRES_DIALECT: Final = Dialect(
                        " WHERE playbook = ? AND active = 1 AND (CAST(? AS TEXT) IS NULL OR type = ?)"
                        " ORDER BY type, name, version DESC",
     uses_pair="EXISTS (SELECT 1 FROM jsonb_array_elements(d.uses::jsonb) u WHERE u->>0 = ? AND u->>1 = ?)",
-    event_columns=_EVENT_COLUMNS + ("daemon",),
-    # A data-modifying WITH: the run's counter and the event in one round trip.
-    counted_event="WITH r AS (UPDATE runs SET events = events + 1 WHERE playbook = ? AND run_id = ? RETURNING events)"
-                  " INSERT INTO events (" + ", ".join(_EVENT_COLUMNS + ("daemon",)) + ")"
-                  " SELECT ?, ?, r.events, ?, ?, ?, ?, ?, ? FROM r RETURNING id",
     asking_run="WITH ins AS (" + _INSERT_RUN_SQL + " RETURNING seq), slot AS (UPDATE playbooks SET open_requests ="
                " open_requests + 1 WHERE id = ? AND open_requests < ? AND EXISTS (SELECT 1 FROM ins) RETURNING id)"
                " SELECT EXISTS (SELECT 1 FROM ins), EXISTS (SELECT 1 FROM slot)",
 )
+
+
+#: An event, and (the second) an event of a run counted on it in the same statement: a data-modifying
+#: WITH, which inserts nothing when the run is not there.
+_PG_INSERT_EVENT_SQL: Final = ("INSERT INTO events (id, playbook, run_id, run_seq, type, at, by, payload, size, daemon)"
+                               " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
+_PG_COUNTED_EVENT_SQL: Final = (
+    "WITH r AS (UPDATE runs SET events = events + 1 WHERE playbook = ? AND run_id = ? RETURNING events)"
+    " INSERT INTO events (id, playbook, run_id, run_seq, type, at, by, payload, size, daemon)"
+    " SELECT ?, ?, ?, r.events, ?, ?, ?, ?, ?, ? FROM r")
+#: The last event id taken. Events are never deleted, and every write holds the writes' lock from
+#: its BEGIN to its COMMIT, so the writer numbers the events it inserts itself, from this on.
+_PG_LAST_EVENT_SQL: Final = "SELECT COALESCE(MAX(id), 0) FROM events"
 
 
 class PostgresTx(SqlTx):
@@ -6521,7 +6515,7 @@ class PostgresTx(SqlTx):
     server's transactions, and what several daemons sharing the database need of a change. `daemon`
     is the id of the daemon whose store it serves (None for the command line)."""
 
-    __slots__ = ("daemon", "_pipeline", "_sync")
+    __slots__ = ("daemon", "_pipeline", "_sync", "_event_id", "_guards")
 
     conn: _PgConn
     dialect = POSTGRES_DIALECT
@@ -6531,6 +6525,8 @@ class PostgresTx(SqlTx):
         self.daemon = daemon
         self._pipeline: contextlib.ExitStack | None = None     # psycopg's pipeline of the group commit
         self._sync: Callable[[], None] = lambda: None           # ... and its sync()
+        self._event_id: int | None = None       # within a write: the last event id taken
+        self._guards: list[tuple[Any, Problem]] = []     # the change's guards, checked at its end
 
     @property
     def errors(self) -> tuple[type[BaseException], ...]:  # type: ignore[override]
@@ -6538,7 +6534,9 @@ class PostgresTx(SqlTx):
 
     # A group commit is one transaction in psycopg's pipeline mode (Connection.pipeline), each of its
     # changes in a savepoint of its own (psycopg's Transaction): a change's statements travel
-    # together, and its end waits for their results, so a change that fails is undone alone.
+    # together, and its end waits for their results, so a change that fails is undone alone. A
+    # change waits for a result within it only where it reads a row it goes on with: its guards
+    # (SqlTx.guard) are checked at its end, and the ids of its events are the writer's own.
 
     def begin(self) -> None:
         # Event ids come from a sequence when a row is inserted, not when it commits: two
@@ -6571,10 +6569,13 @@ class PostgresTx(SqlTx):
         self._pipeline, self._sync = stack, pipeline.sync
         raw.execute("BEGIN")
         raw.execute(_PG_LOCK_SQL)
-        pipeline.sync()
+        last = raw.execute(_PG_LAST_EVENT_SQL)
+        pipeline.sync()             # waits for the lock; psycopg learns that a transaction is open
+        self._event_id = last.fetchone()[0]
 
     def _leave_pipeline(self) -> None:
         stack, self._pipeline = self._pipeline, None
+        self._event_id = None
         if stack is not None:
             with contextlib.suppress(Exception):
                 stack.close()
@@ -6585,21 +6586,52 @@ class PostgresTx(SqlTx):
         statement of it that failed raises here, and the savepoint is rolled back to; its RELEASE, or
         ROLLBACK TO, goes with the next change's statements."""
         psycopg = _psycopg()
+        event_id, guards = self._event_id, self._guards
         with psycopg.Transaction(self.conn.raw):
             try:
                 result = change(self, fx)
+                self._sync()
+                for cursor, problem in guards:
+                    if not cursor.rowcount:
+                        raise problem
             except BaseException:
+                self._event_id = event_id       # the ids the change took go back with it
                 with contextlib.suppress(psycopg.Error):
                     self._sync()                # out of the aborted state, so that the rollback runs
                 raise
-            self._sync()
+            finally:
+                guards.clear()
             return result
 
+    def guard(self, cursor: Any, problem: Problem) -> None:
+        if self._pipeline is None:
+            super().guard(cursor, problem)
+        else:
+            self._guards.append((cursor, problem))
+
+    def _insert_event(self, playbook: str, run_id: str | None, run_seq: int | None, values: tuple[Any, ...]) -> int:
+        conn = self.conn
+        if self._event_id is None:              # outside a write (the command line): numbered as it is inserted
+            self._event_id = conn.execute(_PG_LAST_EVENT_SQL).fetchone()[0]
+        self._event_id = event_id = self._event_id + 1
+        values += (self.daemon,)
+        if run_id is not None and run_seq is None:
+            self.guard(conn.execute(_PG_COUNTED_EVENT_SQL, (playbook, run_id, event_id, playbook, run_id) + values),
+                       Problem("not_found", f"no run {run_id} in this playbook"))
+        else:
+            conn.execute(_PG_INSERT_EVENT_SQL, (event_id, playbook, run_id, run_seq) + values)
+        if self._pipeline is None:
+            self._event_id = None
+        return event_id
+
     def commit(self) -> None:
-        try:
+        """COMMIT, sent with the pipeline's last sync: the transaction's one wait at its end."""
+        stack, self._pipeline, self._event_id = self._pipeline, None, None
+        if stack is None:
             self.conn.raw.commit()
-        finally:
-            self._leave_pipeline()
+            return
+        self.conn.raw.execute("COMMIT")
+        stack.close()
 
     def rollback(self) -> None:
         self._leave_pipeline()
@@ -6620,9 +6652,6 @@ class PostgresTx(SqlTx):
     @staticmethod
     def problem(exc: BaseException, otherwise: str | None = None) -> BaseException:
         return _pg_problem(exc, otherwise)
-
-    def _event_extra(self) -> tuple[Any, ...]:
-        return (self.daemon,)
 
     # Several daemons on one database.
 
@@ -8592,7 +8621,7 @@ class Runs:
         notification = answer_schema is None
         deliver = doc.deliver
         inbox_note = notification and deliver is None
-        run_seq = tx.open_request(request_id=prepared["request_id"], playbook=playbook, run_id=run_id, type_=type_, name=name,
+        tx.open_request(request_id=prepared["request_id"], playbook=playbook, run_id=run_id, type_=type_, name=name,
                         version=version, party=prepared["party"], answerer=prepared["answerer"],
                         message=prepared["message"],
                         answer_schema=dumps(answer_schema) if answer_schema is not None else None,
@@ -8605,8 +8634,7 @@ class Runs:
             "delivery": {"server": deliver.server, "tool": deliver.tool} if deliver else None,
             "to": prepared["party"], "from": prepared["answerer"],
             "message_size": len(prepared["message"].encode()), "takes_answer": not notification,
-            "expires_at": fmt_time(prepared["expires_at"]), **Reminders.requested(prepared.get("follow_up"))},
-            run_seq=run_seq)
+            "expires_at": fmt_time(prepared["expires_at"]), **Reminders.requested(prepared.get("follow_up"))})
         if inbox_note:
             end(tx, fx, playbook, run_id, "succeeded", now=now, by=by, output={})
             return False

@@ -41,6 +41,7 @@ def _run_with_request(tx, run_id: str, *, deliver: bool = False, notified: bool 
                     delivery=itd.DeliveryState.TO_DELIVER if deliver else itd.DeliveryState.IN_INBOX,
                     asked_at=NOW, expires_at=NOW + 60_000, deliver_args="{}" if deliver else None, notified=notified)
     fx = itd.Effects()
+    tx.append_event(fx, PB, run_id, "interaction_requested", NOW, "tok_1", {})      # as the engine does next
     tx.set_timer(fx, itd.timer_key("expire", PB, run_id), NOW + 60_000)
 
 
@@ -328,7 +329,7 @@ def test_an_answer_is_recorded_its_request_closed_and_its_run_ended_together_onc
     run = tx.run(PB, "r1")
     assert (run["status"], run["kind"], json.loads(run["output"]), run["ended_at"], run["settled_by"], run["events"]) \
         == ("succeeded", None, {"verdict": "approve"}, NOW + 5, "tok_1", 3)     # interaction_requested's seq is 1
-    events = tx.run_events(PB, "r1", after=0, limit=10)
+    events = tx.run_events(PB, "r1", after=1, limit=10)     # after interaction_requested
     assert [(e["type"], e["run_seq"], e["by"]) for e in events] == [("request_answered", 2, "tok_1"),
                                                                     ("run_succeeded", 3, "tok_1")]
     assert events[0]["id"] < events[1]["id"] and closed["answer_id"] == events[0]["id"]
@@ -377,7 +378,7 @@ def test_an_answer_keeps_who_gave_it_in_words_beside_answered_by(tx):
     fact = itd.answer_fact(row)
     assert (fact["answered_by"], fact["answered_by_name"], fact["answered_at"]) == ("tok_1", "release bot",
                                                                                     itd.fmt_time(NOW + 5))
-    answered = tx.run_events(PB, "r1", after=0, limit=10)[0]
+    answered = tx.run_events(PB, "r1", after=1, limit=10)[0]
     assert json.loads(answered["payload"])["answered_by_name"] == "release bot" and answered["by"] == "tok_1"
     assert tx.run(PB, "r1")["settled_by"] == "tok_1"
     # record_answer (an approval's answer) keeps it too; a reply's sender is its name.
