@@ -4985,10 +4985,27 @@ class SqlTx:
                                  "by": by, "payload": payload})
         return event_id
 
+    def counted_events(self, fx: Effects, playbook: str, run_id: str, at: int, by: str | None,
+                       events: list[tuple[int, str, dict[str, Any]]]) -> list[int]:
+        """Append events of a run that the caller counted in runs.events itself: (run_seq, type,
+        payload) each, in one statement where the backend can. Their ids."""
+        rows = []
+        for run_seq, type_, payload in events:
+            text = dumps(payload)
+            rows.append((run_seq, (type_, at, by, text, len(text.encode()))))
+        ids = self._insert_events(playbook, run_id, rows)
+        fx.published.extend({"id": event_id, "playbook": playbook, "run_id": run_id, "type": type_, "at": at,
+                             "by": by, "payload": payload} for event_id, (_, type_, payload) in zip(ids, events))
+        return ids
+
     def _insert_event(self, playbook: str, run_id: str | None, run_seq: int | None, values: tuple[Any, ...]) -> int:
         """The event's row (`values`: type, at, by, payload, size), counted on its run unless `run_seq`
         is given; its id. Each backend's."""
         raise NotImplementedError
+
+    def _insert_events(self, playbook: str, run_id: str, rows: list[tuple[int, tuple[Any, ...]]]) -> list[int]:
+        """Events of a run, each (run_seq, values) already counted; their ids."""
+        return [self._insert_event(playbook, run_id, run_seq, values) for run_seq, values in rows]
 
     def guard(self, cursor: Any, problem: Problem) -> None:
         """A guarded statement's outcome that the change needs only as a whole: `problem` is raised,
@@ -5039,15 +5056,16 @@ class SqlTx:
         if ended is None:
             raise Problem("conflict", "the run has already ended")
         parent, seq = ended["parent"], ended["events"]
-        first = None
-        if before is not None:
-            first = self.append_event(fx, playbook, run_id, before[0], now, by, before[1], run_seq=seq - 1)
         payload: dict[str, Any] = {"status": status.value, "kind": kind}
         if status is RunStatus.SUCCEEDED:
             payload["output"] = output
         else:
             payload["problem"] = pbody
-        self.append_event(fx, playbook, run_id, "run_" + status.value, now, by, payload, run_seq=seq)
+        events = [(seq, "run_" + status.value, payload)]
+        if before is not None:
+            events.insert(0, (seq - 1, *before))
+        ids = self.counted_events(fx, playbook, run_id, now, by, events)
+        first = ids[0] if before is not None else None
         fx.wakes.append((playbook, run_id))
         if parent is not None:      # workflows: the one waiting on this run moves on, woken in this transaction
             self.set_timer(fx, timer_key("workflow", playbook, parent), now)
@@ -6623,6 +6641,17 @@ class PostgresTx(SqlTx):
         if self._pipeline is None:
             self._event_id = None
         return event_id
+
+    def _insert_events(self, playbook: str, run_id: str, rows: list[tuple[int, tuple[Any, ...]]]) -> list[int]:
+        if len(rows) == 1 or self._pipeline is None:
+            return super()._insert_events(playbook, run_id, rows)
+        start = self._event_id
+        assert start is not None
+        self._event_id = start + len(rows)
+        self.conn.execute(_PG_INSERT_EVENT_SQL + ", (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)" * (len(rows) - 1), [
+            v for i, (run_seq, values) in enumerate(rows, 1) for v in (start + i, playbook, run_id, run_seq, *values,
+                                                                          self.daemon)])
+        return list(range(start + 1, start + len(rows) + 1))
 
     def commit(self) -> None:
         """COMMIT, sent with the pipeline's last sync: the transaction's one wait at its end."""
