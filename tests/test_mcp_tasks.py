@@ -1,0 +1,209 @@
+"""Durable MCP Tasks (SPEC section 23): a tools/call of a client that declares the Tasks extension
+answers with a task that is the run; tasks/get, tasks/update, tasks/cancel and subscriptions/listen
+read and move it from the store, so it outlives the client's connection and the daemon.
+
+The official `mcp` client speaks to the daemon over streamable HTTP (the real app, on SQLite and on
+PostgreSQL) and over stdio (a real `interactiond stdio` subprocess). It declares the extension as
+the SDK does (`Client(extensions=[...])` puts it in each request's `_meta`), parses the task handle
+through a result claim, and sends the extension's methods as requests of its own (tasks_client.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import pytest
+from mcp import Client, StdioServerParameters
+from mcp import types as mt
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.exceptions import MCPError
+
+import interactiond as itd
+from daemon_kit import APPROVAL, database, person_token, start_daemon
+from tasks_client import TASKS, TasksClient, rpc
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+
+ASK = {"type": "approval", "prompt": "May I ship the brief?", "to": "ana", "expires": "PT2H"}
+INPUT = {"owner": "ana", "review": "Looks complete."}
+
+
+@contextlib.asynccontextmanager
+async def http_client(d, *, tasks: bool = True, role: str = "operator", token: str | None = None,
+                      headers: dict[str, str] | None = None, elicits: bool = False, mode: str = "auto"):
+    auth = {"Authorization": f"Bearer {token}"} if token else d.auth(role)
+    async with httpx2.AsyncClient(headers={**auth, **(headers or {})}, timeout=30) as http:
+        target = streamable_http_client(str(d.client.make_url("/mcp")), http_client=http)
+        async with Client(target, mode=mode, read_timeout_seconds=30, extensions=[TasksClient()] if tasks else None,
+                          elicitation_callback=_never if elicits else None) as c:
+            yield c
+
+
+@contextlib.asynccontextmanager
+async def stdio_client(db: str, cwd: Path, *, extra: tuple[str, ...] = (), elicits: bool = False):
+    target = StdioServerParameters(command=sys.executable, args=["-m", "interactiond", "stdio", "--db", db, *extra],
+                                   env=ENV, cwd=str(cwd))
+    async with Client(target, mode="auto", read_timeout_seconds=30, extensions=[TasksClient()],
+                      elicitation_callback=_never if elicits else None) as c:
+        yield c
+
+
+async def _never(ctx: Any, params: Any) -> mt.ElicitResult:
+    raise AssertionError("a task asks through tasks/get, never over the session")
+
+
+async def start_task(c, tool: str, args: dict[str, Any]) -> dict[str, Any]:
+    """Call a tool and return the task handle it answers with (the claimed CreateTaskResult)."""
+    out = await c.session.call_tool(tool, args, allow_claimed=True)
+    assert not isinstance(out, mt.CallToolResult), f"{tool} did not answer with a task: {out}"
+    return out.model_dump(by_alias=True, mode="json", exclude_none=True)
+
+
+# The task, over HTTP on both backends #############################################################
+
+async def test_ask_answers_with_a_task_that_completes_with_the_run(db, aiohttp_client):
+    d = await start_daemon(aiohttp_client, db)
+    async with http_client(d) as c:
+        task = await start_task(c, "ask", ASK)
+        assert task["resultType"] == "task" and task["status"] == "working"
+        run_id = task["taskId"]
+        assert task["pollIntervalMs"] == 2000
+        assert task["ttlMs"] == (2 + 24) * 3600 * 1000               # to the request's expiry, plus a day
+        assert task["createdAt"] == itd.fmt_time(d.clock.now_ms())
+        status, run = await d.call("GET", f"/runs/{run_id}")         # durable before the reply: the run
+        assert status == 200 and run["status"] == "waiting"
+        got = await rpc(c, "tasks/get", taskId=run_id)
+        assert got["status"] == "working" and got["resultType"] == "complete"
+        assert got["statusMessage"] == f"waiting for ana until {itd.fmt_time(d.clock.now_ms() + 2 * 3600 * 1000)}"
+        assert "result" not in got and "inputRequests" not in got
+        status, _ = await d.call("POST", f"/runs/{run_id}/answer", {"answer": {"approved": True}})
+        assert status == 200
+        done = await rpc(c, "tasks/get", taskId=run_id)
+        assert done["status"] == "completed", done
+        result = done["result"]
+        assert result["isError"] is False and result["structuredContent"]["status"] == "succeeded"
+        assert result["structuredContent"]["output"] == {"approved": True}
+        # the same as the blocking call returns
+        blocking = await c.call_tool("wait_run", {"run_id": run_id}, meta={})
+        assert blocking.structured_content == result["structuredContent"]
+        assert (await c.call_tool("wait_run", {"run_id": run_id})).structured_content["status"] == "succeeded"
+
+
+async def test_every_ending_is_a_completed_task_and_its_own_cancel_is_cancelled(db, aiohttp_client):
+    d = await start_daemon(aiohttp_client, db)
+    async with http_client(d) as c:
+        await c.call_tool("create_definition", {"name": "approve", "source": APPROVAL})
+        expiring = (await start_task(c, "run_definition", {"name": "approve", "input": INPUT}))["taskId"]
+        others = (await start_task(c, "ask", ASK))["taskId"]
+        mine = (await start_task(c, "ask", ASK))["taskId"]
+        r = await c.call_tool("cancel_run", {"run_id": others})              # a cancel by other means
+        assert not r.is_error
+        assert await rpc(c, "tasks/cancel", taskId=mine) == {"resultType": "complete"}
+        await d.advance("P3D")                                               # the request expires
+        got = await rpc(c, "tasks/get", taskId=expiring)
+        assert got["status"] == "completed" and got["result"]["isError"] is True
+        assert got["result"]["structuredContent"]["kind"] == "expired"
+        got = await rpc(c, "tasks/get", taskId=others)
+        assert got["status"] == "completed" and got["result"]["structuredContent"]["kind"] == "cancelled"
+        got = await rpc(c, "tasks/get", taskId=mine)
+        assert got["status"] == "cancelled" and "result" not in got
+        status, run = await d.call("GET", f"/runs/{mine}")
+        assert run["status"] == "rejected" and run["kind"] == "cancelled"
+        assert await rpc(c, "tasks/cancel", taskId=mine) == {"resultType": "complete"}   # again: still acknowledged
+
+
+async def test_a_client_that_does_not_declare_gets_todays_results_and_32021(db, aiohttp_client):
+    d = await start_daemon(aiohttp_client, db)
+    async with http_client(d, tasks=False) as c:
+        r = await c.call_tool("ask", ASK)
+        assert isinstance(r, mt.CallToolResult) and r.structured_content["status"] == "started"
+        run_id = r.structured_content["run_id"]
+        r = await c.call_tool("wait_run", {"run_id": run_id, "timeout": 0})
+        assert r.structured_content["status"] == "waiting"
+        for method, extra in (("tasks/get", {}), ("tasks/cancel", {}), ("tasks/update", {"inputResponses": {}})):
+            with pytest.raises(MCPError) as err:
+                await rpc(c, method, taskId=run_id, **extra)
+            assert err.value.error.code == -32021, method
+            assert err.value.error.data == {"requiredCapabilities": {"extensions": {TASKS: {}}}}
+    async with http_client(d) as c:                  # the extension is advertised
+        assert TASKS in (c.server_capabilities.extensions or {})
+
+
+async def test_wait_run_answers_with_the_task_at_once_and_an_ended_run_as_today(db, aiohttp_client):
+    d = await start_daemon(aiohttp_client, db)
+    async with http_client(d, tasks=False) as plain:
+        run_id = (await plain.call_tool("ask", ASK)).structured_content["run_id"]
+    async with http_client(d) as c:
+        task = await start_task(c, "wait_run", {"run_id": run_id, "timeout": 3600})
+        assert task["taskId"] == run_id and task["status"] == "working"
+        await d.call("POST", f"/runs/{run_id}/answer", {"answer": {"approved": False, "comment": "not yet"}})
+        r = await c.session.call_tool("wait_run", {"run_id": run_id}, allow_claimed=True)
+        assert isinstance(r, mt.CallToolResult) and r.structured_content["output"]["comment"] == "not yet"
+
+
+async def test_scoped_to_what_the_token_may_read(db, aiohttp_client):
+    d = await start_daemon(aiohttp_client, db)
+    async with http_client(d, role="writer") as c:
+        run_id = (await start_task(c, "ask", ASK))["taskId"]
+        bob = (await start_task(c, "ask", dict(ASK, to="bob")))["taskId"]
+        other_pb = (await start_task(c, "ask", dict(ASK, playbook="local/default")))["taskId"]
+        assert other_pb != run_id
+        with pytest.raises(MCPError) as err:
+            await rpc(c, "tasks/get", taskId="no-such-run")
+        assert err.value.error.code == -32602
+    async with http_client(d, role="reader") as c:          # another token of the playbook may read it
+        assert (await rpc(c, "tasks/get", taskId=run_id))["status"] == "working"
+        with pytest.raises(MCPError) as err:
+            await rpc(c, "tasks/cancel", taskId=run_id)    # but not cancel it
+        assert err.value.error.code == -32602
+    async with http_client(d, role="other") as c:           # another playbook's token sees nothing
+        for tid in (run_id, f"local/default/{run_id}"):
+            with pytest.raises(MCPError) as err:
+                await rpc(c, "tasks/get", taskId=tid)
+            assert err.value.error.code == -32602, tid
+    async with http_client(d, role="operator") as c:        # the operator's home is local/default too
+        assert (await rpc(c, "tasks/get", taskId=f"local/default/{run_id}"))["taskId"] == run_id
+    token = person_token(db, "ana")
+    async with http_client(d, token=token) as c:            # a person: their own run, not bob's
+        assert (await rpc(c, "tasks/get", taskId=run_id))["status"] in ("working", "input_required")
+        with pytest.raises(MCPError) as err:
+            await rpc(c, "tasks/get", taskId=bob)
+        assert err.value.error.code == -32602
+
+
+# Durable: the client leaves, the daemon restarts ###################################################
+
+async def test_a_task_outlives_the_client_and_the_daemon(db, aiohttp_client):
+    d = await start_daemon(aiohttp_client, db)
+    async with http_client(d) as c:
+        task = await start_task(c, "ask", ASK)
+    tokens = d.tokens
+    await d.client.close()
+    await d.engine.stop()
+    d2 = await start_daemon(aiohttp_client, db, tokens=tokens, clock=itd.ManualClock(d.clock.now_ms()))
+    status, _ = await d2.call("POST", f"/runs/{task['taskId']}/answer", {"answer": {"approved": True}})
+    assert status == 200
+    async with http_client(d2) as c:
+        got = await rpc(c, "tasks/get", taskId=task["taskId"])
+        assert got["status"] == "completed" and got["result"]["structuredContent"]["output"] == {"approved": True}
+        assert got["createdAt"] == task["createdAt"]
+
+
+async def test_over_stdio_a_task_outlives_the_process(tmp_path):
+    db = str(tmp_path / "t.db")
+    async with stdio_client(db, tmp_path) as c:
+        task = await start_task(c, "ask", ASK)
+        assert (await rpc(c, "tasks/get", taskId=task["taskId"]))["status"] == "working"
+    async with stdio_client(db, tmp_path) as c:                # a new process: the client reconnects
+        assert (await rpc(c, "tasks/get", taskId=task["taskId"]))["status"] == "working"
+        r = await c.call_tool("answer_interaction", {"run_id": task["taskId"], "answer": {"approved": True}})
+        assert not r.is_error
+    async with stdio_client(db, tmp_path) as c:
+        got = await rpc(c, "tasks/get", taskId=task["taskId"])
+        assert got["status"] == "completed" and got["result"]["structuredContent"]["status"] == "succeeded"
