@@ -207,3 +207,82 @@ async def test_over_stdio_a_task_outlives_the_process(tmp_path):
     async with stdio_client(db, tmp_path) as c:
         got = await rpc(c, "tasks/get", taskId=task["taskId"])
         assert got["status"] == "completed" and got["result"]["structuredContent"]["status"] == "succeeded"
+
+
+# A question for the person at the client: input_required, tasks/update ##########################
+
+def _as_ana() -> Any:
+    return itd.Config(playbooks={"local/default": (), "acme/other": ()}, mcp_as="ana")
+
+
+async def test_input_required_asks_the_person_here_and_update_answers_as_them(db, aiohttp_client):
+    d = await start_daemon(aiohttp_client, db, config=_as_ana())
+    async with http_client(d, elicits=True) as c:
+        bob = (await start_task(c, "ask", dict(ASK, to="bob")))["taskId"]
+        assert (await rpc(c, "tasks/get", taskId=bob))["status"] == "working"      # not the person here
+        task = await start_task(c, "ask", ASK)
+        run_id = task["taskId"]
+        assert task["status"] == "input_required" and "inputRequests" not in task
+        got = await rpc(c, "tasks/get", taskId=run_id)
+        assert got["status"] == "input_required"
+        [(key, asked)] = got["inputRequests"].items()
+        assert asked["method"] == "elicitation/create" and asked["params"]["mode"] == "form"
+        assert asked["params"]["message"] == "May I ship the brief?"
+        assert asked["params"]["requestedSchema"]["properties"]["approved"]["type"] == "boolean"
+        assert asked["params"]["requestedSchema"]["required"] == ["approved"]
+        assert (await rpc(c, "tasks/get", taskId=run_id))["inputRequests"] == got["inputRequests"]   # same key
+        # a key not outstanding is ignored
+        assert await rpc(c, "tasks/update", taskId=run_id,
+                         inputResponses={"int_x.1": {"action": "accept", "content": {"approved": True}}}) \
+            == {"resultType": "complete"}
+        assert (await rpc(c, "tasks/get", taskId=run_id))["inputRequests"] == got["inputRequests"]
+        # an answer that does not fit is asked again under a new key, with the daemon's words
+        await rpc(c, "tasks/update", taskId=run_id,
+                  inputResponses={key: {"action": "accept", "content": {"approved": "yes"}}})
+        again = await rpc(c, "tasks/get", taskId=run_id)
+        [(key2, asked2)] = again["inputRequests"].items()
+        assert key2 != key and "That answer was not taken" in asked2["params"]["message"]
+        assert "(ask 2 of 3)" in asked2["params"]["message"]
+        await rpc(c, "tasks/update", taskId=run_id,                         # the spent key: ignored
+                  inputResponses={key: {"action": "accept", "content": {"approved": True}}})
+        assert (await rpc(c, "tasks/get", taskId=run_id))["status"] == "input_required"
+        await rpc(c, "tasks/update", taskId=run_id,
+                  inputResponses={key2: {"action": "accept", "content": {"approved": True, "comment": "go"}}})
+        done = await rpc(c, "tasks/get", taskId=run_id)
+        assert done["status"] == "completed", done
+        run = done["result"]["structuredContent"]
+        assert run["output"] == {"approved": True, "comment": "go"} and run["settled_by"] == "ana"
+        events = (await c.call_tool("list_run_events", {"run_id": run_id})).structured_content["data"]
+        refused = [e for e in events if e["type"] == "elicitation_refused"]
+        assert len(refused) == 1 and refused[0]["by"] == "ana" and refused[0]["payload"]["key"] == key
+
+
+async def test_decline_leaves_the_request_open_and_asks_no_more(db, aiohttp_client):
+    d = await start_daemon(aiohttp_client, db, config=_as_ana())
+    async with http_client(d, elicits=True) as c:
+        run_id = (await start_task(c, "ask", ASK))["taskId"]
+        [key] = (await rpc(c, "tasks/get", taskId=run_id))["inputRequests"]
+        await rpc(c, "tasks/update", taskId=run_id, inputResponses={key: {"action": "decline"}})
+        got = await rpc(c, "tasks/get", taskId=run_id)
+        assert got["status"] == "working" and "inputRequests" not in got
+        status, run = await d.call("GET", f"/runs/{run_id}")
+        assert run["status"] == "waiting"
+        events = (await c.call_tool("list_run_events", {"run_id": run_id})).structured_content["data"]
+        assert [e["payload"]["action"] for e in events if e["type"] == "elicitation_declined"] == ["decline"]
+        await d.call("POST", f"/runs/{run_id}/answer", {"answer": {"approved": False}})
+        assert (await rpc(c, "tasks/get", taskId=run_id))["status"] == "completed"
+    async with http_client(d) as c:              # a client that cannot ask sees a working task
+        run_id = (await start_task(c, "ask", ASK))["taskId"]
+        assert (await rpc(c, "tasks/get", taskId=run_id))["status"] == "working"
+
+
+async def test_over_stdio_the_person_named_answers_through_the_task(tmp_path):
+    db = str(tmp_path / "t.db")
+    async with stdio_client(db, tmp_path, extra=("--as", "ana"), elicits=True) as c:
+        run_id = (await start_task(c, "ask", dict(ASK, type="text", placeholder="a name")))["taskId"]
+        got = await rpc(c, "tasks/get", taskId=run_id)
+        [(key, asked)] = got["inputRequests"].items()
+        assert asked["params"]["requestedSchema"]["properties"]["text"]["type"] == "string"
+        await rpc(c, "tasks/update", taskId=run_id, inputResponses={key: {"action": "accept", "content": {"text": "Luca"}}})
+        done = await rpc(c, "tasks/get", taskId=run_id)
+        assert done["status"] == "completed" and done["result"]["structuredContent"]["output"] == {"text": "Luca"}
