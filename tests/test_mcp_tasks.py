@@ -24,7 +24,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 
 import interactiond as itd
-from daemon_kit import APPROVAL, database, person_token, start_daemon
+from daemon_kit import APPROVAL, person_token, start_daemon, until
 from tasks_client import TASKS, TasksClient, rpc
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -286,3 +286,28 @@ async def test_over_stdio_the_person_named_answers_through_the_task(tmp_path):
         await rpc(c, "tasks/update", taskId=run_id, inputResponses={key: {"action": "accept", "content": {"text": "Luca"}}})
         done = await rpc(c, "tasks/get", taskId=run_id)
         assert done["status"] == "completed" and done["result"]["structuredContent"]["output"] == {"text": "Luca"}
+
+
+async def test_execute_of_a_gated_tool_is_a_task_until_approved_and_called(db, tmp_path, aiohttp_client):
+    log = tmp_path / "ops-calls.jsonl"
+    ops = (sys.executable, str(ROOT / "tests" / "servers" / "ops_server.py"), "--calls-log", str(log))
+    policy = itd.ApprovalPolicy(("restart_service",), "ops-oncall", itd.parse_duration("PT1H"))
+    config = itd.Config(servers={"ops": itd.ServerConfig("ops", command=ops, approve=policy)},
+                        playbooks={"local/default": ("ops",), "acme/other": ()})
+    d = await start_daemon(aiohttp_client, db, config=config)
+    async with http_client(d, role="writer") as c:
+        r = await c.session.call_tool("execute", {"server": "ops", "tool": "status", "arguments": {"service": "web"}},
+                                      allow_claimed=True)
+        assert isinstance(r, mt.CallToolResult) and not r.is_error          # not gated: its answer, as today
+        task = await start_task(c, "execute", {"server": "ops", "tool": "restart_service",
+                                               "arguments": {"service": "web"}})
+        assert task["status"] == "working" and task["statusMessage"].startswith("waiting for ops-oncall until ")
+        assert not log.exists() or "restart_service" not in log.read_text()
+        status, _ = await d.call("POST", f"/runs/{task['taskId']}/answer", {"answer": {"approved": True}})
+        assert status == 200
+
+        async def done() -> dict[str, Any]:
+            got = await rpc(c, "tasks/get", taskId=task["taskId"])
+            return got if got["status"] == "completed" else {}
+        got = await until(done, 20, "the approved call ends its run")
+        assert got["result"]["structuredContent"]["output"]["answer"]["status"] == "restarted web"
