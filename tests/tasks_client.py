@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from mcp import types as mt
-from mcp.client.extension import ClaimContext, ClientExtension, ResultClaim
+from mcp.client.extension import ClaimContext, ClientExtension, NotificationBinding, ResultClaim
 from pydantic import ConfigDict, Field, TypeAdapter
 
 TASKS = "io.modelcontextprotocol/tasks"
@@ -26,11 +26,25 @@ async def _unresolved(result: CreatedTask, ctx: ClaimContext) -> mt.CallToolResu
     raise AssertionError("the tests read the task handle itself (allow_claimed=True)")
 
 
+class _Task(mt.NotificationParams):
+    model_config = ConfigDict(extra="allow")
+
+
 class TasksClient(ClientExtension):
+    """Declares the extension, claims the task handle, and keeps each `notifications/tasks` it gets."""
+
     identifier = TASKS
+
+    def __init__(self) -> None:
+        self.notified: list[dict[str, Any]] = []
 
     def claims(self) -> list[ResultClaim[Any]]:
         return [ResultClaim(result_type="task", model=CreatedTask, resolve=_unresolved)]
+
+    def notifications(self) -> list[NotificationBinding[Any]]:
+        async def keep(params: _Task) -> None:
+            self.notified.append(params.model_dump(by_alias=True, mode="json", exclude_none=True))
+        return [NotificationBinding(method="notifications/tasks", params_type=_Task, handler=keep)]
 
 
 class _Params(mt.RequestParams):
@@ -44,7 +58,8 @@ def _request(method: str) -> type:
     return Req
 
 
-_REQUESTS = {m: _request(m) for m in ("tasks/get", "tasks/update", "tasks/cancel", "tasks/result", "tasks/list")}
+_REQUESTS = {m: _request(m) for m in ("tasks/get", "tasks/update", "tasks/cancel", "tasks/result", "tasks/list",
+                                       "subscriptions/listen")}
 _ANY = TypeAdapter(dict[str, Any])
 
 

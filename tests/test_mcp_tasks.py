@@ -36,11 +36,13 @@ INPUT = {"owner": "ana", "review": "Looks complete."}
 
 @contextlib.asynccontextmanager
 async def http_client(d, *, tasks: bool = True, role: str = "operator", token: str | None = None,
-                      headers: dict[str, str] | None = None, elicits: bool = False, mode: str = "auto"):
+                      headers: dict[str, str] | None = None, elicits: bool = False, mode: str = "auto",
+                      ext: TasksClient | None = None):
     auth = {"Authorization": f"Bearer {token}"} if token else d.auth(role)
     async with httpx2.AsyncClient(headers={**auth, **(headers or {})}, timeout=30) as http:
         target = streamable_http_client(str(d.client.make_url("/mcp")), http_client=http)
-        async with Client(target, mode=mode, read_timeout_seconds=30, extensions=[TasksClient()] if tasks else None,
+        async with Client(target, mode=mode, read_timeout_seconds=30,
+                          extensions=[ext or TasksClient()] if tasks else None,
                           elicitation_callback=_never if elicits else None) as c:
             yield c
 
@@ -311,3 +313,31 @@ async def test_execute_of_a_gated_tool_is_a_task_until_approved_and_called(db, t
             return got if got["status"] == "completed" else {}
         got = await until(done, 20, "the approved call ends its run")
         assert got["result"]["structuredContent"]["output"]["answer"]["status"] == "restarted web"
+
+
+# subscriptions/listen: notifications/tasks #########################################################
+
+async def test_listen_sends_the_whole_task_at_each_change(db, aiohttp_client):
+    d = await start_daemon(aiohttp_client, db, config=_as_ana())
+    ext = TasksClient()
+    async with http_client(d, elicits=True, ext=ext) as c:
+        run_id = (await start_task(c, "ask", ASK))["taskId"]
+        other = (await start_task(c, "ask", dict(ASK, to="bob")))["taskId"]
+        listening = asyncio.ensure_future(rpc(c, "subscriptions/listen",
+                                              notifications={"taskIds": [run_id, other, "no-such-run"]}))
+        await until(lambda: len(ext.notified) >= 2, 10, "the first notifications")
+        first = {n["taskId"]: n for n in ext.notified}
+        assert first[run_id]["status"] == "input_required" and first[other]["status"] == "working"
+        assert first[run_id]["inputRequests"] == (await rpc(c, "tasks/get", taskId=run_id))["inputRequests"]
+        [key] = first[run_id]["inputRequests"]
+        await rpc(c, "tasks/update", taskId=run_id, inputResponses={key: {"action": "accept", "content": {"approved": True}}})
+        await d.call("POST", f"/runs/{other}/answer", {"answer": {"approved": False}})
+        await asyncio.wait_for(listening, 10)         # every task it listens to has ended: the stream ends
+        last = {n["taskId"]: n for n in ext.notified}
+        assert last[run_id]["status"] == "completed" and last[run_id]["result"]["structuredContent"]["output"] == {"approved": True}
+        assert last[other]["status"] == "completed"
+        assert len(ext.notified) == 4 and "no-such-run" not in last
+    async with http_client(d, tasks=False) as c:
+        with pytest.raises(MCPError) as err:
+            await rpc(c, "subscriptions/listen", notifications={"taskIds": [run_id]})
+        assert err.value.error.code == -32021
