@@ -25,6 +25,7 @@ from mcp.shared.exceptions import MCPError
 
 import interactiond as itd
 from daemon_kit import APPROVAL, person_token, start_daemon, until
+from raw_jsonrpc import RawError, RawStdio
 from tasks_client import TASKS, TasksClient, rpc
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -341,3 +342,67 @@ async def test_listen_sends_the_whole_task_at_each_change(db, aiohttp_client):
         with pytest.raises(MCPError) as err:
             await rpc(c, "subscriptions/listen", notifications={"taskIds": [run_id]})
         assert err.value.error.code == -32021
+
+
+# The 2025-11-25 era's experimental tasks (params.task) ############################################
+
+@contextlib.asynccontextmanager
+async def legacy_stdio(db: str, cwd: Path):
+    raw = await RawStdio.start(sys.executable, "-m", "interactiond", "stdio", "--db", db, env=ENV, cwd=str(cwd))
+    try:
+        init = await raw.initialize("2025-11-25", {"tasks": {"requests": {}}})
+        raw.capabilities = init["capabilities"]
+        yield raw
+    finally:
+        await raw.close()
+
+
+async def test_the_2025_11_25_experimental_tasks_are_the_same_runs(tmp_path):
+    db = str(tmp_path / "t.db")
+    async with legacy_stdio(db, tmp_path) as raw:
+        assert raw.capabilities["tasks"]["requests"]["tools"]["call"] == {}
+        assert "list" in raw.capabilities["tasks"] and "cancel" in raw.capabilities["tasks"]
+        tools = {t["name"]: t for t in (await raw.request("tools/list"))["tools"]}
+        assert tools["ask"]["execution"] == {"taskSupport": "optional"} and "execution" not in tools["get_run"]
+        created = await raw.request("tools/call", {"name": "ask", "arguments": ASK, "task": {"ttl": 60000}})
+        task = created["task"]
+        assert task["status"] == "working" and task["pollInterval"] == 2000 and task["ttl"] == 26 * 3600 * 1000
+        run_id = task["taskId"]
+        got = await raw.request("tasks/get", {"taskId": run_id})
+        assert got["status"] == "working" and got["statusMessage"].startswith("waiting for ana until ")
+        listed = await raw.request("tasks/list")
+        assert [t["taskId"] for t in listed["tasks"]] == [run_id]
+        plain = await raw.request("tools/call", {"name": "ask", "arguments": ASK})       # no params.task: as today
+        assert plain["structuredContent"]["status"] == "started"
+        with pytest.raises(RawError) as err:
+            await raw.request("tasks/get", {"taskId": "no-such-run"})
+        assert err.value.code == -32602
+    async with legacy_stdio(db, tmp_path) as raw:        # another process: the same task
+        assert (await raw.request("tasks/get", {"taskId": run_id}))["status"] == "working"
+        await raw.request("tools/call", {"name": "answer_interaction",
+                                         "arguments": {"run_id": run_id, "answer": {"approved": True}}})
+        done = await raw.request("tasks/result", {"taskId": run_id})
+        assert done["structuredContent"]["output"] == {"approved": True} and done["isError"] is False
+        assert done["_meta"]["io.modelcontextprotocol/related-task"] == {"taskId": run_id}
+        assert (await raw.request("tasks/get", {"taskId": run_id}))["status"] == "completed"
+        second = (await raw.request("tools/call", {"name": "ask", "arguments": ASK, "task": {}}))["task"]["taskId"]
+        cancelled = await raw.request("tasks/cancel", {"taskId": second})
+        assert cancelled["taskId"] == second and cancelled["status"] == "cancelled"
+        waited = (await raw.request("tools/call", {"name": "wait_run", "arguments": {"run_id": second}, "task": {}}))
+        assert waited["structuredContent"]["kind"] == "cancelled"           # an ended run: the result at once
+
+
+async def test_one_run_is_the_task_of_both_eras_and_tasks_result_waits_for_it(db, aiohttp_client):
+    d = await start_daemon(aiohttp_client, db)
+    async with http_client(d) as modern:
+        run_id = (await start_task(modern, "ask", ASK))["taskId"]
+    async with http_client(d, mode="legacy", tasks=False) as legacy:
+        got = await rpc(legacy, "tasks/get", taskId=run_id)
+        assert got["taskId"] == run_id and got["status"] == "working" and got["pollInterval"] == 2000
+        result = asyncio.ensure_future(rpc(legacy, "tasks/result", taskId=run_id))
+        await asyncio.sleep(0.3)
+        assert not result.done()                         # it waits for the run to end
+        await d.call("POST", f"/runs/{run_id}/answer", {"answer": {"approved": True}})
+        done = await asyncio.wait_for(result, 10)
+        assert done["structuredContent"]["output"] == {"approved": True}
+        assert (await rpc(legacy, "tasks/list"))["tasks"] == []          # it lists the open ones
