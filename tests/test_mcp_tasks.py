@@ -24,7 +24,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 
 import interactiond as itd
-from daemon_kit import APPROVAL, person_token, start_daemon, until
+from daemon_kit import APPROVAL, fresh_postgres, person_token, start_daemon, until
 from raw_jsonrpc import RawError, RawStdio
 from tasks_client import TASKS, TasksClient, rpc
 
@@ -406,3 +406,19 @@ async def test_one_run_is_the_task_of_both_eras_and_tasks_result_waits_for_it(db
         done = await asyncio.wait_for(result, 10)
         assert done["structuredContent"]["output"] == {"approved": True}
         assert (await rpc(legacy, "tasks/list"))["tasks"] == []          # it lists the open ones
+
+
+async def test_on_postgresql_another_daemon_serves_the_task(tmp_path, aiohttp_client):
+    with fresh_postgres() as pg:
+        a = await start_daemon(aiohttp_client, pg, config=_as_ana())
+        b = await start_daemon(aiohttp_client, pg, tokens=a.tokens, config=_as_ana())
+        async with http_client(a, elicits=True) as c:
+            run_id = (await start_task(c, "ask", ASK))["taskId"]
+        async with http_client(b, elicits=True) as c:
+            got = await rpc(c, "tasks/get", taskId=run_id)
+            [key] = got["inputRequests"]
+            await rpc(c, "tasks/update", taskId=run_id,
+                      inputResponses={key: {"action": "accept", "content": {"approved": True}}})
+        async with http_client(a) as c:
+            got = await rpc(c, "tasks/get", taskId=run_id)
+            assert got["status"] == "completed" and got["result"]["structuredContent"]["settled_by"] == "ana"
