@@ -13616,8 +13616,8 @@ class McpTasks:
             if cancelled:
                 task.update(status="cancelled", statusMessage="cancelled by tasks/cancel")
             else:
-                task.update(status="completed", statusMessage=f"the run ended {run['status']}"
-                            + (f" ({run['kind']})" if run["kind"] else ""))
+                task.update(status="completed", statusMessage=f"the run ended: {run['status']}"
+                            + (f", {run['kind']}" if run["kind"] else ""))
                 if detailed:
                     task["result"] = self.call_result(caller, run)
             return task
