@@ -13723,6 +13723,14 @@ class McpTasks:
             return out
         return await self.created(ctx, out.structured_content) or out
 
+    async def waited(self, caller: Caller, playbook: str, run_id: str, seconds: float) -> bool:
+        """Wait up to `seconds` for the run to end; False when the wait came back early without an
+        ending (the daemon is stopping: a loop over waits then stops too)."""
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        run = await self.engine.wait_run(caller, playbook, run_id, seconds)
+        return RunStatus(run["status"]).ended or loop.time() - began >= seconds / 2
+
     # -- subscriptions/listen: notifications/tasks ------------------------------------------------------
 
     async def listen(self, ctx: Any, params: Any) -> Any:
@@ -13763,9 +13771,8 @@ class McpTasks:
                                                         related_request_id=ctx.request_id)
                 if task["status"] in ("completed", "cancelled", "failed"):
                     watched.pop(tid)
-            if watched:
-                caller, playbook, run_id = next(iter(watched.values()))
-                await self.engine.wait_run(caller, playbook, run_id, MCP_TASK_POLL_MS / 1000)
+            if watched and not await self.waited(*next(iter(watched.values())), MCP_TASK_POLL_MS / 1000):
+                break
         return mt.SubscriptionsListenResult(_meta=meta)
 
     # -- the 2025-11-25 era's experimental tasks ----------------------------------------------------------
@@ -13790,7 +13797,8 @@ class McpTasks:
                 task = await self.task(ctx, caller, playbook, run_id)
                 if task["status"] in ("completed", "cancelled"):
                     break
-                await self.engine.wait_run(caller, playbook, run_id, MAX_MCP_WAIT_S)
+                if not await self.waited(caller, playbook, run_id, MAX_MCP_WAIT_S):
+                    raise self.error(-32603, "the daemon is stopping; ask for the result again")
         except Problem:
             raise self.error(INVALID_PARAMS, "Failed to retrieve task: Task not found") from None
         if task["status"] == "cancelled":
