@@ -279,6 +279,41 @@ async def test_decline_leaves_the_request_open_and_asks_no_more(db, aiohttp_clie
         assert (await rpc(c, "tasks/get", taskId=run_id))["status"] == "working"
 
 
+#: A plan whose answer nests an object: no MCP form can hold it, so the task asks with its answer link.
+PLAN = """---
+to: '{{ input.owner }}'
+expires: P1D
+input:
+  schema: {type: object, required: [owner], properties: {owner: {type: string}}}
+output:
+  schema:
+    type: object
+    required: [budget]
+    properties:
+      budget: {type: object, required: [amount], properties: {amount: {type: integer}}}
+---
+Set the budget of the launch, {{ input.owner }}.
+"""
+
+
+async def test_an_answer_no_form_holds_is_asked_with_its_answer_link(db, aiohttp_client):
+    d = await start_daemon(aiohttp_client, db, config=_as_ana())
+    async with http_client(d, elicits=True) as c:
+        await c.call_tool("create_definition", {"name": "plan", "source": PLAN})
+        run_id = (await start_task(c, "run_definition", {"name": "plan", "input": {"owner": "ana"}}))["taskId"]
+        [item] = (await c.call_tool("list_interactions", {"to": "ana"})).structured_content["data"]
+        got = await rpc(c, "tasks/get", taskId=run_id)
+        [(key, asked)] = got["inputRequests"].items()
+        assert asked["params"]["mode"] == "url" and asked["params"]["url"] == item["answer_url"]
+        assert "Set the budget of the launch, ana." in asked["params"]["message"]
+        await rpc(c, "tasks/update", taskId=run_id, inputResponses={key: {"action": "accept"}})   # she opened it
+        assert (await rpc(c, "tasks/get", taskId=run_id))["inputRequests"] == got["inputRequests"]
+        status, _ = await d.call("POST", f"/runs/{run_id}/answer", {"answer": {"budget": {"amount": 5}}})
+        assert status == 200
+        done = await rpc(c, "tasks/get", taskId=run_id)
+        assert done["status"] == "completed" and done["result"]["structuredContent"]["output"] == {"budget": {"amount": 5}}
+
+
 async def test_over_stdio_the_person_named_answers_through_the_task(tmp_path):
     db = str(tmp_path / "t.db")
     async with stdio_client(db, tmp_path, extra=("--as", "ana"), elicits=True) as c:
