@@ -12876,7 +12876,8 @@ async def api_middleware(request: web.Request, handler: Callable[[web.Request], 
 # is checked here against the tool's own input schema; a Problem becomes an `isError` result whose
 # structured content is the problem object, and any other exception a generic one (no internal
 # text leaks). The HTTP transports run behind the API's auth middleware; the bridge below hands the
-# authenticated caller to the tool handler through the ASGI scope.
+# authenticated caller to the tool handler through the ASGI scope. A client that declares MCP's
+# Tasks extension gets a durable task (the run) in place of a long call (McpTasks, below).
 
 
 def _p(kind: str, text: str, **kw: Any) -> dict[str, Any]:
