@@ -260,7 +260,14 @@ SHUTDOWN_GRACE_S: Final = 10.0
 #: Long polls: HTTP `wait` and MCP `wait_run`.
 MAX_HTTP_WAIT_S: Final = 60.0
 DEFAULT_MCP_WAIT_S: Final = 25.0
-MAX_MCP_WAIT_S: Final = 55.0
+MAX_MCP_WAIT_S: Final = 3600.0
+#: A long MCP wait sends a heartbeat (`notifications/progress`, when the request asked for progress)
+#: this often, in seconds of real time: a client that resets its timeout on progress keeps waiting.
+MCP_HEARTBEAT_S: Final = 15.0
+#: MCP tasks: how often a client is asked to poll `tasks/get` (`pollIntervalMs`), and how long a
+#: task is kept after its request expires (counted into `ttlMs`).
+MCP_TASK_POLL_MS: Final = 2000
+MCP_TASK_KEPT_MS: Final = 24 * 3600 * 1000
 #: A wait_run that asks the person at the MCP client (elicitation) asks at most this often: an answer
 #: that does not fit is asked again with the daemon's words, then the wait goes on without asking.
 MAX_ELICIT_ASKS: Final = 3
@@ -548,6 +555,8 @@ class EventType(str, enum.Enum):
     APPROVAL_REQUESTED = "approval_requested"              # a call waits for a person's approval
     APPROVAL_ANSWERED = "approval_answered"                # approved (the call follows) or refused
     ELICITATION_DECLINED = "elicitation_declined"          # the person at an MCP client declined to answer there
+    ELICITATION_REFUSED = "elicitation_refused"            # an answer given for an MCP task's question did not fit
+    MCP_TASK_CANCELLED = "mcp_task_cancelled"              # an MCP task's tasks/cancel cancelled its run
     TASK_STARTED = "task_started"
     TASK_COMPLETED = "task_completed"
     TASK_FAULTED = "task_faulted"
@@ -8692,7 +8701,7 @@ class Runs:
                 left = deadline - loop.time()
                 if RunStatus(run["status"]).ended or left <= 0 or self.stopping:
                     return run
-                step = min(left, 5.0) if tick is not None else left
+                step = min(left, MCP_HEARTBEAT_S) if tick is not None else left
                 try:
                     await asyncio.wait_for(asyncio.shield(fut), step)
                 except asyncio.TimeoutError:
@@ -8738,6 +8747,23 @@ class Runs:
         rows = await self.store.read(lambda tx: tx.list_runs(playbook, status=status, function=function,
                                                              before=before, limit=n + 1))
         return _page([run_object(r) for r in rows[:n]], rows, n, lambda: [rows[n - 1]["seq"]])
+
+    async def cancel_task(self, caller: Caller, playbook: str, run_id: str) -> dict[str, Any]:
+        """cancel_run for an MCP task's `tasks/cancel`: the same cancel, with an event saying the task
+        asked it (its task then reads `cancelled`). A run that has ended already is left as it is."""
+        caller.require(Role.WRITER)
+        now = self.clock.now_ms()
+
+        def change(tx: Tx, fx: Effects) -> dict[str, Any]:
+            run = tx.run(playbook, run_id)
+            if run is None:
+                raise not_found(f"no run {run_id} in this playbook")
+            if not RunStatus(run["status"]).ended:
+                tx.append_event(fx, playbook, run_id, EventType.MCP_TASK_CANCELLED.value, now, caller.by, {})
+                self.cancel_in(tx, fx, run, now, caller.id)
+                run = tx.run(playbook, run_id)
+            return run_object(run)
+        return await self.store.write(change)
 
 
 class ToolCalls:
@@ -9198,6 +9224,45 @@ class Inbox:
         if row is None:
             raise not_found(f"no event {event_id} in this playbook")
         return event_object(row, whole=True)
+
+    async def elicitation_refused(self, caller: Caller, playbook: str, run_id: str, key: str,
+                                  refused: Problem) -> None:
+        """An answer given at an MCP client for an MCP task's question (its key) did not fit: the key
+        is spent, and the next ask says why (the run's history keeps the daemon's words, not the answer)."""
+        now = self.clock.now_ms()
+
+        def change(tx: Tx, fx: Effects) -> None:
+            row = tx.request(playbook, run_id)
+            if row is not None and row["status"] == RequestStatus.OPEN:
+                tx.append_event(fx, playbook, run_id, EventType.ELICITATION_REFUSED.value, now, caller.by,
+                                {"key": key, "request": row["id"], "detail": refused.detail,
+                                 "errors": refused.errors or []})
+        await self.store.write(change)
+
+    async def task_view(self, caller: Caller, playbook: str, run_id: str) -> dict[str, Any]:
+        """What an MCP task shows of a run besides the run: its request's party and expiry (ms, when
+        the caller may see the request), when the run was created and last changed (ms), and the
+        events that say how its questions at MCP clients went (declined, refused, the task cancelled)."""
+        kept = {EventType.ELICITATION_DECLINED.value, EventType.ELICITATION_REFUSED.value,
+                EventType.MCP_TASK_CANCELLED.value}
+
+        def read(tx: Tx) -> tuple[Row | None, Row | None, list[Row]]:
+            rows: list[Row] = []
+            while len(rows) < 50 * MAX_PAGE:
+                page = tx.run_events(playbook, run_id, after=rows[-1]["id"] if rows else 0, limit=MAX_PAGE)
+                rows.extend(page)
+                if len(page) < MAX_PAGE:
+                    break
+            return tx.run(playbook, run_id), tx.request(playbook, run_id), rows
+        run, req, rows = await self.store.read(read)
+        if run is None:
+            raise not_found(f"no run {run_id} in this playbook")
+        seen = req is not None and caller.addressed(req)
+        return {"created_at": run["created_at"],
+                "updated_at": max([run["created_at"], run["ended_at"] or 0, *(r["at"] for r in rows)]),
+                "party": req["party"] if seen else None, "expires_at": req["expires_at"] if seen else None,
+                "events": [{"type": r["type"], "by": r["by"], "payload": loads(r["payload"])}
+                           for r in rows if r["type"] in kept]}
 
 
 async def write_attempt_end(store: Store, end: Callable[[Any, Effects], None]) -> None:
@@ -10314,6 +10379,9 @@ class Engine:
         self.answer_interaction = self.inbox.answer_interaction
         self.request_for = self.inbox.request_for
         self.elicitation_declined = self.inbox.elicitation_declined
+        self.elicitation_refused = self.inbox.elicitation_refused
+        self.task_view = self.inbox.task_view
+        self.cancel_task = self.runs.cancel_task
         self.replayed = self.inbox.replayed
         self.list_run_events = self.inbox.list_run_events
         self.list_playbook_events = self.inbox.list_playbook_events
@@ -12865,7 +12933,8 @@ async def api_middleware(request: web.Request, handler: Callable[[web.Request], 
 # is checked here against the tool's own input schema; a Problem becomes an `isError` result whose
 # structured content is the problem object, and any other exception a generic one (no internal
 # text leaks). The HTTP transports run behind the API's auth middleware; the bridge below hands the
-# authenticated caller to the tool handler through the ASGI scope.
+# authenticated caller to the tool handler through the ASGI scope. A client that declares MCP's
+# Tasks extension gets a durable task (the run) in place of a long call (McpTasks, below).
 
 
 def _p(kind: str, text: str, **kw: Any) -> dict[str, Any]:
@@ -12903,6 +12972,7 @@ class McpCall:
     ctx: Any = None
     here: str | None = None
     params: Any = None                    # the tools/call request's (2026-07-28: with the client's responses)
+    tasks: bool = False                   # the request declared the Tasks extension: a wait returns at once
 
 
 async def _t_create(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
@@ -12946,9 +13016,11 @@ async def _t_wait_run(e: Engine, c: Caller, pb: str, a: dict[str, Any], call: Mc
     run_id = a["run_id"]
     if c.person is not None and await e.request_for(c, pb, run_id) is None:
         raise not_found(f"no run {run_id} in this playbook")     # a person waits only on runs that ask them
-    bridge = ElicitationBridge.make(e, c, pb, run_id, call)
+    bridge = ElicitationBridge.make(e, c, pb, run_id, call) if not call.tasks else None
     notes = []
-    if bridge is None:
+    if call.tasks:
+        run = await e.get_run(c, pb, run_id)        # the task is the run: it waits, the call does not
+    elif bridge is None:
         run = await e.wait_run(c, pb, run_id, min(timeout, MAX_MCP_WAIT_S), tick=call.progress)
     else:
         out = await bridge.wait(min(timeout, MAX_MCP_WAIT_S))
@@ -12959,7 +13031,7 @@ async def _t_wait_run(e: Engine, c: Caller, pb: str, a: dict[str, Any], call: Mc
             notes.append(note)
     if c.person is not None:
         run = {k: run[k] for k in _PERSON_RUN_FIELDS if k in run}
-    if timeout > MAX_MCP_WAIT_S:
+    if timeout > MAX_MCP_WAIT_S and not call.tasks:
         notes.append(f"timeout {timeout:g} s was cut to {MAX_MCP_WAIT_S:g} s, the longest one call waits;"
                      " call wait_run again to wait longer")
     return (run, False, " ".join(notes)) if notes else run
@@ -13452,6 +13524,395 @@ class ElicitationBridge:
         return run, note
 
 
+# -- durable tasks (the Tasks extension) ----------------------------------------------------------
+#
+# A client that declares `io.modelcontextprotocol/tasks` in a request's `_meta` gets, for a call of
+# ask, run_definition, wait_run or execute whose run does not end at once, a task handle in place of
+# the result. The task is the run: its id is the run's (`ORG/NAME/RUN` for a run of a playbook other
+# than the connection's own), it is durable before the reply because the run is, and `tasks/get`
+# reads it from the store, so it outlives the client's connection and the daemon, and any session of
+# a token that may read the run (any daemon on PostgreSQL) serves it. What a task keeps besides the
+# run - a question declined or refused at a client, a cancel by `tasks/cancel` - is in the run's
+# events. The 2025-11-25 era's experimental tasks (`params.task`) are the same runs in that era's
+# shapes.
+
+TASKS_EXTENSION: Final = "io.modelcontextprotocol/tasks"
+CLIENT_CAPABILITIES_META: Final = "io.modelcontextprotocol/clientCapabilities"
+#: The tools a declaring client's call may get a task for (their result is a run).
+TASK_TOOLS: Final = frozenset({"ask", "run_definition", "wait_run", "execute"})
+#: JSON-RPC error codes of the extension.
+INVALID_PARAMS: Final = -32602
+MISSING_CLIENT_CAPABILITY: Final = -32021
+
+
+def _declares_tasks(ctx: Any) -> bool:
+    """Whether this request's `_meta` declares the Tasks extension (a declaration earlier in the
+    session does not count: each request says it)."""
+    meta = getattr(ctx, "meta", None)
+    caps = meta.get(CLIENT_CAPABILITIES_META) if isinstance(meta, Mapping) else None
+    exts = caps.get("extensions") if isinstance(caps, Mapping) else None
+    return isinstance(exts, Mapping) and TASKS_EXTENSION in exts
+
+
+def _legacy_tasks(ctx: Any) -> bool:
+    """A connection of the 2025-11-25 era (or older), whose experimental tasks have their own shapes."""
+    from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+    return getattr(ctx, "protocol_version", None) not in MODERN_PROTOCOL_VERSIONS
+
+
+class McpTasks:
+    """The Tasks extension over the engine's runs, for one MCP server (see above). `who` gives a
+    request's caller, `home` the playbook a task id without one names, `here` the person at the
+    client (whom a task's question is put to)."""
+
+    def __init__(self, engine: Engine, who: Callable[[Any], Caller | None], home: Callable[[Any, Caller], str],
+                 here: Callable[[Any, Caller], str | None]) -> None:
+        self.engine = engine
+        self.who = who
+        self.home = home
+        self.here = here
+
+    # -- ids, scope and errors ----------------------------------------------------------------------
+
+    @staticmethod
+    def error(code: int, message: str, data: Any = None) -> Exception:
+        from mcp.shared.exceptions import MCPError
+        return MCPError(code=code, message=message, data=data)
+
+    def missing(self) -> Exception:
+        return self.error(MISSING_CLIENT_CAPABILITY, "Missing required client capability: declare the extension "
+                          f"{TASKS_EXTENSION} in the request's _meta",
+                          {"requiredCapabilities": {"extensions": {TASKS_EXTENSION: {}}}})
+
+    def task_id(self, ctx: Any, caller: Caller, playbook: str, run_id: str) -> str:
+        return run_id if playbook == self.home(ctx, caller) else f"{playbook}/{run_id}"
+
+    def locate(self, ctx: Any, task_id: Any) -> tuple[Caller, str, str]:
+        """(caller, playbook, run id) of a task id this caller may read, else -32602."""
+        caller = self.who(ctx)
+        if not isinstance(task_id, str) or caller is None:
+            raise self.error(INVALID_PARAMS, "Failed to retrieve task: taskId is a text")
+        org, _, rest = task_id.rpartition("/")
+        playbook, run_id = (org, rest) if org else (self.home(ctx, caller), task_id)
+        if not RUN_ID_RE.fullmatch(run_id) or not PLAYBOOK_RE.fullmatch(playbook):
+            raise self.error(INVALID_PARAMS, "Failed to retrieve task: Task not found")
+        try:
+            playbook = self.engine.playbook(caller, playbook)
+        except Problem:
+            raise self.error(INVALID_PARAMS, "Failed to retrieve task: Task not found") from None
+        return caller, playbook, run_id
+
+    def params(self, ctx: Any) -> Mapping[str, Any]:
+        raw = getattr(ctx, "params", None)
+        return raw if isinstance(raw, Mapping) else {}
+
+    # -- the task, as tasks/get shows it ------------------------------------------------------------
+
+    def bridge(self, ctx: Any, caller: Caller, playbook: str, run_id: str) -> ElicitationBridge | None:
+        async def quiet(left: float) -> None:
+            return None
+        return ElicitationBridge.make(self.engine, caller, playbook, run_id,
+                                      McpCall(quiet, ctx, self.here(ctx, caller), None, tasks=True))
+
+    async def question(self, ctx: Any, caller: Caller, playbook: str, run_id: str,
+                       view: dict[str, Any]) -> tuple[str, str, Any] | None:
+        """The question the task puts to the person at this client now - (key, mode, elicitation
+        params) - or None: not theirs, this client cannot ask it, they declined, or it was asked
+        MAX_ELICIT_ASKS times. A key is the request's id and the ask's number: one key per ask."""
+        bridge = self.bridge(ctx, caller, playbook, run_id)
+        if bridge is None:
+            return None
+        req = await bridge._askable()
+        if req is None:
+            return None
+        person = bridge.person.by
+        if any(ev["type"] == EventType.ELICITATION_DECLINED.value and ev["by"] == person for ev in view["events"]):
+            return None
+        refusals = [ev["payload"] for ev in view["events"] if ev["type"] == EventType.ELICITATION_REFUSED.value
+                    and ev["payload"].get("request") == req["id"]]
+        n = len(refusals) + 1
+        if n > MAX_ELICIT_ASKS:
+            return None
+        refused = (Problem("invalid_input", refusals[-1].get("detail") or "the answer does not fit",
+                           errors=refusals[-1].get("errors") or None) if refusals else None)
+        asked = bridge._question(req, n, refused)
+        if asked is None:
+            return None
+        mode, params = asked
+        if mode == "url" and not _legacy_tasks(ctx):
+            params = params.model_copy(update={"elicitation_id": None})
+        return f"{req['id']}.{n}", mode, params
+
+    def call_result(self, caller: Caller, run: dict[str, Any]) -> dict[str, Any]:
+        """The CallToolResult a blocking wait_run gives for an ended run."""
+        from mcp import types as mt
+        data, is_error = _run_result(run)
+        if caller.person is not None:
+            data = {k: data[k] for k in _PERSON_RUN_FIELDS if k in data}
+        return mt.CallToolResult(content=[mt.TextContent(type="text", text=dumps(data))], structured_content=data,
+                                 is_error=is_error).model_dump(by_alias=True, mode="json", exclude_none=True,
+                                                               exclude={"result_type"})
+
+    async def task(self, ctx: Any, caller: Caller, playbook: str, run_id: str, *,
+                   detailed: bool = True) -> dict[str, Any]:
+        """The task of a run as this caller sees it (a Problem when they may not read it)."""
+        engine = self.engine
+        if caller.person is not None and await engine.request_for(caller, playbook, run_id) is None:
+            raise not_found(f"no run {run_id} in this playbook")      # a person sees only runs that ask them
+        run = await engine.get_run(caller, playbook, run_id)
+        view = await engine.task_view(caller, playbook, run_id)
+        expires = view["expires_at"]
+        task: dict[str, Any] = {
+            "taskId": self.task_id(ctx, caller, playbook, run_id), "status": "working",
+            "createdAt": fmt_time(view["created_at"]), "lastUpdatedAt": fmt_time(view["updated_at"]),
+            "ttlMs": expires + MCP_TASK_KEPT_MS - view["created_at"] if expires is not None else None,
+            "pollIntervalMs": MCP_TASK_POLL_MS,
+        }
+        if RunStatus(run["status"]).ended:
+            cancelled = run["kind"] == "cancelled" and any(
+                ev["type"] == EventType.MCP_TASK_CANCELLED.value for ev in view["events"])
+            if cancelled:
+                task.update(status="cancelled", statusMessage="cancelled by tasks/cancel")
+            else:
+                task.update(status="completed", statusMessage=f"the run ended: {run['status']}"
+                            + (f", {run['kind']}" if run["kind"] else ""))
+                if detailed:
+                    task["result"] = self.call_result(caller, run)
+            return task
+        task["statusMessage"] = (f"waiting for {view['party']} until {fmt_time(expires)}" if view["party"]
+                                 else "the run is working")
+        asked = await self.question(ctx, caller, playbook, run_id, view)
+        if asked is not None:
+            key, _mode, params = asked
+            task["status"] = "input_required"
+            if detailed:
+                task["inputRequests"] = {key: {"method": "elicitation/create",
+                                               "params": params.model_dump(by_alias=True, mode="json",
+                                                                           exclude_none=True)}}
+        return task
+
+    async def read(self, ctx: Any) -> tuple[Caller, str, str, dict[str, Any]]:
+        caller, playbook, run_id = self.locate(ctx, self.params(ctx).get("taskId"))
+        try:
+            return caller, playbook, run_id, await self.task(ctx, caller, playbook, run_id)
+        except Problem as exc:
+            if exc.status == 404 or exc.status == 403:
+                raise self.error(INVALID_PARAMS, "Failed to retrieve task: Task not found") from None
+            raise self.error(-32603, exc.detail or "the task could not be read") from None
+
+    # -- the methods ----------------------------------------------------------------------------------
+
+    async def get(self, ctx: Any, params: Any) -> dict[str, Any]:
+        if not _declares_tasks(ctx):
+            if _legacy_tasks(ctx):
+                return await self.legacy_get(ctx)
+            raise self.missing()
+        return (await self.read(ctx))[3]
+
+    async def update(self, ctx: Any, params: Any) -> dict[str, Any]:
+        """Responses to the task's question: an accept answers as the person here (an answer that
+        does not fit is asked again under the next key), a decline or cancel leaves the request open
+        and this person is not asked here again; a key not outstanding now is ignored."""
+        from mcp import types as mt
+        if not _declares_tasks(ctx):
+            raise self.missing()
+        caller, playbook, run_id, task = await self.read(ctx)
+        responses = self.params(ctx).get("inputResponses")
+        if not isinstance(responses, Mapping):
+            raise self.error(INVALID_PARAMS, "inputResponses is an object of responses by key")
+        if task["status"] != "input_required":
+            return {}
+        view = await self.engine.task_view(caller, playbook, run_id)
+        asked = await self.question(ctx, caller, playbook, run_id, view)
+        if asked is None or asked[0] not in responses:
+            return {}
+        key, mode, _params = asked
+        try:
+            response = mt.ElicitResult.model_validate(responses[key])
+        except Exception:
+            raise self.error(INVALID_PARAMS, f"inputResponses.{key} is not an elicitation result") from None
+        bridge = self.bridge(ctx, caller, playbook, run_id)
+        assert bridge is not None
+        person = bridge.person
+        if response.action != "accept":
+            await self.engine.elicitation_declined(person, playbook, run_id, mode, response.action)
+        elif mode == "form":
+            answer = {k: v for k, v in (response.content or {}).items() if v is not None}
+            try:
+                await self.engine.answer_interaction(person, playbook, run_id, answer)
+            except Problem as exc:
+                if exc.name == "invalid_input" and exc.errors:
+                    await self.engine.elicitation_refused(person, playbook, run_id, key, exc)
+                elif exc.name == "invalid_input":
+                    raise self.error(INVALID_PARAMS, exc.detail or "the answer does not fit") from None
+                # answered or ended meanwhile: refused as a second answer is, and the task shows the ending
+        return {}
+
+    async def cancel(self, ctx: Any, params: Any) -> dict[str, Any]:
+        if not _declares_tasks(ctx) and not _legacy_tasks(ctx):
+            raise self.missing()
+        caller, playbook, run_id, task = await self.read(ctx)
+        try:
+            await self.engine.cancel_task(caller, playbook, run_id)
+        except Problem as exc:
+            raise self.error(INVALID_PARAMS, f"The task cannot be cancelled: {exc.detail}") from None
+        if _declares_tasks(ctx):
+            return {}
+        return self.legacy_shape(await self.task(ctx, caller, playbook, run_id, detailed=False))
+
+    async def created(self, ctx: Any, run: Any) -> dict[str, Any] | None:
+        """The CreateTaskResult for a call's run that has not ended, else None (the result stands)."""
+        caller = self.who(ctx)
+        if (caller is None or not isinstance(run, Mapping) or not isinstance(run.get("run_id"), str)
+                or not isinstance(run.get("playbook"), str) or RunStatus(run.get("status", "started")).ended):
+            return None
+        task = await self.task(ctx, caller, run["playbook"], run["run_id"], detailed=False)
+        if task["status"] in ("completed", "cancelled", "failed"):
+            return None                                  # it ended meanwhile: the blocking result says so
+        return {"resultType": "task", **task}
+
+    async def intercept(self, params: Any, ctx: Any, call_next: Callable[[Any], Any]) -> Any:
+        """`tools/call`: a task in place of a run that waits, for a request that declared the extension
+        (the 2026-07-28 era; the 2025-11-25 era's `params.task` is served by `legacy_call`)."""
+        from mcp import types as mt
+        out = await call_next(ctx)
+        if (params.name not in TASK_TOOLS or not _declares_tasks(ctx) or _legacy_tasks(ctx)
+                or not isinstance(out, mt.CallToolResult) or out.is_error):
+            return out
+        return await self.created(ctx, out.structured_content) or out
+
+    async def waited(self, caller: Caller, playbook: str, run_id: str, seconds: float) -> bool:
+        """Wait up to `seconds` for the run to end; False when the wait came back early without an
+        ending (the daemon is stopping: a loop over waits then stops too)."""
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        run = await self.engine.wait_run(caller, playbook, run_id, seconds)
+        return RunStatus(run["status"]).ended or loop.time() - began >= seconds / 2
+
+    # -- subscriptions/listen: notifications/tasks ------------------------------------------------------
+
+    async def listen(self, ctx: Any, params: Any) -> Any:
+        """`subscriptions/listen` with `notifications.taskIds`: the whole task at each change of its
+        status (the first at once), until each has ended or the client leaves."""
+        from mcp import types as mt
+        from mcp.shared.subscriptions import SUBSCRIPTION_ID_META_KEY
+        asked = (self.params(ctx).get("notifications") or {}).get("taskIds")
+        if asked is not None and not _declares_tasks(ctx):
+            raise self.missing()
+        meta = {SUBSCRIPTION_ID_META_KEY: ctx.request_id}
+        watched: dict[str, tuple[Caller, str, str]] = {}
+        for tid in asked if isinstance(asked, list) else []:
+            try:
+                caller, playbook, run_id, _ = await self.read(_With(ctx, {"taskId": tid}))
+            except Exception:
+                continue                                 # unknown or not theirs: not agreed to
+            watched[tid] = (caller, playbook, run_id)
+        notifications = mt.SubscriptionFilter.model_validate(self.params(ctx).get("notifications") or {})
+        ack = notifications.model_dump(by_alias=True, mode="json", exclude_none=True)
+        ack["taskIds"] = list(watched)
+        await ctx.session.send_notification(_notice(method="notifications/subscriptions/acknowledged",
+                                                    params={"notifications": ack, "_meta": meta}),
+                                            related_request_id=ctx.request_id)
+        last: dict[str, str] = {}
+        while watched:
+            for tid, (caller, playbook, run_id) in list(watched.items()):
+                try:
+                    task = await self.task(ctx, caller, playbook, run_id)
+                except Problem:
+                    watched.pop(tid)
+                    continue
+                mark = f"{task['status']}:{sorted(task.get('inputRequests') or {})}"
+                if last.get(tid) != mark:
+                    last[tid] = mark
+                    await ctx.session.send_notification(_notice(method="notifications/tasks",
+                                                                params={**task, "_meta": meta}),
+                                                        related_request_id=ctx.request_id)
+                if task["status"] in ("completed", "cancelled", "failed"):
+                    watched.pop(tid)
+            if watched and not await self.waited(*next(iter(watched.values())), MCP_TASK_POLL_MS / 1000):
+                break
+        return mt.SubscriptionsListenResult(_meta=meta)
+
+    # -- the 2025-11-25 era's experimental tasks ----------------------------------------------------------
+
+    @staticmethod
+    def legacy_shape(task: dict[str, Any]) -> dict[str, Any]:
+        """A task in the 2025-11-25 era's words (ttl and pollInterval; no result inline)."""
+        out = {k: task[k] for k in ("taskId", "status", "statusMessage", "createdAt", "lastUpdatedAt") if k in task}
+        out["ttl"] = task["ttlMs"]
+        out["pollInterval"] = task["pollIntervalMs"]
+        return out
+
+    async def legacy_get(self, ctx: Any) -> dict[str, Any]:
+        _caller, _playbook, _run_id, task = await self.read(ctx)
+        return self.legacy_shape(task)
+
+    async def legacy_result(self, ctx: Any, params: Any) -> dict[str, Any]:
+        """`tasks/result` (2025-11-25): the CallToolResult once the run has ended; until then it waits."""
+        caller, playbook, run_id = self.locate(ctx, self.params(ctx).get("taskId"))
+        try:
+            while True:
+                task = await self.task(ctx, caller, playbook, run_id)
+                if task["status"] in ("completed", "cancelled"):
+                    break
+                if not await self.waited(caller, playbook, run_id, MAX_MCP_WAIT_S):
+                    raise self.error(-32603, "the daemon is stopping; ask for the result again")
+        except Problem:
+            raise self.error(INVALID_PARAMS, "Failed to retrieve task: Task not found") from None
+        if task["status"] == "cancelled":
+            raise self.error(INVALID_PARAMS, "The task was cancelled")
+        related = {"io.modelcontextprotocol/related-task": {"taskId": task["taskId"]}}
+        return dict(task["result"], _meta=related)
+
+    async def legacy_list(self, ctx: Any, params: Any) -> dict[str, Any]:
+        """`tasks/list` (2025-11-25): the open runs of the connection's playbook this caller may read."""
+        caller = self.who(ctx)
+        if caller is None:
+            raise self.error(INVALID_PARAMS, "no caller")
+        playbook = self.home(ctx, caller)
+        cursor = self.params(ctx).get("cursor")
+        try:
+            page = await self.engine.list_runs(caller, playbook, "waiting", None, None,
+                                               cursor if isinstance(cursor, str) else None)
+        except Problem as exc:
+            raise self.error(INVALID_PARAMS, exc.detail or "the list could not be read") from None
+        tasks = []
+        for run in page["data"]:
+            with contextlib.suppress(Problem):
+                tasks.append(self.legacy_shape(await self.task(ctx, caller, playbook, run["run_id"], detailed=False)))
+        return {"tasks": tasks, **({"nextCursor": page["next_cursor"]} if page.get("next_cursor") else {})}
+
+    async def legacy_call(self, ctx: Any, call_next: Callable[[Any], Any]) -> Any:
+        """A `tools/call` with `params.task` (2025-11-25): a CreateTaskResult for a run that waits; the
+        run is made (or read) by the call itself, which returns at once."""
+        out = await call_next(ctx)
+        raw = self.params(ctx)
+        if raw.get("name") not in TASK_TOOLS or not isinstance(out, Mapping):
+            return out
+        run = out.get("structuredContent")
+        if out.get("isError") or not isinstance(run, Mapping):
+            return out
+        task = await self.created(ctx, run)
+        return {"task": self.legacy_shape(task)} if task is not None else out
+
+
+@dataclass(frozen=True)
+class _With:
+    """A request context with other params (to read a task named in a listen request)."""
+
+    ctx: Any
+    params: Mapping[str, Any]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.ctx, name)
+
+
+def _notice(method: str, params: dict[str, Any]) -> Any:
+    """A notification of a method the SDK's types do not name (notifications/tasks)."""
+    from mcp import types as mt
+    return mt.Notification[dict[str, Any], str](method=method, params=params)
+
+
 def make_mcp_server(engine: Engine, *, caller: Caller | None = None, scoped_playbook: str | None = None,
                     here: str | None = None) -> Any:
     """An MCP server over the engine. `caller` fixes who calls (stdio); otherwise each HTTP request's.
@@ -13459,11 +13920,14 @@ def make_mcp_server(engine: Engine, *, caller: Caller | None = None, scoped_play
     operator's token names in the Interactiond-As header, else the configuration's `mcp.as`."""
     from mcp import types as mt
     from mcp.server import Server as _McpServer
+    from mcp.server.extension import compose_tool_call_handler
     tools = {t.name: t for t in MCP_TOOLS}
     schemas = {t.name: _mcp_schema(t, scoped_playbook is not None) for t in MCP_TOOLS}
     validators = {name: compile_schema(s) for name, s in schemas.items()}
     listed = [mt.Tool(name=t.name, description=t.description, input_schema=schemas[t.name],
-                      annotations=mt.ToolAnnotations(read_only_hint=t.read_only)) for t in MCP_TOOLS]
+                      annotations=mt.ToolAnnotations(read_only_hint=t.read_only),
+                      execution=mt.ToolExecution(task_support="optional") if t.name in TASK_TOOLS else None)
+              for t in MCP_TOOLS]
 
     def who_calls(ctx: Any) -> Caller | None:
         if caller is not None:
@@ -13519,14 +13983,22 @@ def make_mcp_server(engine: Engine, *, caller: Caller | None = None, scoped_play
             pb = engine.playbook(who, pb)
 
             began = time.monotonic()
+            waits_for: list[str] = []
 
             async def progress(left: float) -> None:
-                """A heartbeat while a call waits: progress in seconds waited, so a client's timeout resets."""
+                """A heartbeat while a call waits (every MCP_HEARTBEAT_S): progress in seconds waited, so a
+                client's timeout resets, and whom the run waits for until when."""
                 with contextlib.suppress(Exception):
                     waited = time.monotonic() - began
+                    if not waits_for:
+                        view = await engine.task_view(who, pb, str(args.get("run_id")))
+                        waits_for.append(f"waiting for {view['party']} until {fmt_time(view['expires_at'])}"
+                                         if view["party"] else "waiting for the run to end")
                     await ctx.session.report_progress(round(waited, 1), round(waited + max(0.0, left), 1),
-                                                      f"still waiting for the run to end; {left:.0f} s left in this call")
-            out = await tool.call(engine, who, pb, args, McpCall(progress, ctx, here_of(ctx, who), params))
+                                                      f"{waits_for[0]}; {left:.0f} s left in this call")
+            tasked = _declares_tasks(ctx) or (_legacy_tasks(ctx) and isinstance((ctx.params or {}).get("task"), Mapping))
+            out = await tool.call(engine, who, pb, args, McpCall(progress, ctx, here_of(ctx, who), params,
+                                                                 tasks=tasked and tool.name in TASK_TOOLS))
             if isinstance(out, mt.InputRequiredResult):
                 return out
             if isinstance(out, tuple):
@@ -13538,9 +14010,64 @@ def make_mcp_server(engine: Engine, *, caller: Caller | None = None, scoped_play
             log.exception("MCP tool %s failed", getattr(params, "name", "?"))
             return result(Problem("failed", "the daemon failed on this call; its log says why").body(), True)
 
-    return _McpServer("interactiond", version=__version__, on_list_tools=list_tools, on_call_tool=call_tool,
-                      instructions="Ask a person (or a system) a question and wait for a validated answer. "
-                                   "Start with list_definitions, or use ask for a quick typed question.")
+    def home(ctx: Any, who: Caller) -> str:
+        return scoped_playbook or who.playbook or DEFAULT_PLAYBOOK
+
+    def person_here(ctx: Any, who: Caller) -> str | None:
+        try:
+            return here_of(ctx, who)
+        except Problem:
+            return None
+
+    tasks = McpTasks(engine, who_calls, home, person_here)
+    extension = _tasks_extension(tasks)
+    server = _McpServer("interactiond", version=__version__, on_list_tools=list_tools,
+                        on_call_tool=compose_tool_call_handler([extension], call_tool),
+                        on_subscriptions_listen=tasks.listen,
+                        instructions="Ask a person (or a system) a question and wait for a validated answer. "
+                                     "Start with list_definitions, or use ask for a quick typed question.")
+    server.extensions[extension.identifier] = extension.settings()
+    for binding in extension.methods():
+        server.add_request_handler(binding.method, binding.params_type, binding.handler)
+    capabilities = server.get_capabilities
+
+    def with_tasks(*a: Any, **kw: Any) -> Any:
+        """The capabilities, with the 2025-11-25 era's experimental tasks (tools/call, list, cancel)."""
+        caps = capabilities(*a, **kw)
+        caps.tasks = mt.ServerTasksCapability(list={}, cancel={}, requests={"tools": {"call": {}}})
+        return caps
+    server.get_capabilities = with_tasks
+
+    async def legacy_tasks(ctx: Any, call_next: Any) -> Any:
+        """A 2025-11-25 `tools/call` with `params.task` gets that era's CreateTaskResult (the result's
+        shape is not a CallToolResult, so it is made here, above the SDK's check of the result)."""
+        if (ctx.method == "tools/call" and _legacy_tasks(ctx) and isinstance(ctx.params, Mapping)
+                and isinstance(ctx.params.get("task"), Mapping)):
+            return await tasks.legacy_call(ctx, call_next)
+        return await call_next(ctx)
+    server.middleware.append(legacy_tasks)
+    return server
+
+
+def _tasks_extension(tasks: McpTasks) -> Any:
+    """The Tasks extension, through the SDK's extension interface: its methods, and the tools/call
+    interceptor that answers with a task."""
+    from mcp import types as mt
+    from mcp.server.extension import Extension, MethodBinding
+
+    class Tasks(Extension):
+        identifier = TASKS_EXTENSION
+
+        def methods(self) -> list[MethodBinding]:
+            return [MethodBinding("tasks/get", mt.RequestParams, tasks.get),
+                    MethodBinding("tasks/update", mt.RequestParams, tasks.update),
+                    MethodBinding("tasks/cancel", mt.RequestParams, tasks.cancel),
+                    MethodBinding("tasks/result", mt.RequestParams, tasks.legacy_result),
+                    MethodBinding("tasks/list", mt.RequestParams, tasks.legacy_list)]
+
+        async def intercept_tool_call(self, params: Any, ctx: Any, call_next: Any) -> Any:
+            return await tasks.intercept(params, ctx, call_next)
+    return Tasks()
 
 
 def asgi_handler(app: Callable[..., Any], *, grace_s: float = 2.0,

@@ -13,6 +13,7 @@ from mcp import Client, StdioServerParameters
 from mcp.client.sse import sse_client
 from mcp.client.streamable_http import streamable_http_client
 
+import interactiond as itd
 from daemon_kit import APPROVAL, watching_waits
 
 INPUT = {"owner": "ana", "review": "Looks complete."}
@@ -125,12 +126,13 @@ async def test_ask_and_wait_run(d):
         r = await c.call_tool("wait_run", {"run_id": run_id, "max_wait": -1})
         assert r.is_error and r.structured_content["errors"][0]["pointer"] == "/max_wait"
         # Longer than one call waits is cut to the longest, and the result says so (an ended run: at once).
-        r = await c.call_tool("wait_run", {"run_id": run_id, "timeout": 99})
+        r = await c.call_tool("wait_run", {"run_id": run_id, "timeout": 3601})
         assert not r.is_error and r.structured_content["status"] == "succeeded"
-        assert "cut to 55 s" in r.content[-1].text
+        assert "cut to 3600 s" in r.content[-1].text
 
 
-async def test_wait_run_returns_the_run_as_it_stands_and_reports_progress(d):
+async def test_wait_run_returns_the_run_as_it_stands_and_reports_progress(d, monkeypatch):
+    monkeypatch.setattr(itd, "MCP_HEARTBEAT_S", 1.0)          # 15 s of real time in the product
     async with connect(d, "http") as c:
         r = await c.call_tool("ask", {"type": "confirmation", "prompt": "Deploy?", "to": "ana"})
         run_id = r.structured_content["run_id"]
@@ -138,11 +140,13 @@ async def test_wait_run_returns_the_run_as_it_stands_and_reports_progress(d):
 
         async def on_progress(p, total, message):
             progress.append((p, total, message))
-        r = await c.call_tool("wait_run", {"run_id": run_id, "max_wait": 6}, progress_callback=on_progress)
+        r = await c.call_tool("wait_run", {"run_id": run_id, "max_wait": 2.5}, progress_callback=on_progress)
         assert r.structured_content["status"] == "waiting"
-        assert progress, "a long wait sends progress notifications"
+        assert len(progress) >= 2, "a long wait sends a heartbeat every MCP_HEARTBEAT_S"
         waited, total, message = progress[0]
-        assert 4 <= waited <= total <= 7 and "waiting" in message
+        assert 0.9 <= waited <= total <= 3 and progress[1][0] > waited
+        until = itd.fmt_time(d.clock.now_ms() + 24 * 3600 * 1000)
+        assert message.startswith(f"waiting for ana until {until}; ")
 
 
 def _stdio_params(db: str, cwd, *extra: str) -> StdioServerParameters:
