@@ -4958,11 +4958,11 @@ class SqlTx:
         """Events of a run, each (run_seq, values) already counted; their ids."""
         return [self._insert_event(playbook, run_id, run_seq, values) for run_seq, values in rows]
 
-    def guard(self, cursor: Any, problem: Problem) -> None:
-        """A guarded statement's outcome that the change needs only as a whole: `problem` is raised,
+    def guard(self, sql: str, params: Any, problem: Problem) -> None:
+        """A guarded statement whose outcome the change needs only as a whole: `problem` is raised,
         and the change undone, when it changed no row - here at once, on a server at the change's
         end (PostgresTx), so that its statements travel together."""
-        if not cursor.rowcount:
+        if not self.conn.execute(sql, params).rowcount:
             raise problem
 
     def set_timer(self, fx: Effects, key: str, due: int) -> None:
@@ -5138,7 +5138,7 @@ class SqlTx:
             playbook, type_, name, version, server, tool,
             status.value, 0 if notified else 1, delivery.value, asked_at, expires_at, deliver_args, follow_up))
         if not notified:
-            self.guard(self.conn.execute(_RUN_WAITS_SQL, (playbook, run_id)),
+            self.guard(_RUN_WAITS_SQL, (playbook, run_id),
                        Problem("conflict", "the run is not waiting to open a request"))
 
     def cancel_delivery(self, playbook: str, run_id: str) -> bool:
@@ -5187,8 +5187,8 @@ class SqlTx:
                                           **({"reply": reply} if reply_id is not None else {}),
                                           **({"answered_by_name": by_name} if by_name is not None else {})}))
         text = dumps(answer)
-        self.guard(self.conn.execute(_ANSWER_AND_CLOSE_SQL, (text, answer_id, by, now, claimed_for, reply_id,
-                                                             reply_sender, by_name, req["seq"])),
+        self.guard(_ANSWER_AND_CLOSE_SQL, (text, answer_id, by, now, claimed_for, reply_id, reply_sender, by_name,
+                                           req["seq"]),
                    Problem("not_open", "the request has ended; it takes no answer", kind="ended"))
         self._request_gone(fx, playbook, run_id, req)
         closed = dict(zip(req.keys(), req))      # dict(row) looks each name up along the row's columns
@@ -6369,17 +6369,20 @@ class _PgConn:
     with `?` placeholders, rows by name or index (PgRow). Autocommit: the writer opens its
     transactions itself, and a reading's statements each see what is committed.
 
-    Statements go through psycopg's own cursor, each prepared on the server at its first run
-    (`prepare=True`). Within a write the writer puts the connection in psycopg's pipeline mode
-    (PostgresTx.begin): a statement whose result nobody reads travels with the next one that is
+    Statements go through one psycopg cursor of the connection (a cursor costs as much to make as a
+    statement to send), each prepared on the server at its first run (`prepare=True`); a statement's
+    rows are read before the next one is sent, or never (a guard that is read later has a cursor of
+    its own: PostgresTx.guard). Within a write the writer puts the connection in psycopg's pipeline
+    mode (PostgresTx.begin): a statement whose result nobody reads travels with the next one that is
     read, or with the change's end."""
 
-    __slots__ = ("url", "setup", "raw")
+    __slots__ = ("url", "setup", "raw", "cursor")
 
     def __init__(self, url: str, setup: tuple[str, ...] = ()) -> None:
         self.url = url
         self.setup = setup
         self.raw: Any = None
+        self.cursor: Any = None
         self.reopen()
 
     def reopen(self) -> None:
@@ -6397,13 +6400,14 @@ class _PgConn:
         for sql in self.setup:
             raw.execute(sql)
         self.raw = raw
+        self.cursor = raw.cursor()
 
     @property
     def lost(self) -> bool:
         return self.raw is None or self.raw.closed or self.raw.broken
 
     def execute(self, sql: str, params: Any = ()) -> Any:
-        return self.raw.execute(_pg_sql(sql), params, prepare=True)
+        return self.cursor.execute(_pg_sql(sql), params, prepare=True)
 
     def close(self) -> None:
         if self.raw is not None:
@@ -6547,10 +6551,12 @@ class PostgresTx(SqlTx):
                 guards.clear()
             return result
 
-    def guard(self, cursor: Any, problem: Problem) -> None:
+    def guard(self, sql: str, params: Any, problem: Problem) -> None:
         if self._pipeline is None:
-            super().guard(cursor, problem)
-        else:
+            super().guard(sql, params, problem)
+        else:                                   # a cursor of its own, read at the change's end
+            cursor = self.conn.raw.cursor()
+            cursor.execute(_pg_sql(sql), params, prepare=True)
             self._guards.append((cursor, problem))
 
     def _insert_event(self, playbook: str, run_id: str | None, run_seq: int | None, values: tuple[Any, ...]) -> int:
@@ -6560,7 +6566,7 @@ class PostgresTx(SqlTx):
         self._event_id = event_id = self._event_id + 1
         values += (self.daemon,)
         if run_id is not None and run_seq is None:
-            self.guard(conn.execute(_PG_COUNTED_EVENT_SQL, (playbook, run_id, event_id, playbook, run_id) + values),
+            self.guard(_PG_COUNTED_EVENT_SQL, (playbook, run_id, event_id, playbook, run_id) + values,
                        Problem("not_found", f"no run {run_id} in this playbook"))
         else:
             conn.execute(_PG_INSERT_EVENT_SQL, (event_id, playbook, run_id, run_seq) + values)

@@ -453,7 +453,10 @@ async def test_a_round_trip_larger_each_way_than_the_socket_holds_completes(pg):
     sent = "x" * 1_000
 
     def echoes(tx, fx) -> int:
-        results = [tx.conn.execute("SELECT repeat(CAST(? AS TEXT), 2)", (f"{i:04}{sent}",)) for i in range(3000)]
+        results = []
+        for i in range(3000):           # each read after all are sent: a cursor each (as a guard has)
+            results.append(tx.conn.raw.cursor())
+            results[-1].execute("SELECT repeat(CAST(%s AS TEXT), 2)", (f"{i:04}{sent}",))
         return sum(len(r.fetchone()[0]) for r in results)       # the first look sends them all, in one round trip
 
     try:
