@@ -17243,8 +17243,19 @@ def check_files(paths: list[str], out: Any = None) -> int:
 
 # -- demo ---------------------------------------------------------------------------------------------
 
-#: Where the examples are: beside the module in a checkout (or an editable install).
-EXAMPLES_DIR: Final = Path(__file__).resolve().parent / "examples"
+def _examples_dir() -> Path:
+    """Where the examples are: beside the module in a checkout (or an editable install); in an installed
+    wheel, its data files under the environment's prefix (share/interactiond/examples)."""
+    import site
+    beside = Path(__file__).resolve().parent / "examples"
+    for where in (beside, *(Path(base) / "share" / "interactiond" / "examples"
+                            for base in (sys.prefix, sys.base_prefix, site.getuserbase()))):
+        if (where / "chat_server.py").is_file():
+            return where
+    return beside
+
+
+EXAMPLES_DIR: Final = _examples_dir()
 
 
 async def _demo(args: Any) -> int:
@@ -17255,8 +17266,8 @@ async def _demo(args: Any) -> int:
     import tempfile
 
     if not (EXAMPLES_DIR / "chat_server.py").is_file():
-        print(f"interactiond: the demo needs the examples of the source tree ({EXAMPLES_DIR} is missing);"
-              " install from a checkout with pip install -e .", file=sys.stderr)
+        print(f"interactiond: the demo needs the examples ({EXAMPLES_DIR} is missing, nor are they under"
+              f" {sys.prefix}/share/interactiond/examples); install the wheel or from a checkout", file=sys.stderr)
         return 1
     where = Path(tempfile.mkdtemp(prefix="interactiond-demo-"))
     try:
