@@ -62,7 +62,7 @@ How to change it:
     a tool call               ToolServers.call, the one door (allow-list, approval gate, bounds,
                               scrubbing); never a session's call directly
     a kind of run             a RunKind registered in RUN_KINDS (as Workflows does)
-    a problem type            one entry of PROBLEM_TYPES, and its name in README.md (the tests
+    a problem type            one entry of PROBLEM_TYPES, and its name in docs/http.md (the tests
                               check every name the module raises is in both)
 """
 
