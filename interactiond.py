@@ -2246,9 +2246,6 @@ def _schema_problem(schema: Any) -> tuple[tuple[Any, ...], str] | None:
         if exc.validator == "format" and exc.validator_value == "regex":
             return tuple(exc.absolute_path), _pattern_refusal(exc.instance)
         return tuple(exc.absolute_path), f"not a valid JSON Schema: {exc.message}"
-    unknown = _unknown_keyword(schema, _dialect_keywords(cls), ())
-    if unknown:
-        return unknown
     if _KEYWORDS_BY_RE <= {key for _, key, _ in entries}:
         path = next(path for path, key, _ in entries if key == "unevaluatedProperties")
         return path + ("unevaluatedProperties",), (
@@ -2333,6 +2330,18 @@ def _dialect_keywords(cls: Any) -> frozenset[str]:
         if isinstance(part, dict) and isinstance(part.get("$ref"), str):
             keys |= set(resolver.lookup(part["$ref"]).contents.get("properties", {}))
     return frozenset(keys)
+
+
+#: Set while a document saved before is read again from the store (a run of its version): the rules
+#: that only refuse a new document stand aside, so a definition an older version accepted still runs.
+READING_SAVED: Final[contextvars.ContextVar[bool]] = contextvars.ContextVar("reading_saved", default=False)
+
+
+def _schema_keyword_problem(schema: Any) -> tuple[tuple[Any, ...], str] | None:
+    """The first keyword of a (valid) schema that its dialect does not know, as (where, why), or None."""
+    jsonschema = _jsonschema()
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    return _unknown_keyword(schema, _dialect_keywords(cls), ())
 
 
 def _unknown_keyword(node: Any, known: frozenset[str], path: tuple[Any, ...]) -> tuple[tuple[Any, ...], str] | None:
@@ -2911,7 +2920,7 @@ class _Reader:
         if room < 0:
             self.add(path, f"the document's JSON Schemas hold more than {MAX_SCHEMA_OBJECTS} objects together")
             return None
-        problem = _schema_problem(value)
+        problem = _schema_problem(value) or (None if READING_SAVED.get() else _schema_keyword_problem(value))
         if problem:
             self.add(path + problem[0], problem[1])
             return None
@@ -4286,10 +4295,13 @@ def _share_answer_schemas(conn: Any) -> None:
     rows = conn.execute("SELECT playbook, type, name, version, source FROM definitions WHERE type = 'interaction'"
                         ).fetchall()
     for playbook, type_, name, version, source in (tuple(r) for r in rows):
+        reading = READING_SAVED.set(True)
         try:
             schema = parse_function(source).output_schema
         except DocumentError:
             continue
+        finally:
+            READING_SAVED.reset(reading)
         if schema is not None:
             conn.execute("UPDATE definitions SET answer_schema = ? WHERE playbook = ? AND type = ? AND name = ?"
                          " AND version = ?", (dumps(schema), playbook, type_, name, version))
@@ -8401,7 +8413,11 @@ class Definitions:
         key = (playbook, type_, name, version)
         doc = self._docs.get(key)
         if doc is None:
-            doc = self._parse(type_, source)
+            reading = READING_SAVED.set(True)       # saved already: the rules of the version that saved it
+            try:
+                doc = self._parse(type_, source)
+            finally:
+                READING_SAVED.reset(reading)
             self._docs[key] = doc
             if len(self._docs) > 512:
                 self._docs.popitem(last=False)

@@ -78,6 +78,28 @@ async def test_saving_over_http_refuses_it_with_the_line(d):
     assert [(e["line"], e["field"]) for e in body["errors"]] == [(19, "output.schema.properties.remarks.if anything")]
 
 
+async def test_a_definition_an_older_version_saved_still_runs(d):
+    """Saved before the rule (as an older version saved it, in the store): its runs are not refused."""
+    import yaml
+    front = yaml.safe_load(SPLIT.split("---\n")[1])
+    assert front["output"]["schema"]["properties"]["remarks"]["if anything"] is None
+
+    def change(tx, fx):
+        return tx.save_definition(playbook="local/default", type_="interaction", name="brief", source=SPLIT,
+                                  sha=itd.sha256_hex(SPLIT), overview="", description=front["description"], uses=[],
+                                  now=d.clock.now_ms(), by="tok_older", answer_schema=itd.dumps(front["output"]["schema"]))
+    assert await d.engine.store.write(change) == (1, True)
+    status, run = await d.run("brief", {"editor": "ana", "title": "T", "draft": "D"})
+    assert status == 202, run
+    status, fact = await d.call("POST", f"/runs/{run['run_id']}/answer", {"answer": {"decision": "publish"}})
+    assert status == 200, fact
+    status, ended = await d.call("GET", f"/runs/{run['run_id']}")
+    assert ended["status"] == "succeeded" and ended["output"] == {"decision": "publish"}, ended
+    # Saved again now, the same text is refused with its line.
+    status, body = await d.call("POST", "/definitions", {"type": "interaction", "name": "brief", "source": SPLIT})
+    assert status == 422 and body["errors"][0]["line"] == 19, body
+
+
 # -- the overview ---------------------------------------------------------------------------------------
 
 def test_the_overview_prints_a_bold_value_once():
