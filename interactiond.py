@@ -62,7 +62,7 @@ How to change it:
     a tool call               ToolServers.call, the one door (allow-list, approval gate, bounds,
                               scrubbing); never a session's call directly
     a kind of run             a RunKind registered in RUN_KINDS (as Workflows does)
-    a problem type            one entry of PROBLEM_TYPES, and its name in README.md (the tests
+    a problem type            one entry of PROBLEM_TYPES, and its name in docs/http.md (the tests
                               check every name the module raises is in both)
 """
 
@@ -2314,6 +2314,80 @@ def _unheld_reference(schema: Any, cls: Any) -> tuple[tuple[Any, ...], str] | No
     return None
 
 
+# A keyword a dialect does not know is no error to JSON Schema (it is an annotation, and checks nothing);
+# in a document it is nearly always a slip that would pass in silence: `maxlength`, a property named
+# beside `properties` instead of under it, or YAML's flow mapping split at a comma
+# (`{type: string, description: What to change, if anything}` holds the keyword "if anything").
+
+#: Keywords whose value is one schema, a mapping of names to schemas, or a list of schemas.
+_SUBSCHEMA_ONE: Final = frozenset({
+    "additionalProperties", "additionalItems", "not", "if", "then", "else", "contains", "propertyNames",
+    "unevaluatedItems", "unevaluatedProperties", "contentSchema", "items"})
+_SUBSCHEMA_MAP: Final = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas",
+                                   "dependencies"})
+_SUBSCHEMA_LIST: Final = frozenset({"allOf", "anyOf", "oneOf", "prefixItems", "items"})
+
+
+@functools.lru_cache(maxsize=8)
+def _dialect_keywords(cls: Any) -> frozenset[str]:
+    """Every keyword of a dialect: its meta-schema's properties (and its vocabularies') and its validators."""
+    import jsonschema_specifications
+    meta = cls.META_SCHEMA
+    keys = set(meta.get("properties", {})) | set(cls.VALIDATORS)
+    resolver = jsonschema_specifications.REGISTRY.resolver(base_uri=meta.get("$id", meta.get("id", "")))
+    for part in meta.get("allOf", []):
+        if isinstance(part, dict) and isinstance(part.get("$ref"), str):
+            keys |= set(resolver.lookup(part["$ref"]).contents.get("properties", {}))
+    return frozenset(keys)
+
+
+#: Set while a document saved before is read again from the store (a run of its version): the rules
+#: that only refuse a new document stand aside, so a definition an older version accepted still runs.
+READING_SAVED: Final[contextvars.ContextVar[bool]] = contextvars.ContextVar("reading_saved", default=False)
+
+
+def _schema_keyword_problem(schema: Any) -> tuple[tuple[Any, ...], str] | None:
+    """The first keyword of a (valid) schema that its dialect does not know, as (where, why), or None."""
+    jsonschema = _jsonschema()
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    return _unknown_keyword(schema, _dialect_keywords(cls), ())
+
+
+def _unknown_keyword(node: Any, known: frozenset[str], path: tuple[Any, ...]) -> tuple[tuple[Any, ...], str] | None:
+    """The first keyword of a schema (at any depth) that its dialect does not know, as (where, why)."""
+    import difflib
+    if not isinstance(node, dict):
+        return None
+    before: tuple[Any, Any] = (None, None)
+    for key, value in node.items():
+        if key not in known:
+            if value is None and " " in str(key).strip():
+                quoted = (f": {before[0]}: '{before[1]}, {key}'" if isinstance(before[1], str)
+                          and "'" not in before[1] + str(key) else "")
+                why = (f"{key!r} is not a JSON Schema keyword: in a {{ ... }} mapping a comma ends the text"
+                       f" before it, so quote text that holds one{quoted}")
+            else:
+                close = ([k for k in sorted(known) if k.casefold() == str(key).casefold()]
+                         or difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.75))
+                why = f"{key!r} is not a JSON Schema keyword" + (f"; did you mean {close[0]}?" if close else
+                                                                 " (a property of your own goes under properties)")
+            return path + (key,), why
+        before = (key, value)
+    for key, value in node.items():
+        subs: list[tuple[Any, Any]] = []
+        if key in _SUBSCHEMA_MAP and isinstance(value, dict):
+            subs = [((key, k), v) for k, v in value.items()]
+        elif key in _SUBSCHEMA_LIST and isinstance(value, list):
+            subs = [((key, i), v) for i, v in enumerate(value)]
+        elif key in _SUBSCHEMA_ONE:
+            subs = [((key,), value)]
+        for where, sub in subs:
+            found = _unknown_keyword(sub, known, path + where)
+            if found:
+                return found
+    return None
+
+
 def _schema_entries(node: Any, path: tuple[Any, ...]) -> Iterable[tuple[tuple[Any, ...], str, Any]]:
     """Every (path, key, value) of the mappings within a schema."""
     if isinstance(node, dict):
@@ -2855,7 +2929,7 @@ class _Reader:
         if room < 0:
             self.add(path, f"the document's JSON Schemas hold more than {MAX_SCHEMA_OBJECTS} objects together")
             return None
-        problem = _schema_problem(value)
+        problem = _schema_problem(value) or (None if READING_SAVED.get() else _schema_keyword_problem(value))
         if problem:
             self.add(path + problem[0], problem[1])
             return None
@@ -3486,22 +3560,29 @@ def _read_words(r: _Reader, path: tuple[Any, ...], value: str, listed: list[Any]
 
 _OVERVIEW_TYPE_WORDS: Final = {"string": "text", "integer": "whole number", "number": "number", "boolean": "yes or no",
                                "array": "list", "object": "object", "null": "nothing"}
-_LIQUID_OUTPUT_RE: Final = re.compile(r"\{\{-?(.*?)-?\}\}", re.S)
+#: An output, with the Markdown marks around it when there are (`**{{ input.title }}**`).
+_LIQUID_OUTPUT_RE: Final = re.compile(r"(?P<mark>\*\*|__|`)?\{\{-?(?P<expr>.*?)-?\}\}(?(mark)(?P=mark))", re.S)
 _LIQUID_TAG_RE: Final = re.compile(r"\{%-?.*?-?%\}", re.S)
 
 
-def _expression_words(expression: str) -> str:
+def _expression_words(expression: str, mark: str | None = None) -> str:
+    """An output's words: a literal as it is, a value's name in bold (in `mark` when the template
+    marks it already, so `**{{ input.title }}**` reads **title**, not ****title****)."""
     head = expression.split("|", 1)[0].strip()
     literal = re.fullmatch(r"'([^']*)'|\"([^\"]*)\"", head)
     if literal:
-        return literal.group(1) if literal.group(1) is not None else literal.group(2)
+        text = literal.group(1) if literal.group(1) is not None else literal.group(2)
+        return f"{mark}{text}{mark}" if mark else text
     path = re.match(r"[A-Za-z_][\w-]*(?:\.[A-Za-z_][\w-]*)*", head)
+    if mark:
+        return f"{mark}{path.group(0).rsplit('.', 1)[-1] if path else head}{mark}"
     return f"**{path.group(0).rsplit('.', 1)[-1]}**" if path else f"`{head}`"
 
 
 def template_words(source: str) -> str:
     """A template as a person reads it: each value it reads as its name in bold, tags dropped."""
-    return _LIQUID_OUTPUT_RE.sub(lambda m: _expression_words(m.group(1)), _LIQUID_TAG_RE.sub("", source))
+    return _LIQUID_OUTPUT_RE.sub(lambda m: _expression_words(m.group("expr"), m.group("mark")),
+                                 _LIQUID_TAG_RE.sub("", source))
 
 
 def _type_words(schema: dict[str, Any]) -> str:
@@ -4223,10 +4304,13 @@ def _share_answer_schemas(conn: Any) -> None:
     rows = conn.execute("SELECT playbook, type, name, version, source FROM definitions WHERE type = 'interaction'"
                         ).fetchall()
     for playbook, type_, name, version, source in (tuple(r) for r in rows):
+        reading = READING_SAVED.set(True)
         try:
             schema = parse_function(source).output_schema
         except DocumentError:
             continue
+        finally:
+            READING_SAVED.reset(reading)
         if schema is not None:
             conn.execute("UPDATE definitions SET answer_schema = ? WHERE playbook = ? AND type = ? AND name = ?"
                          " AND version = ?", (dumps(schema), playbook, type_, name, version))
@@ -8318,7 +8402,11 @@ class Definitions:
         key = (playbook, type_, name, version)
         doc = self._docs.get(key)
         if doc is None:
-            doc = self._parse(type_, source)
+            reading = READING_SAVED.set(True)       # saved already: the rules of the version that saved it
+            try:
+                doc = self._parse(type_, source)
+            finally:
+                READING_SAVED.reset(reading)
             self._docs[key] = doc
             if len(self._docs) > 512:
                 self._docs.popitem(last=False)
@@ -15877,14 +15965,15 @@ LINK_HEADERS: Final = {
     "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-store",
     "X-Robots-Tag": "noindex, nofollow",
 }
-LOGIN_SPENT_HTML: Final = """<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
-<title>Sign-in link spent · interactiond</title></head>
-<body><h1>This sign-in link does not work</h1>
+#: A spent, expired or unknown sign-in link: the page's style, no script.
+LOGIN_SPENT_HTML: Final = LINK_PAGE.replace("{title}", "Sign-in link spent").replace("{body}", """
+<section class="card" id="spent">
+<h1>This sign-in link does not work</h1>
 <p>It was used already, it has expired, or it is not one this daemon made. Each sign-in link works
 once: ask for a new one (<code>interactiond link --for NAME</code> makes one), or use the one the
-latest start of <code>interactiond serve</code> printed.</p></body></html>
-"""
+latest start of <code>interactiond serve</code> printed.</p>
+</section>
+""")
 
 
 
@@ -16202,7 +16291,7 @@ async def h_login(request: web.Request) -> web.Response:
         current = request.cookies.get(SESSION_COOKIE)
         if current and await lookup_token(request.app, current) is not None:
             return _see_other("/")          # a spent link opened again by someone signed in
-        return web.Response(status=401, text=LOGIN_SPENT_HTML, content_type="text/html", headers=INBOX_HEADERS)
+        return web.Response(status=401, text=LOGIN_SPENT_HTML, content_type="text/html", headers=LINK_HEADERS)
     resp = _see_other("/")
     public = engine.config.public_url or ""
     resp.set_cookie(SESSION_COOKIE, session, httponly=True, samesite="Strict", path="/",
@@ -16805,6 +16894,10 @@ async def _stdio(args: Any, config: Config) -> int:
         except ValueError as exc:
             print(f"interactiond: --as: {exc}", file=sys.stderr)
             return 2
+    if sys.stdin.isatty():              # a person typed it: say what it waits for, on stderr (stdout is MCP's)
+        print("interactiond stdio: waiting for an MCP client's JSON-RPC messages on stdin, one a line; an agent"
+              " starts this command itself (command: interactiond, args: [stdio]). Ctrl-D ends it.",
+              file=sys.stderr, flush=True)
     lock = EngineLock(db)
     if not lock.acquire():
         return await _stdio_front(db, args.playbook, here or config.mcp_as)
@@ -17224,17 +17317,25 @@ def _cli_client(args: Any, db: str, config: Config) -> int:
     if not PLAYBOOK_RE.fullmatch(args.playbook):
         raise CliError(f"--playbook is ORG/NAME in lowercase letters, digits and hyphens, not {args.playbook!r}",
                        EXIT_USAGE)
+    if args.cmd == "define":                # the file first: its problems need no daemon to be told
+        try:
+            source = Path(args.file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CliError(f"{args.file}: cannot read it: {getattr(exc, 'strerror', None) or exc}", EXIT_USAGE) from None
+        type_ = args.type or ("workflow" if args.file.endswith((".yaml", ".yml")) else "interaction")
+        try:
+            (parse_workflow if type_ == "workflow" else parse_function)(source)
+        except DocumentError as exc:
+            for p in exc.problems:                  # as `check` prints them, and as the daemon's refusal below
+                print(f"{args.file}:{p['line']}: {p['field'] + ': ' if p['field'] else ''}{p['message']}",
+                      file=sys.stderr)
+            return EXIT_REFUSED
     d = daemon_address(args, db, config)
     org, _, name = args.playbook.partition("/")
     base = f"/v1/orgs/{org}/playbooks/{name}"
     cmd = args.cmd
     rid = urllib.parse.quote(getattr(args, "run_id", "") or "", safe="")
     if cmd == "define":
-        try:
-            source = Path(args.file).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise CliError(f"{args.file}: cannot read it: {getattr(exc, 'strerror', None) or exc}", EXIT_USAGE) from None
-        type_ = args.type or ("workflow" if args.file.endswith((".yaml", ".yml")) else "interaction")
         status, out, _ = call_daemon(d, "POST", f"{base}/definitions",
                                      {"type": type_, "name": args.name or Path(args.file).stem, "source": source})
         if status == 422 and isinstance(out, dict) and any("line" in e for e in out.get("errors") or []):
@@ -17664,8 +17765,19 @@ def check_files(paths: list[str], out: Any = None) -> int:
 
 # -- demo ---------------------------------------------------------------------------------------------
 
-#: Where the examples are: beside the module in a checkout (or an editable install).
-EXAMPLES_DIR: Final = Path(__file__).resolve().parent / "examples"
+def _examples_dir() -> Path:
+    """Where the examples are: beside the module in a checkout (or an editable install); in an installed
+    wheel, its data files under the environment's prefix (share/interactiond/examples)."""
+    import site
+    beside = Path(__file__).resolve().parent / "examples"
+    for where in (beside, *(Path(base) / "share" / "interactiond" / "examples"
+                            for base in (sys.prefix, sys.base_prefix, site.getuserbase()))):
+        if (where / "chat_server.py").is_file():
+            return where
+    return beside
+
+
+EXAMPLES_DIR: Final = _examples_dir()
 
 
 async def _demo(args: Any) -> int:
@@ -17676,8 +17788,8 @@ async def _demo(args: Any) -> int:
     import tempfile
 
     if not (EXAMPLES_DIR / "chat_server.py").is_file():
-        print(f"interactiond: the demo needs the examples of the source tree ({EXAMPLES_DIR} is missing);"
-              " install from a checkout with pip install -e .", file=sys.stderr)
+        print(f"interactiond: the demo needs the examples ({EXAMPLES_DIR} is missing, nor are they under"
+              f" {sys.prefix}/share/interactiond/examples); install the wheel or from a checkout", file=sys.stderr)
         return 1
     where = Path(tempfile.mkdtemp(prefix="interactiond-demo-"))
     try:
@@ -17775,6 +17887,37 @@ def build_parser() -> Any:
     """The command line's parser: every command and option with its help, defaults shown."""
     import argparse
 
+    class Parser(argparse.ArgumentParser):
+        """A usage error is one line: what is wrong, the closest word when one is near, where help is."""
+
+        def error(self, message: str) -> Any:
+            import difflib
+            words: list[str] = []
+            for action in self._actions:
+                words += [o for o in action.option_strings if o.startswith("--")]
+                if isinstance(action, argparse._SubParsersAction):
+                    words += list(action.choices)
+                elif action.choices and not action.option_strings:
+                    words += [str(c) for c in action.choices]
+            hint = ""
+            stray = [a for a in getattr(self, "argv", ()) if a.startswith("-") and a.split("=", 1)[0] not in
+                     {o for action in self._actions for o in action.option_strings}]
+            if stray and "arguments are required" in message:   # `interactiond --verison`: the word is what is wrong
+                message = f"unrecognized arguments: {stray[0]}"
+            wrong = re.search(r"unrecognized arguments: (\S+)|invalid choice: '([^']*)'", message)
+            if wrong:
+                word = (wrong.group(1) or wrong.group(2) or "").split("=", 1)[0]
+                choices = words
+                if wrong.group(2) is not None:          # an option's or a command's value: its own choices
+                    named = re.search(r"argument (\S+?):", message)
+                    choices = next(([str(c) for c in a.choices] for a in self._actions if a.choices and named
+                                    and named.group(1) in (*a.option_strings, a.metavar, a.dest)), words)
+                close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+                if close:
+                    hint = f"; did you mean {close[0]}?"
+            message = (re.sub(r" \(choose from .*\)$", "", message) if hint else message).replace("'", "")
+            self.exit(2, f"{self.prog}: {message}{hint} (see {self.prog} --help)\n")
+
     class Help(argparse.RawDescriptionHelpFormatter):
         """Shows an option's default after its help, unless there is none or the help says it."""
 
@@ -17785,12 +17928,12 @@ def build_parser() -> Any:
                 text += " (default: %(default)s)"
             return text
 
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="interactiond", formatter_class=Help, description=__doc__.splitlines()[0],
         epilog="environment: INTERACTIOND_DB, INTERACTIOND_CONFIG, INTERACTIOND_TOKEN, "
                "INTERACTION_OPEN_REQUESTS\n\n" + EXIT_CODES)
     parser.add_argument("--version", action="version", version=__version__, help="print the version and stop")
-    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND", parser_class=Parser)
     helps = dict(COMMANDS)
 
     def command(name: str) -> Any:
@@ -17833,7 +17976,7 @@ def build_parser() -> Any:
     p.add_argument("files", nargs="+", metavar="FILE", help="a function document (.md), a workflow or a"
                                                             " configuration (.yaml), or a directory of them")
     p = command("token")
-    tsub = p.add_subparsers(dest="token_cmd", required=True, metavar="ACTION")
+    tsub = p.add_subparsers(dest="token_cmd", required=True, metavar="ACTION", parser_class=Parser)
     for name, text in (("create", "make a token and print it once (only its hash is kept)"),
                        ("list", "list tokens and inbox sessions (never their secrets)"),
                        ("revoke", "revoke a token, or end an inbox session, by its id")):
@@ -17920,7 +18063,14 @@ def build_parser() -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     """The command line: every failure a user can meet is one line on stderr and an exit code."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    type(parser).argv = list(sys.argv[1:] if argv is None else argv)     # every command's parser reads it
+    args, extra = parser.parse_known_args(argv)
+    if extra:                               # said by the command's own parser, which knows its options
+        below = parser._subparsers._group_actions[0].choices[args.cmd]
+        if getattr(args, "token_cmd", None):
+            below = below._subparsers._group_actions[0].choices[args.token_cmd]
+        below.error(f"unrecognized arguments: {' '.join(extra)}")
     configure_logging(getattr(args, "log_format", "text"))
     try:
         if args.cmd == "check":

@@ -635,11 +635,11 @@ def test_additional_properties_false_refuses_them():
 
 
 def test_any_input_property_is_allowed_without_a_schema_listing_them():
-    source = edit(INBOX, "    properties:\n      owner: { type: string }\n", "    properties_: {}\n")
+    source = edit(INBOX, "    properties:\n      owner: { type: string }\n", "    $comment: no properties listed\n")
     source = source.replace("      item: { type: string, maxLength: 300, description: The thing to approve }\n"
                             "      tags: { type: array }\n      meta: { type: object }\n", "")
     doc = parse_function(edit(source, "{{ input.item }}", "{{ input.anything }}"))
-    assert doc.input_schema == {"type": "object", "required": ["owner", "item"], "properties_": {}}
+    assert doc.input_schema == {"type": "object", "required": ["owner", "item"], "$comment": "no properties listed"}
     assert doc.message.render_text({"input": {"anything": "Y"}}).startswith("Please look at Y and")
 
 

@@ -60,10 +60,10 @@ def test_every_problem_the_module_raises_is_registered():
     assert raised["_v2_problem"] >= {"validation_failed", "idempotency_key_required"}
     for how, names in raised.items():
         assert names - set(itd.PROBLEM_TYPES) == set(), f"{how} raises problems PROBLEM_TYPES does not know"
-    readme = (ROOT / "README.md").read_text()
+    catalogue = (ROOT / "docs" / "http.md").read_text()      # the problem catalogue of the HTTP guide
     for name, (status, title, text) in itd.PROBLEM_TYPES.items():
         assert re.fullmatch(r"[a-z_]+", name) and 400 <= status <= 599 and title and text.endswith("."), name
-        assert re.search(rf"`(\d{{3}}\s+)?{name}`", readme), f"README.md does not name the problem {name}"
+        assert re.search(rf"`(\d{{3}}\s+)?{name}`", catalogue), f"docs/http.md does not name the problem {name}"
 
 
 def check_envelope(name: str, status: int, content_type: str, body: dict[str, Any], *, v2: bool) -> None:
