@@ -16942,10 +16942,14 @@ async def _stdio_front(db: str, playbook: str | None, here: str | None = None) -
     The relay speaks 2026-07-28 to the daemon. With `--as` it names the person at the client
     (Interactiond-As) and declares elicitation when its own client did, so the daemon's questions
     come back as `input_required`: passed on as they are to a client of that era, asked with
-    `elicitation/create` of a client of the session era (and the call retried with the answers)."""
+    `elicitation/create` of a client of the session era (and the call retried with the answers).
+    A client of that era that declares the Tasks extension has its tasks served by the daemon: a
+    `tools/call` declaring it and the `tasks/*` requests go up as they came, and their results come
+    back as the daemon gave them (a task is the daemon's run)."""
     import httpx2
     from mcp import Client
     from mcp import types as mt
+    from mcp.client.extension import ClientExtension
     from mcp.client.streamable_http import streamable_http_client
     from mcp.server import Server as _McpServer
     from mcp.server.stdio import stdio_server
@@ -16967,32 +16971,45 @@ async def _stdio_front(db: str, playbook: str | None, here: str | None = None) -
     async def never_asked(ctx: Any, params: Any) -> Any:      # the relay drives questions itself
         return mt.ElicitResult(action="cancel")
 
-    async def hold() -> None:
-        """The relay's client of the daemon, opened (once the first request shows what this client can
-        do) and closed in this one task."""
+    class DeclaresTasks(ClientExtension):
+        identifier = TASKS_EXTENSION
+
+    async def hold(ready: asyncio.Future[Any], tasks: bool) -> None:
+        """A client of the daemon, opened (once the first request shows what this client can do) and
+        closed in this one task; with `tasks`, one that declares the Tasks extension in each request
+        (the relay's own calls must not get tasks, its client's tasks/* need the declaration)."""
         elicits = await wants
         if stop.is_set():
             return
         async with httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(90)) as http:
             async with Client(streamable_http_client(url + "/mcp", http_client=http),
-                              elicitation_callback=never_asked if elicits else None) as upstream:
+                              elicitation_callback=never_asked if elicits else None,
+                              extensions=[DeclaresTasks()] if tasks else None) as upstream:
                 ready.set_result(upstream)
                 await stop.wait()
 
-    def opened(task: asyncio.Task[None]) -> None:
-        if stop.is_set() and not ready.done():
-            ready.cancel()
-        elif not ready.done():
-            failed = None if task.cancelled() else task.exception()
-            ready.set_exception(failed or ConnectionError("the relay's connection to the daemon ended"))
-    holder = asyncio.create_task(hold())
-    holder.add_done_callback(opened)
+    def holding(ready: asyncio.Future[Any], tasks: bool) -> asyncio.Task[None]:
+        def opened(task: asyncio.Task[None]) -> None:
+            if stop.is_set() and not ready.done():
+                ready.cancel()
+            elif not ready.done():
+                failed = None if task.cancelled() else task.exception()
+                ready.set_exception(failed or ConnectionError("the relay's connection to the daemon ended"))
+        holder = asyncio.create_task(hold(ready, tasks))
+        holder.add_done_callback(opened)
+        return holder
+    holders = [holding(ready, False)]
+    tasks_ready: asyncio.Future[Any] | None = None
 
-    async def upstream(ctx: Any) -> Any:
+    async def upstream(ctx: Any, tasks: bool = False) -> Any:
+        nonlocal tasks_ready
         if not wants.done():
             caps = ctx.session.client_capabilities
             wants.set_result(here is not None and getattr(caps, "elicitation", None) is not None)
-        return await asyncio.shield(ready)
+        if tasks and tasks_ready is None:
+            tasks_ready = loop.create_future()
+            holders.append(holding(tasks_ready, True))
+        return await asyncio.shield(tasks_ready if tasks else ready)
 
     async def list_tools(ctx: Any, params: Any) -> mt.ListToolsResult:
         tools = (await (await upstream(ctx)).list_tools()).tools
@@ -17037,7 +17054,30 @@ async def _stdio_front(db: str, playbook: str | None, here: str | None = None) -
                                      is_error=True)
         return result
 
+    from pydantic import ConfigDict, TypeAdapter
+
+    class Params(mt.RequestParams):
+        model_config = ConfigDict(extra="allow")
+
+    class Raw(mt.Request[Params, str]):
+        """A request sent up as it came, its result taken back as it is."""
+
+    async def tasks_up(ctx: Any, call_next: Callable[[Any], Any]) -> Any:
+        params = dict(ctx.params) if isinstance(ctx.params, Mapping) else {}
+        caps = (params.get("_meta") or {}).get(CLIENT_CAPABILITIES_META) or {}
+        declared = isinstance(caps, Mapping) and TASKS_EXTENSION in (caps.get("extensions") or {})
+        if not (ctx.method in ("tasks/get", "tasks/update", "tasks/cancel")
+                or (ctx.method == "tools/call" and declared and params.get("name") in TASK_TOOLS)):
+            return await call_next(ctx)
+        if ctx.method == "tools/call" and playbook:
+            params["arguments"] = {**(params.get("arguments") or {}), "playbook": playbook}
+        up = await upstream(ctx, tasks=True)
+        return await up.session.send_request(Raw(method=ctx.method, params=Params(**params)),
+                                             TypeAdapter(dict[str, Any]))
+
     server = _McpServer("interactiond", version=__version__, on_list_tools=list_tools, on_call_tool=call_tool)
+    server.extensions[TASKS_EXTENSION] = {}
+    server.middleware.append(tasks_up)
     try:
         async with stdio_server() as (read, write):
             await server.run(read, write, server.create_initialization_options())
@@ -17045,7 +17085,7 @@ async def _stdio_front(db: str, playbook: str | None, here: str | None = None) -
         stop.set()
         if not wants.done():
             wants.set_result(False)
-        await asyncio.gather(holder, return_exceptions=True)
+        await asyncio.gather(*holders, return_exceptions=True)
     return 0
 
 

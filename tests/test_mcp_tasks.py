@@ -212,6 +212,42 @@ async def test_over_stdio_a_task_outlives_the_process(tmp_path):
         assert got["status"] == "completed" and got["result"]["structuredContent"]["status"] == "succeeded"
 
 
+async def test_through_stdios_relay_to_a_serving_daemon_the_task_is_the_daemons_run(tmp_path):
+    """`stdio` beside a running `serve` relays: a declaring client's call and its tasks/* go up as they
+    came, so the task is the serving daemon's run and outlives the relay."""
+    import subprocess
+    serve = subprocess.Popen([sys.executable, "-m", "interactiond", "serve", "--port", "0", "--clock", "manual",
+                              "--host", "127.0.0.1"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=ENV)
+    try:
+        for line in serve.stdout:
+            if line.startswith("inbox:"):
+                break
+        db = str(tmp_path / "interactiond.db")
+        async with stdio_client(db, tmp_path) as c:
+            assert TASKS in (c.server_capabilities.extensions or {})
+            task = await start_task(c, "ask", ASK)
+            assert task["status"] == "working"
+            got = await rpc(c, "tasks/get", taskId=task["taskId"])
+            assert got["status"] == "working" and got["statusMessage"].startswith("waiting for ana")
+        target = StdioServerParameters(command=sys.executable, args=["-m", "interactiond", "stdio", "--db", db],
+                                       env=ENV, cwd=str(tmp_path))
+        async with Client(target, mode="auto", read_timeout_seconds=30) as plain:     # not declaring: as today
+            r = await plain.call_tool("wait_run", {"run_id": task["taskId"], "timeout": 0.1})
+            assert r.structured_content["status"] == "waiting"
+        async with stdio_client(db, tmp_path) as c:                # a new relay: the same task
+            r = await c.call_tool("answer_interaction", {"run_id": task["taskId"], "answer": {"approved": True}})
+            assert not r.is_error, r
+            got = await rpc(c, "tasks/get", taskId=task["taskId"])
+            assert got["status"] == "completed" and got["result"]["structuredContent"]["output"] == {"approved": True}
+            with pytest.raises(MCPError) as info:
+                await rpc(c, "tasks/get", taskId="run_00000000000000000000000000")
+            assert info.value.error.code == -32602
+    finally:
+        serve.terminate()
+        serve.wait(timeout=30)
+
+
 # A question for the person at the client: input_required, tasks/update ##########################
 
 def _as_ana() -> Any:
