@@ -14887,7 +14887,7 @@ ol.requests, ol.timeline { list-style: none; padding: 0; margin: 0; }
 .msg th, .msg td { border: 1px solid var(--line); padding: .2rem .4rem; }
 label, legend { font-weight: 600; }
 .field { display: flex; flex-direction: column; margin: .6rem 0; }
-.opt { font-weight: 400; display: inline-flex; gap: .4rem; align-items: center; margin-right: 1rem; min-height: 2rem; }
+.opt { font-weight: 400; display: inline-flex; gap: .4rem; align-items: center; margin-right: 1rem; min-height: 2.75rem; }
 textarea, input, select { font: inherit; color: inherit; background: var(--bg); border: 1px solid var(--line);
   border-radius: .35rem; padding: .4rem .5rem; max-width: 100%; }
 textarea { width: 100%; resize: vertical; }
@@ -14897,7 +14897,7 @@ input[type=number] { width: 12rem; }
 fieldset { border: 1px solid var(--line); border-radius: .35rem; margin: 0; padding: .3rem .75rem .5rem; }
 legend { padding: 0 .25rem; }
 button { font: inherit; cursor: pointer; border: 1px solid var(--line); border-radius: .35rem; padding: .45rem .9rem;
-  background: var(--card); color: inherit; min-height: 2.5rem; }
+  background: var(--card); color: inherit; min-height: 2.75rem; }
 button.primary, .choice button { background: var(--accent); border-color: var(--accent); color: var(--on-accent);
   font-weight: 600; }
 button:disabled { opacity: .6; cursor: default; }
@@ -14922,7 +14922,9 @@ details.card summary { cursor: pointer; font-weight: 600; }
 table { border-collapse: collapse; width: 100%; }
 th, td { text-align: left; padding: .35rem .5rem; border-bottom: 1px solid var(--line); }
 @media (max-width: 40rem) { main { padding: .75rem; } .ctl { margin-left: 0; } .choice button { flex: 1 1 auto; }
-  input[type=number] { width: 100%; } }
+  input[type=number] { width: 100%; } .opt { display: flex; margin-right: 0; }
+  pre, .msg pre { white-space: pre-wrap; overflow-wrap: anywhere; overflow-x: visible; }
+  .ctl select { max-width: 100%; } header.top { padding: .5rem .75rem; } }
 """
 
 _INBOX_JS: Final = r"""
@@ -15463,6 +15465,7 @@ function route(focus) {
   else if ((m = hash.match(/^\/runs\/(.+)$/))) done = showRun(decodeURIComponent(m[1]));
   else if (hash === "/runs") done = showRuns();
   else if (hash === "/definitions") done = showDefinitions();
+  else if (hash === "/rules") done = showRules();
   else done = Promise.resolve(page("Not found", h("p", {}, h("a", {href: "#/"}, "Back to the inbox"))));
   if (focus) done.then(el => el && el.focus());
 }
@@ -15622,6 +15625,38 @@ async function showDefinitions() {
   return page("Definitions", items.length ? items : h("p", {class: "muted"}, "No definitions."));
 }
 
+const SCOPE_WORDS = {exact: "this very input", tool: "any call of the tool", prefix: "calls starting"};
+
+async function showRules() {
+  const title = "Remembered decisions";
+  page(title, h("p", {class: "muted"}, "Loading…"));
+  const r = await api("GET", `${base()}/rules`);
+  if (!r.ok) return page(title, h("p", {class: "err"}, problemText(r.body)));
+  const items = r.body.data.map(rule => {
+    const revoke = h("button", {type: "button"}, "Revoke");
+    const li = h("li", {class: "card", "data-rule-id": rule.id},
+      h("h2", {}, `${rule.approved ? "Allow" : "Deny"} ${rule.tool} `, h("span", {class: "to"}, `for ${rule.to}`)),
+      h("p", {class: "meta"}, rule.scope === "prefix" ? `${SCOPE_WORDS.prefix} ${rule.match}` : SCOPE_WORDS[rule.scope],
+        ` · until ${(rule.expires_at || "").slice(0, 16).replace("T", " ")} UTC (${relative(rule.expires_at)})`),
+      rule.note ? h("p", {}, rule.note) : null, revoke);
+    revoke.addEventListener("click", async () => {
+      revoke.disabled = true;
+      const x = await api("POST", `${base()}/rules/${enc(rule.id)}/revoke`);
+      if (x.ok || x.status === 404) {
+        li.remove();
+        say(`Revoked: ${rule.tool} calls for ${rule.to} are asked again.`).focus();
+      } else {
+        revoke.disabled = false;
+        say(problemText(x.body));
+      }
+    });
+    return li;
+  });
+  return page(title, h("p", {class: "muted"}, "Tool calls of coding agents decided without asking while these last."),
+              items.length ? h("ol", {class: "requests", "aria-label": "Remembered decisions"}, items)
+                           : h("p", {class: "muted"}, "No remembered decisions."));
+}
+
 // Wiring -------------------------------------------------------------------------------------
 
 $("#to").addEventListener("change", (ev) => {
@@ -15650,7 +15685,7 @@ _INBOX_PAGE: Final = """<!doctype html>
 <body>
 <header class="top">
   <span class="brand">interactiond</span>
-  <nav id="nav" aria-label="Pages" hidden><a href="#/">Inbox</a><a href="#/runs">Runs</a><a href="#/definitions">Definitions</a></nav>
+  <nav id="nav" aria-label="Pages" hidden><a href="#/">Inbox</a><a href="#/runs">Runs</a><a href="#/definitions">Definitions</a><a href="#/rules">Rules</a></nav>
   <div class="ctl">
     <span id="pb-wrap" hidden><label for="pb">Playbook</label> <select id="pb"></select></span>
     <span id="who" class="muted"></span>
@@ -15864,6 +15899,28 @@ def form_field(name: str, pointer: str, schema: Any, required: bool,
     return out
 
 
+#: The remembered decisions the page offers for a tool call's approval (SPEC section 24); none picked,
+#: nothing is remembered.
+REMEMBER_CHOICES: Final = (({"for": "PT1H", "scope": "exact"}, "This very call, for 1 hour"),
+                           ({"for": "PT1H", "scope": "prefix"}, "The same command, or files in the same folder, for 1 hour"),
+                           ({"for": "P1D", "scope": "prefix"}, "The same command, or files in the same folder, for 1 day"),
+                           ({"for": "P1D", "scope": "tool"}, "Any call of this tool, for 1 day"))
+
+
+def _approval_field(fd: dict[str, Any], schema: Any) -> dict[str, Any]:
+    """A field of an approval's form as a person on a phone uses it: `remember` (section 24's shape)
+    as a few choices, and `arguments` empty unless changed (left empty, the call runs as proposed)."""
+    if fd["name"] == "remember" and isinstance(schema, dict) and {"for", "scope"} <= set(schema.get("properties") or {}):
+        shown = {k: v for k, v in fd.items() if k not in ("example", "bounds")}
+        return {**shown, "kind": "choice", "remember": True, "values": [v for v, _ in REMEMBER_CHOICES],
+                "labels": [lab for _, lab in REMEMBER_CHOICES], "label": "Remember this decision",
+                "hint": "Matching calls are decided the same way without asking while it lasts; revoke it on the Rules page"}
+    if fd["name"] == "arguments" and fd["kind"] == "json":
+        return {**fd, "example": "", "label": "The tool's input", "hint": "Change it to run the call changed",
+                "bounds": "JSON; left as it is, the call runs as proposed"}
+    return fd
+
+
 def answer_form(schema: Any, named: Mapping[Any, str] | None = None) -> dict[str, Any]:
     """The form the page generates for an answer schema.
 
@@ -15883,7 +15940,9 @@ def answer_form(schema: Any, named: Mapping[Any, str] | None = None) -> dict[str
         required = set(schema.get("required") or ())
         fields = [form_field(n, pointer_join([n]), s, n in required, named if n == "option_ids" else None)
                   for n, s in props.items()]
-        choices = [f for f in fields if f["kind"] == "choice" and not f.get("array")]
+        if "approved" in props:
+            fields = [_approval_field(f, props[f["name"]]) for f in fields]
+        choices = [f for f in fields if f["kind"] == "choice" and not f.get("array") and not f.get("remember")]
         if len(choices) == 1:
             return {"mode": "choice", "choice": choices[0], "fields": [f for f in fields if f is not choices[0]]}
         return {"mode": "fields", "fields": fields}
@@ -16359,8 +16418,21 @@ async def _link_page(engine: Engine, token: str, row: Row, *, sent: Mapping[str,
         end = '<div id="status" class="card" role="status"><p>It is being cancelled. It takes no answer now.</p></div>'
     else:
         form = answer_form(json.loads(row["answer_schema"]), option_labels(row["name"], row["run_input"]))
-        end = _link_form_html(form, engine.links.form_token(token), sent or {}, errors or [])
+        end = _link_form_html(form, engine.links.form_token(token), sent or _proposed(form, row), errors or [])
     return _link_html(title, head, end, status=status)
+
+
+def _proposed(form: dict[str, Any], row: Row) -> dict[str, list[str]]:
+    """What a tool call's approval form shows at first: the input as proposed, in its `arguments` field
+    (sent back unchanged, it is no change)."""
+    try:
+        call = tool_call_of(json.loads(row["run_input"]), json.loads(row["answer_schema"]))
+    except (TypeError, ValueError):
+        return {}
+    if call is None:
+        return {}
+    return {f"f{i}": [json.dumps(call[1], indent=2, ensure_ascii=False)] for i, fd in enumerate(form["fields"])
+            if fd["name"] == "arguments" and fd["kind"] == "json"}
 
 
 def _when_words(ms: int | None) -> str:
