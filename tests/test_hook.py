@@ -255,3 +255,25 @@ async def test_a_rule_lasts_thirty_days_at_most_and_prefix_needs_something_to_co
     status, body = await answer_as(d, "ana", req["run_id"], {"approved": True})
     assert status == 200
     await finished(task)
+
+
+async def test_a_chat_tool_reaches_the_phone_with_the_answer_link(chat_d):
+    """The operator's own function (docs/coding-agents.md): the call posted to the person's chat with
+    its answer link; answered there, the agent goes on."""
+    d = chat_d
+    sys.path.insert(0, str(ROOT / "examples"))
+    import chat_server
+
+    await d.define("approve-on-phone", (ROOT / "examples" / "approve-on-phone.md").read_text())
+    task = await start_hook(d, BASH, "--function", "approve-on-phone", "--timeout", "60")
+    req = await open_request(d)
+    await d.advance("PT0S")                                     # the delivery's attempt is due at once
+    posted = await until(lambda: chat_server.messages(d.chat, "ana"), 30, "the chat message")
+    text = posted[0]["text"]
+    assert "**Bash**" in text and "rm -rf build" in text and req["answer_url"] in text
+    link = req["answer_url"].split("/a/", 1)[1]
+    resp = await d.client.post(f"/a/{link}", json={"answer": {"approved": True, "note": "from my phone"}})
+    assert resp.status == 200, await resp.text()
+    _, out, _ = await finished(task)
+    assert out["hookSpecificOutput"]["permissionDecision"] == "allow"
+    assert out["hookSpecificOutput"]["permissionDecisionReason"] == "from my phone"
