@@ -2434,7 +2434,12 @@ def _enum_strings(prop: dict[str, Any]) -> list[str]:
 
 
 def derive_rule(schema: Any) -> ReplyRule | None:
-    """The rule made from an answer schema with exactly one required property, a string."""
+    """The rule made from an answer schema with exactly one required property, a string; for a tool
+    call's approval that may be remembered (`approved`, `remember`), TOOL_APPROVAL_RULE."""
+    props = schema.get("properties") if isinstance(schema, dict) else None
+    if isinstance(props, dict) and isinstance(props.get("approved"), dict) \
+            and props["approved"].get("type") == "boolean" and "remember" in props:
+        return TOOL_APPROVAL_RULE
     required = schema.get("required") if isinstance(schema, dict) else None
     if not (isinstance(required, list) and len(required) == 1 and isinstance(required[0], str)):
         return None
@@ -2525,6 +2530,38 @@ class ApprovalRule(ReplyRule):
 APPROVAL_RULE: Final = ApprovalRule({
     "approved": RulePart("word", {"approve": ("approved", "yes", "ok"), "reject": ("rejected", "refuse", "no")}),
     "note": RulePart("rest")})
+
+#: "for 1h", "for 30 min", "for 2 days", "for PT1H" at the start of an approval's note.
+_REPLY_FOR_RE: Final = re.compile(r"for\s+(?:(\d{1,4})\s*(m|mins?|minutes?|h|hrs?|hours?|d|days?)|(P[0-9WDTHMS]+))"
+                                  r"(?:\s+(exact|tool|prefix))?(?=\s|$)\s*", re.IGNORECASE)
+
+
+class ToolApprovalRule(ApprovalRule):
+    """The reply rule of a coding agent's tool call (SPEC section 24): `approve|reject [for 1h [exact|
+    tool|prefix]] [note]` - "for" and a duration remember the decision (exact, unless a scope follows)."""
+
+    def apply(self, text: str) -> tuple[dict[str, Any] | None, list[str]]:  # type: ignore[override]
+        answer, reasons = super().apply(text)
+        if answer is None:
+            return None, reasons
+        m = _REPLY_FOR_RE.match(answer.get("note", ""))
+        if m is not None:
+            count, unit, iso, scope = m.groups()
+            span = iso.upper() if iso else ("PT" if unit[0].lower() in "mh" else "P") + count + unit[0].upper()
+            answer["remember"] = {"for": span, "scope": (scope or "exact").lower()}
+            rest = answer["note"][m.end():].strip()
+            if rest:
+                answer["note"] = rest
+            else:
+                del answer["note"]
+        return answer, []
+
+    def how_to_answer(self) -> str:
+        return (super().how_to_answer() + " Add \"for 1h\" (or 30m, 2d; and exact, tool or prefix) after the first"
+                " word to decide such calls the same way without asking for that long.")
+
+
+TOOL_APPROVAL_RULE: Final = ToolApprovalRule(dict(APPROVAL_RULE.parts))
 @dataclass(frozen=True, slots=True)
 class RemindSpec:
     after: tuple[timedelta, ...]    # from when the request opened, increasing, each before `expires`

@@ -277,3 +277,26 @@ async def test_a_chat_tool_reaches_the_phone_with_the_answer_link(chat_d):
     _, out, _ = await finished(task)
     assert out["hookSpecificOutput"]["permissionDecision"] == "allow"
     assert out["hookSpecificOutput"]["permissionDecisionReason"] == "from my phone"
+
+
+async def test_a_reply_in_the_chat_thread_approves_for_an_hour(chat_d):
+    """`approve for 1h prefix looks fine` in the thread: allowed, and rm calls remembered for an hour."""
+    d = chat_d
+    sys.path.insert(0, str(ROOT / "examples"))
+    import chat_server
+
+    await d.define("approve-on-phone", (ROOT / "examples" / "approve-on-phone.md").read_text())
+    task = await start_hook(d, BASH, "--function", "approve-on-phone", "--timeout", "60")
+    req = await open_request(d)
+    await d.advance("PT0S")
+    posted = await until(lambda: chat_server.messages(d.chat, "ana"), 30, "the chat message")
+    chat_server.say(d.chat, "ana", "ana", "approve for 1h prefix looks fine", thread_ts=posted[0]["ts"])
+    await d.advance("PT15S")                                    # the thread is read
+    _, out, _ = await finished(task)
+    assert out["hookSpecificOutput"]["permissionDecision"] == "allow"
+    assert out["hookSpecificOutput"]["permissionDecisionReason"] == "looks fine"
+    status, page = await d.call("GET", "/rules")
+    assert [(r["scope"], r["match"], r["run_id"]) for r in page["data"]] == [("prefix", "rm", req["run_id"])]
+    _, out, _ = await finished(await start_hook(d, bash("rm -rf dist"), "--function", "approve-on-phone",
+                                                "--timeout", "30"))
+    assert out["hookSpecificOutput"]["permissionDecision"] == "allow"
