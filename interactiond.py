@@ -547,6 +547,9 @@ class EventType(str, enum.Enum):
     TOOL_CALL_REFUSED = "tool_call_refused"                # the door refused a gated tool's call: nothing sent
     APPROVAL_REQUESTED = "approval_requested"              # a call waits for a person's approval
     APPROVAL_ANSWERED = "approval_answered"                # approved (the call follows) or refused
+    APPROVAL_REMEMBERED = "approval_remembered"            # a tool call decided by a remembered decision, unasked
+    APPROVAL_RULE_MADE = "approval_rule_made"              # an approval's answer said `remember`: a rule kept
+    APPROVAL_RULE_REVOKED = "approval_rule_revoked"        # an operator ended a remembered decision
     ELICITATION_DECLINED = "elicitation_declined"          # the person at an MCP client declined to answer there
     TASK_STARTED = "task_started"
     TASK_COMPLETED = "task_completed"
@@ -8505,15 +8508,16 @@ def remembered_decision(tx: Tx, fx: Effects, playbook: str, run: dict[str, Any],
     rule = next((r for r in tx.live_rules(playbook, party, tool, now) if rule_applies(r, arguments, cwd)), None)
     if rule is None:
         return None
+    run_id, by = run["run_id"], run["by"]
     if not tx.insert_run(**run):
-        return rerun_check(tx.run(playbook, run["run_id"]), run["type_"], run["name"], run["input_sha"]), False
+        return rerun_check(tx.run(playbook, run_id), run["type_"], run["name"], run["input_sha"]), False
     approved = bool(rule["approved"])
-    tx.append_event(fx, playbook, run["run_id"], "approval_remembered", now, run["by"], {
+    tx.append_event(fx, playbook, run_id, "approval_remembered", now, by, {
         "rule": rule["id"], "approved": approved, "scope": rule["scope"], "tool": tool, "to": party,
         "until": fmt_time(rule["expires_at"])})
     output = {"approved": approved, "remembered": rule["id"], **({"note": rule["note"]} if rule["note"] else {})}
-    end(tx, fx, playbook, run["run_id"], "succeeded", now=now, by=run["by"], output=output)
-    return run_object(tx.run(playbook, run["run_id"])), True
+    end(tx, fx, playbook, run_id, "succeeded", now=now, by=by, output=output)
+    return run_object(tx.run(playbook, run_id)), True
 
 
 class RunKind(Protocol):
