@@ -8431,7 +8431,11 @@ def tool_call_text(input_: Mapping[str, Any]) -> str:
         parts.append(_fenced(json.dumps(args, indent=2, ensure_ascii=False), "json"))
     if session:
         parts.append(f"Session `{session}`" + (f", {input_['event']}" if input_.get("event") else "") + ".")
-    return "\n\n".join(parts) + "\n"
+    text = "\n\n".join(parts) + "\n"
+    if len(text.encode()) > MAX_MESSAGE_BYTES:          # a long description or folder: the message's bound holds
+        text = (text.encode()[:MAX_MESSAGE_BYTES - 80].decode("utf-8", "ignore")
+                + "\n\n... (cut here: the run's input holds the whole call)\n")
+    return text
 
 
 def tool_call_of(input_: Any, answer_schema: Any) -> tuple[str, dict[str, Any], str | None] | None:
@@ -17308,6 +17312,10 @@ class HookCall:
                    session if isinstance(session, str) else None, event)
 
 
+class HookStopped(Exception):
+    """SIGTERM (or SIGINT) while the hook waits: the agent stopped waiting for it."""
+
+
 def _hook_call(d: DaemonAddress, method: str, path: str, body: Any = None, query: Mapping[str, Any] | None = None,
                timeout: float = 30.0) -> tuple[int, Any]:
     """A call of the hook to the daemon: (status, body), or a CliError that says why there was none."""
@@ -17361,10 +17369,23 @@ def _hook_ask(args: Any, call: HookCall) -> tuple[str, dict[str, Any] | None, st
         import getpass
         input_["to"] = args.to or os.environ.get("INTERACTIOND_TO") or getpass.getuser()
     began = time.monotonic()
-    status, run = _hook_call(d, "POST", f"{base}/runs", {"type": "interaction", "name": args.function, "input": input_})
-    if not _is_run(run):
-        raise CliError(problem_line(status, run))
-    path = f"{base}/runs/{urllib.parse.quote(run['run_id'], safe='')}"
+    run_id = "hook-" + secrets.token_hex(12)       # known before the run starts: a stop at any point withdraws it
+    path = f"{base}/runs/{run_id}"
+    try:
+        status, run = _hook_call(d, "POST", f"{base}/runs", {"type": "interaction", "name": args.function,
+                                                             "input": input_, "run_id": run_id})
+        if not _is_run(run):
+            raise CliError(problem_line(status, run))
+        return _hook_wait(args, d, path, run, call, began)
+    except HookStopped:                 # the agent gave up on the hook first: withdraw the request, then ask
+        with contextlib.suppress(CliError):
+            _hook_call(d, "POST", path + "/cancel", timeout=5)
+        raise
+
+
+def _hook_wait(args: Any, d: DaemonAddress, path: str, run: dict[str, Any], call: HookCall,
+               began: float) -> tuple[str, dict[str, Any] | None, str]:
+    """Long-poll the run until it ends or --timeout passes (then cancel it): the decision."""
     while not RunStatus(run["status"]).ended:
         left = args.timeout - (time.monotonic() - began)
         if left <= 0:
@@ -17409,10 +17430,15 @@ def hook_output(agent: str, event: str, decision: str, arguments: dict[str, Any]
 def _cli_hook(args: Any) -> int:
     """`hook claude-code` and `hook generic`: always exit 0 with a decision on stdout."""
     call: HookCall | None = None
+
+    def stopped(signum: int, frame: Any) -> None:
+        raise HookStopped(f"stopped by signal {signum} before an answer came")
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stopped)
     try:
         call = HookCall.read(args.agent, sys.stdin.read())
         decision, arguments, note = _hook_ask(args, call)
-    except CliError as exc:
+    except (CliError, HookStopped) as exc:
         print(f"interactiond hook: {exc}; the agent asks here", file=sys.stderr)
         decision, arguments, note = "ask", None, f"interactiond could not decide: {exc}"
     except Exception as exc:            # never a traceback, never an allow: the agent's own prompt decides

@@ -40,7 +40,9 @@ async def start_hook(d: Any, event: Any, *args: str, agent: str = "claude-code",
     async def run() -> tuple[int, str, str]:
         out, err = await proc.communicate(event if isinstance(event, bytes) else json.dumps(event).encode())
         return proc.returncode, out.decode(), err.decode()
-    return asyncio.create_task(run())
+    task = asyncio.create_task(run())
+    task.proc = proc                                            # type: ignore[attr-defined]
+    return task
 
 
 async def finished(task: asyncio.Task) -> tuple[int, Any, str]:
@@ -131,6 +133,17 @@ async def test_a_daemon_that_is_down_means_ask_and_one_line_on_stderr(d, unused_
     status, _ = await d.call("GET", "/interactions")
     _, out, err = await finished(await start_hook(d, BASH, "--to", "ana", token=d.tokens["reader"]))
     assert out["hookSpecificOutput"]["permissionDecision"] == "ask" and len(err.strip().splitlines()) == 1, err
+
+
+async def test_a_hook_the_agent_stops_withdraws_its_request(d):
+    """Claude Code ends a hook that outlives its own timeout: the request is cancelled, the answer ask."""
+    task = await start_hook(d, BASH, "--to", "ana", "--timeout", "60")
+    req = await open_request(d)
+    task.proc.terminate()
+    _, out, err = await finished(task)
+    assert out["hookSpecificOutput"]["permissionDecision"] == "ask" and len(err.strip().splitlines()) == 1, err
+    status, run = await d.call("GET", f"/runs/{req['run_id']}")
+    assert (run["status"], run["kind"]) == ("rejected", "cancelled"), err
 
 
 async def test_a_permission_request_gets_that_event_s_decision_shape(d):
