@@ -9384,6 +9384,8 @@ class Inbox:
                 return answer_fact(row), False
             if row["approval"] is not None:
                 self.approvals.may_answer(caller, row)
+            else:
+                self.approvals.may_answer_call(tx, caller, row)
             errors = answer_errors(row, answer)
             if errors:
                 raise ended("invalid_input", "the answer does not match the request's answer schema",
@@ -10083,6 +10085,21 @@ class Approvals:
         if caller.role is not Role.OPERATOR and (caller.person is None or not caller.addressed(row)):
             raise Problem("approval_not_yours", f"this approval is addressed to {row['party']}: only that person"
                                                 " (their session, token or answer link) or an operator answers it")
+
+    @staticmethod
+    def may_answer_call(tx: Tx, caller: Caller, row: Row) -> None:
+        """Four eyes on a coding agent's tool call (section 24): its approval is never answered by the
+        credential that asked it (the hook's token, or the same person) - 403 approval_not_yours."""
+        schema = _listed_schema(row["answer_schema"]) if row["answer_schema"] is not None else None
+        props = schema.get("properties") if isinstance(schema, dict) else None
+        if not isinstance(props, dict) or "remember" not in props or "approved" not in props:
+            return
+        run = tx.run(row["playbook"], row["run_id"])
+        if run is None or tool_call_of(loads(run["input"]), schema) is None:
+            return
+        if caller.id == run["created_by"]:
+            raise Problem("approval_not_yours", "this tool call was asked by the same caller that answers it;"
+                                                f" {row['party']} (their page, link or token) or an operator approves it")
 
     def answered(self, tx: Tx, fx: Effects, row: Row, answer: Any, claimed_for: str | None, by: str, now: int,
                  reply_id: str | None = None, by_name: str | None = None) -> Row:

@@ -87,6 +87,18 @@ async def test_an_approved_call_is_allowed_and_the_person_read_the_command_as_co
     assert "```sh\nrm -rf build\n```" in message and "Remove the build folder" in message
 
 
+async def test_the_hook_s_own_token_cannot_approve_its_call(d):
+    """Four eyes: the credential that asked (an agent could run `interactiond answer` with it) is refused."""
+    task = await start_hook(d, BASH, "--to", "ana", "--timeout", "60")
+    req = await open_request(d)
+    status, body = await d.call("POST", f"/runs/{req['run_id']}/answer", {"answer": {"approved": True}}, role="writer")
+    assert status == 403 and body["type"].endswith("/approval_not_yours"), body
+    status, body = await d.call("POST", f"/runs/{req['run_id']}/answer", {"answer": {"approved": True}})   # an operator
+    assert status == 200, body
+    _, out, _ = await finished(task)
+    assert out["hookSpecificOutput"]["permissionDecision"] == "allow"
+
+
 async def test_a_refusal_is_a_deny_whose_reason_is_the_note(d):
     out, _ = await decided(d, BASH, {"approved": False, "note": "not the build folder: it holds the release"})
     specific = out["hookSpecificOutput"]
