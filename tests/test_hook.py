@@ -325,3 +325,24 @@ async def test_a_reply_in_the_chat_thread_approves_for_an_hour(chat_d):
     _, out, _ = await finished(await start_hook(d, bash("rm -rf dist"), "--function", "approve-on-phone",
                                                 "--timeout", "30"))
     assert out["hookSpecificOutput"]["permissionDecision"] == "allow"
+
+
+def test_a_database_of_an_earlier_version_gains_the_rules(db):
+    """Version 8 (SQLite and PostgreSQL): a database as version 6 made it is migrated, and keeps rules."""
+    from test_store_contract import NOW, PB, _database_of_version_6
+
+    import interactiond as itd
+
+    _database_of_version_6(db)
+    tx = itd.open_sync(db)
+    try:
+        version = ("SELECT version FROM schema_version" if itd.is_postgres_url(db) else "PRAGMA user_version")
+        assert tx.conn.execute(version).fetchone()[0] == itd.SCHEMA_VERSION == 8
+        tx.insert_rule(rule_id="rul_1", playbook=PB, party="ann", tool="Bash", scope="prefix", match="make",
+                       approved=True, note=None, run_id="r1", made_by="tok_1", now=NOW, expires_at=NOW + 60_000)
+        assert [r["id"] for r in tx.live_rules(PB, "ann", "Bash", NOW + 1)] == ["rul_1"]
+        assert tx.live_rules(PB, "ann", "Bash", NOW + 60_000) == []          # ended by its time
+        assert tx.revoke_rule(PB, "rul_1", NOW + 2) and not tx.revoke_rule(PB, "rul_1", NOW + 3)
+        assert tx.listed_rules(PB, NOW + 4) == []
+    finally:
+        tx.close()
