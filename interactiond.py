@@ -554,6 +554,9 @@ class EventType(str, enum.Enum):
     TOOL_CALL_REFUSED = "tool_call_refused"                # the door refused a gated tool's call: nothing sent
     APPROVAL_REQUESTED = "approval_requested"              # a call waits for a person's approval
     APPROVAL_ANSWERED = "approval_answered"                # approved (the call follows) or refused
+    APPROVAL_REMEMBERED = "approval_remembered"            # a tool call decided by a remembered decision, unasked
+    APPROVAL_RULE_MADE = "approval_rule_made"              # an approval's answer said `remember`: a rule kept
+    APPROVAL_RULE_REVOKED = "approval_rule_revoked"        # an operator ended a remembered decision
     ELICITATION_DECLINED = "elicitation_declined"          # the person at an MCP client declined to answer there
     ELICITATION_REFUSED = "elicitation_refused"            # an answer given for an MCP task's question did not fit
     MCP_TASK_CANCELLED = "mcp_task_cancelled"              # an MCP task's tasks/cancel cancelled its run
@@ -2517,7 +2520,12 @@ def _enum_strings(prop: dict[str, Any]) -> list[str]:
 
 
 def derive_rule(schema: Any) -> ReplyRule | None:
-    """The rule made from an answer schema with exactly one required property, a string."""
+    """The rule made from an answer schema with exactly one required property, a string; for a tool
+    call's approval that may be remembered (`approved`, `remember`), TOOL_APPROVAL_RULE."""
+    props = schema.get("properties") if isinstance(schema, dict) else None
+    if isinstance(props, dict) and isinstance(props.get("approved"), dict) \
+            and props["approved"].get("type") == "boolean" and "remember" in props:
+        return TOOL_APPROVAL_RULE
     required = schema.get("required") if isinstance(schema, dict) else None
     if not (isinstance(required, list) and len(required) == 1 and isinstance(required[0], str)):
         return None
@@ -2608,6 +2616,38 @@ class ApprovalRule(ReplyRule):
 APPROVAL_RULE: Final = ApprovalRule({
     "approved": RulePart("word", {"approve": ("approved", "yes", "ok"), "reject": ("rejected", "refuse", "no")}),
     "note": RulePart("rest")})
+
+#: "for 1h", "for 30 min", "for 2 days", "for PT1H" at the start of an approval's note.
+_REPLY_FOR_RE: Final = re.compile(r"for\s+(?:(\d{1,4})\s*(m|mins?|minutes?|h|hrs?|hours?|d|days?)|(P[0-9WDTHMS]+))"
+                                  r"(?:\s+(exact|tool|prefix))?(?=\s|$)\s*", re.IGNORECASE)
+
+
+class ToolApprovalRule(ApprovalRule):
+    """The reply rule of a coding agent's tool call (SPEC section 24): `approve|reject [for 1h [exact|
+    tool|prefix]] [note]` - "for" and a duration remember the decision (exact, unless a scope follows)."""
+
+    def apply(self, text: str) -> tuple[dict[str, Any] | None, list[str]]:  # type: ignore[override]
+        answer, reasons = super().apply(text)
+        if answer is None:
+            return None, reasons
+        m = _REPLY_FOR_RE.match(answer.get("note", ""))
+        if m is not None:
+            count, unit, iso, scope = m.groups()
+            span = iso.upper() if iso else ("PT" if unit[0].lower() in "mh" else "P") + count + unit[0].upper()
+            answer["remember"] = {"for": span, "scope": (scope or "exact").lower()}
+            rest = answer["note"][m.end():].strip()
+            if rest:
+                answer["note"] = rest
+            else:
+                del answer["note"]
+        return answer, []
+
+    def how_to_answer(self) -> str:
+        return (super().how_to_answer() + " Add \"for 1h\" (or 30m, 2d; and exact, tool or prefix) after the first"
+                " word to decide such calls the same way without asking for that long.")
+
+
+TOOL_APPROVAL_RULE: Final = ToolApprovalRule(dict(APPROVAL_RULE.parts))
 @dataclass(frozen=True, slots=True)
 class RemindSpec:
     after: tuple[timedelta, ...]    # from when the request opened, increasing, each before `expires`
@@ -4025,7 +4065,7 @@ def load_config(path: str | None, environ: dict[str, str] | None = None) -> Conf
 # The end of this section runs the same store, threads and SQL on a PostgreSQL server.
 
 #: PRAGMA user_version of a file this version made; an earlier one is migrated at open (MIGRATIONS).
-SCHEMA_VERSION: Final = 7
+SCHEMA_VERSION: Final = 8
 
 
 #: The schema, embedded so an installed wheel needs no data file; tests keep it equal to schema.sql.
@@ -4241,6 +4281,27 @@ CREATE TABLE IF NOT EXISTS idempotency (
     PRIMARY KEY (caller, key)
 );
 CREATE INDEX IF NOT EXISTS idempotency_by_age ON idempotency (created_at);
+
+-- Remembered decisions of a tool call's approval: while one lasts (at most P30D) a matching call
+-- addressed to the same party in the playbook is decided without asking. `match` is what the
+-- scope compares: the arguments' sha256 (exact), '' (tool), a command's first word or a folder
+-- (prefix).
+CREATE TABLE IF NOT EXISTS approval_rules (
+    id         TEXT PRIMARY KEY,                     -- rul_<ULID>
+    playbook   TEXT NOT NULL,
+    party      TEXT NOT NULL,                        -- the addressee who answered
+    tool       TEXT NOT NULL,
+    scope      TEXT NOT NULL CHECK (scope IN ('exact', 'tool', 'prefix')),
+    match      TEXT NOT NULL,
+    approved   INTEGER NOT NULL,                     -- 1: allowed, 0: denied
+    note       TEXT,
+    run_id     TEXT NOT NULL,                        -- the run whose answer made it
+    made_by    TEXT NOT NULL,
+    created_at INTEGER NOT NULL,
+    expires_at INTEGER NOT NULL,
+    revoked_at INTEGER
+);
+CREATE INDEX IF NOT EXISTS approval_rules_live ON approval_rules (playbook, party, tool) WHERE revoked_at IS NULL;
 """
 
 
@@ -4326,6 +4387,16 @@ def _migrate_to_7(conn: Any) -> None:
     conn.execute("ALTER TABLE requests ADD COLUMN answered_by_name TEXT")
 
 
+def _migrate_to_8(conn: Any) -> None:
+    """Remembered decisions of a tool call's approval: the approval_rules table (its rows are new; no
+    row of an earlier version changes). PostgreSQL's step too: BIGINT is an INTEGER to SQLite."""
+    conn.execute("CREATE TABLE IF NOT EXISTS approval_rules (id TEXT PRIMARY KEY, playbook TEXT NOT NULL,"
+                 " party TEXT NOT NULL, tool TEXT NOT NULL,"
+                 " scope TEXT NOT NULL CHECK (scope IN ('exact', 'tool', 'prefix')), match TEXT NOT NULL,"
+                 " approved INTEGER NOT NULL, note TEXT, run_id TEXT NOT NULL, made_by TEXT NOT NULL,"
+                 " created_at BIGINT NOT NULL, expires_at BIGINT NOT NULL, revoked_at BIGINT)")
+
+
 #: Each step takes a file made by an earlier version to the next PRAGMA user_version, in order.
 MIGRATIONS: Final[tuple[tuple[int, Callable[[sqlite3.Connection], None]], ...]] = (
     (2, _migrate_to_2),
@@ -4334,6 +4405,7 @@ MIGRATIONS: Final[tuple[tuple[int, Callable[[sqlite3.Connection], None]], ...]] 
     (5, _migrate_to_5),
     (6, _migrate_to_6),
     (7, _migrate_to_7),
+    (8, _migrate_to_8),
 )
 
 
@@ -4895,6 +4967,14 @@ class Tx(Protocol):
     def spend_login(self, digest: str, now: int) -> Row | None: ...
     def end_session(self, digest: str, now: int) -> bool: ...
     def revoke_token(self, token_id: str, now: int) -> bool: ...
+
+    # Remembered decisions of tool calls' approvals.
+
+    def insert_rule(self, *, rule_id: str, playbook: str, party: str, tool: str, scope: str, match: str,
+                    approved: bool, note: str | None, run_id: str, made_by: str, now: int, expires_at: int) -> None: ...
+    def live_rules(self, playbook: str, party: str, tool: str, now: int) -> list[Row]: ...
+    def listed_rules(self, playbook: str, now: int) -> list[Row]: ...
+    def revoke_rule(self, playbook: str, rule_id: str, now: int) -> bool: ...
 
     # Idempotency.
 
@@ -5677,6 +5757,34 @@ class SqlTx:
         return self.conn.execute("UPDATE tokens SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL",
                                  (now, token_id)).rowcount > 0
 
+    def insert_rule(self, *, rule_id: str, playbook: str, party: str, tool: str, scope: str, match: str,
+                    approved: bool, note: str | None, run_id: str, made_by: str, now: int, expires_at: int) -> None:
+        """Keep a remembered decision (an approval's answer that said `remember`)."""
+        self.conn.execute("INSERT INTO approval_rules (id, playbook, party, tool, scope, match, approved, note, run_id,"
+                          " made_by, created_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                          (rule_id, playbook, party, tool, scope, match, 1 if approved else 0, note, run_id, made_by,
+                           now, expires_at))
+
+    def live_rules(self, playbook: str, party: str, tool: str, now: int) -> list[Row]:
+        """The remembered decisions that stand at `now` for this party's calls of `tool`: denials first,
+        then the newest."""
+        return self.conn.execute("SELECT id, scope, match, approved, note, expires_at FROM approval_rules"
+                                 " WHERE playbook = ? AND party = ? AND tool = ? AND revoked_at IS NULL"
+                                 " AND expires_at > ? ORDER BY approved, created_at DESC, id DESC",
+                                 (playbook, party, tool, now)).fetchall()
+
+    def listed_rules(self, playbook: str, now: int) -> list[Row]:
+        """A playbook's remembered decisions that stand at `now`, newest first."""
+        return self.conn.execute("SELECT id, party, tool, scope, match, approved, note, run_id, made_by, created_at,"
+                                 " expires_at FROM approval_rules WHERE playbook = ? AND revoked_at IS NULL"
+                                 " AND expires_at > ? ORDER BY created_at DESC, id DESC", (playbook, now)).fetchall()
+
+    def revoke_rule(self, playbook: str, rule_id: str, now: int) -> bool:
+        """End a remembered decision; False when none of that id stands in the playbook."""
+        return self.conn.execute("UPDATE approval_rules SET revoked_at = ? WHERE playbook = ? AND id = ?"
+                                 " AND revoked_at IS NULL AND expires_at > ? RETURNING id",
+                                 (now, playbook, rule_id, now)).fetchone() is not None
+
     def listed_tokens(self) -> list[Row]:
         """API tokens and inbox sessions, oldest first (login links are not listed)."""
         return self.conn.execute("SELECT id, role, playbook, name, purpose, created_at, revoked_at, used_at,"
@@ -5824,7 +5932,7 @@ class SQLiteTx(SqlTx):
 #: What `interactiond copy` moves, in an order that respects the references between tables; the
 #: daemons, leases and clock of a PostgreSQL database stay behind (they are its daemons').
 COPIED_TABLES: Final = ("playbooks", "definitions", "runs", "readings", "requests", "replies_seen", "events",
-                        "timers", "tokens", "idempotency", "nudges", "daemon_keys")
+                        "timers", "tokens", "idempotency", "nudges", "daemon_keys", "approval_rules")
 #: Columns one backend has and the other has not, which a copy leaves behind.
 COPY_DROPPABLE: Final = {("events", "daemon")}
 
@@ -6037,6 +6145,7 @@ POSTGRES_MIGRATIONS: Final[tuple[tuple[int, Callable[[Any], None]], ...]] = (
     (5, _pg_migrate_to_5),
     (6, _pg_migrate_to_6),
     (7, _migrate_to_7),
+    (8, _migrate_to_8),
 )
 
 #: Keys of the transaction-level advisory locks (pg_advisory_xact_lock): writes, and the schema.
@@ -6296,6 +6405,27 @@ CREATE TABLE IF NOT EXISTS idempotency (
     PRIMARY KEY (caller, key)
 );
 CREATE INDEX IF NOT EXISTS idempotency_by_age ON idempotency (created_at);
+
+-- Remembered decisions of a tool call's approval: while one lasts (at most P30D) a matching call
+-- addressed to the same party in the playbook is decided without asking. `match` is what the
+-- scope compares: the arguments' sha256 (exact), '' (tool), a command's first word or a folder
+-- (prefix).
+CREATE TABLE IF NOT EXISTS approval_rules (
+    id         TEXT PRIMARY KEY,                     -- rul_<ULID>
+    playbook   TEXT NOT NULL,
+    party      TEXT NOT NULL,                        -- the addressee who answered
+    tool       TEXT NOT NULL,
+    scope      TEXT NOT NULL CHECK (scope IN ('exact', 'tool', 'prefix')),
+    match      TEXT NOT NULL,
+    approved   INTEGER NOT NULL,                     -- 1: allowed, 0: denied
+    note       TEXT,
+    run_id     TEXT NOT NULL,                        -- the run whose answer made it
+    made_by    TEXT NOT NULL,
+    created_at BIGINT NOT NULL,
+    expires_at BIGINT NOT NULL,
+    revoked_at BIGINT
+);
+CREATE INDEX IF NOT EXISTS approval_rules_live ON approval_rules (playbook, party, tool) WHERE revoked_at IS NULL;
 
 -- The daemons serving this database: each registers at its start, beats every few seconds and
 -- leaves at its stop; times are the database server's (one clock for every machine). A daemon
@@ -7983,10 +8113,40 @@ def parse_event_id(text: str) -> int:
     return int(m.group(1))
 
 
+#: The longest a remembered decision lasts (SPEC section 24), and the shortest.
+REMEMBER_MAX: Final = timedelta(days=30)
+REMEMBER_MIN: Final = timedelta(minutes=1)
+#: What `remember` in an approval's answer is: how long, and which later calls it decides.
+REMEMBER_SCHEMA: Final[dict[str, Any]] = {
+    "type": "object", "required": ["for", "scope"], "additionalProperties": False,
+    "description": "Decide matching calls the same way, without asking, for a while",
+    "properties": {
+        "for": {"type": "string", "maxLength": 32, "description": "How long, ISO 8601: PT1H, P1D, at most P30D"},
+        "scope": {"type": "string", "enum": ["exact", "tool", "prefix"],
+                  "description": "exact: the same input; tool: any call of the tool; prefix: the same"
+                                 " command's first word, or a file in the same folder"}}}
+
+
+def remember_errors(answer: Any) -> list[dict[str, Any]]:
+    """The bound of `remember.for` in an answer (its shape is the answer schema's to check)."""
+    remember = answer.get("remember") if isinstance(answer, dict) else None
+    if not isinstance(remember, dict) or not isinstance(remember.get("for"), str):
+        return []
+    try:
+        span = parse_duration(remember["for"])
+    except ValueError as exc:
+        return [{"pointer": "/answer/remember/for", "message": str(exc)}]
+    if not REMEMBER_MIN <= span <= REMEMBER_MAX:
+        return [{"pointer": "/answer/remember/for",
+                 "message": f"{remember['for']} lies outside PT1M to P30D: a decision is remembered for 30 days at most"}]
+    return []
+
+
 def answer_errors(row: Row, answer: Any) -> list[dict[str, Any]]:
     """The one check of an answer, whichever door it comes in by (the API, the page, an answer link,
-    a reply in a thread, an MCP elicitation): the request's answer schema, as stored."""
-    return schema_errors(_compiled_schema(row["answer_schema"]), answer, "/answer")
+    a reply in a thread, an MCP elicitation): the request's answer schema, as stored, and the bound of
+    a remembered decision's duration."""
+    return schema_errors(_compiled_schema(row["answer_schema"]), answer, "/answer") or remember_errors(answer)
 
 
 def answer_fact(row: Row) -> dict[str, Any]:
@@ -8274,6 +8434,169 @@ def _ask_overrides(kind: str, input_: dict[str, Any], now: int) -> dict[str, Any
     return {"expires_at": now + int(td.total_seconds() * 1000), "answer_schema": schema}
 
 
+#: The built-in function a coding agent's hook runs (SPEC section 24): a person approves one tool call.
+APPROVE_TOOL_CALL: Final = "approve-tool-call"
+
+#: Its answer: an approval (section 20's shape) that may be remembered.
+TOOL_APPROVAL_SCHEMA: Final[dict[str, Any]] = {
+    "type": "object", "required": ["approved"], "additionalProperties": False, "properties": {
+        "approved": {"type": "boolean", "description": "Whether the call may go ahead"},
+        "note": {"type": "string", "maxLength": 2000, "description": "Why, in the approver's words (the agent reads it)"},
+        "arguments": {"type": "object", "description": "The tool's input as it is to run: changed, the agent runs"
+                                                       " it changed; left out, as proposed"},
+        "remember": REMEMBER_SCHEMA}}
+
+#: What shows a tool's input as a person reads it: past this, the rest is left out of the message.
+_SHOWN_BYTES: Final = 6 * KIB
+
+
+def _approve_tool_call_source() -> str:
+    text: dict[str, Any] = {"type": "string", "maxLength": 4096}
+    front = {
+        "description": "Asks a person to approve a coding agent's tool call (built in; `interactiond hook` runs it)",
+        "to": "{{ input.to }}", "expires": "P1D",
+        "input": {"schema": {"type": "object", "required": ["tool", "arguments", "to"], "additionalProperties": False,
+                             "properties": {
+                                 "tool": {"type": "string", "minLength": 1, "maxLength": 256,
+                                          "description": "The tool, as the agent names it (Bash, Edit, mcp__s__t)"},
+                                 "arguments": {"type": "object", "description": "The tool's input"},
+                                 "cwd": dict(text, description="The agent's working folder"),
+                                 "session": dict(text, maxLength=256, description="The agent's session"),
+                                 "event": dict(text, maxLength=64, description="The hook's event: PreToolUse, ..."),
+                                 "to": {"type": "string", "description": "Who approves it"}}}},
+        "output": {"schema": TOOL_APPROVAL_SCHEMA},
+    }
+    import yaml
+    return ("---\n" + yaml.safe_dump(front, sort_keys=False) + "---\n"
+            "A coding agent asks to use **{{ input.tool }}** in `{{ input.cwd }}`.\n")
+
+
+def _fenced(text: str, lang: str = "") -> str:
+    """Text as a Markdown code block, cut at _SHOWN_BYTES, its fence longer than any run of backticks in it."""
+    data = text.encode()
+    if len(data) > _SHOWN_BYTES:
+        text = data[:_SHOWN_BYTES].decode("utf-8", "ignore") + f"\n... ({len(data) - _SHOWN_BYTES} more bytes)"
+    fence = "`" * max(3, 1 + max((len(m) for m in re.findall(r"`+", text)), default=0))
+    return f"{fence}{lang}\n{text}\n{fence}"
+
+
+def tool_call_text(input_: Mapping[str, Any]) -> str:
+    """The message of an approve-tool-call request: the tool and its input as a person reads them - a
+    command as code, an edit as a diff, a written file as the file - the working folder and the session."""
+    import difflib
+    tool, args = str(input_.get("tool")), input_.get("arguments") or {}
+    cwd, session = input_.get("cwd"), input_.get("session")
+    parts = [f"A coding agent asks to use **{tool}**" + (f" in `{cwd}`" if cwd else "") + "."]
+    path = args.get("file_path") if isinstance(args.get("file_path"), str) else None
+    if isinstance(args.get("command"), str):
+        if isinstance(args.get("description"), str) and args["description"].strip():
+            parts.append(f"*{args['description'].strip()}*")
+        parts.append(_fenced(args["command"], "sh"))
+    elif path is not None and isinstance(args.get("old_string"), str) and isinstance(args.get("new_string"), str):
+        diff = difflib.unified_diff(args["old_string"].splitlines(), args["new_string"].splitlines(),
+                                    f"a/{path.lstrip('/')}", f"b/{path.lstrip('/')}", lineterm="")
+        parts.append(f"It changes `{path}`" + (" (every occurrence)" if args.get("replace_all") else "") + ":")
+        parts.append(_fenced("\n".join(diff), "diff"))
+    elif path is not None and isinstance(args.get("content"), str):
+        parts.append(f"It writes `{path}`:")
+        parts.append(_fenced(args["content"]))
+    else:
+        parts.append(_fenced(json.dumps(args, indent=2, ensure_ascii=False), "json"))
+    if session:
+        parts.append(f"Session `{session}`" + (f", {input_['event']}" if input_.get("event") else "") + ".")
+    text = "\n\n".join(parts) + "\n"
+    if len(text.encode()) > MAX_MESSAGE_BYTES:          # a long description or folder: the message's bound holds
+        text = (text.encode()[:MAX_MESSAGE_BYTES - 80].decode("utf-8", "ignore")
+                + "\n\n... (cut here: the run's input holds the whole call)\n")
+    return text
+
+
+def tool_call_of(input_: Any, answer_schema: Any) -> tuple[str, dict[str, Any], str | None] | None:
+    """The tool call a run asks to approve - (tool, arguments, working folder) - when its input names one
+    and its answer may be remembered (approve-tool-call, or an operator's function of that shape)."""
+    if not isinstance(input_, dict) or not isinstance(input_.get("tool"), str) \
+            or not isinstance(input_.get("arguments"), dict):
+        return None
+    props = answer_schema.get("properties") if isinstance(answer_schema, dict) else None
+    if not isinstance(props, dict) or "remember" not in props or "approved" not in props:
+        return None
+    cwd = input_.get("cwd")
+    return input_["tool"], input_["arguments"], cwd if isinstance(cwd, str) else None
+
+
+#: A command that does more than one thing (joined, piped, substituted, redirected): a prefix never matches it.
+_SHELL_JOINS: Final = re.compile(r"[;&|`<>\n\r]|\$\(")
+
+
+def call_prefix(arguments: Mapping[str, Any], cwd: str | None) -> str | None:
+    """What a `prefix` rule compares: a command's first word, or the folder of a file's path (made
+    absolute against the working folder, `..` resolved); None when the call has neither."""
+    import posixpath
+    command = arguments.get("command")
+    if isinstance(command, str):
+        words = command.split()
+        return words[0] if words and not _SHELL_JOINS.search(command) else None
+    for key in ("file_path", "notebook_path", "path"):
+        path = arguments.get(key)
+        if isinstance(path, str) and path:
+            if not path.startswith("/") and cwd and cwd.startswith("/"):
+                path = cwd.rstrip("/") + "/" + path
+            return posixpath.dirname(posixpath.normpath(path)) if path.startswith("/") else None
+    return None
+
+
+def rule_match(scope: str, arguments: Mapping[str, Any], cwd: str | None) -> str | None:
+    """What a rule of `scope` made from this call keeps to compare later calls with; None when it has none."""
+    if scope == "exact":
+        return sha256_hex(json.dumps(arguments, sort_keys=True, separators=(",", ":"), ensure_ascii=False))
+    if scope == "tool":
+        return ""
+    return call_prefix(arguments, cwd)
+
+
+def rule_applies(rule: Row, arguments: Mapping[str, Any], cwd: str | None) -> bool:
+    """Whether a remembered decision (of the call's tool) decides this call."""
+    if rule["scope"] == "tool":
+        return True
+    if rule["scope"] == "exact":
+        return rule["match"] == rule_match("exact", arguments, cwd)
+    prefix, match = call_prefix(arguments, cwd), rule["match"]
+    if prefix is None:
+        return False
+    if isinstance(arguments.get("command"), str):
+        return prefix == match
+    return prefix == match or prefix.startswith(match.rstrip("/") + "/")
+
+
+def rule_object(row: Row) -> dict[str, Any]:
+    """A remembered decision as the API and the page show it."""
+    return {"id": row["id"], "to": row["party"], "tool": row["tool"], "scope": row["scope"],
+            "match": row["match"] if row["scope"] == "prefix" else None, "approved": bool(row["approved"]),
+            "note": row["note"], "run_id": row["run_id"], "made_by": row["made_by"],
+            "created_at": fmt_time(row["created_at"]), "expires_at": fmt_time(row["expires_at"])}
+
+
+def remembered_decision(tx: Tx, fx: Effects, playbook: str, run: dict[str, Any], party: str,
+                        call: tuple[str, dict[str, Any], str | None], now: int) -> tuple[dict[str, Any], bool] | None:
+    """Inside a run's starting change: when a remembered decision of `party` decides `call`, the run
+    (`run`: insert_run's values) is inserted and ends at once as remembered - `approval_remembered`
+    with the rule's id, the decision as its output - and returned; else None (nothing written)."""
+    tool, arguments, cwd = call
+    rule = next((r for r in tx.live_rules(playbook, party, tool, now) if rule_applies(r, arguments, cwd)), None)
+    if rule is None:
+        return None
+    run_id, by = run["run_id"], run["by"]
+    if not tx.insert_run(**run):
+        return rerun_check(tx.run(playbook, run_id), run["type_"], run["name"], run["input_sha"]), False
+    approved = bool(rule["approved"])
+    tx.append_event(fx, playbook, run_id, "approval_remembered", now, by, {
+        "rule": rule["id"], "approved": approved, "scope": rule["scope"], "tool": tool, "to": party,
+        "until": fmt_time(rule["expires_at"])})
+    output = {"approved": approved, "remembered": rule["id"], **({"note": rule["note"]} if rule["note"] else {})}
+    end(tx, fx, playbook, run_id, "succeeded", now=now, by=by, output=output)
+    return run_object(tx.run(playbook, run_id)), True
+
+
 class RunKind(Protocol):
     """A kind of run that lives beside the engine, with its own definition type.
 
@@ -8519,7 +8842,7 @@ class Definitions:
 
     @staticmethod
     def _not_builtin(type_: str, name: str) -> None:
-        if type_ == "interaction" and name in ASK_FUNCTIONS:
+        if type_ == "interaction" and (name in ASK_FUNCTIONS or name == APPROVE_TOOL_CALL):
             raise Problem("conflict", f"{name} is built in; save your own function under another name")
 
     async def delete_definition(self, caller: Caller, playbook: str, type_: str, name: str) -> dict[str, Any]:
@@ -8621,6 +8944,8 @@ class Runs:
                 prepared = self._prepare_request(doc, input_, now, playbook, run_id)
                 if name in ASK_FUNCTIONS:
                     prepared.update(_ask_overrides(ASK_FUNCTIONS[name], input_, now))
+                elif name == APPROVE_TOOL_CALL:         # the call as a person reads it: a command, a diff
+                    prepared["message"] = tool_call_text(input_)
                 if self.reminders is not None:
                     prepared["follow_up"] = self.reminders.plan(doc, name, input_, now, prepared)
                 if doc.deliver is not None:
@@ -8634,10 +8959,15 @@ class Runs:
         limit = self.open_limit
 
         asks = ending is None and (doc.output_schema is not None or doc.deliver is not None)
+        # A tool call's approval that a remembered decision of its addressee may decide (section 24).
+        call = tool_call_of(input_, prepared.get("answer_schema", doc.output_schema)) if asks else None
 
         def change(tx: Tx, fx: Effects) -> tuple[dict[str, Any], bool]:
             run = dict(playbook=playbook, run_id=run_id, type_=type_, name=name, version=version, input_text=input_text,
                        input_sha=input_sha, parent=parent, now=now, by=caller.id)
+            if call is not None and (decided := remembered_decision(tx, fx, playbook, run, prepared["party"], call,
+                                                                    now)) is not None:
+                return decided
             inserted, counted = tx.insert_asking_run(**run, limit=limit) if asks else (tx.insert_run(**run), False)
             if not inserted:
                 return rerun_check(tx.run(playbook, run_id), type_, name, input_sha), False   # the id was used
@@ -9147,6 +9477,8 @@ class Inbox:
                 return answer_fact(row), False
             if row["approval"] is not None:
                 self.approvals.may_answer(caller, row)
+            else:
+                self.approvals.may_answer_call(tx, caller, row)
             errors = answer_errors(row, answer)
             if errors:
                 raise ended("invalid_input", "the answer does not match the request's answer schema",
@@ -9187,6 +9519,8 @@ class Inbox:
         if row["approval"] is not None:        # an approval: its call follows, or the run ends declined
             return self.approvals.answered(tx, fx, row, answer, claimed_for, by, now, reply_id=reply_id,
                                            by_name=by_name)
+        if isinstance(answer, dict) and isinstance(answer.get("remember"), dict):
+            self.approvals.remember(tx, fx, row, answer, by, now)
         return tx.answer_request(fx, row, answer, by=by, now=now, claimed_for=claimed_for, reply_id=reply_id,
                                  reply_sender=reply_sender, by_name=by_name)
 
@@ -9884,6 +10218,21 @@ class Approvals:
             raise Problem("approval_not_yours", f"this approval is addressed to {row['party']}: only that person"
                                                 " (their session, token or answer link) or an operator answers it")
 
+    @staticmethod
+    def may_answer_call(tx: Tx, caller: Caller, row: Row) -> None:
+        """Four eyes on a coding agent's tool call (section 24): its approval is never answered by the
+        credential that asked it (the hook's token, or the same person) - 403 approval_not_yours."""
+        schema = _listed_schema(row["answer_schema"]) if row["answer_schema"] is not None else None
+        props = schema.get("properties") if isinstance(schema, dict) else None
+        if not isinstance(props, dict) or "remember" not in props or "approved" not in props:
+            return
+        run = tx.run(row["playbook"], row["run_id"])
+        if run is None or tool_call_of(loads(run["input"]), schema) is None:
+            return
+        if caller.id == run["created_by"]:
+            raise Problem("approval_not_yours", "this tool call was asked by the same caller that answers it;"
+                                                f" {row['party']} (their page, link or token) or an operator approves it")
+
     def answered(self, tx: Tx, fx: Effects, row: Row, answer: Any, claimed_for: str | None, by: str, now: int,
                  reply_id: str | None = None, by_name: str | None = None) -> Row:
         """Inside the answer's change: take an approval's answer (it passed the answer schema). A change
@@ -9937,6 +10286,56 @@ class Approvals:
             raise ended("invalid_input", f"the arguments pass {MAX_ARGUMENTS_BYTES // KIB} KiB",
                                  errors=[{"pointer": "/answer/arguments", "message": "too large"}])
         return patch, arguments
+
+    # -- remembered decisions (section 24) ------------------------------------------------------
+
+    @staticmethod
+    def remember(tx: Tx, fx: Effects, row: Row, answer: dict[str, Any], by: str, now: int) -> None:
+        """Inside the answer's change: an answer to a tool call's approval that says `remember` (checked
+        by answer_errors) keeps a rule for its addressee in the playbook, recorded as approval_rule_made.
+        A scope the call gives nothing to compare with is `invalid_input` and writes nothing."""
+        playbook, run_id = row["playbook"], row["run_id"]
+        run = tx.run(playbook, run_id)
+        call = tool_call_of(loads(run["input"]) if run is not None else None, loads(row["answer_schema"]))
+        if call is None:
+            return
+        tool, arguments, cwd = call
+        scope, lasts = answer["remember"]["scope"], parse_duration(answer["remember"]["for"])
+        match = rule_match(scope, arguments, cwd)
+        if match is None:
+            raise ended("invalid_input", "this call has no prefix to remember it by",
+                        errors=[{"pointer": "/answer/remember/scope", "message":
+                                 "prefix takes a command's first word or a file's folder; this call has neither (or"
+                                 " its command joins several with ; & | or redirects): remember it as exact"}])
+        rule_id, approved = "rul_" + new_ulid(), answer.get("approved") is True
+        expires_at = now + int(lasts.total_seconds() * 1000)
+        note = answer.get("note") if isinstance(answer.get("note"), str) else None
+        tx.insert_rule(rule_id=rule_id, playbook=playbook, party=row["party"], tool=tool, scope=scope, match=match,
+                       approved=approved, note=note, run_id=run_id, made_by=by, now=now, expires_at=expires_at)
+        tx.append_event(fx, playbook, run_id, "approval_rule_made", now, by, {
+            "rule": rule_id, "approved": approved, "scope": scope, "tool": tool, "to": row["party"],
+            "match": match if scope == "prefix" else None, "until": fmt_time(expires_at)})
+
+    async def list_rules(self, caller: Caller, playbook: str) -> dict[str, Any]:
+        """The playbook's remembered decisions that stand now (operator), newest first."""
+        caller.require(Role.OPERATOR)
+        now = self.clock.now_ms()
+        rows = await self.store.read(lambda tx: tx.listed_rules(playbook, now))
+        return {"data": [rule_object(r) for r in rows]}
+
+    async def revoke_rule(self, caller: Caller, playbook: str, rule_id: str) -> dict[str, Any]:
+        """End a remembered decision (operator): later calls it matched are asked again."""
+        caller.require(Role.OPERATOR)
+        now = self.clock.now_ms()
+
+        def change(tx: Tx, fx: Effects) -> bool:
+            if not tx.revoke_rule(playbook, rule_id, now):
+                return False
+            tx.append_event(fx, playbook, None, "approval_rule_revoked", now, caller.id, {"rule": rule_id})
+            return True
+        if not await self.store.write(change):
+            raise not_found(f"no standing rule {rule_id} in this playbook (list them: interactiond rules list)")
+        return {"id": rule_id, "revoked": True, "revoked_at": fmt_time(now)}
 
     # -- the call -------------------------------------------------------------------------------
 
@@ -10396,6 +10795,8 @@ class Engine:
         self.list_run_events = self.inbox.list_run_events
         self.list_playbook_events = self.inbox.list_playbook_events
         self.get_event = self.inbox.get_event
+        self.list_rules = self.approvals.list_rules
+        self.revoke_rule = self.approvals.revoke_rule
 
         self.kinds.update((type_, make(self)) for type_, make in RUN_KINDS.items())
         self.on_timer("expire", self._expire)
@@ -10424,6 +10825,7 @@ class Engine:
     async def start(self) -> None:
         now = self.clock.now_ms()
         builtins = {name: _ask_source(kind) for name, kind in ASK_FUNCTIONS.items()}
+        builtins[APPROVE_TOOL_CALL] = _approve_tool_call_source()
         docs = {name: parse_function(src) for name, src in builtins.items()}
 
         def init(tx: Tx, fx: Effects) -> list[tuple[str, int]]:
@@ -12263,6 +12665,16 @@ async def h_cancel_run(request: web.Request) -> web.Response:
     return _json(await engine.cancel_run(_caller(request), _pb(request), request.match_info["run_id"]))
 
 
+async def h_list_rules(request: web.Request) -> web.Response:
+    engine = request.app[engine_key()]
+    return _json(await engine.list_rules(_caller(request), _pb(request)))
+
+
+async def h_revoke_rule(request: web.Request) -> web.Response:
+    engine = request.app[engine_key()]
+    return _json(await engine.revoke_rule(_caller(request), _pb(request), request.match_info["rule_id"]))
+
+
 async def h_run_events(request: web.Request) -> web.Response:
     q = request.query
     engine = request.app[engine_key()]
@@ -12696,6 +13108,10 @@ ROUTES: Final[list[Route]] = [
           person=True),
     Route("GET", PB + "/interactions", h_list_interactions, "list_interactions",
           query=("to", "type", "function", "limit", "cursor"), person=True),
+    Route("GET", PB + "/rules", h_list_rules, "The remembered decisions of tool calls' approvals that stand now",
+          Role.OPERATOR),
+    Route("POST", PB + "/rules/{rule_id}/revoke", h_revoke_rule, "End a remembered decision: its calls are asked"
+          " again", Role.OPERATOR),
     Route("GET", PB + "/events", h_playbook_events, "list_playbook_events", query=("type", "limit", "cursor")),
     Route("GET", PB + "/events/{event_id}", h_get_event, "get_event"),
     Route("GET", PB + "/tools", h_search, "search", query=("query",)),
@@ -15127,7 +15543,7 @@ ol.requests, ol.timeline { list-style: none; padding: 0; margin: 0; }
 .msg th, .msg td { border: 1px solid var(--line); padding: .2rem .4rem; }
 label, legend { font-weight: 600; }
 .field { display: flex; flex-direction: column; margin: .6rem 0; }
-.opt { font-weight: 400; display: inline-flex; gap: .4rem; align-items: center; margin-right: 1rem; min-height: 2rem; }
+.opt { font-weight: 400; display: inline-flex; gap: .4rem; align-items: center; margin-right: 1rem; min-height: 2.75rem; }
 textarea, input, select { font: inherit; color: inherit; background: var(--bg); border: 1px solid var(--line);
   border-radius: .35rem; padding: .4rem .5rem; max-width: 100%; }
 textarea { width: 100%; resize: vertical; }
@@ -15137,7 +15553,7 @@ input[type=number] { width: 12rem; }
 fieldset { border: 1px solid var(--line); border-radius: .35rem; margin: 0; padding: .3rem .75rem .5rem; }
 legend { padding: 0 .25rem; }
 button { font: inherit; cursor: pointer; border: 1px solid var(--line); border-radius: .35rem; padding: .45rem .9rem;
-  background: var(--card); color: inherit; min-height: 2.5rem; }
+  background: var(--card); color: inherit; min-height: 2.75rem; }
 button.primary, .choice button { background: var(--accent); border-color: var(--accent); color: var(--on-accent);
   font-weight: 600; }
 button:disabled { opacity: .6; cursor: default; }
@@ -15162,7 +15578,9 @@ details.card summary { cursor: pointer; font-weight: 600; }
 table { border-collapse: collapse; width: 100%; }
 th, td { text-align: left; padding: .35rem .5rem; border-bottom: 1px solid var(--line); }
 @media (max-width: 40rem) { main { padding: .75rem; } .ctl { margin-left: 0; } .choice button { flex: 1 1 auto; }
-  input[type=number] { width: 100%; } }
+  input[type=number] { width: 100%; } .opt { display: flex; margin-right: 0; }
+  pre, .msg pre { white-space: pre-wrap; overflow-wrap: anywhere; overflow-x: visible; }
+  .ctl select { max-width: 100%; } header.top { padding: .5rem .75rem; } }
 """
 
 _INBOX_JS: Final = r"""
@@ -15703,6 +16121,7 @@ function route(focus) {
   else if ((m = hash.match(/^\/runs\/(.+)$/))) done = showRun(decodeURIComponent(m[1]));
   else if (hash === "/runs") done = showRuns();
   else if (hash === "/definitions") done = showDefinitions();
+  else if (hash === "/rules") done = showRules();
   else done = Promise.resolve(page("Not found", h("p", {}, h("a", {href: "#/"}, "Back to the inbox"))));
   if (focus) done.then(el => el && el.focus());
 }
@@ -15862,6 +16281,38 @@ async function showDefinitions() {
   return page("Definitions", items.length ? items : h("p", {class: "muted"}, "No definitions."));
 }
 
+const SCOPE_WORDS = {exact: "this very input", tool: "any call of the tool", prefix: "calls starting"};
+
+async function showRules() {
+  const title = "Remembered decisions";
+  page(title, h("p", {class: "muted"}, "Loading…"));
+  const r = await api("GET", `${base()}/rules`);
+  if (!r.ok) return page(title, h("p", {class: "err"}, problemText(r.body)));
+  const items = r.body.data.map(rule => {
+    const revoke = h("button", {type: "button"}, "Revoke");
+    const li = h("li", {class: "card", "data-rule-id": rule.id},
+      h("h2", {}, `${rule.approved ? "Allow" : "Deny"} ${rule.tool} `, h("span", {class: "to"}, `for ${rule.to}`)),
+      h("p", {class: "meta"}, rule.scope === "prefix" ? `${SCOPE_WORDS.prefix} ${rule.match}` : SCOPE_WORDS[rule.scope],
+        ` · until ${(rule.expires_at || "").slice(0, 16).replace("T", " ")} UTC (${relative(rule.expires_at)})`),
+      rule.note ? h("p", {}, rule.note) : null, revoke);
+    revoke.addEventListener("click", async () => {
+      revoke.disabled = true;
+      const x = await api("POST", `${base()}/rules/${enc(rule.id)}/revoke`);
+      if (x.ok || x.status === 404) {
+        li.remove();
+        say(`Revoked: ${rule.tool} calls for ${rule.to} are asked again.`).focus();
+      } else {
+        revoke.disabled = false;
+        say(problemText(x.body));
+      }
+    });
+    return li;
+  });
+  return page(title, h("p", {class: "muted"}, "Tool calls of coding agents decided without asking while these last."),
+              items.length ? h("ol", {class: "requests", "aria-label": "Remembered decisions"}, items)
+                           : h("p", {class: "muted"}, "No remembered decisions."));
+}
+
 // Wiring -------------------------------------------------------------------------------------
 
 $("#to").addEventListener("change", (ev) => {
@@ -15890,7 +16341,7 @@ _INBOX_PAGE: Final = """<!doctype html>
 <body>
 <header class="top">
   <span class="brand">interactiond</span>
-  <nav id="nav" aria-label="Pages" hidden><a href="#/">Inbox</a><a href="#/runs">Runs</a><a href="#/definitions">Definitions</a></nav>
+  <nav id="nav" aria-label="Pages" hidden><a href="#/">Inbox</a><a href="#/runs">Runs</a><a href="#/definitions">Definitions</a><a href="#/rules">Rules</a></nav>
   <div class="ctl">
     <span id="pb-wrap" hidden><label for="pb">Playbook</label> <select id="pb"></select></span>
     <span id="who" class="muted"></span>
@@ -16105,6 +16556,28 @@ def form_field(name: str, pointer: str, schema: Any, required: bool,
     return out
 
 
+#: The remembered decisions the page offers for a tool call's approval (SPEC section 24); none picked,
+#: nothing is remembered.
+REMEMBER_CHOICES: Final = (({"for": "PT1H", "scope": "exact"}, "This very call, for 1 hour"),
+                           ({"for": "PT1H", "scope": "prefix"}, "The same command, or files in the same folder, for 1 hour"),
+                           ({"for": "P1D", "scope": "prefix"}, "The same command, or files in the same folder, for 1 day"),
+                           ({"for": "P1D", "scope": "tool"}, "Any call of this tool, for 1 day"))
+
+
+def _approval_field(fd: dict[str, Any], schema: Any) -> dict[str, Any]:
+    """A field of an approval's form as a person on a phone uses it: `remember` (section 24's shape)
+    as a few choices, and `arguments` empty unless changed (left empty, the call runs as proposed)."""
+    if fd["name"] == "remember" and isinstance(schema, dict) and {"for", "scope"} <= set(schema.get("properties") or {}):
+        shown = {k: v for k, v in fd.items() if k not in ("example", "bounds")}
+        return {**shown, "kind": "choice", "remember": True, "values": [v for v, _ in REMEMBER_CHOICES],
+                "labels": [lab for _, lab in REMEMBER_CHOICES], "label": "Remember this decision",
+                "hint": "Matching calls are decided the same way without asking while it lasts; revoke it on the Rules page"}
+    if fd["name"] == "arguments" and fd["kind"] == "json":
+        return {**fd, "example": "", "label": "The tool's input", "hint": "Change it to run the call changed",
+                "bounds": "JSON; left as it is, the call runs as proposed"}
+    return fd
+
+
 def answer_form(schema: Any, named: Mapping[Any, str] | None = None) -> dict[str, Any]:
     """The form the page generates for an answer schema.
 
@@ -16124,7 +16597,9 @@ def answer_form(schema: Any, named: Mapping[Any, str] | None = None) -> dict[str
         required = set(schema.get("required") or ())
         fields = [form_field(n, pointer_join([n]), s, n in required, named if n == "option_ids" else None)
                   for n, s in props.items()]
-        choices = [f for f in fields if f["kind"] == "choice" and not f.get("array")]
+        if "approved" in props:
+            fields = [_approval_field(f, props[f["name"]]) for f in fields]
+        choices = [f for f in fields if f["kind"] == "choice" and not f.get("array") and not f.get("remember")]
         if len(choices) == 1:
             return {"mode": "choice", "choice": choices[0], "fields": [f for f in fields if f is not choices[0]]}
         return {"mode": "fields", "fields": fields}
@@ -16600,8 +17075,21 @@ async def _link_page(engine: Engine, token: str, row: Row, *, sent: Mapping[str,
         end = '<div id="status" class="card" role="status"><p>It is being cancelled. It takes no answer now.</p></div>'
     else:
         form = answer_form(json.loads(row["answer_schema"]), option_labels(row["name"], row["run_input"]))
-        end = _link_form_html(form, engine.links.form_token(token), sent or {}, errors or [])
+        end = _link_form_html(form, engine.links.form_token(token), sent or _proposed(form, row), errors or [])
     return _link_html(title, head, end, status=status)
+
+
+def _proposed(form: dict[str, Any], row: Row) -> dict[str, list[str]]:
+    """What a tool call's approval form shows at first: the input as proposed, in its `arguments` field
+    (sent back unchanged, it is no change)."""
+    try:
+        call = tool_call_of(json.loads(row["run_input"]), json.loads(row["answer_schema"]))
+    except (TypeError, ValueError):
+        return {}
+    if call is None:
+        return {}
+    return {f"f{i}": [json.dumps(call[1], indent=2, ensure_ascii=False)] for i, fd in enumerate(form["fields"])
+            if fd["name"] == "arguments" and fd["kind"] == "json"}
 
 
 def _when_words(ms: int | None) -> str:
@@ -17446,6 +17934,212 @@ def _cli_client(args: Any, db: str, config: Config) -> int:
     return 0
 
 
+# -- a coding agent's hook (SPEC section 24) ----------------------------------------------------
+#
+# A hook runs before every tool call of the agent: it starts with the standard library only, opens
+# the approval through the running daemon, long-polls it until --timeout, and prints the decision.
+# Whatever goes wrong - no daemon, a refusal, input it cannot read - it says so in one line on stderr
+# and answers `ask` (the agent's own prompt decides): never a traceback, never an allow nobody gave.
+
+
+class HookCall:
+    """The call a hook is asked about: the tool, its input, where and in which session, and the event."""
+
+    def __init__(self, tool: str, arguments: dict[str, Any], cwd: str | None, session: str | None,
+                 event: str) -> None:
+        self.tool, self.arguments, self.cwd, self.session, self.event = tool, arguments, cwd, session, event
+
+    @classmethod
+    def read(cls, agent: str, text: str) -> HookCall:
+        """From the hook's stdin: Claude Code's event (tool_name, tool_input, cwd, session_id,
+        hook_event_name), or the generic {"tool", "arguments", "context"}; CliError when it is neither."""
+        try:
+            data = read_json(text)
+        except ValueError as exc:
+            raise CliError(f"the hook's input is not JSON ({exc})") from None
+        if not isinstance(data, dict):
+            raise CliError("the hook's input is not a JSON object")
+        if agent == "claude-code":
+            tool, arguments = data.get("tool_name"), data.get("tool_input")
+            cwd, session, event = data.get("cwd"), data.get("session_id"), data.get("hook_event_name") or "PreToolUse"
+            names = "tool_name and tool_input"
+        else:
+            context = data.get("context") if isinstance(data.get("context"), dict) else {}
+            tool, arguments = data.get("tool"), data.get("arguments")
+            cwd, session, event = context.get("cwd"), context.get("session"), context.get("event") or "PreToolUse"
+            names = "tool and arguments"
+        if not isinstance(tool, str) or not tool or not isinstance(arguments, dict):
+            raise CliError(f"the hook's input has no {names} (a tool's name and an object)")
+        if event not in ("PreToolUse", "PermissionRequest"):
+            event = str(event)[:64]
+        return cls(tool, arguments, cwd if isinstance(cwd, str) else None,
+                   session if isinstance(session, str) else None, event)
+
+
+class HookStopped(Exception):
+    """SIGTERM (or SIGINT) while the hook waits: the agent stopped waiting for it."""
+
+
+def _hook_call(d: DaemonAddress, method: str, path: str, body: Any = None, query: Mapping[str, Any] | None = None,
+               timeout: float = 30.0) -> tuple[int, Any]:
+    """A call of the hook to the daemon: (status, body), or a CliError that says why there was none."""
+    import http.client
+    if not re.match(r"https?://[^/\s]+(/\S*)?$", d.url):
+        raise CliError(f"{d.url} (from {d.source}) is not a daemon's URL such as http://127.0.0.1:8765")
+    q = {k: v for k, v in (query or {}).items() if v is not None}
+    try:
+        status, out, _ = _http(method, d.url + path + ("?" + urllib.parse.urlencode(q) if q else ""), d.token, body,
+                               timeout=timeout)
+    except (OSError, http.client.HTTPException) as exc:
+        why = getattr(exc, "reason", None) or getattr(exc, "strerror", None) or exc
+        raise CliError(f"cannot reach the daemon at {d.url} (from {d.source}): {why}") from None
+    return status, out
+
+
+def _hook_decision(run: dict[str, Any], call: HookCall, on_timeout: str) -> tuple[str, dict[str, Any] | None, str]:
+    """A run's ending as the hook's decision: (allow | deny | ask, the edited input or None, the reason)."""
+    output = run.get("output") if isinstance(run.get("output"), dict) else {}
+    if run["status"] == RunStatus.SUCCEEDED.value and isinstance(output.get("approved"), bool):
+        note = output.get("note") if isinstance(output.get("note"), str) else ""
+        if output.get("remembered"):
+            note = f"remembered decision {output['remembered']}" + (f": {note}" if note else "")
+        if not output["approved"]:
+            return "deny", None, note or "refused on interactiond"
+        edited = output.get("arguments")
+        edited = edited if isinstance(edited, dict) and edited != call.arguments else None
+        return "allow", edited, note or "approved on interactiond"
+    if run.get("kind") in ("expired", "cancelled"):
+        return on_timeout, None, f"nobody answered on interactiond (run {run['run_id']} {run['kind']})"
+    raise CliError(_run_ending_line(run))
+
+
+def _hook_ask(args: Any, call: HookCall) -> tuple[str, dict[str, Any] | None, str]:
+    """Open the approval through the daemon and wait for it (--timeout real seconds): the decision."""
+    if not PLAYBOOK_RE.fullmatch(args.playbook):
+        raise CliError(f"--playbook is ORG/NAME, not {args.playbook!r}")
+    if not 0 < args.timeout <= 86400:
+        raise CliError("--timeout is a number of seconds, more than 0 and at most 86400")
+    try:
+        config = load_config(args.config or os.environ.get("INTERACTIOND_CONFIG"))
+    except ConfigError as exc:
+        raise CliError(f"configuration: {exc.problems[0] if exc.problems else exc}") from None
+    d = daemon_address(args, args.db or os.environ.get("INTERACTIOND_DB") or config.database, config)
+    org, _, name = args.playbook.partition("/")
+    base = f"/v1/orgs/{org}/playbooks/{name}"
+    input_: dict[str, Any] = {"tool": call.tool, "arguments": call.arguments, "cwd": call.cwd,
+                              "session": call.session, "event": call.event}
+    input_ = {k: v for k, v in input_.items() if v is not None}
+    if args.to or args.function == APPROVE_TOOL_CALL:
+        import getpass
+        input_["to"] = args.to or os.environ.get("INTERACTIOND_TO") or getpass.getuser()
+    began = time.monotonic()
+    run_id = "hook-" + secrets.token_hex(12)       # known before the run starts: a stop at any point withdraws it
+    path = f"{base}/runs/{run_id}"
+    try:
+        status, run = _hook_call(d, "POST", f"{base}/runs", {"type": "interaction", "name": args.function,
+                                                             "input": input_, "run_id": run_id})
+        if not _is_run(run):
+            raise CliError(problem_line(status, run))
+        return _hook_wait(args, d, path, run, call, began)
+    except HookStopped:                 # the agent gave up on the hook first: withdraw the request, then ask
+        with contextlib.suppress(CliError):
+            _hook_call(d, "POST", path + "/cancel", timeout=5)
+        raise
+
+
+def _hook_wait(args: Any, d: DaemonAddress, path: str, run: dict[str, Any], call: HookCall,
+               began: float) -> tuple[str, dict[str, Any] | None, str]:
+    """Long-poll the run until it ends or --timeout passes (then cancel it): the decision."""
+    while not RunStatus(run["status"]).ended:
+        left = args.timeout - (time.monotonic() - began)
+        if left <= 0:
+            status, run = _hook_call(d, "POST", path + "/cancel")       # nobody answered: withdrawn
+            if not _is_run(run):
+                raise CliError(problem_line(status, run))
+            if run["status"] == RunStatus.SUCCEEDED.value:              # answered as it was withdrawn
+                break
+            return args.on_timeout, None, (f"nobody answered on interactiond within {args.timeout:g} s;"
+                                           f" the request (run {run['run_id']}) was cancelled")
+        wait = min(left, MAX_HTTP_WAIT_S)
+        status, got = _hook_call(d, "POST", path + "/wait", query={"timeout": f"{wait:.3f}"}, timeout=wait + 30)
+        if not _is_run(got):
+            raise CliError(problem_line(status, got))
+        run = got
+    return _hook_decision(run, call, args.on_timeout)
+
+
+def hook_output(agent: str, event: str, decision: str, arguments: dict[str, Any] | None, note: str,
+                call_arguments: dict[str, Any]) -> dict[str, Any] | None:
+    """What the hook prints: Claude Code's PreToolUse or PermissionRequest answer, or the generic one;
+    None for a PermissionRequest left to the agent's own prompt (it has no `ask`)."""
+    if agent == "generic":
+        return {"decision": decision, "arguments": arguments if arguments is not None else call_arguments,
+                "note": note or None}
+    if event == "PermissionRequest":
+        if decision == "ask":
+            return None
+        out: dict[str, Any] = {"behavior": decision}
+        if arguments is not None and decision == "allow":
+            out["updatedInput"] = arguments
+        if decision == "deny":
+            out["message"] = note
+        return {"hookSpecificOutput": {"hookEventName": "PermissionRequest", "decision": out}}
+    specific: dict[str, Any] = {"hookEventName": "PreToolUse", "permissionDecision": decision,
+                                "permissionDecisionReason": note}
+    if arguments is not None and decision == "allow":
+        specific["updatedInput"] = arguments
+    return {"hookSpecificOutput": specific}
+
+
+def _cli_hook(args: Any) -> int:
+    """`hook claude-code` and `hook generic`: always exit 0 with a decision on stdout."""
+    call: HookCall | None = None
+
+    def stopped(signum: int, frame: Any) -> None:
+        raise HookStopped(f"stopped by signal {signum} before an answer came")
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stopped)
+    try:
+        call = HookCall.read(args.agent, sys.stdin.read())
+        decision, arguments, note = _hook_ask(args, call)
+    except (CliError, HookStopped) as exc:
+        print(f"interactiond hook: {exc}; the agent asks here", file=sys.stderr)
+        decision, arguments, note = "ask", None, f"interactiond could not decide: {exc}"
+    except Exception as exc:            # never a traceback, never an allow: the agent's own prompt decides
+        print(f"interactiond hook: {type(exc).__name__}: {exc}; the agent asks here", file=sys.stderr)
+        decision, arguments, note = "ask", None, "interactiond could not decide"
+    out = hook_output(args.agent, call.event if call is not None else "PreToolUse", decision, arguments, note,
+                      call.arguments if call is not None else {})
+    if out is not None:
+        print(json.dumps(out, ensure_ascii=False), flush=True)
+    return 0
+
+
+def _cli_rules(args: Any, db: str, config: Config) -> int:
+    """`rules list` and `rules revoke ID`: the remembered decisions of a playbook."""
+    if not PLAYBOOK_RE.fullmatch(args.playbook):
+        raise CliError(f"--playbook is ORG/NAME in lowercase letters, digits and hyphens, not {args.playbook!r}",
+                       EXIT_USAGE)
+    d = daemon_address(args, db, config)
+    org, _, name = args.playbook.partition("/")
+    base = f"/v1/orgs/{org}/playbooks/{name}/rules"
+    if args.rules_cmd == "revoke":
+        status, out, _ = call_daemon(d, "POST", f"{base}/{urllib.parse.quote(args.id, safe='')}/revoke")
+    else:
+        status, out, _ = call_daemon(d, "GET", base)
+    if status >= 400:
+        raise CliError(problem_line(status, out))
+    if args.rules_cmd == "list" and not args.json and sys.stdout.isatty():
+        rows = out.get("data") or []
+        print(render_table(["RULE", "TO", "TOOL", "SCOPE", "DECIDES", "UNTIL"], [[
+            r["id"], _cell(r.get("to"), 24), _cell(r.get("tool"), 32), r["scope"] + (f" {r['match']}" if r.get("match") else ""),
+            "allow" if r.get("approved") else "deny", _when(r.get("expires_at"))] for r in rows])
+              if rows else "no remembered decisions")
+        return 0
+    _print_json(out)
+    return 0
+
+
 def _cli_link(args: Any, db: str, config: Config) -> int:
     """`link`: a one-time sign-in link, made by the running daemon (its clock, its public_url), else
     written straight to the database when no daemon answers."""
@@ -17919,6 +18613,8 @@ COMMANDS: Final = (
     ("answer", "answer a run's open request"),
     ("runs", "list runs, newest first (a table on a terminal, JSON when piped or with --json)"),
     ("definitions", "list the playbook's definitions, or show one"),
+    ("hook", "a coding agent's hook: a person approves each tool call through the daemon (claude-code, generic)"),
+    ("rules", "list or revoke the remembered decisions of tool calls' approvals"),
 )
 CLIENT_COMMANDS: Final = ("define", "run", "get", "wait", "cancel", "inbox", "answer", "runs", "definitions")
 
@@ -18048,6 +18744,45 @@ def build_parser() -> Any:
     p.add_argument("--token", help="an operator token (env: INTERACTIOND_TOKEN; default: the one serve wrote"
                                    " beside the database)")
 
+    p = sub.add_parser("hook", help=helps["hook"], formatter_class=Help, epilog=EXIT_CODES,
+                       description=helps["hook"] + ": the hook's JSON on stdin, its decision on stdout, exit 0."
+                       " When nobody answers in time the request is cancelled and --on-timeout decides; when the"
+                       " daemon cannot be reached the decision is ask (one line on stderr).")
+    p.add_argument("agent", choices=["claude-code", "generic"],
+                   help="claude-code: a PreToolUse or PermissionRequest hook; generic: {tool, arguments, context}"
+                        " in, {decision, arguments, note} out")
+    p.add_argument("--to", metavar="NAME", help="who approves (default: INTERACTIOND_TO, else your user name;"
+                                                " a --function may choose its own)")
+    p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="how long to wait for the answer, in real seconds (the agent's own hook timeout must be"
+                        " longer)")
+    p.add_argument("--on-timeout", choices=["ask", "deny"], default="ask",
+                   help="the decision when nobody answers in time: ask hands it to the agent's own prompt")
+    p.add_argument("--function", metavar="NAME", default=APPROVE_TOOL_CALL,
+                   help="the function that asks: a saved one whose input is {tool, arguments, cwd, session,"
+                        " event} and whose answer is the approval's (its deliver, reminders and to)")
+    p.add_argument("--playbook", metavar="ORG/NAME", default=DEFAULT_PLAYBOOK, help="the playbook")
+    p.add_argument("--url", help="the daemon's URL (default: the one serve wrote beside the database)")
+    p.add_argument("--token", help="a writer's API token (env: INTERACTIOND_TOKEN; default: the operator token"
+                                   " serve wrote beside the database)")
+    p.add_argument("--db", metavar="PATH", help="the database the daemon serves, to find its URL and token"
+                                                " (env: INTERACTIOND_DB)")
+    p.add_argument("--config", metavar="PATH", help="the operator configuration, YAML (env: INTERACTIOND_CONFIG)")
+    p = command("rules")
+    rsub = p.add_subparsers(dest="rules_cmd", required=True, metavar="ACTION")
+    for name, text in (("list", "list the remembered decisions that stand now"),
+                       ("revoke", "end a remembered decision by its id: its calls are asked again")):
+        r = rsub.add_parser(name, help=text, description=text + ".", formatter_class=Help)
+        r.add_argument("--db", metavar="PATH", help="the database the daemon serves (env: INTERACTIOND_DB)")
+        r.add_argument("--config", metavar="PATH", help="the operator configuration, YAML (env: INTERACTIOND_CONFIG)")
+        r.add_argument("--url", help="the daemon's URL (default: the one serve wrote beside the database)")
+        r.add_argument("--token", help="an operator token (env: INTERACTIOND_TOKEN; default: the one serve wrote"
+                                       " beside the database)")
+        r.add_argument("--playbook", metavar="ORG/NAME", default=DEFAULT_PLAYBOOK, help="the playbook")
+        r.add_argument("--json", action="store_true", help="print JSON (a table on a terminal without it)")
+        if name == "revoke":
+            r.add_argument("id", help="the rule's id (rul_...), as `rules list` shows it")
+
     p = sub.add_parser("copy", help=helps["copy"], formatter_class=Help, epilog=EXIT_CODES,
                        description=helps["copy"] + ": definitions with their versions, runs, requests, events,"
                        " timers, tokens and sessions, in one transaction on the target. Stop the daemons of"
@@ -18119,6 +18854,8 @@ def main(argv: list[str] | None = None) -> int:
             return asyncio.run(_demo(args))
         if args.cmd == "copy":
             return _cli_copy(args)
+        if args.cmd == "hook":
+            return _cli_hook(args)
         try:
             config = load_config(args.config or os.environ.get("INTERACTIOND_CONFIG"))
         except ConfigError as exc:
@@ -18131,6 +18868,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cli_token(args, db)
         if args.cmd == "link":
             return _cli_link(args, db, config)
+        if args.cmd == "rules":
+            return _cli_rules(args, db, config)
         if args.cmd in CLIENT_COMMANDS:
             return _cli_client(args, db, config)
         if args.cmd == "stdio":

@@ -209,3 +209,24 @@ CREATE TABLE IF NOT EXISTS idempotency (
     PRIMARY KEY (caller, key)
 );
 CREATE INDEX IF NOT EXISTS idempotency_by_age ON idempotency (created_at);
+
+-- Remembered decisions of a tool call's approval: while one lasts (at most P30D) a matching call
+-- addressed to the same party in the playbook is decided without asking. `match` is what the
+-- scope compares: the arguments' sha256 (exact), '' (tool), a command's first word or a folder
+-- (prefix).
+CREATE TABLE IF NOT EXISTS approval_rules (
+    id         TEXT PRIMARY KEY,                     -- rul_<ULID>
+    playbook   TEXT NOT NULL,
+    party      TEXT NOT NULL,                        -- the addressee who answered
+    tool       TEXT NOT NULL,
+    scope      TEXT NOT NULL CHECK (scope IN ('exact', 'tool', 'prefix')),
+    match      TEXT NOT NULL,
+    approved   INTEGER NOT NULL,                     -- 1: allowed, 0: denied
+    note       TEXT,
+    run_id     TEXT NOT NULL,                        -- the run whose answer made it
+    made_by    TEXT NOT NULL,
+    created_at INTEGER NOT NULL,
+    expires_at INTEGER NOT NULL,
+    revoked_at INTEGER
+);
+CREATE INDEX IF NOT EXISTS approval_rules_live ON approval_rules (playbook, party, tool) WHERE revoked_at IS NULL;

@@ -95,6 +95,11 @@ async def made_by_a_daemon(aiohttp_client, db: str, config, chat_db: str) -> dic
                                headers={**d.auth("writer"), "Idempotency-Key": "k-1"})
     assert resp.status == 200
     ids["typed"] = run["run_id"]
+    status, run = await d.call("POST", "/runs", {"type": "interaction", "name": "approve-tool-call", "input": {
+        "tool": "Bash", "arguments": {"command": "make build"}, "cwd": "/repo", "to": "ana"}}, role="writer")
+    assert (await d.call("POST", f"/runs/{run['run_id']}/answer", {"answer": {
+        "approved": True, "remember": {"for": "P7D", "scope": "prefix"}}}))[0] == 200      # a remembered decision
+    ids["tool_call"] = run["run_id"]
     tx = itd.open_sync(db)
     itd.create_token(tx, "operator", None, "link", purpose="login")
     tx.queue_nudge(PB, ids["chat"], what="reminder", n=1, message="Still waiting for your answer")   # a reminder to send

@@ -82,3 +82,19 @@ def test_check_loads_what_documents_need_and_no_server(tmp_path):
     assert proc.returncode == 0 and proc.stdout.count(": ok") == len(docs), proc.stdout + proc.stderr
     assert {"liquid", "jsonschema", "yaml"} <= modules
     assert modules.isdisjoint({"aiohttp", "mcp", "psycopg"}), sorted(modules & {"aiohttp", "mcp", "psycopg"})
+
+
+def test_the_hook_loads_none_of_the_daemon_libraries(served):
+    """A coding agent runs the hook before every tool call: it starts as a client command does."""
+    cwd = served
+    out = cwd / "modules.json"
+    event = json.dumps({"session_id": "s", "cwd": str(cwd), "hook_event_name": "PreToolUse", "tool_name": "Bash",
+                        "tool_input": {"command": "rm -rf build"}})
+    proc = subprocess.run([sys.executable, "-c", LOADED, "hook", "claude-code", "--to", "ana", "--timeout", "0.2"],
+                          cwd=cwd, input=event, capture_output=True, text=True, timeout=120,
+                          env={**ENV, "INTERACTIOND_TEST_MODULES": str(out)})
+    assert proc.returncode == 0 and '"permissionDecision": "ask"' in proc.stdout, proc.stderr + proc.stdout
+    assert "cancelled" in proc.stdout          # it reached the daemon, opened the request and withdrew it
+    modules = {name.split(".")[0] for name in json.loads(out.read_text())}
+    assert modules.isdisjoint(DAEMON_LIBRARIES), sorted(modules & set(DAEMON_LIBRARIES))
+    assert "yaml" not in modules and "re2" not in modules
