@@ -251,6 +251,25 @@ ATTEMPT_END_RETRY_S: Final = (0.2, 1.0, 5.0)
 READ_GAPS_S: Final = (5, 10, 20, 40) + (60,) * 14
 READ_GAP_LATE_S: Final = 300
 
+#: Webhooks (Standard Webhooks): what a playbook's hooks may subscribe to, each one event of the
+#: store (run_ended: any run_* ending), and `*` for all of them.
+WEBHOOK_EVENTS: Final = ("request_opened", "request_answered", "request_reminded", "request_escalated", "run_ended")
+#: The store's event types each webhook event stands for (run_ended: every ending, by its prefix).
+WEBHOOK_EVENT_OF: Final = {"interaction_requested": "request_opened", "request_answered": "request_answered",
+                           "request_reminded": "request_reminded", "request_escalated": "request_escalated"}
+#: A webhook's attempts: at once, then these gaps after the one before (six in all): a receiver
+#: down for most of a working day still gets the message.
+WEBHOOK_GAPS_S: Final = (60, 5 * 60, 30 * 60, 2 * 3600, 8 * 3600)
+MAX_WEBHOOK_ATTEMPTS: Final = len(WEBHOOK_GAPS_S) + 1
+#: A receiver's Retry-After is honoured up to the longest gap.
+MAX_RETRY_AFTER_WEBHOOK_S: Final = 8 * 3600
+#: Hooks of one playbook: each event is queued once a hook, in the event's transaction.
+MAX_WEBHOOKS: Final = 16
+#: What a receiver's answer may say, kept for the operator's list (the rest is cut).
+MAX_WEBHOOK_ERROR_CHARS: Final = 500
+#: A secret shorter than this is too common in text to be scrubbed by value (a configured one is refused).
+MIN_SECRET_CHARS: Final = 4
+
 #: I/O bounds, in real seconds whatever the clock.
 OPEN_TIMEOUT_S: Final = 10.0
 LIST_TIMEOUT_S: Final = 10.0
@@ -3701,6 +3720,40 @@ class ApprovalPolicy:
 
 
 @dataclass(frozen=True)
+class WebhookConfig:
+    """One of a playbook's `webhooks`: where its events are POSTed, which, and the key they are
+    signed with (read from the environment variable `secret_env` at start; scrubbed as every secret)."""
+
+    url: str
+    events: frozenset[str]
+    secret_env: str
+    secret: str = field(repr=False, default="")
+
+    def key(self) -> bytes:
+        """The signing key: a `whsec_` secret is base64 (Standard Webhooks), any other its UTF-8 bytes."""
+        if self.secret.startswith("whsec_"):
+            return base64.b64decode(self.secret[len("whsec_"):])
+        return self.secret.encode()
+
+    def takes(self, event: str) -> bool:
+        return "*" in self.events or event in self.events
+
+
+@dataclass(frozen=True)
+class EmailConfig:
+    """`email`: the SMTP server requests are sent through, and who they come from."""
+
+    host: str
+    sender: str
+    port: int = 25
+    starttls: bool = False
+    tls: bool = False
+    username: str | None = None
+    password_env: str | None = None
+    password: str | None = field(repr=False, default=None)
+
+
+@dataclass(frozen=True)
 class Config:
     host: str = "127.0.0.1"
     port: int = 8765
@@ -3713,6 +3766,18 @@ class Config:
     public_url: str | None = None               # the base of answer and sign-in links
     mcp_as: str | None = None                   # `mcp.as`: the person at an MCP client whose token names none
     max_connections: int = DEFAULT_MAX_CONNECTIONS   # open HTTP connections at most
+    webhooks: dict[str, tuple[WebhookConfig, ...]] = field(default_factory=dict)   # by playbook
+    email: EmailConfig | None = None            # the SMTP server `deliver: {email: ...}` sends through
+
+    @property
+    def secrets(self) -> tuple[str, ...]:
+        """Every secret value of the configuration, which nothing recorded may hold: the servers' env
+        and headers, the webhooks' signing secrets, the SMTP password."""
+        out = [v for sc in self.servers.values() for v in (*sc.env.values(), *sc.headers.values())]
+        out += [h.secret for hooks in self.webhooks.values() for h in hooks if h.secret]
+        if self.email is not None and self.email.password:
+            out.append(self.email.password)
+        return tuple(out)
 
     @property
     def links_base(self) -> str:
@@ -3726,7 +3791,7 @@ class Config:
 
 #: The keys of a configuration file (and how `check` tells one from a workflow).
 CONFIG_KEYS: Final = ("listen", "database", "open_requests", "servers", "playbooks", "metrics", "public_url", "mcp",
-                      "max_connections")
+                      "max_connections", "email")
 
 
 class ConfigError(Exception):
@@ -3823,7 +3888,7 @@ def _read_playbook(pb: Any, p: Any, raw_servers: dict[Any, Any], problems: list[
     if not isinstance(p, dict):
         problems.append(f"{where}: a mapping with servers")
         return None
-    problems += [f"{where}.{k}: unknown key" for k in p if k != "servers"]
+    problems += [f"{where}.{k}: unknown key" for k in p if k not in ("servers", "webhooks")]
     names = p.get("servers") or []
     if not isinstance(names, list):
         problems.append(f"{where}.servers: a list of server names")
@@ -3832,6 +3897,101 @@ def _read_playbook(pb: Any, p: Any, raw_servers: dict[Any, Any], problems: list[
         if n not in raw_servers:
             problems.append(f"{where}.servers[{i}]: {n!r} is not a server of this configuration")
     return tuple(n for n in names if isinstance(n, str))
+
+
+def _env_secret(where: str, name: Any, environ: Mapping[str, str], problems: list[str]) -> str | None:
+    """The value of the environment variable a configuration names for a secret."""
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        problems.append(f"{where}: the name of an environment variable that holds the secret")
+        return None
+    value = environ.get(name)
+    if not value:
+        problems.append(f"{where}: the environment variable {name} is not set (it holds the secret)")
+        return None
+    if len(value) < MIN_SECRET_CHARS:
+        problems.append(f"{where}: the secret in {name} is too short to be kept out of the records"
+                        f" (at least {MIN_SECRET_CHARS} characters)")
+        return None
+    return value
+
+
+def _read_webhooks(pb: str, hooks: Any, environ: Mapping[str, str], problems: list[str]) -> tuple[WebhookConfig, ...]:
+    """`playbooks.PB.webhooks: [{url, events: [...], secret_env: NAME}]`."""
+    where = f"playbooks.{pb}.webhooks"
+    if hooks is None:
+        return ()
+    if not isinstance(hooks, list) or len(hooks) > MAX_WEBHOOKS:
+        problems.append(f"{where}: a list of at most {MAX_WEBHOOKS} webhooks, each {{url, events, secret_env}}")
+        return ()
+    out = []
+    for i, h in enumerate(hooks):
+        at = f"{where}[{i}]"
+        if not isinstance(h, dict):
+            problems.append(f"{at}: a mapping with url, events and secret_env")
+            continue
+        count = len(problems)
+        problems += [f"{at}.{k}: unknown key" for k in h if k not in ("url", "events", "secret_env")]
+        url = h.get("url")
+        if not isinstance(url, str) or not re.fullmatch(r"https?://[^\s/?#]+(/[^\s#]*)?", url):
+            problems.append(f"{at}.url: an http:// or https:// URL the events are POSTed to")
+        events = h.get("events")
+        if not isinstance(events, list) or not events or not all(isinstance(e, str) for e in events):
+            problems.append(f"{at}.events: a list of events ({', '.join(WEBHOOK_EVENTS)}) or [\"*\"]")
+            events = []
+        for e in events:
+            if e != "*" and e not in WEBHOOK_EVENTS:
+                problems.append(f"{at}.events: {e!r} is not an event (known: {', '.join(WEBHOOK_EVENTS)}, or *)")
+        secret = _env_secret(f"{at}.secret_env", h.get("secret_env"), environ, problems)
+        if secret is not None and secret.startswith("whsec_"):
+            try:
+                if not base64.b64decode(secret[len("whsec_"):], validate=True):
+                    raise ValueError("empty")
+            except ValueError:
+                problems.append(f"{at}.secret_env: a whsec_ secret is base64 after its prefix")
+        if len(problems) == count:
+            out.append(WebhookConfig(url, frozenset(events), h["secret_env"], secret or ""))
+    return tuple(out)
+
+
+def _read_email(raw: Any, environ: Mapping[str, str], problems: list[str]) -> EmailConfig | None:
+    """`email: {smtp: {host, port, starttls, tls, username, password_env}, from}`."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        problems.append("email: a mapping with smtp and from")
+        return None
+    count = len(problems)
+    problems += [f"email.{k}: unknown key" for k in raw if k not in ("smtp", "from")]
+    smtp = raw.get("smtp")
+    if not isinstance(smtp, dict):
+        problems.append("email.smtp: a mapping with host, port, starttls, username, password_env")
+        smtp = {}
+    problems += [f"email.smtp.{k}: unknown key" for k in smtp
+                 if k not in ("host", "port", "starttls", "tls", "username", "password_env")]
+    host = smtp.get("host")
+    if not isinstance(host, str) or not host or has_control_char(host):
+        problems.append("email.smtp.host: the SMTP server's host name or address")
+    starttls, tls = smtp.get("starttls", False), smtp.get("tls", False)
+    for key, value in (("starttls", starttls), ("tls", tls)):
+        if not isinstance(value, bool):
+            problems.append(f"email.smtp.{key}: true or false")
+    if starttls is True and tls is True:
+        problems.append("email.smtp: starttls (upgrade a plain connection) or tls (TLS from the start), not both")
+    port = smtp.get("port", 465 if tls is True else 587 if starttls is True else 25)
+    if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
+        problems.append("email.smtp.port: a port number from 1 to 65535")
+    username = smtp.get("username")
+    if username is not None and (not isinstance(username, str) or not username or has_control_char(username)):
+        problems.append("email.smtp.username: the name the server knows the daemon by")
+    password = None
+    if "password_env" in smtp:
+        password = _env_secret("email.smtp.password_env", smtp["password_env"], environ, problems)
+    sender = raw.get("from")
+    if not isinstance(sender, str) or not re.fullmatch(r"[^\s@<>]+@[^\s@<>]+|[^<>\r\n]*<[^\s@<>]+@[^\s@<>]+>", sender):
+        problems.append("email.from: the address requests come from, e.g. 'Approvals <approvals@example.org>'")
+    if len(problems) > count:
+        return None
+    return EmailConfig(host, sender, port, starttls is True, tls is True, username, smtp.get("password_env"), password)
 
 
 def load_config(path: str | None, environ: dict[str, str] | None = None) -> Config:
@@ -3878,10 +4038,13 @@ def load_config(path: str | None, environ: dict[str, str] | None = None) -> Conf
     servers = {name: sc for name, value in raw_servers.items()
                if (sc := _read_server(name, value, problems)) is not None}
     playbooks: dict[str, tuple[str, ...]] = {DEFAULT_PLAYBOOK: ()}
+    webhooks: dict[str, tuple[WebhookConfig, ...]] = {}
     for pb, value in _config_mapping(raw, "playbooks", "a mapping of ORG/NAME to their settings", problems).items():
         names = _read_playbook(pb, value, raw_servers, problems)
         if names is not None:
             playbooks[pb] = names
+            if isinstance(value, dict) and value.get("webhooks") is not None:
+                webhooks[pb] = _read_webhooks(pb, value["webhooks"], environ, problems)
     metrics = _config_mapping(raw, "metrics", "a mapping with open_on_loopback", problems)
     problems += [f"metrics.{k}: unknown key" for k in metrics if k != "open_on_loopback"]
     if not isinstance(metrics.get("open_on_loopback", False), bool):
@@ -3904,9 +4067,10 @@ def load_config(path: str | None, environ: dict[str, str] | None = None) -> Conf
             or not 1 <= max_connections <= MAX_MAX_CONNECTIONS:
         problems.append(f"max_connections: a whole number from 1 to {MAX_MAX_CONNECTIONS:,}"
                         f" (default {DEFAULT_MAX_CONNECTIONS:,})")
+    email = _read_email(raw.get("email"), environ, problems)
     if problems:
         raise ConfigError(problems)
-    return Config(host, port, database, open_requests, servers, playbooks, path,
+    return Config(host, port, database, open_requests, servers, playbooks, path, webhooks=webhooks, email=email,
                   metrics_open_on_loopback=metrics.get("open_on_loopback") is True,
                   public_url=public_url.rstrip("/") if public_url else None,
                   mcp_as=mcp_as.strip() if mcp_as else None, max_connections=max_connections)
@@ -3935,7 +4099,7 @@ def load_config(path: str | None, environ: dict[str, str] | None = None) -> Conf
 # The end of this section runs the same store, threads and SQL on a PostgreSQL server.
 
 #: PRAGMA user_version of a file this version made; an earlier one is migrated at open (MIGRATIONS).
-SCHEMA_VERSION: Final = 7
+SCHEMA_VERSION: Final = 9
 
 
 #: The schema, embedded so an installed wheel needs no data file; tests keep it equal to schema.sql.
@@ -4094,6 +4258,26 @@ CREATE TABLE IF NOT EXISTS nudges (
     started_at INTEGER                               -- of the attempt in flight or the last one
 );
 
+-- Events POSTed to the playbooks' webhooks (Standard Webhooks), each queued in its event's own
+-- transaction, once a hook; attempted at once, then 1 min, 5 min, 30 min, 2 h and 8 h apart.
+CREATE TABLE IF NOT EXISTS webhook_deliveries (
+    id         INTEGER PRIMARY KEY,
+    playbook   TEXT NOT NULL,
+    url        TEXT NOT NULL,                        -- the hook's, when the event was queued
+    event_id   INTEGER NOT NULL,                     -- events.id
+    type       TEXT NOT NULL,                        -- request_opened, ..., run_ended
+    run_id     TEXT,
+    body       TEXT NOT NULL,                        -- the bytes signed and sent, every attempt
+    state      TEXT NOT NULL CHECK (state IN ('pending', 'sending', 'retrying', 'delivered', 'failed')),
+    attempts   INTEGER NOT NULL DEFAULT 0,
+    created_at INTEGER NOT NULL,
+    started_at INTEGER,                              -- of the attempt in flight or the last one
+    next_at    INTEGER,                              -- of the next attempt, while one is to come
+    ended_at   INTEGER,                              -- delivered, or the last attempt failed
+    history    TEXT NOT NULL DEFAULT '[]'            -- the attempts: [{n, at, status, error}, ...]
+);
+CREATE INDEX IF NOT EXISTS webhook_deliveries_by_playbook ON webhook_deliveries (playbook, id);
+
 -- Append-only. `id` is monotonic and never reused; run events also carry a gap-free run_seq.
 CREATE TABLE IF NOT EXISTS events (
     id       INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -4233,6 +4417,11 @@ def _migrate_to_7(conn: Any) -> None:
     conn.execute("ALTER TABLE requests ADD COLUMN answered_by_name TEXT")
 
 
+def _migrate_to_9(conn: Any) -> None:
+    """Webhooks: their queue (the webhook_deliveries table) is new, made by the schema itself; an
+    earlier event was never queued. PostgreSQL's step too (POSTGRES_MIGRATIONS)."""
+
+
 #: Each step takes a file made by an earlier version to the next PRAGMA user_version, in order.
 MIGRATIONS: Final[tuple[tuple[int, Callable[[sqlite3.Connection], None]], ...]] = (
     (2, _migrate_to_2),
@@ -4241,6 +4430,7 @@ MIGRATIONS: Final[tuple[tuple[int, Callable[[sqlite3.Connection], None]], ...]] 
     (5, _migrate_to_5),
     (6, _migrate_to_6),
     (7, _migrate_to_7),
+    (9, _migrate_to_9),
 )
 
 
@@ -4637,6 +4827,9 @@ class Store:
         self._reads: list[tuple[Any, ...]] = []
         self._handing_over = False
         self._gathered = 0                                 # turns the changes waiting here have waited
+        #: The playbooks' webhooks, which the writer queues every event for (SqlTx.webhooks): filled in
+        #: place by the engine from its configuration, before or after the store opens.
+        self.webhooks: dict[str, tuple[tuple[str, frozenset[str]], ...]] = {}
 
     async def open(self) -> None:
         loop = asyncio.get_running_loop()
@@ -4667,7 +4860,10 @@ class Store:
         if writer:                          # the checkpointer copies the WAL; this is only a safety net
             conn.execute(f"PRAGMA wal_autocheckpoint = {WRITER_AUTOCHECKPOINT_PAGES}")
             conn.execute(f"PRAGMA journal_size_limit = {WAL_SIZE_LIMIT_BYTES}")
-        return SQLiteTx(conn)
+        tx = SQLiteTx(conn)
+        if writer:
+            tx.webhooks = self.webhooks
+        return tx
 
     async def close(self) -> None:
         self._hand_over(gather=False)
@@ -4829,6 +5025,13 @@ class Tx(Protocol):
     def timers_due(self, after: int | None, until: int) -> list[tuple[str, int]]: ...
     def append_event(self, fx: Effects | None, playbook: str, run_id: str | None, type_: str, at: int,
                      by: str | None, payload: dict[str, Any], *, run_seq: int | None = None) -> int: ...
+
+    # Webhooks (the queue append_event fills; see SqlTx.queue_webhooks).
+
+    def begin_webhook_attempt(self, delivery_id: int, *, now: int) -> Row | None: ...
+    def end_webhook_attempt(self, delivery_id: int, attempt: int, *, state: str, next_at: int | None,
+                            ended_at: int | None, history: list[dict[str, Any]]) -> bool: ...
+    def webhook_deliveries(self, playbook: str, *, before: int | None, limit: int) -> list[Row]: ...
     def run_events(self, playbook: str, run_id: str, *, after: int, limit: int) -> list[Row]: ...
     def playbook_events(self, playbook: str, *, type_: str | None, after: int, limit: int) -> list[Row]: ...
 
@@ -4933,7 +5136,7 @@ class SqlTx:
     False or a `conflict` problem) rather than reading, checking in Python and writing by key.
     """
 
-    __slots__ = ("conn",)
+    __slots__ = ("conn", "webhooks")
 
     #: How the shared SQL is said on this backend (SQLITE_DIALECT, POSTGRES_DIALECT).
     dialect: "Dialect"
@@ -4942,6 +5145,10 @@ class SqlTx:
 
     def __init__(self, conn: Any) -> None:
         self.conn = conn
+        #: The playbooks' webhooks as the writer queues events for them: {playbook: ((url, events), ...)}
+        #: (the store's, which the engine fills from the configuration); None on a connection that
+        #: queues nothing (a reader, the command line).
+        self.webhooks: dict[str, tuple[tuple[str, frozenset[str]], ...]] | None = None
 
     def close(self) -> None:
         self.conn.close()
@@ -5012,7 +5219,57 @@ class SqlTx:
         if fx is not None:
             fx.published.append({"id": event_id, "playbook": playbook, "run_id": run_id, "type": type_, "at": at,
                                  "by": by, "payload": payload})
+            if self.webhooks and playbook in self.webhooks:
+                self.queue_webhooks(fx, playbook, run_id, event_id, type_, at, by, payload)
         return event_id
+
+    def queue_webhooks(self, fx: Effects, playbook: str, run_id: str | None, event_id: int, type_: str, at: int,
+                       by: str | None, payload: dict[str, Any]) -> None:
+        """Queue an event for each of the playbook's webhooks that takes it, in the event's own
+        transaction, its first attempt due at once (a `webhook` timer). The body is Standard Webhooks'
+        payload, `{type, timestamp, data}`, made once: every attempt signs and sends these bytes."""
+        kind = WEBHOOK_EVENT_OF.get(type_) or ("run_ended" if type_.startswith("run_") and run_id is not None
+                                              and type_ != "run_started" else None)
+        if kind is None:
+            return
+        body = None
+        for url, events in self.webhooks.get(playbook, ()) if self.webhooks else ():
+            if "*" not in events and kind not in events:
+                continue
+            if body is None:
+                body = dumps({"type": kind, "timestamp": fmt_time(at), "data": {
+                    "event_id": f"evt_{event_id}", "event": type_, "playbook": playbook, "run_id": run_id,
+                    "at": fmt_time(at), "by": by, "payload": payload}})
+            delivery_id = self.conn.execute(
+                "INSERT INTO webhook_deliveries (playbook, url, event_id, type, run_id, body, state, created_at, next_at)"
+                " VALUES (?, ?, ?, ?, ?, ?, 'pending', ?, ?) RETURNING id",
+                (playbook, url, event_id, kind, run_id, body, at, at)).fetchone()[0]
+            self.set_timer(fx, timer_key("webhook", playbook, str(delivery_id)), at)
+
+    def begin_webhook_attempt(self, delivery_id: int, *, now: int) -> Row | None:
+        """Start a webhook delivery's next attempt: one still to be made (pending, retrying), or one whose
+        attempt in flight had no recorded end (sending: the daemon stopped), with an attempt left. The
+        delivery as it now stands, or None."""
+        return self.conn.execute(
+            "UPDATE webhook_deliveries SET state = 'sending', attempts = attempts + 1, started_at = ?, next_at = NULL"
+            " WHERE id = ? AND state IN ('pending', 'retrying', 'sending') AND attempts < ? RETURNING *",
+            (now, delivery_id, MAX_WEBHOOK_ATTEMPTS)).fetchone()
+
+    def end_webhook_attempt(self, delivery_id: int, attempt: int, *, state: str, next_at: int | None,
+                            ended_at: int | None, history: list[dict[str, Any]]) -> bool:
+        """Record how attempt `attempt` ended (state: delivered, retrying or failed). Guarded: False when
+        that attempt is no longer the one in flight."""
+        return self.conn.execute(
+            "UPDATE webhook_deliveries SET state = ?, next_at = ?, ended_at = ?, history = ?"
+            " WHERE id = ? AND attempts = ? AND state = 'sending'",
+            (state, next_at, ended_at, dumps(history), delivery_id, attempt)).rowcount > 0
+
+    def webhook_deliveries(self, playbook: str, *, before: int | None, limit: int) -> list[Row]:
+        """A page of a playbook's webhook deliveries, newest first, before the id `before`."""
+        return self.conn.execute(
+            "SELECT id, playbook, url, event_id, type, run_id, state, attempts, created_at, started_at, next_at,"
+            " ended_at, history FROM webhook_deliveries WHERE playbook = ? AND id < ? ORDER BY id DESC LIMIT ?",
+            (playbook, before if before is not None else 2 ** 62, limit)).fetchall()
 
     def _event_extra(self) -> tuple[Any, ...]:
         """The values of the dialect's event columns past the common ones."""
@@ -6023,6 +6280,7 @@ POSTGRES_MIGRATIONS: Final[tuple[tuple[int, Callable[[Any], None]], ...]] = (
     (5, _pg_migrate_to_5),
     (6, _pg_migrate_to_6),
     (7, _migrate_to_7),
+    (9, _migrate_to_9),
 )
 
 #: Keys of the transaction-level advisory locks (pg_advisory_xact_lock): writes, and the schema.
@@ -6222,6 +6480,26 @@ CREATE TABLE IF NOT EXISTS nudges (
     attempts   INTEGER NOT NULL DEFAULT 0,
     started_at BIGINT                                -- of the attempt in flight or the last one
 );
+
+-- Events POSTed to the playbooks' webhooks (Standard Webhooks), each queued in its event's own
+-- transaction, once a hook; attempted at once, then 1 min, 5 min, 30 min, 2 h and 8 h apart.
+CREATE TABLE IF NOT EXISTS webhook_deliveries (
+    id         BIGINT GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY,
+    playbook   TEXT NOT NULL,
+    url        TEXT NOT NULL,                        -- the hook's, when the event was queued
+    event_id   BIGINT NOT NULL,                      -- events.id
+    type       TEXT NOT NULL,                        -- request_opened, ..., run_ended
+    run_id     TEXT,
+    body       TEXT NOT NULL,                        -- the bytes signed and sent, every attempt
+    state      TEXT NOT NULL CHECK (state IN ('pending', 'sending', 'retrying', 'delivered', 'failed')),
+    attempts   INTEGER NOT NULL DEFAULT 0,
+    created_at BIGINT NOT NULL,
+    started_at BIGINT,                               -- of the attempt in flight or the last one
+    next_at    BIGINT,                               -- of the next attempt, while one is to come
+    ended_at   BIGINT,                               -- delivered, or the last attempt failed
+    history    TEXT NOT NULL DEFAULT '[]'            -- the attempts: [{n, at, status, error}, ...]
+);
+CREATE INDEX IF NOT EXISTS webhook_deliveries_by_playbook ON webhook_deliveries (playbook, id);
 
 -- Append-only. `id` is monotonic and never reused, and ids commit in increasing order (a write
 -- takes the store's advisory lock first); run events also carry a gap-free run_seq.
@@ -7172,7 +7450,10 @@ class PostgresStore(Store):
         setup: tuple[str, ...] = ("SET enable_seqscan = off",)
         if writer:
             setup += (f"SET lock_timeout = {PG_LOCK_TIMEOUT_MS}", "SET standard_conforming_strings = on")
-        return PostgresTx(_PgConn(self.path, setup), self.daemon_id)
+        tx = PostgresTx(_PgConn(self.path, setup), self.daemon_id)
+        if writer:
+            tx.webhooks = self.webhooks
+        return tx
 
     async def claim(self, key: str, *, due_by: int | None = None) -> bool:
         return await self.write(lambda tx, fx: tx.claim_lease(key, due_by=due_by))
@@ -7481,7 +7762,6 @@ _SECRET_WORDS: Final = frozenset({"pass", "pwd", "auth", "bearer"})
 _KEY_WORD_RE: Final = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+")
 _TOKEN_RE: Final = re.compile(r"itd_[A-Za-z0-9_-]{20,}")
 SCRUBBED: Final = "[scrubbed]"
-MIN_SECRET_CHARS: Final = 4               # shorter values are too common in text to be scrubbed by value
 MAX_STDERR_LINE_CHARS: Final = 4096        # a tool server's stderr is logged in lines of at most this
 
 
@@ -7596,7 +7876,7 @@ class ToolServers:
 
     def __init__(self, config: Config, store: Store | None = None, clock: Clock | None = None) -> None:
         self.config = config
-        self.scrub = Scrubber(v for sc in config.servers.values() for v in (*sc.env.values(), *sc.headers.values()))
+        self.scrub = Scrubber(config.secrets)         # the servers' env and headers, webhook and SMTP secrets
         self.sessions = {name: ToolSession(sc, self.scrub) for name, sc in config.servers.items()}
         self.store = store                  # where a refused call is recorded (tool_call_refused)
         self.clock = clock
@@ -10192,6 +10472,148 @@ class Reminders:
         return True
 
 
+def webhook_signature(key: bytes, msg_id: str, timestamp: str, body: bytes) -> str:
+    """Standard Webhooks' signature of a message: `v1,` and the base64 HMAC-SHA256 of
+    `id.timestamp.body` under the hook's key."""
+    mac = hmac.new(key, msg_id.encode() + b"." + timestamp.encode() + b"." + body, hashlib.sha256)
+    return "v1," + base64.b64encode(mac.digest()).decode()
+
+
+def _http_retry_after_ms(value: str | None) -> int | None:
+    """An HTTP answer's Retry-After (seconds, or an HTTP date), in milliseconds."""
+    if not value:
+        return None
+    if value.strip().isdigit():
+        return int(value.strip()) * 1000
+    with contextlib.suppress(Exception):
+        from email.utils import parsedate_to_datetime
+        return max(0, int(parsedate_to_datetime(value).timestamp() * 1000) - WALL.now_ms())
+    return None
+
+
+class Webhooks:
+    """The playbooks' webhooks (SPEC section 26): every event a hook takes is queued by the store in
+    the event's own transaction (SqlTx.queue_webhooks), one `webhook` timer per delivery; each
+    attempt is a task of its own that signs the queued body as Standard Webhooks says and POSTs it.
+    A 2xx answer delivers it; any other answer, a timeout or a refused connection is tried again
+    1 min, 5 min, 30 min, 2 h and 8 h after the attempt before (or after the receiver's Retry-After),
+    then the delivery has failed. Nothing waits for a receiver: not the change that made the event,
+    not the timer task, not another delivery.
+
+    An attempt is two changes around the POST: the first moves the delivery's timer a minute on, so an
+    attempt whose end is never written (the daemon stopped) is made again then; the second records
+    how it ended and arms the next."""
+
+    def __init__(self, store: Store, clock: Clock, config: Config, scrub: Callable[[Any], Any]) -> None:
+        self.store = store
+        self.clock = clock
+        self.scrub = scrub
+        self.hooks: dict[str, tuple[WebhookConfig, ...]] = {pb: hooks for pb, hooks in config.webhooks.items()
+                                                            if hooks and pb in config.playbooks}
+        self._session: Any = None               # aiohttp's ClientSession, made at the first attempt
+        store.webhooks.update({pb: tuple((h.url, h.events) for h in hooks) for pb, hooks in self.hooks.items()})
+
+    def hook(self, playbook: str, url: str) -> WebhookConfig | None:
+        """The configured hook a delivery is for (by its URL), whose secret signs it."""
+        return next((h for h in self.hooks.get(playbook, ()) if h.url == url), None)
+
+    async def attempt(self, playbook: str, ref: str, key: str) -> None:
+        now = self.clock.now_ms()
+        delivery_id = int(ref)
+
+        def begin(tx: Tx, fx: Effects) -> Row | None:
+            if not tx.take_timer(fx, key, now):
+                return None
+            row = tx.begin_webhook_attempt(delivery_id, now=now)
+            if row is not None:        # an attempt with no recorded end a minute on counts as failed
+                tx.set_timer(fx, key, now + LOST_ATTEMPT_S * 1000)
+            return row
+
+        row = await self.store.write(begin)
+        if row is None:
+            return
+        outcome = await self.send(row)
+        ended_now = self.clock.now_ms()
+
+        def ended(tx: Tx, fx: Effects) -> None:
+            attempt = row["attempts"]
+            history = list(json.loads(row["history"]))
+            seen = {h.get("n") for h in history}
+            history += [{"n": n, "at": None, "status": None, "error": "lost: the attempt had no recorded end"}
+                        for n in range(1, attempt) if n not in seen]
+            history.append({"n": attempt, "at": fmt_time(row["started_at"]), "status": outcome.get("status"),
+                            "error": outcome.get("error")})
+            if outcome.get("ok"):
+                state, next_at, ended_at = "delivered", None, ended_now
+            elif attempt < MAX_WEBHOOK_ATTEMPTS and not outcome.get("final"):
+                gap = WEBHOOK_GAPS_S[attempt - 1] * 1000
+                retry_after = outcome.get("retry_after_ms")
+                if retry_after is not None:
+                    gap = min(max(0, int(retry_after)), MAX_RETRY_AFTER_WEBHOOK_S * 1000)
+                state, next_at, ended_at = "retrying", max(ended_now, row["started_at"] + gap), None
+            else:
+                state, next_at, ended_at = "failed", None, ended_now
+            if not tx.end_webhook_attempt(delivery_id, attempt, state=state, next_at=next_at, ended_at=ended_at,
+                                          history=history):
+                return                                  # counted lost meanwhile: this end is stale
+            if next_at is None:
+                tx.drop_timer(fx, key)
+            else:
+                tx.set_timer(fx, key, next_at)
+        await write_attempt_end(self.store, ended)
+
+    async def send(self, row: Row) -> dict[str, Any]:
+        """One POST of a queued delivery, signed; what came of it (ok, status, error, retry_after_ms)."""
+        import aiohttp
+        hook = self.hook(row["playbook"], row["url"])
+        if hook is None:
+            return {"error": "the webhook is no longer in the configuration", "final": True}
+        msg_id = f"msg_{row['id']}"
+        timestamp = str(self.clock.now_ms() // 1000)
+        body = row["body"].encode()
+        headers = {"content-type": "application/json", "user-agent": f"interactiond/{__version__}",
+                   "webhook-id": msg_id, "webhook-timestamp": timestamp,
+                   "webhook-signature": webhook_signature(hook.key(), msg_id, timestamp, body)}
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession()
+        timeout = aiohttp.ClientTimeout(total=OPEN_TIMEOUT_S + CALL_TIMEOUT_S, connect=OPEN_TIMEOUT_S,
+                                        sock_read=CALL_TIMEOUT_S)
+        try:
+            async with self._session.post(hook.url, data=body, headers=headers, timeout=timeout,
+                                          allow_redirects=False) as resp:
+                text = (await resp.content.read(4 * MAX_WEBHOOK_ERROR_CHARS)).decode("utf-8", "replace")
+                if 200 <= resp.status < 300:
+                    return {"ok": True, "status": resp.status, "error": None}
+                said = " ".join(text.split())[:MAX_WEBHOOK_ERROR_CHARS]
+                return {"status": resp.status, "error": self.scrub(f"HTTP {resp.status}" + (f": {said}" if said else "")),
+                        "retry_after_ms": _http_retry_after_ms(resp.headers.get("retry-after"))}
+        except (asyncio.TimeoutError, TimeoutError):
+            return {"status": None, "error": "the receiver did not answer in time"}
+        except (aiohttp.ClientError, OSError, ValueError) as exc:
+            return {"status": None, "error": self.scrub(f"{type(exc).__name__}: {exc}"[:MAX_WEBHOOK_ERROR_CHARS])}
+
+    async def list_deliveries(self, caller: Caller, playbook: str, limit: Any = None,
+                              cursor: str | None = None) -> dict[str, Any]:
+        """The playbook's webhook deliveries, newest first, with their attempts (operator)."""
+        caller.require(Role.OPERATOR)
+        n = check_limit(limit)
+        before = decode_cursor(cursor)[0] if cursor else None
+        rows = await self.store.read(lambda tx: tx.webhook_deliveries(playbook, before=before, limit=n + 1))
+        more = len(rows) > n
+        nxt = encode_cursor([rows[n - 1]["id"]]) if more else None
+        data = [{"id": f"whd_{r['id']}", "webhook_id": f"msg_{r['id']}", "url": r["url"], "type": r["type"],
+                 "event_id": f"evt_{r['event_id']}", "run_id": r["run_id"], "state": r["state"],
+                 "attempts": r["attempts"], "created_at": fmt_time(r["created_at"]),
+                 "next_attempt_at": fmt_time(r["next_at"]), "ended_at": fmt_time(r["ended_at"]),
+                 "history": json.loads(r["history"])} for r in rows[:n]]
+        return {"data": data, "next_cursor": nxt, "page": {"has_more": more, "next_cursor": nxt}}
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
 class Engine:
     """Every operation of the product, over one store, one clock and one timer task.
 
@@ -10238,6 +10660,8 @@ class Engine:
         self.reminders = Reminders(store, clock, self.definitions.document, self.deliveries.send, self.spawn)
         self.runs = Runs(store, clock, self.bus, self.definitions, self.system_calls, self.kinds, config.open_requests,
                          links=self.links, reminders=self.reminders)
+        #: The playbooks' webhooks: the store queues their events; the `webhook` timers send them.
+        self.webhooks = Webhooks(store, clock, config, self.tools.scrub)
 
         # The operations the sections below call, each answered by the part that owns it.
         self.document = self.definitions.document
@@ -10261,6 +10685,7 @@ class Engine:
         self.list_run_events = self.inbox.list_run_events
         self.list_playbook_events = self.inbox.list_playbook_events
         self.get_event = self.inbox.get_event
+        self.list_webhook_deliveries = self.webhooks.list_deliveries
 
         self.kinds.update((type_, make(self)) for type_, make in RUN_KINDS.items())
         self.on_timer("expire", self._expire)
@@ -10271,6 +10696,7 @@ class Engine:
         for kind_ in Reminders.TIMER_KINDS:
             self.on_timer(kind_, lambda playbook, ref, key, k=kind_: self.reminders.fire(k, playbook, ref, key))
         self.on_timer("prune", lambda playbook, ref, key: self._prune(key))
+        self.on_timer("webhook", self.webhooks.attempt, side=True)
         for type_, kind in self.kinds.items():    # e.g. a workflow run to move on (started, woken, or due)
             self.on_timer(type_, lambda playbook, ref, key, kind=kind: kind.on_timer(playbook, ref), side=True)
 
@@ -10344,6 +10770,7 @@ class Engine:
             await asyncio.gather(*pending, return_exceptions=True)
         self.bus.end_waits()
         await self.tools.close()
+        await self.webhooks.close()
         for kind in self.kinds.values():      # e.g. Workflows: its jq process
             await kind.close()
 
@@ -12147,6 +12574,12 @@ async def h_playbook_events(request: web.Request) -> web.Response:
                                                    q.get("cursor")))
 
 
+async def h_webhook_deliveries(request: web.Request) -> web.Response:
+    q = request.query
+    engine = request.app[engine_key()]
+    return _json(await engine.list_webhook_deliveries(_caller(request), _pb(request), q.get("limit"), q.get("cursor")))
+
+
 async def h_list_interactions(request: web.Request) -> web.Response:
     q = request.query
     engine = request.app[engine_key()]
@@ -12563,6 +12996,8 @@ ROUTES: Final[list[Route]] = [
           query=("to", "type", "function", "limit", "cursor"), person=True),
     Route("GET", PB + "/events", h_playbook_events, "list_playbook_events", query=("type", "limit", "cursor")),
     Route("GET", PB + "/events/{event_id}", h_get_event, "get_event"),
+    Route("GET", PB + "/webhooks/deliveries", h_webhook_deliveries, "The webhooks' deliveries and their attempts,"
+          " newest first", Role.OPERATOR, query=("limit", "cursor")),
     Route("GET", PB + "/tools", h_search, "search", query=("query",)),
     Route("GET", PB + "/tools/{server}/{tool}", h_introspect, "introspect"),
     Route("POST", PB + "/tools/{server}/{tool}", h_execute, "execute", Role.WRITER,
