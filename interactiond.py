@@ -154,6 +154,8 @@ __all__ = [
     "check_documents",
     "Client",
     "ClientError",
+    "Declined",
+    "Unanswered",
     "interaction_object",
     "mount_typed_api",
 ]
@@ -14794,6 +14796,45 @@ class ClientError(Problem):
         return self.body()
 
 
+class Declined(Exception):
+    """A call shown for approval (Client.require_approval) was refused: it did not run. `note` is what
+    the person said, `answered_by` who refused, `run_id` the approval's run."""
+
+    def __init__(self, run_id: str, note: str | None, answered_by: str | None = None) -> None:
+        self.run_id, self.note, self.answered_by = run_id, note, answered_by
+        super().__init__(f"the call was declined{': ' + note if note else ''} (run {run_id})")
+
+
+class Unanswered(Exception):
+    """Nobody answered in time (Client.require_approval, Client.ask): the request expired, was
+    cancelled or could not be delivered (`kind`), or the caller's own `timeout` passed (kind
+    `timed_out`, and the request was cancelled). A call waiting for approval did not run."""
+
+    def __init__(self, run_id: str, kind: str | None, detail: str = "") -> None:
+        self.run_id, self.kind = run_id, kind
+        super().__init__(f"not answered ({kind or 'no answer'}){': ' + detail if detail else ''} (run {run_id})")
+
+
+#: The answer of a call shown for approval: SPEC section 20's approval shape.
+_CALL_APPROVAL_SCHEMA: Final[dict[str, Any]] = {
+    "type": "object", "required": ["approved"], "additionalProperties": False, "properties": {
+        "approved": {"type": "boolean", "description": "Whether the call may run"},
+        "note": {"type": "string", "maxLength": 2000, "description": "Why, or what was changed"}}}
+
+
+def _json_schema_of(annotation: Any) -> dict[str, Any]:
+    """The JSON Schema of a parameter's annotation, as far as a plain type says it (else any value)."""
+    return {bool: {"type": "boolean"}, int: {"type": "integer"}, float: {"type": "number"},
+            str: {"type": "string"}, list: {"type": "array"}, dict: {"type": "object"}}.get(annotation, {})
+
+
+def _code_block(text: str) -> str:
+    """`text` as a Markdown code block whose fence no run of backticks inside it closes."""
+    longest = max((len(m) for m in re.findall(r"`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}json\n{text}\n{fence}"
+
+
 class Client:
     """A small synchronous client of interactiond's HTTP API (urllib only)."""
 
@@ -14810,6 +14851,128 @@ class Client:
         self.interactions = _Interactions(self)
         self.runs = _Runs(self)
         self.definitions = _Definitions(self)
+
+    # -- asking from Python ------------------------------------------------------------------------
+
+    def _outcome(self, run: dict[str, Any], timeout: float | None) -> dict[str, Any]:
+        """Wait for a run to end (for ever, or `timeout` real seconds, then cancel it: Unanswered)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not RunStatus(run["status"]).ended:
+            left = MAX_HTTP_WAIT_S if deadline is None else min(MAX_HTTP_WAIT_S, deadline - time.monotonic())
+            if left <= 0:
+                with contextlib.suppress(ClientError):
+                    self.runs.cancel(run["run_id"])
+                raise Unanswered(run["run_id"], "timed_out", f"no answer within {timeout:g} s; the request is cancelled")
+            run = self.runs.wait(run["run_id"], timeout=left)
+        if run["status"] == RunStatus.SUCCEEDED.value:
+            return run
+        problem = run.get("problem") or {}
+        if run["status"] == RunStatus.REJECTED.value and run.get("kind") != "declined":
+            raise Unanswered(run["run_id"], run.get("kind"), str(problem.get("detail") or ""))
+        raise ClientError.from_body(problem or {"type": PROBLEM_BASE + "failed", "detail": f"the run {run['status']}"})
+
+    def ask(self, prompt: str, *, to: str, type: str = "approval", options: list[dict[str, str]] | None = None,
+            multiple: bool | None = None, expires: str | None = None, timeout: float | None = None,
+            **more: Any) -> Any:
+        """Ask `to` a question and return the answer once given: type `approval` ({approved, comment}),
+        `text` ({text}), `choice` ({option_ids}; `options` [{id, label}], `multiple`) or `confirmation`
+        ({confirmed}). `expires` (ISO 8601, default P1D) and the rest (`remind_after`, `escalate_to`,
+        `escalate_after`, `default`, ...) are the built-in question's input. Raises Unanswered when
+        nobody answers (expired, cancelled, or `timeout` real seconds passed: then it is cancelled)."""
+        if type not in ASK_ANSWER_SCHEMAS:
+            raise ValueError(f"type is one of {', '.join(ASK_ANSWER_SCHEMAS)}")
+        input_: dict[str, Any] = {"prompt": prompt, "to": to, **more}
+        for key, value in (("options", options), ("multiple", multiple), ("expires", expires)):
+            if value is not None:
+                input_[key] = value
+        run = self.runs.start("interaction", f"ask-{type}", input_)
+        return self._outcome(run, timeout)["output"]
+
+    def require_approval(self, *, to: str, expires: str = "P1D", edit: Iterable[str] = (),
+                         name: str | None = None, timeout: float | None = None) -> Callable[[Callable[..., Any]], Any]:
+        """A decorator: every call of the function (sync or async) is first shown to `to` for approval,
+        with its arguments; approved, it runs once, with the arguments as approved (the parameters in
+        `edit` may be changed by the approver); refused, it raises Declined; not answered within
+        `expires` (or `timeout` real seconds), it raises Unanswered. The approval is a function saved
+        in the playbook (`name`, by default approve-<the function's name>), so the operator may give it
+        delivery, reminders or escalation by saving it again under that name."""
+        import inspect
+        editable = tuple(edit)
+        parse_duration(expires)                 # a wrong duration fails here, not at the first call
+
+        def decorate(fn: Callable[..., Any]) -> Any:
+            sig = inspect.signature(fn)
+            unknown = [e for e in editable if e not in sig.parameters]
+            if unknown:
+                raise ValueError(f"edit names {', '.join(unknown)}, not a parameter of {fn.__qualname__}")
+            slug = re.sub(r"[^a-z0-9]+", "-", fn.__qualname__.lower()).strip("-") or "call"
+            fname = name or ("approve-" + slug)[:128]
+            if not FUNCTION_NAME_RE.fullmatch(fname):
+                raise ValueError(f"{fname!r} is not a function name (lowercase letters, digits, - and _)")
+            try:
+                import typing
+                hints = typing.get_type_hints(fn)
+            except Exception:
+                hints = {}
+            answer = json.loads(dumps(_CALL_APPROVAL_SCHEMA))
+            if editable:
+                answer["properties"]["arguments"] = {
+                    "type": "object", "additionalProperties": False,
+                    "description": "The arguments changed, each left out as it was: " + ", ".join(editable),
+                    "properties": {e: _json_schema_of(hints.get(e)) for e in editable}}
+            front = {"description": f"Approves a call of {fn.__qualname__} before it runs (Client.require_approval)",
+                     "to": to, "expires": expires,
+                     "input": {"schema": {"type": "object", "required": ["function", "arguments", "shown"],
+                                          "properties": {"function": {"type": "string"},
+                                                         "arguments": {"type": "object"},
+                                                         "shown": {"type": "string"}}}},
+                     "output": {"schema": answer}}
+            import yaml
+            source = ("---\n" + yaml.safe_dump(front, sort_keys=False) + "---\n"
+                      "May `{{ input.function }}` run with these arguments?\n\n{{ input.shown }}\n"
+                      + (f"\nYou may change: {', '.join(editable)}.\n" if editable else ""))
+            saved: list[bool] = []
+
+            def approved(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+                bound = sig.bind(*args, **kwargs)
+                bound.apply_defaults()
+                try:
+                    shown = json.loads(dumps(dict(bound.arguments)))
+                except (TypeError, ValueError) as exc:
+                    raise TypeError(f"the arguments of {fn.__qualname__} are shown for approval as JSON: {exc}") from None
+                if not saved:                   # saved once; one the operator saved again is left as it is
+                    try:
+                        self.definitions.get("interaction", fname)
+                    except ClientError as exc:
+                        if exc.status != 404:
+                            raise
+                        self.definitions.create("interaction", fname, source)
+                    saved.append(True)
+                run = self.runs.start("interaction", fname, {
+                    "function": fn.__qualname__, "arguments": shown,
+                    "shown": _code_block(json.dumps(shown, indent=2, ensure_ascii=False))})
+                run = self._outcome(run, timeout)
+                out = run.get("output") or {}
+                if not out.get("approved"):
+                    raise Declined(run["run_id"], out.get("note"), run.get("settled_by"))
+                for key, value in (out.get("arguments") or {}).items():
+                    if key in editable:
+                        bound.arguments[key] = value
+                return bound
+
+            if inspect.iscoroutinefunction(fn):
+                @functools.wraps(fn)
+                async def gated_async(*args: Any, **kwargs: Any) -> Any:
+                    bound = await asyncio.to_thread(approved, args, kwargs)
+                    return await fn(*bound.args, **bound.kwargs)
+                return gated_async
+
+            @functools.wraps(fn)
+            def gated(*args: Any, **kwargs: Any) -> Any:
+                bound = approved(args, kwargs)
+                return fn(*bound.args, **bound.kwargs)
+            return gated
+        return decorate
 
     def request(self, method: str, path: str, body: Any = None, *, query: dict[str, Any] | None = None,
                 headers: dict[str, str] | None = None) -> Any:
