@@ -269,6 +269,12 @@ MAX_RETRY_AFTER_WEBHOOK_S: Final = 8 * 3600
 MAX_WEBHOOKS: Final = 16
 #: What a receiver's answer may say, kept for the operator's list (the rest is cut).
 MAX_WEBHOOK_ERROR_CHARS: Final = 500
+#: Email (`deliver: {email: ...}`, ask's `email`): an emailed request keeps this as its `server`, which
+#: no tool server's name can be, and its address as its `tool`; an address is at most this long
+#: (RFC 5321), and a subject at most this many characters of the message's first line.
+EMAIL_SERVER: Final = "@email"
+MAX_EMAIL_ADDRESS: Final = 254
+EMAIL_SUBJECT_CHARS: Final = 100
 #: A secret shorter than this is too common in text to be scrubbed by value (a configured one is refused).
 MIN_SECRET_CHARS: Final = 4
 
@@ -1803,6 +1809,7 @@ PLACES: Final[dict[str, Place]] = {
     "replies.conversation": Place(_SENT_NAMES, text=True),
     "replies.with": Place(_SENT_NAMES | {"conversation", "since"}),
     "tell.with": Place(_SENT_NAMES | {"message"}),
+    "deliver.email": Place(_RUN_NAMES | {"to"}, text=True),
 }
 
 #: Filters whose result is still a list: printing it inside text is the same mistake.
@@ -2592,6 +2599,9 @@ class FunctionDoc:
     #: The tools it sends and reads with, each as (field, server, tool, line): what the save checks
     #: against the operator's approval gate (no gated tool may deliver, read or tell).
     tool_uses: tuple[tuple[str, str, str, int], ...] = ()
+    #: `deliver: {email: TEMPLATE}`: the address the message is emailed to (`to` reads the party),
+    #: through the configuration's SMTP server; the request stays in the inbox (`deliver` is None).
+    email: Template | None = None
 
     @property
     def is_notification(self) -> bool:
@@ -3083,12 +3093,13 @@ def _check(r: _Reader, source: str, data: dict[str, Any], body: str, body_line: 
     for key in data:
         if key not in _FIELDS:
             r.add((key,), f"{key!r} is not a field of a function document (its fields: {', '.join(_FIELDS)})")
-    shape = Shape.SYSTEM if "call" in data else Shape.TOOL if "deliver" in data else Shape.INBOX
+    emailed = isinstance(data.get("deliver"), dict) and "email" in data["deliver"]
+    shape = Shape.SYSTEM if "call" in data else Shape.TOOL if "deliver" in data and not emailed else Shape.INBOX
     description = _description(r, data)
     input_schema = _schema_block(r, data, "input")
     output_schema = _schema_block(r, data, "output")
     to = from_ = message = expires = None
-    call = deliver = replies = approve = None
+    call = deliver = replies = approve = email = None
     if "approve" in data and shape is not Shape.SYSTEM:
         r.add(("approve",), "approve gates a call of a tool: only a function with call has it")
     if shape is Shape.SYSTEM:
@@ -3119,7 +3130,9 @@ def _check(r: _Reader, source: str, data: dict[str, Any], body: str, body_line: 
             message = r.template(("body",), body, PLACES["message"], input_schema, line=body_line)
         else:
             r.add(("body",), "the message is missing: write it after the front matter", line=body_line)
-        if "deliver" in data:
+        if emailed:
+            email = _read_email_deliver(r, data["deliver"], input_schema)
+        elif "deliver" in data:
             deliver = _read_deliver(r, data["deliver"], input_schema)
     rule = _reply_rule(r, data, shape, output_schema)
     if "replies" in data and shape is not Shape.SYSTEM:
@@ -3141,7 +3154,7 @@ def _check(r: _Reader, source: str, data: dict[str, Any], body: str, body_line: 
         expires=expires, expires_text=data.get("expires"), input_schema=input_schema,
         output_schema=output_schema, call=call, deliver=deliver, replies=replies,
         reply_rule=APPROVAL_RULE if approve is not None and replies is not None else rule, approve=approve,
-        tool_uses=tuple(uses), **follow)
+        tool_uses=tuple(uses), email=email, **follow)
 
 
 def _description(r: _Reader, data: dict[str, Any]) -> str | None:
@@ -3253,11 +3266,22 @@ def _read_deliver(r: _Reader, value: Any, input_schema: Any) -> DeliverSpec | No
     return DeliverSpec(server, tool, with_, sent)
 
 
+def _read_email_deliver(r: _Reader, value: dict[str, Any], input_schema: Any) -> Template | None:
+    """`deliver: {email: TEMPLATE}`: the address the message goes to; nothing beside it."""
+    block = r.mapping(("deliver",), value, ("email",), ("email",))
+    if block is None or "email" not in block:
+        return None
+    return r.template(("deliver", "email"), block["email"], PLACES["deliver.email"], input_schema)
+
+
 def _read_replies(r: _Reader, data: dict[str, Any], deliver: DeliverSpec | None,
                   output_schema: Any, rule: ReplyRule | None) -> RepliesSpec | None:
     path = ("replies",)
     if "deliver" not in data:
         r.add(path, "replies are read from a delivered message: replies needs deliver")
+        return None
+    if isinstance(data["deliver"], dict) and "email" in data["deliver"]:
+        r.add(path, "replies are read through a tool: an emailed request is answered on its page (its answer link)")
         return None
     if isinstance(data["deliver"], dict) and "sent" not in data["deliver"]:
         r.add(path, "reading replies needs deliver.sent: where the tool's answer names the message it sent")
@@ -3300,8 +3324,8 @@ def _read_follow_up(r: _Reader, data: dict[str, Any], expires: timedelta | None,
     for key in ("remind", "escalate"):
         if key in data and "output" not in data:
             r.add((key,), f"{key} needs output.schema: a notification takes no answer, so nobody waits for one")
-        if key in data and "deliver" in data and not (isinstance(data.get("replies"), dict)
-                                                      and "tell" in data["replies"]):
+        if key in data and "deliver" in data and not (isinstance(data["deliver"], dict) and "email" in data["deliver"]) \
+                and not (isinstance(data.get("replies"), dict) and "tell" in data["replies"]):
             r.add((key,), f"a function sent through a tool sends its {'reminders' if key == 'remind' else 'escalation'}"
                           " into the message's thread with replies.tell: add replies.tell")
     if "remind" in data:
@@ -3991,6 +4015,9 @@ def _read_email(raw: Any, environ: Mapping[str, str], problems: list[str]) -> Em
     sender = raw.get("from")
     if not isinstance(sender, str) or not re.fullmatch(r"[^\s@<>]+@[^\s@<>]+|[^<>\r\n]*<[^\s@<>]+@[^\s@<>]+>", sender):
         problems.append("email.from: the address requests come from, e.g. 'Approvals <approvals@example.org>'")
+    import importlib.util
+    if importlib.util.find_spec("aiosmtplib") is None:
+        problems.append("email: sending email needs aiosmtplib: pip install 'interactiond[email]'")
     if len(problems) > count:
         return None
     return EmailConfig(host, sender, port, starttls is True, tls is True, username, smtp.get("password_env"), password)
@@ -8161,7 +8188,8 @@ def request_object(row: Row) -> dict[str, Any]:
     return {
         "run_id": row["run_id"], "type": row["type"], "name": row["name"], "version": row["version"],
         "to": row["party"], "addressees": addressees(row), "from": row["answerer"],
-        "delivery": {"server": row["server"], "tool": row["tool"]} if row["server"] else None,
+        "delivery": ({"email": row["tool"]} if row["server"] == EMAIL_SERVER else
+                     {"server": row["server"], "tool": row["tool"]}) if row["server"] else None,
         "message": row["message"], "takes_answer": row["answer_schema"] is not None,
         "asked_at": fmt_time(row["asked_at"]), "expires_at": fmt_time(row["expires_at"]),
         "attempts": row["attempts"], "delivery_state": row["delivery_state"],
@@ -8433,6 +8461,8 @@ def _ask_source(kind: str) -> str:
         "prompt": {"type": "string", "maxLength": 8192, "description": "The question, in Markdown"},
         "to": {"type": "string", "description": "Who is asked"},
         "expires": {"type": "string", "description": "How long the question stands, PT1M to P30D (default P1D)"},
+        "email": {"type": "string", "maxLength": 254, "description": "An address the question is emailed to as well,"
+                  " with its answer link (the daemon's configuration names the SMTP server)"},
     }
     if kind == "choice":
         props["options"] = {"type": "array", "minItems": 1, "maxItems": 50, "description": "The options",
@@ -8750,10 +8780,12 @@ class Runs:
 
     def __init__(self, store: Store, clock: Clock, bus: LocalBus, definitions: Definitions,
                  system_calls: SystemCalls, kinds: dict[str, RunKind], open_limit: int,
-                 links: AnswerLinks | None = None, reminders: Reminders | None = None) -> None:
+                 links: AnswerLinks | None = None, reminders: Reminders | None = None,
+                 email: Email | None = None) -> None:
         self.store = store
         self.links = links or AnswerLinks("")          # answer links (no key: none shown)
         self.reminders = reminders                     # plans a request's reminders, escalation and default
+        self.email = email                             # whether (and how) a request may be emailed
         self.clock = clock
         self.bus = bus
         self.definitions = definitions
@@ -8830,6 +8862,7 @@ class Runs:
                     prepared["follow_up"] = self.reminders.plan(doc, name, input_, now, prepared)
                 if doc.deliver is not None:
                     prepared["deliver_args"] = deliver_args(doc, name, run_id or "", input_, prepared, now)
+                self._prepare_email(doc, name, input_, prepared, now)
             except Problem as exc:
                 ending = exc
             if doc.deliver is not None and ending is None:
@@ -8838,7 +8871,7 @@ class Runs:
                                                           + ([doc.replies.tell.tool] if doc.replies and doc.replies.tell else []))
         limit = self.open_limit
 
-        asks = ending is None and (doc.output_schema is not None or doc.deliver is not None)
+        asks = ending is None and (doc.output_schema is not None or doc.deliver is not None or "email" in prepared)
 
         def change(tx: Tx, fx: Effects) -> tuple[dict[str, Any], bool]:
             run = dict(playbook=playbook, run_id=run_id, type_=type_, name=name, version=version, input_text=input_text,
@@ -8866,6 +8899,52 @@ class Runs:
             run = dict(run, status=RunStatus.STARTED.value)
         return run, fresh
 
+    def _prepare_email(self, doc: Any, name: str, input_: Any, prepared: dict[str, Any], now: int) -> None:
+        """An emailed request's message (`prepared["email"]`, see email_args): to the address the
+        function's deliver.email renders (ask: its input's `email`), with the answer link and the links of
+        its choices; an escalation goes to the address rendered for its party (ask: escalate_to when it is
+        an address), else to the same one. Raises the problem of an ending."""
+        asked = name in ASK_FUNCTIONS
+        template = doc.email
+        if (template is None and not asked) or (asked and not isinstance(input_, dict)) \
+                or (asked and "email" not in input_):
+            return
+        why = self.email.problem() if self.email is not None else ended("unworkable", "this daemon sends no email")
+        if why is not None:
+            raise why
+
+        def address(party: str, pointer: str) -> str:
+            if asked:
+                text = input_["email"] if party == prepared["party"] else party
+            else:
+                try:
+                    text = template.render_text(base_context(now, input=input_, to=party)).strip()
+                except RenderError as exc:
+                    if exc.kind == "undefined":
+                        raise ended("invalid_input", str(exc), errors=[{"pointer": "/input", "message": str(exc)}]) from None
+                    raise ended("unworkable", f"deliver.email: {exc}") from None
+            if not is_email_address(text):
+                if asked:
+                    raise ended("invalid_input", f"{text!r} is not an email address",
+                                errors=[{"pointer": pointer, "message": "an email address, such as ana@example.org"}])
+                raise ended("unworkable", f"deliver.email renders {text!r}, which is not an email address")
+            return text
+
+        to = address(prepared["party"], "/input/email")
+        schema = prepared.get("answer_schema", doc.output_schema)
+        labels = None
+        if asked and isinstance(input_.get("options"), list):
+            labels = {o["id"]: o["label"] for o in input_["options"] if isinstance(o, dict) and "id" in o and "label" in o}
+        prepared["email"] = email_args(to, prepared["message"], prepared["request"].get("answer_url"), schema, labels,
+                                       prepared["expires_at"])
+        escalation = (prepared.get("follow_up") or {}).get("escalate")
+        if escalation is not None:
+            party = escalation["to"]
+            if not asked:
+                escalation["email"] = address(party, "/input")
+            elif is_email_address(party):
+                escalation["email"] = party
+
     def _open_request(self, tx: Tx, fx: Effects, playbook: str, run_id: str, type_: str,
                       name: str, version: int, doc: Any, prepared: dict[str, Any], now: int, by: str) -> bool:
         """Open the run's request; True when the run now waits for it, False when it ended (a
@@ -8873,18 +8952,22 @@ class Runs:
         answer_schema = prepared.get("answer_schema", doc.output_schema)
         notification = answer_schema is None
         deliver = doc.deliver
-        inbox_note = notification and deliver is None
+        emailed = prepared.get("email")                  # sent by email: attempted as a delivery is
+        inbox_note = notification and deliver is None and emailed is None
         run_seq = tx.open_request(request_id=prepared["request_id"], playbook=playbook, run_id=run_id, type_=type_, name=name,
                         version=version, party=prepared["party"], answerer=prepared["answerer"],
                         message=prepared["message"],
                         answer_schema=dumps(answer_schema) if answer_schema is not None else None,
-                        server=deliver.server if deliver else None, tool=deliver.tool if deliver else None,
-                        delivery=DeliveryState.IN_INBOX if deliver is None else DeliveryState.TO_DELIVER,
+                        server=deliver.server if deliver else EMAIL_SERVER if emailed else None,
+                        tool=deliver.tool if deliver else emailed["to"] if emailed else None,
+                        delivery=DeliveryState.IN_INBOX if deliver is None and not emailed else DeliveryState.TO_DELIVER,
                         asked_at=now, expires_at=prepared["expires_at"],
-                        deliver_args=dumps(prepared["deliver_args"]) if deliver else None, notified=inbox_note,
+                        deliver_args=dumps(prepared["deliver_args"]) if deliver else
+                        dumps({"email": emailed}) if emailed else None, notified=inbox_note,
                         follow_up=dumps(prepared["follow_up"]) if prepared.get("follow_up") else None)
         tx.append_event(fx, playbook, run_id, "interaction_requested", now, by, {
-            "delivery": {"server": deliver.server, "tool": deliver.tool} if deliver else None,
+            "delivery": {"server": deliver.server, "tool": deliver.tool} if deliver else
+            {"email": emailed["to"]} if emailed else None,
             "to": prepared["party"], "from": prepared["answerer"],
             "message_size": len(prepared["message"].encode()), "takes_answer": not notification,
             "expires_at": fmt_time(prepared["expires_at"]), **Reminders.requested(prepared.get("follow_up"))},
@@ -8894,7 +8977,7 @@ class Runs:
             return False
         tx.set_timer(fx, timer_key("expire", playbook, run_id), prepared["expires_at"])
         Reminders.arm(tx, fx, playbook, run_id, prepared.get("follow_up"))
-        if deliver is not None:
+        if deliver is not None or emailed:
             tx.set_timer(fx, timer_key("attempt", playbook, run_id), now)
         return True
 
@@ -9441,17 +9524,159 @@ async def write_attempt_end(store: Store, end: Callable[[Any, Effects], None]) -
             await asyncio.sleep(pause)
 
 
+def is_email_address(text: Any) -> bool:
+    """An address a message can be sent to: one mailbox, local@domain, no display name."""
+    return (isinstance(text, str) and len(text) <= MAX_EMAIL_ADDRESS
+            and re.fullmatch(r"[^\s@<>,;:\"()\[\]]+@[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?", text) is not None)
+
+
+def _choice_text(value: Any) -> str:
+    return ("true" if value else "false") if isinstance(value, bool) else str(value)
+
+
+def answer_choices(schema: Any, labels: Mapping[str, str] | None = None) -> tuple[str, list[tuple[Any, str]]] | None:
+    """The one choice an answer is made of, for the links of an email: its property and each value
+    with its label - the first required property that is an enum, a boolean, or a list of an enum's
+    values (an ask-choice's options, labelled by `labels`); None when the answer has no such choice."""
+    if not isinstance(schema, dict) or not isinstance(schema.get("properties"), dict):
+        return None
+    props = schema["properties"]
+    for name in schema.get("required") or ():
+        sub = props.get(name)
+        if not isinstance(sub, dict):
+            continue
+        items = sub.get("items") if isinstance(sub.get("items"), dict) else {}
+        values = sub.get("enum") if isinstance(sub.get("enum"), list) else \
+            items.get("enum") if sub.get("type") == "array" and isinstance(items.get("enum"), list) else \
+            [True, False] if sub.get("type") == "boolean" else None
+        if not values or not all(isinstance(v, (str, int, bool)) for v in values):
+            continue
+        def label(v: Any) -> str:                  # as the answer page labels its buttons
+            if isinstance(v, bool):
+                return "Yes" if v else "No"
+            return (labels or {}).get(str(v), str(v))
+        return name, [(v, label(v)) for v in values[:50]]
+    return None
+
+
+def email_args(to: str, message: str, answer_url: str | None, schema: Any, labels: Mapping[str, str] | None,
+               expires_at: int) -> dict[str, Any]:
+    """What an emailed request sends, made once when its run starts: every attempt sends the same.
+    The links of its choices open the answer page with that choice chosen (`?name=value`): a GET
+    never answers, the page's button does."""
+    first = next((line for line in message.splitlines() if line.strip()), "")
+    subject = re.sub(r"[#*_`>\[\]]+", "", first).strip()
+    subject = subject if len(subject) <= EMAIL_SUBJECT_CHARS else subject[:EMAIL_SUBJECT_CHARS - 1].rstrip() + "…"
+    choices: list[list[str]] = []
+    found = answer_choices(schema, labels) if answer_url else None
+    if found is not None and answer_url:
+        name, values = found
+        choices = [[label, f"{answer_url}?{urllib.parse.urlencode({name: _choice_text(v)})}"] for v, label in values]
+    return {"to": to, "subject": subject or "A question for you", "message": message,
+            "answer_url": answer_url if schema is not None else None, "choices": choices,
+            "expires_at": fmt_time(expires_at)}
+
+
+class Email:
+    """Sending a request's message by email (`deliver: {email: ...}`, ask's `email`) through the
+    configuration's SMTP server with aiosmtplib: text and HTML, the answer link, a link per choice.
+    Deliveries attempts it as it attempts a tool (delivery's rules: recorded before it is sent, tried
+    again 1, 2, 4 and 8 minutes on, lost after a stop); Reminders sends reminders and the escalation
+    the same way. A permanent refusal (an SMTP 5xx) is not tried again."""
+
+    def __init__(self, config: EmailConfig | None, clock: Clock, scrub: Callable[[Any], Any]) -> None:
+        self.config = config
+        self.clock = clock
+        self.scrub = scrub
+
+    def problem(self) -> Problem | None:
+        """Why a run cannot email now (no SMTP server configured, or aiosmtplib missing), or None."""
+        if self.config is None:
+            return ended("unworkable", "email needs the configuration's email: {smtp: {host, port}, from}")
+        import importlib.util
+        if importlib.util.find_spec("aiosmtplib") is None:
+            return ended("unworkable", "email needs aiosmtplib: pip install 'interactiond[email]'")
+        return None
+
+    def compose(self, args: dict[str, Any]) -> Any:
+        """The message: text, and HTML with the message's Markdown rendered (raw HTML escaped)."""
+        from email.message import EmailMessage
+        from email.utils import format_datetime, make_msgid
+        from markdown_it import MarkdownIt
+        assert self.config is not None
+        lead = args.get("lead")
+        text = [lead, ""] if lead else []
+        text += [args["message"], ""]
+        html = [f"<p><strong>{_esc(lead)}</strong></p>"] if lead else []
+        html.append(MarkdownIt("commonmark", {"html": False}).enable(["table", "strikethrough"]).render(args["message"]))
+        if args.get("answer_url"):
+            text.append(f"Answer: {args['answer_url']}")
+            html.append(f'<p><a href="{_esc(args["answer_url"])}">Answer it</a></p>')
+            if args.get("choices"):
+                text += ["", "Or open the page with your choice made (it is sent when you press its button):"]
+                text += [f"- {label}: {url}" for label, url in args["choices"]]
+                html.append("<p>Or open the page with your choice made (it is sent when you press its button):</p><ul>"
+                            + "".join(f'<li><a href="{_esc(url)}">{_esc(label)}</a></li>' for label, url in args["choices"])
+                            + "</ul>")
+            when = datetime.fromisoformat(args["expires_at"].replace("Z", "+00:00")).strftime("%Y-%m-%d %H:%M UTC")
+            text += ["", f"It expires on {when}."]
+            html.append(f"<p>It expires on {_esc(when)}.</p>")
+        msg = EmailMessage()
+        msg["From"] = self.config.sender
+        msg["To"] = args["to"]
+        msg["Subject"] = args["subject"]
+        msg["Date"] = format_datetime(datetime.fromtimestamp(self.clock.now_ms() / 1000, timezone.utc))
+        msg["Message-ID"] = make_msgid(domain=self.config.sender.rstrip(">").rsplit("@", 1)[-1])
+        msg.set_content("\n".join(text) + "\n")
+        msg.add_alternative("<!doctype html><html><body>" + "".join(html) + "</body></html>", subtype="html")
+        return msg
+
+    async def send(self, args: dict[str, Any]) -> dict[str, Any]:
+        """One attempt, as Deliveries.send reports a tool's: ok, a failure to try again, or refused."""
+        why = self.problem()
+        if why is not None:
+            return {"refused": "not_configured", "message": why.detail}
+        import aiosmtplib
+        c = self.config
+        assert c is not None
+        msg = self.compose(args)
+        raw = msg.as_bytes()
+        try:
+            await aiosmtplib.send(msg, hostname=c.host, port=c.port, username=c.username, password=c.password,
+                                  use_tls=c.tls, start_tls=True if c.starttls else False,
+                                  timeout=OPEN_TIMEOUT_S + CALL_TIMEOUT_S)
+        except aiosmtplib.SMTPRecipientsRefused as exc:
+            codes = [e.code for e in exc.recipients]
+            said = self.scrub("; ".join(f"{e.code} {e.message}" for e in exc.recipients))
+            if codes and all(code >= 500 for code in codes):
+                return {"refused": "recipient_refused", "message": f"the SMTP server refused {args['to']}: {said}"}
+            return {"because": "server_failure", "message": f"the SMTP server refused for now: {said}",
+                    "retry_after_ms": None}
+        except aiosmtplib.SMTPResponseException as exc:
+            said = self.scrub(f"{exc.code} {exc.message}")
+            if exc.code >= 500:                         # permanent: sending it again changes nothing
+                return {"refused": "refused", "message": f"the SMTP server refused the message: {said}"}
+            return {"because": "server_failure", "message": f"the SMTP server answered {said}", "retry_after_ms": None}
+        except (aiosmtplib.SMTPTimeoutError, asyncio.TimeoutError, TimeoutError):
+            return {"because": "timed_out", "message": "the SMTP server did not answer in time", "retry_after_ms": None}
+        except (aiosmtplib.SMTPException, OSError) as exc:
+            return {"because": "server_failure", "message": self.scrub(f"{type(exc).__name__}: {exc}"),
+                    "retry_after_ms": None}
+        return {"ok": True, "answer": None, "result_size": len(raw), "result_sha256": sha256_hex(raw.decode("utf-8", "replace"))}
+
+
 class Deliveries:
     """Sending requests through a tool: attempts, retries, lost attempts. A delivered question whose
     replies are read joins its conversation's reading (`readings`)."""
 
     def __init__(self, store: Store, clock: Clock, tools: ToolServers, definitions: Definitions,
-                 readings: Readings) -> None:
+                 readings: Readings, email: Email | None = None) -> None:
         self.store = store
         self.clock = clock
         self.tools = tools
         self.definitions = definitions
         self.readings = readings
+        self.email = email                              # an emailed request's attempts (server EMAIL_SERVER)
         self._inflight: set[tuple[str, str]] = set()     # attempts running in this process
 
     # -- delivery -------------------------------------------------------------------------------
@@ -9471,8 +9696,10 @@ class Deliveries:
             if req is None:
                 return None
             args = req["deliver_args"]
+            channel = {"email": req["tool"]} if req["server"] == EMAIL_SERVER else \
+                {"server": req["server"], "tool": req["tool"]}
             tx.append_event(fx, playbook, run_id, "delivery_started", now, "interactiond", {
-                "attempt": req["attempts"], "server": req["server"], "tool": req["tool"],
+                "attempt": req["attempts"], **channel,
                 "arguments_size": len(args.encode()), "arguments_sha256": sha256_hex(args)})
             tx.set_timer(fx, timer_key("lost", playbook, run_id), now + LOST_ATTEMPT_S * 1000)
             return req
@@ -9491,6 +9718,10 @@ class Deliveries:
         """One call of the sending tool; what happened, as the attempt's end records it."""
         playbook, server, tool = req["playbook"], req["server"], req["tool"]
         args = json.loads(req["deliver_args"])
+        if server == EMAIL_SERVER:
+            if self.email is None:
+                return {"refused": "not_configured", "message": "this daemon sends no email"}
+            return await self.email.send(args["email"])
         if len(req["deliver_args"].encode()) > MAX_ARGUMENTS_BYTES:
             return {"refused": "too_large", "message": f"the arguments pass {MAX_ARGUMENTS_BYTES // KIB} KiB"}
         try:
@@ -9514,7 +9745,7 @@ class Deliveries:
         _, doc = await self.definitions.document(playbook, req["type"], req["name"], req["version"])
         now = self.clock.now_ms()
         sent_conv = sent_id = conversation = None
-        if outcome.get("ok") and doc.deliver.sent is not None:
+        if outcome.get("ok") and doc.deliver is not None and doc.deliver.sent is not None:
             sent_conv = _sent_value(outcome["answer"], doc.deliver.sent.conversation)
             sent_id = _sent_value(outcome["answer"], doc.deliver.sent.id)
             if sent_conv is not None and sent_id is not None and doc.replies is not None:
@@ -9534,7 +9765,7 @@ class Deliveries:
             if outcome.get("ok"):
                 payload: dict[str, Any] = {"attempt": attempt, "result_size": outcome["result_size"],
                                            "result_sha256": outcome["result_sha256"]}
-                if doc.deliver.sent is not None:
+                if doc.deliver is not None and doc.deliver.sent is not None:
                     payload["delivered_as"] = ({"conversation": sent_conv, "id": sent_id}
                                                if sent_conv is not None and sent_id is not None else None)
                     if doc.replies is not None:
@@ -10356,6 +10587,10 @@ class Reminders:
         false while the message has not been delivered with what it was delivered as)."""
         if req["server"] is None:
             return {}
+        if req["server"] == EMAIL_SERVER:               # an emailed request: reminded by email, as it was sent
+            nudge_id = tx.queue_nudge(req["playbook"], req["run_id"], what=what, n=n, message=message)
+            tx.set_timer(fx, timer_key("nudge", req["playbook"], str(nudge_id)), now)
+            return {"by_email": True}
         if req["sent_conversation"] is None or req["sent_id"] is None:
             return {"in_thread": False}
         nudge_id = tx.queue_nudge(req["playbook"], req["run_id"], what=what, n=n, message=message)
@@ -10372,7 +10607,17 @@ class Reminders:
         tell = doc.replies.tell if doc.replies is not None else None
         args: Any = None
         refused = None if tell is not None else "the function has no replies.tell"
-        if tell is not None:
+        emailed = row["server"] == EMAIL_SERVER
+        if emailed:
+            req = await self.store.read(lambda tx: tx.request(playbook, row["run_id"]))
+            sent = json.loads(req["deliver_args"])["email"]
+            to = sent["to"]
+            if row["what"] == "escalation":
+                to = (json.loads(req["follow_up"] or "{}").get("escalate") or {}).get("email") or to
+            args = {"email": {**sent, "to": to, "lead": row["message"],
+                              "subject": ("Reminder: " if row["what"] == "reminder" else "Escalated: ") + sent["subject"]}}
+            refused = None
+        elif tell is not None:
             ctx = {"to": row["party"], "sent": {"conversation": row["sent_conversation"], "id": row["sent_id"]},
                    "message": row["message"]}
             try:
@@ -10383,6 +10628,8 @@ class Reminders:
                 refused = str(exc)
         text = dumps(args) if refused is None else ""
         base = {"for": row["what"], "n": row["n"], "server": row["server"], "tool": tell.tool if tell else None}
+        if emailed:
+            base = {"for": row["what"], "n": row["n"], "email": args["email"]["to"]}
         run_id, lost_key = row["run_id"], timer_key("nudge_lost", playbook, str(nudge_id))
         now = self.clock.now_ms()
 
@@ -10406,7 +10653,7 @@ class Reminders:
         self._inflight.add(nudge_id)
         try:
             outcome = await self.send({"playbook": playbook, "run_id": run_id, "server": row["server"],
-                                       "tool": tell.tool, "deliver_args": text})
+                                       "tool": tell.tool if tell else None, "deliver_args": text})
         finally:
             self._inflight.discard(nudge_id)
         done = self.clock.now_ms()
@@ -10656,12 +10903,14 @@ class Engine:
         self.system_calls = SystemCalls(store, clock, self.tools, config, self.calls, self.approvals)
         self.inbox = Inbox(store, clock, self.tools, self.approvals, links=self.links)
         self.readings = Readings(store, clock, self.tools, self.definitions, self.inbox)
-        self.deliveries = Deliveries(store, clock, self.tools, self.definitions, self.readings)
+        #: Email through the configuration's SMTP server: a delivery channel beside the tools.
+        self.email = Email(config.email, clock, self.tools.scrub)
+        self.deliveries = Deliveries(store, clock, self.tools, self.definitions, self.readings, self.email)
         #: Reminders, escalation and default answers of requests, on this engine's timers; they send
         #: as the deliveries do.
         self.reminders = Reminders(store, clock, self.definitions.document, self.deliveries.send, self.spawn)
         self.runs = Runs(store, clock, self.bus, self.definitions, self.system_calls, self.kinds, config.open_requests,
-                         links=self.links, reminders=self.reminders)
+                         links=self.links, reminders=self.reminders, email=self.email)
         #: The playbooks' webhooks: the store queues their events; the `webhook` timers send them.
         self.webhooks = Webhooks(store, clock, config, self.tools.scrub)
 
@@ -16506,9 +16755,15 @@ def _link_form_html(form: dict[str, Any], form_token: str, sent: Mapping[str, li
     if form["mode"] == "choice":
         c = form["choice"]
         err = at.get(c["pointer"])
+        chosen = (sent.get("choice") or [None])[0]
+        if chosen is not None and chosen.isdigit() and int(chosen) < len(c["labels"]):
+            parts.append(f'<p class="chosen" role="status">You chose <strong>{_esc(c["labels"][int(chosen)])}</strong>:'
+                         ' press its button to send it.</p>')
         parts.append(f'<div class="choice-col"><span class="label" id="c-label">{_esc(c["label"])}</span>'
                      f'<div class="choice" role="group" aria-labelledby="c-label">'
-                     + "".join(f'<button type="submit" name="choice" value="{i}">{_esc(lab)}</button>'
+                     + "".join(f'<button type="submit" name="choice" value="{i}"'
+                               + (' class="primary" autofocus aria-describedby="c-label"' if str(i) == chosen else "")
+                               + f'>{_esc(lab)}</button>'
                                for i, lab in enumerate(c["labels"]))
                      + "</div>" + (f'<p class="err">{_esc(err)}</p>' if err else "") + "</div>")
     else:
@@ -16613,11 +16868,35 @@ def _when_words(ms: int | None) -> str:
     return f"{text[:10]} {text[11:16]} UTC" if text else ""
 
 
+def chosen_in_query(form: dict[str, Any], query: Mapping[str, str]) -> dict[str, list[str]]:
+    """What a link's query chooses (an email's link per choice, `?verdict=approve`), as the form's
+    values: the choice's button (`choice`) or a field's option (`fN`). Nothing is sent by it."""
+    sent: dict[str, list[str]] = {}
+
+    def index(fd: dict[str, Any]) -> str | None:
+        said = query.get(fd["name"])
+        for i, v in enumerate(fd.get("values") or ()):
+            if said is not None and said == (("true" if v else "false") if isinstance(v, bool) else str(v)):
+                return str(i)
+        return None
+    if form["mode"] == "choice" and (i := index(form["choice"])) is not None:
+        sent["choice"] = [i]
+    for n, fd in enumerate(form["fields"]):
+        if fd["kind"] in ("choice", "checkboxes") and (i := index(fd)) is not None:
+            sent[f"f{n}"] = [i]
+    return sent
+
+
 async def h_answer_link(request: web.Request) -> web.Response:
     found = await _linked(request)
     if found is None:
         return _link_not_found()
-    return await _link_page(request.app[engine_key()], *found)
+    token, row = found
+    sent = None
+    if request.query and row["answer_schema"] is not None:      # a choice made in the link: shown, not sent
+        sent = chosen_in_query(answer_form(json.loads(row["answer_schema"]), option_labels(row["name"], row["run_input"])),
+                               request.query) or None
+    return await _link_page(request.app[engine_key()], token, row, sent=sent)
 
 
 async def h_answer_link_post(request: web.Request) -> web.Response:
