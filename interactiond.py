@@ -6096,7 +6096,7 @@ class SQLiteTx(SqlTx):
 #: What `interactiond copy` moves, in an order that respects the references between tables; the
 #: daemons, leases and clock of a PostgreSQL database stay behind (they are its daemons').
 COPIED_TABLES: Final = ("playbooks", "definitions", "runs", "readings", "requests", "replies_seen", "events",
-                        "timers", "tokens", "idempotency", "nudges", "daemon_keys")
+                        "timers", "tokens", "idempotency", "nudges", "daemon_keys", "webhook_deliveries")
 #: Columns one backend has and the other has not, which a copy leaves behind.
 COPY_DROPPABLE: Final = {("events", "daemon")}
 
@@ -6972,7 +6972,8 @@ class PostgresTx(SqlTx):
 
     def after_copy(self) -> None:
         """The ids copied in were given, not drawn: each identity goes on from the largest one copied."""
-        for table, column in (("runs", "seq"), ("readings", "id"), ("requests", "seq"), ("events", "id")):
+        for table, column in (("runs", "seq"), ("readings", "id"), ("requests", "seq"), ("events", "id"),
+                              ("nudges", "id"), ("webhook_deliveries", "id")):
             self.conn.execute(f"SELECT setval(pg_get_serial_sequence(?, ?), COALESCE(MAX({column}), 0) + 1, false)"
                               f" FROM {table}", (table, column))
 
