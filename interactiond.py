@@ -13634,8 +13634,8 @@ async def _t_execute(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -
 
 
 async def _t_ask(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
-    input_ = {k: a[k] for k in ("prompt", "to", "expires", "options", "multiple", "placeholder", *_ASK_FOLLOW_UP)
-              if k in a}
+    input_ = {k: a[k] for k in ("prompt", "to", "expires", "options", "multiple", "placeholder", "email",
+                                *_ASK_FOLLOW_UP) if k in a}
     run, _fresh = await e.run_definition(c, pb, "interaction", "ask-" + a["type"], input_, a.get("run_id"))
     return _run_result(run)
 
@@ -13744,6 +13744,8 @@ MCP_TOOLS: Final[list[McpTool]] = [
                                    "properties": {"id": {"type": "string"}, "label": {"type": "string"}}}},
              "multiple": _p("boolean", "choice only: may several options be picked (default false)."),
              "placeholder": _p("string", "text only: a hint shown in the empty answer field."),
+             "email": _p("string", "An address the question is also emailed to, with its answer link (the daemon's"
+                                   " configuration names the SMTP server)."),
              **_ASK_FOLLOW_UP,
              "run_id": _p("string", "Optional id of your choosing, for safe retries.", pattern=RUN_ID_RE.pattern)},
             ("type", "prompt", "to"), _t_ask),

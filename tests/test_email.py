@@ -230,6 +230,22 @@ async def test_ask_takes_an_email(d, mailbox):
     assert status == 422 and bad["problem"]["errors"][0]["pointer"] == "/input/email"
 
 
+async def test_the_mcp_ask_tool_takes_an_email(d, mailbox):
+    from test_mcp import connect
+    async with connect(d, "http") as c:
+        r = await c.call_tool("ask", {"type": "choice", "prompt": "Which day?", "to": "bo", "email": "bo@example.org",
+                                      "options": [{"id": "mon", "label": "Monday"}, {"id": "fri", "label": "Friday"}]})
+        assert not r.is_error, r.structured_content
+        await d.advance("PT0S")
+    [sent] = mailbox.got
+    assert sent["to"] == ["bo@example.org"] and sent["msg"]["Subject"] == "Which day?"
+    text, html = mailbox.texts()
+    assert re.search(r"- Monday: \S+\?option_ids=mon", text) and re.search(r"- Friday: \S+\?option_ids=fri", text)
+    link = re.search(r"- Friday: (\S+)", text).group(1)
+    page = await (await d.client.get(path_of(link))).text()
+    assert re.search(r'<input type="radio" name="f0" value="1" checked> Friday', page), page
+
+
 async def test_without_an_smtp_server_an_emailed_run_ends_unworkable(db, aiohttp_client):
     daemon = await start_daemon(aiohttp_client, db)
     await daemon.define("brief", EMAILED)
