@@ -3636,6 +3636,9 @@ def _person_overview(doc: FunctionDoc) -> list[str]:
     message = "\n".join("> " + line if line else ">" for line in template_words(doc.message.source).split("\n"))
     if doc.deliver:
         where = f"Through the tool `{doc.deliver.tool}` of the tool server `{doc.deliver.server}`."
+    elif doc.email:
+        where = (f"By email to {template_words(doc.email.source)}, with its answer link, and in the playbook's"
+                 " inbox, where it waits for an answer.")
     else:
         where = "In the playbook's inbox, where it waits for an answer."
     if doc.is_notification:
@@ -15659,7 +15662,8 @@ function requestEl(req, shown) {
   msg.innerHTML = shown.html || "";             // rendered by the daemon with raw HTML off
   const form = req.approval ? approvalEl(req, n) : req.takes_answer ? formEl(req, shown.form, n)
                                 : h("p", {class: "muted"}, "A notification: there is nothing to answer.");
-  const delivery = req.delivery ? ` · sent with ${req.delivery.server}/${req.delivery.tool} (${req.delivery_state})` : "";
+  const delivery = !req.delivery ? "" : req.delivery.email ? ` · emailed to ${req.delivery.email} (${req.delivery_state})`
+    : ` · sent with ${req.delivery.server}/${req.delivery.tool} (${req.delivery_state})`;
   const person = S.session.person;
   return h("li", {class: "req", "data-run-id": req.run_id},
     h("article", {"aria-labelledby": hid},

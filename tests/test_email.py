@@ -256,6 +256,7 @@ async def test_without_an_smtp_server_an_emailed_run_ends_unworkable(db, aiohttp
 def test_an_emailed_function_is_checked_at_save():
     doc = itd.parse_function(EMAILED)
     assert doc.email.source == "{{ to }}@example.org" and doc.deliver is None    # reminders need no replies.tell
+    assert "**Where:** By email to **to**@example.org, with its answer link, and in the playbook's inbox" in doc.overview
     for bad, where, words in (
             (EMAILED.replace("deliver: {email: '{{ to }}@example.org'}",
                              "deliver: {email: '{{ to }}@example.org', server: chat}"), "deliver.server", "not a key of deliver"),
