@@ -143,6 +143,24 @@ async def test_a_standard_webhooks_receiver_takes_it(db, aiohttp_client, aiohttp
         Webhook("whsec_" + base64.b64encode(b"not the key").decode()).verify(got["body"], got["headers"])
 
 
+async def test_reminders_and_escalations_are_posted_to_the_hooks_that_take_them(hooked):
+    d, receiver = hooked
+    followed = APPROVAL.replace("expires: P2D\n", "expires: P2D\nremind: {after: [PT1H]}\n"
+                                                  "escalate: {after: PT2H, to: bo}\n")
+    await d.define("followed", followed)
+    _, run = await d.run("followed", INPUT)
+    await d.advance("PT2H")
+    got = sent(receiver)
+    assert [g["json"]["type"] for g in got] == ["request_opened", "request_reminded", "request_escalated"]
+    assert got[1]["json"]["data"]["payload"]["n"] == 1 and got[2]["json"]["data"]["payload"]["to"] == "bo"
+    assert got[2]["json"]["timestamp"] == itd.fmt_time(START_MS + 2 * 3_600_000)
+    assert sent(receiver, "/ended") == []                   # that hook takes run_ended only
+    await d.call("POST", f"/runs/{run['run_id']}/cancel")
+    await d.advance("PT0S")
+    [ended] = sent(receiver, "/ended")
+    assert ended["json"]["data"]["event"] == "run_rejected" and ended["json"]["data"]["payload"]["kind"] == "cancelled"
+
+
 async def test_failures_are_tried_again_at_1_5_30_minutes_2_and_8_hours_then_given_up(hooked):
     d, receiver = hooked
     receiver.answers = [web.Response(status=500, text="busy") for _ in range(6)]
