@@ -325,3 +325,32 @@ def test_the_configuration_reads_webhooks_and_names_every_problem(tmp_path):
     with pytest.raises(itd.ConfigError) as err:
         itd.load_config(str(path), {})
     assert err.value.problems[0].startswith("playbooks.acme/ops.webhooks: a list of at most 16 webhooks")
+
+
+async def test_two_daemons_on_one_postgresql_database_send_each_message_once(aiohttp_client, aiohttp_server):
+    from daemon_kit import fresh_postgres
+    receiver = Receiver()
+    app = web.Application()
+    app.router.add_post("/hook", receiver.handle)
+    server = await aiohttp_server(app)
+    config = itd.Config(playbooks={"local/default": (), "acme/other": ()},
+                        webhooks={"local/default": (itd.WebhookConfig(str(server.make_url("/hook")), frozenset({"*"}),
+                                                                      "HOOK_SECRET", SECRET),)})
+    receiver.answers = [web.Response(status=503) for _ in range(4)]        # the first four attempts fail
+    with fresh_postgres() as url:
+        a = await start_daemon(aiohttp_client, url, config=config)
+        b = await start_daemon(aiohttp_client, url, config=config, tokens=a.tokens)
+        await a.define("approve", APPROVAL)
+        for i in range(4):
+            _, run = await (a if i % 2 else b).run("approve", INPUT)
+            assert (await (b if i % 2 else a).call("POST", f"/runs/{run['run_id']}/answer",
+                                                   {"answer": {"verdict": "approve"}}))[0] == 200
+        await asyncio.gather(a.advance("PT10M"), b.advance("PT10M"))
+        kinds = [json.loads(g["body"])["type"] for g in receiver.got]
+        ids = [g["headers"]["webhook-id"] for g in receiver.got[4:]]          # after the four that failed
+        assert len(ids) == len(set(ids)) == 12                               # 12 messages, each delivered once
+        assert sorted(set(kinds)) == ["request_answered", "request_opened", "run_ended"]
+        listed = (await a.call("GET", "/webhooks/deliveries"))[1]["data"]
+        assert len(listed) == 12 and {x["state"] for x in listed} == {"delivered"}
+        assert sum(x["attempts"] for x in listed) == 16
+        assert await a.engine.store.read(lambda tx: [k for k, _ in tx.all_timers() if k.startswith("webhook:")]) == []
