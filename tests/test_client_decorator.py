@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import urllib.parse
 from typing import Any
 
 import aiohttp
@@ -71,6 +72,12 @@ async def test_a_sync_call_runs_once_with_the_arguments_as_approved_and_edited(l
     assert '"amount": 1200' in req["message"] and '"currency": "EUR"' in req["message"]
     assert req["expires_at"] == itd.fmt_time(START_MS + 2 * 3_600_000)
     assert ran == []                                          # nothing runs before the answer
+    async with aiohttp.ClientSession() as s:                  # the person's page: approve or not, and the change
+        parts = urllib.parse.urlsplit(req["answer_url"])
+        async with s.get(live["url"] + parts.path) as resp:
+            page = await resp.text()
+    assert resp.status == 200 and '<button type="submit" name="choice" value="0">Yes</button>' in page
+    assert "You may change: amount." in page and 'class="json"' in page
     status, problem = await answer(live, req["run_id"], {"approved": True, "arguments": {"invoice": "inv-8"}})
     assert status == 422, problem                             # only `amount` may change
     status, _ = await answer(live, req["run_id"], {"approved": True, "arguments": {"amount": 1000},
