@@ -15,7 +15,7 @@ import pytest
 from aiosmtpd.controller import Controller
 
 import interactiond as itd
-from daemon_kit import START_MS, start_daemon
+from daemon_kit import start_daemon
 
 SENDER = "Approvals <approvals@example.org>"
 EMAILED = """---
