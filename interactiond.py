@@ -154,6 +154,8 @@ __all__ = [
     "check_documents",
     "Client",
     "ClientError",
+    "Declined",
+    "Unanswered",
     "interaction_object",
     "mount_typed_api",
 ]
@@ -250,6 +252,31 @@ ATTEMPT_END_RETRY_S: Final = (0.2, 1.0, 5.0)
 #: through the 18th read, then five minutes.
 READ_GAPS_S: Final = (5, 10, 20, 40) + (60,) * 14
 READ_GAP_LATE_S: Final = 300
+
+#: Webhooks (Standard Webhooks): what a playbook's hooks may subscribe to, each one event of the
+#: store (run_ended: any run_* ending), and `*` for all of them.
+WEBHOOK_EVENTS: Final = ("request_opened", "request_answered", "request_reminded", "request_escalated", "run_ended")
+#: The store's event types each webhook event stands for (run_ended: every ending, by its prefix).
+WEBHOOK_EVENT_OF: Final = {"interaction_requested": "request_opened", "request_answered": "request_answered",
+                           "request_reminded": "request_reminded", "request_escalated": "request_escalated"}
+#: A webhook's attempts: at once, then these gaps after the one before (six in all): a receiver
+#: down for most of a working day still gets the message.
+WEBHOOK_GAPS_S: Final = (60, 5 * 60, 30 * 60, 2 * 3600, 8 * 3600)
+MAX_WEBHOOK_ATTEMPTS: Final = len(WEBHOOK_GAPS_S) + 1
+#: A receiver's Retry-After is honoured up to the longest gap.
+MAX_RETRY_AFTER_WEBHOOK_S: Final = 8 * 3600
+#: Hooks of one playbook: each event is queued once a hook, in the event's transaction.
+MAX_WEBHOOKS: Final = 16
+#: What a receiver's answer may say, kept for the operator's list (the rest is cut).
+MAX_WEBHOOK_ERROR_CHARS: Final = 500
+#: Email (`deliver: {email: ...}`, ask's `email`): an emailed request keeps this as its `server`, which
+#: no tool server's name can be, and its address as its `tool`; an address is at most this long
+#: (RFC 5321), and a subject at most this many characters of the message's first line.
+EMAIL_SERVER: Final = "@email"
+MAX_EMAIL_ADDRESS: Final = 254
+EMAIL_SUBJECT_CHARS: Final = 100
+#: A secret shorter than this is too common in text to be scrubbed by value (a configured one is refused).
+MIN_SECRET_CHARS: Final = 4
 
 #: I/O bounds, in real seconds whatever the clock.
 OPEN_TIMEOUT_S: Final = 10.0
@@ -1794,6 +1821,7 @@ PLACES: Final[dict[str, Place]] = {
     "replies.conversation": Place(_SENT_NAMES, text=True),
     "replies.with": Place(_SENT_NAMES | {"conversation", "since"}),
     "tell.with": Place(_SENT_NAMES | {"message"}),
+    "deliver.email": Place(_RUN_NAMES | {"to"}, text=True),
 }
 
 #: Filters whose result is still a list: printing it inside text is the same mistake.
@@ -2694,6 +2722,9 @@ class FunctionDoc:
     #: The tools it sends and reads with, each as (field, server, tool, line): what the save checks
     #: against the operator's approval gate (no gated tool may deliver, read or tell).
     tool_uses: tuple[tuple[str, str, str, int], ...] = ()
+    #: `deliver: {email: TEMPLATE}`: the address the message is emailed to (`to` reads the party),
+    #: through the configuration's SMTP server; the request stays in the inbox (`deliver` is None).
+    email: Template | None = None
 
     @property
     def is_notification(self) -> bool:
@@ -3185,12 +3216,13 @@ def _check(r: _Reader, source: str, data: dict[str, Any], body: str, body_line: 
     for key in data:
         if key not in _FIELDS:
             r.add((key,), f"{key!r} is not a field of a function document (its fields: {', '.join(_FIELDS)})")
-    shape = Shape.SYSTEM if "call" in data else Shape.TOOL if "deliver" in data else Shape.INBOX
+    emailed = isinstance(data.get("deliver"), dict) and "email" in data["deliver"]
+    shape = Shape.SYSTEM if "call" in data else Shape.TOOL if "deliver" in data and not emailed else Shape.INBOX
     description = _description(r, data)
     input_schema = _schema_block(r, data, "input")
     output_schema = _schema_block(r, data, "output")
     to = from_ = message = expires = None
-    call = deliver = replies = approve = None
+    call = deliver = replies = approve = email = None
     if "approve" in data and shape is not Shape.SYSTEM:
         r.add(("approve",), "approve gates a call of a tool: only a function with call has it")
     if shape is Shape.SYSTEM:
@@ -3221,7 +3253,9 @@ def _check(r: _Reader, source: str, data: dict[str, Any], body: str, body_line: 
             message = r.template(("body",), body, PLACES["message"], input_schema, line=body_line)
         else:
             r.add(("body",), "the message is missing: write it after the front matter", line=body_line)
-        if "deliver" in data:
+        if emailed:
+            email = _read_email_deliver(r, data["deliver"], input_schema)
+        elif "deliver" in data:
             deliver = _read_deliver(r, data["deliver"], input_schema)
     rule = _reply_rule(r, data, shape, output_schema)
     if "replies" in data and shape is not Shape.SYSTEM:
@@ -3243,7 +3277,7 @@ def _check(r: _Reader, source: str, data: dict[str, Any], body: str, body_line: 
         expires=expires, expires_text=data.get("expires"), input_schema=input_schema,
         output_schema=output_schema, call=call, deliver=deliver, replies=replies,
         reply_rule=APPROVAL_RULE if approve is not None and replies is not None else rule, approve=approve,
-        tool_uses=tuple(uses), **follow)
+        tool_uses=tuple(uses), email=email, **follow)
 
 
 def _description(r: _Reader, data: dict[str, Any]) -> str | None:
@@ -3355,11 +3389,22 @@ def _read_deliver(r: _Reader, value: Any, input_schema: Any) -> DeliverSpec | No
     return DeliverSpec(server, tool, with_, sent)
 
 
+def _read_email_deliver(r: _Reader, value: dict[str, Any], input_schema: Any) -> Template | None:
+    """`deliver: {email: TEMPLATE}`: the address the message goes to; nothing beside it."""
+    block = r.mapping(("deliver",), value, ("email",), ("email",))
+    if block is None or "email" not in block:
+        return None
+    return r.template(("deliver", "email"), block["email"], PLACES["deliver.email"], input_schema)
+
+
 def _read_replies(r: _Reader, data: dict[str, Any], deliver: DeliverSpec | None,
                   output_schema: Any, rule: ReplyRule | None) -> RepliesSpec | None:
     path = ("replies",)
     if "deliver" not in data:
         r.add(path, "replies are read from a delivered message: replies needs deliver")
+        return None
+    if isinstance(data["deliver"], dict) and "email" in data["deliver"]:
+        r.add(path, "replies are read through a tool: an emailed request is answered on its page (its answer link)")
         return None
     if isinstance(data["deliver"], dict) and "sent" not in data["deliver"]:
         r.add(path, "reading replies needs deliver.sent: where the tool's answer names the message it sent")
@@ -3402,8 +3447,8 @@ def _read_follow_up(r: _Reader, data: dict[str, Any], expires: timedelta | None,
     for key in ("remind", "escalate"):
         if key in data and "output" not in data:
             r.add((key,), f"{key} needs output.schema: a notification takes no answer, so nobody waits for one")
-        if key in data and "deliver" in data and not (isinstance(data.get("replies"), dict)
-                                                      and "tell" in data["replies"]):
+        if key in data and "deliver" in data and not (isinstance(data["deliver"], dict) and "email" in data["deliver"]) \
+                and not (isinstance(data.get("replies"), dict) and "tell" in data["replies"]):
             r.add((key,), f"a function sent through a tool sends its {'reminders' if key == 'remind' else 'escalation'}"
                           " into the message's thread with replies.tell: add replies.tell")
     if "remind" in data:
@@ -3721,6 +3766,9 @@ def _person_overview(doc: FunctionDoc) -> list[str]:
     message = "\n".join("> " + line if line else ">" for line in template_words(doc.message.source).split("\n"))
     if doc.deliver:
         where = f"Through the tool `{doc.deliver.tool}` of the tool server `{doc.deliver.server}`."
+    elif doc.email:
+        where = (f"By email to {template_words(doc.email.source)}, with its answer link, and in the playbook's"
+                 " inbox, where it waits for an answer.")
     else:
         where = "In the playbook's inbox, where it waits for an answer."
     if doc.is_notification:
@@ -3831,6 +3879,40 @@ class ApprovalPolicy:
 
 
 @dataclass(frozen=True)
+class WebhookConfig:
+    """One of a playbook's `webhooks`: where its events are POSTed, which, and the key they are
+    signed with (read from the environment variable `secret_env` at start; scrubbed as every secret)."""
+
+    url: str
+    events: frozenset[str]
+    secret_env: str
+    secret: str = field(repr=False, default="")
+
+    def key(self) -> bytes:
+        """The signing key: a `whsec_` secret is base64 (Standard Webhooks), any other its UTF-8 bytes."""
+        if self.secret.startswith("whsec_"):
+            return base64.b64decode(self.secret[len("whsec_"):])
+        return self.secret.encode()
+
+    def takes(self, event: str) -> bool:
+        return "*" in self.events or event in self.events
+
+
+@dataclass(frozen=True)
+class EmailConfig:
+    """`email`: the SMTP server requests are sent through, and who they come from."""
+
+    host: str
+    sender: str
+    port: int = 25
+    starttls: bool = False
+    tls: bool = False
+    username: str | None = None
+    password_env: str | None = None
+    password: str | None = field(repr=False, default=None)
+
+
+@dataclass(frozen=True)
 class Config:
     host: str = "127.0.0.1"
     port: int = 8765
@@ -3843,6 +3925,18 @@ class Config:
     public_url: str | None = None               # the base of answer and sign-in links
     mcp_as: str | None = None                   # `mcp.as`: the person at an MCP client whose token names none
     max_connections: int = DEFAULT_MAX_CONNECTIONS   # open HTTP connections at most
+    webhooks: dict[str, tuple[WebhookConfig, ...]] = field(default_factory=dict)   # by playbook
+    email: EmailConfig | None = None            # the SMTP server `deliver: {email: ...}` sends through
+
+    @property
+    def secrets(self) -> tuple[str, ...]:
+        """Every secret value of the configuration, which nothing recorded may hold: the servers' env
+        and headers, the webhooks' signing secrets, the SMTP password."""
+        out = [v for sc in self.servers.values() for v in (*sc.env.values(), *sc.headers.values())]
+        out += [h.secret for hooks in self.webhooks.values() for h in hooks if h.secret]
+        if self.email is not None and self.email.password:
+            out.append(self.email.password)
+        return tuple(out)
 
     @property
     def links_base(self) -> str:
@@ -3856,7 +3950,7 @@ class Config:
 
 #: The keys of a configuration file (and how `check` tells one from a workflow).
 CONFIG_KEYS: Final = ("listen", "database", "open_requests", "servers", "playbooks", "metrics", "public_url", "mcp",
-                      "max_connections")
+                      "max_connections", "email")
 
 
 class ConfigError(Exception):
@@ -3953,7 +4047,7 @@ def _read_playbook(pb: Any, p: Any, raw_servers: dict[Any, Any], problems: list[
     if not isinstance(p, dict):
         problems.append(f"{where}: a mapping with servers")
         return None
-    problems += [f"{where}.{k}: unknown key" for k in p if k != "servers"]
+    problems += [f"{where}.{k}: unknown key" for k in p if k not in ("servers", "webhooks")]
     names = p.get("servers") or []
     if not isinstance(names, list):
         problems.append(f"{where}.servers: a list of server names")
@@ -3962,6 +4056,104 @@ def _read_playbook(pb: Any, p: Any, raw_servers: dict[Any, Any], problems: list[
         if n not in raw_servers:
             problems.append(f"{where}.servers[{i}]: {n!r} is not a server of this configuration")
     return tuple(n for n in names if isinstance(n, str))
+
+
+def _env_secret(where: str, name: Any, environ: Mapping[str, str], problems: list[str]) -> str | None:
+    """The value of the environment variable a configuration names for a secret."""
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        problems.append(f"{where}: the name of an environment variable that holds the secret")
+        return None
+    value = environ.get(name)
+    if not value:
+        problems.append(f"{where}: the environment variable {name} is not set (it holds the secret)")
+        return None
+    if len(value) < MIN_SECRET_CHARS:
+        problems.append(f"{where}: the secret in {name} is too short to be kept out of the records"
+                        f" (at least {MIN_SECRET_CHARS} characters)")
+        return None
+    return value
+
+
+def _read_webhooks(pb: str, hooks: Any, environ: Mapping[str, str], problems: list[str]) -> tuple[WebhookConfig, ...]:
+    """`playbooks.PB.webhooks: [{url, events: [...], secret_env: NAME}]`."""
+    where = f"playbooks.{pb}.webhooks"
+    if hooks is None:
+        return ()
+    if not isinstance(hooks, list) or len(hooks) > MAX_WEBHOOKS:
+        problems.append(f"{where}: a list of at most {MAX_WEBHOOKS} webhooks, each {{url, events, secret_env}}")
+        return ()
+    out = []
+    for i, h in enumerate(hooks):
+        at = f"{where}[{i}]"
+        if not isinstance(h, dict):
+            problems.append(f"{at}: a mapping with url, events and secret_env")
+            continue
+        count = len(problems)
+        problems += [f"{at}.{k}: unknown key" for k in h if k not in ("url", "events", "secret_env")]
+        url = h.get("url")
+        if not isinstance(url, str) or not re.fullmatch(r"https?://[^\s/?#]+(/[^\s#]*)?", url):
+            problems.append(f"{at}.url: an http:// or https:// URL the events are POSTed to")
+        events = h.get("events")
+        if not isinstance(events, list) or not events or not all(isinstance(e, str) for e in events):
+            problems.append(f"{at}.events: a list of events ({', '.join(WEBHOOK_EVENTS)}) or [\"*\"]")
+            events = []
+        for e in events:
+            if e != "*" and e not in WEBHOOK_EVENTS:
+                problems.append(f"{at}.events: {e!r} is not an event (known: {', '.join(WEBHOOK_EVENTS)}, or *)")
+        secret = _env_secret(f"{at}.secret_env", h.get("secret_env"), environ, problems)
+        if secret is not None and secret.startswith("whsec_"):
+            try:
+                if not base64.b64decode(secret[len("whsec_"):], validate=True):
+                    raise ValueError("empty")
+            except ValueError:
+                problems.append(f"{at}.secret_env: a whsec_ secret is base64 after its prefix")
+        if len(problems) == count:
+            out.append(WebhookConfig(url, frozenset(events), h["secret_env"], secret or ""))
+    return tuple(out)
+
+
+def _read_email(raw: Any, environ: Mapping[str, str], problems: list[str]) -> EmailConfig | None:
+    """`email: {smtp: {host, port, starttls, tls, username, password_env}, from}`."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        problems.append("email: a mapping with smtp and from")
+        return None
+    count = len(problems)
+    problems += [f"email.{k}: unknown key" for k in raw if k not in ("smtp", "from")]
+    smtp = raw.get("smtp")
+    if not isinstance(smtp, dict):
+        problems.append("email.smtp: a mapping with host, port, starttls, username, password_env")
+        smtp = {}
+    problems += [f"email.smtp.{k}: unknown key" for k in smtp
+                 if k not in ("host", "port", "starttls", "tls", "username", "password_env")]
+    host = smtp.get("host")
+    if not isinstance(host, str) or not host or has_control_char(host):
+        problems.append("email.smtp.host: the SMTP server's host name or address")
+    starttls, tls = smtp.get("starttls", False), smtp.get("tls", False)
+    for key, value in (("starttls", starttls), ("tls", tls)):
+        if not isinstance(value, bool):
+            problems.append(f"email.smtp.{key}: true or false")
+    if starttls is True and tls is True:
+        problems.append("email.smtp: starttls (upgrade a plain connection) or tls (TLS from the start), not both")
+    port = smtp.get("port", 465 if tls is True else 587 if starttls is True else 25)
+    if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
+        problems.append("email.smtp.port: a port number from 1 to 65535")
+    username = smtp.get("username")
+    if username is not None and (not isinstance(username, str) or not username or has_control_char(username)):
+        problems.append("email.smtp.username: the name the server knows the daemon by")
+    password = None
+    if "password_env" in smtp:
+        password = _env_secret("email.smtp.password_env", smtp["password_env"], environ, problems)
+    sender = raw.get("from")
+    if not isinstance(sender, str) or not re.fullmatch(r"[^\s@<>]+@[^\s@<>]+|[^<>\r\n]*<[^\s@<>]+@[^\s@<>]+>", sender):
+        problems.append("email.from: the address requests come from, e.g. 'Approvals <approvals@example.org>'")
+    import importlib.util
+    if importlib.util.find_spec("aiosmtplib") is None:
+        problems.append("email: sending email needs aiosmtplib: pip install 'interactiond[email]'")
+    if len(problems) > count:
+        return None
+    return EmailConfig(host, sender, port, starttls is True, tls is True, username, smtp.get("password_env"), password)
 
 
 def load_config(path: str | None, environ: dict[str, str] | None = None) -> Config:
@@ -4008,10 +4200,13 @@ def load_config(path: str | None, environ: dict[str, str] | None = None) -> Conf
     servers = {name: sc for name, value in raw_servers.items()
                if (sc := _read_server(name, value, problems)) is not None}
     playbooks: dict[str, tuple[str, ...]] = {DEFAULT_PLAYBOOK: ()}
+    webhooks: dict[str, tuple[WebhookConfig, ...]] = {}
     for pb, value in _config_mapping(raw, "playbooks", "a mapping of ORG/NAME to their settings", problems).items():
         names = _read_playbook(pb, value, raw_servers, problems)
         if names is not None:
             playbooks[pb] = names
+            if isinstance(value, dict) and value.get("webhooks") is not None:
+                webhooks[pb] = _read_webhooks(pb, value["webhooks"], environ, problems)
     metrics = _config_mapping(raw, "metrics", "a mapping with open_on_loopback", problems)
     problems += [f"metrics.{k}: unknown key" for k in metrics if k != "open_on_loopback"]
     if not isinstance(metrics.get("open_on_loopback", False), bool):
@@ -4034,9 +4229,10 @@ def load_config(path: str | None, environ: dict[str, str] | None = None) -> Conf
             or not 1 <= max_connections <= MAX_MAX_CONNECTIONS:
         problems.append(f"max_connections: a whole number from 1 to {MAX_MAX_CONNECTIONS:,}"
                         f" (default {DEFAULT_MAX_CONNECTIONS:,})")
+    email = _read_email(raw.get("email"), environ, problems)
     if problems:
         raise ConfigError(problems)
-    return Config(host, port, database, open_requests, servers, playbooks, path,
+    return Config(host, port, database, open_requests, servers, playbooks, path, webhooks=webhooks, email=email,
                   metrics_open_on_loopback=metrics.get("open_on_loopback") is True,
                   public_url=public_url.rstrip("/") if public_url else None,
                   mcp_as=mcp_as.strip() if mcp_as else None, max_connections=max_connections)
@@ -4065,7 +4261,7 @@ def load_config(path: str | None, environ: dict[str, str] | None = None) -> Conf
 # The end of this section runs the same store, threads and SQL on a PostgreSQL server.
 
 #: PRAGMA user_version of a file this version made; an earlier one is migrated at open (MIGRATIONS).
-SCHEMA_VERSION: Final = 8
+SCHEMA_VERSION: Final = 9
 
 
 #: The schema, embedded so an installed wheel needs no data file; tests keep it equal to schema.sql.
@@ -4223,6 +4419,26 @@ CREATE TABLE IF NOT EXISTS nudges (
     attempts   INTEGER NOT NULL DEFAULT 0,
     started_at INTEGER                               -- of the attempt in flight or the last one
 );
+
+-- Events POSTed to the playbooks' webhooks (Standard Webhooks), each queued in its event's own
+-- transaction, once a hook; attempted at once, then 1 min, 5 min, 30 min, 2 h and 8 h apart.
+CREATE TABLE IF NOT EXISTS webhook_deliveries (
+    id         INTEGER PRIMARY KEY,
+    playbook   TEXT NOT NULL,
+    url        TEXT NOT NULL,                        -- the hook's, when the event was queued
+    event_id   INTEGER NOT NULL,                     -- events.id
+    type       TEXT NOT NULL,                        -- request_opened, ..., run_ended
+    run_id     TEXT,
+    body       TEXT NOT NULL,                        -- the bytes signed and sent, every attempt
+    state      TEXT NOT NULL CHECK (state IN ('pending', 'sending', 'retrying', 'delivered', 'failed')),
+    attempts   INTEGER NOT NULL DEFAULT 0,
+    created_at INTEGER NOT NULL,
+    started_at INTEGER,                              -- of the attempt in flight or the last one
+    next_at    INTEGER,                              -- of the next attempt, while one is to come
+    ended_at   INTEGER,                              -- delivered, or the last attempt failed
+    history    TEXT NOT NULL DEFAULT '[]'            -- the attempts: [{n, at, status, error}, ...]
+);
+CREATE INDEX IF NOT EXISTS webhook_deliveries_by_playbook ON webhook_deliveries (playbook, id);
 
 -- Append-only. `id` is monotonic and never reused; run events also carry a gap-free run_seq.
 CREATE TABLE IF NOT EXISTS events (
@@ -4397,6 +4613,11 @@ def _migrate_to_8(conn: Any) -> None:
                  " created_at BIGINT NOT NULL, expires_at BIGINT NOT NULL, revoked_at BIGINT)")
 
 
+def _migrate_to_9(conn: Any) -> None:
+    """Webhooks: their queue (the webhook_deliveries table) is new, made by the schema itself; an
+    earlier event was never queued. PostgreSQL's step too (POSTGRES_MIGRATIONS)."""
+
+
 #: Each step takes a file made by an earlier version to the next PRAGMA user_version, in order.
 MIGRATIONS: Final[tuple[tuple[int, Callable[[sqlite3.Connection], None]], ...]] = (
     (2, _migrate_to_2),
@@ -4406,6 +4627,7 @@ MIGRATIONS: Final[tuple[tuple[int, Callable[[sqlite3.Connection], None]], ...]] 
     (6, _migrate_to_6),
     (7, _migrate_to_7),
     (8, _migrate_to_8),
+    (9, _migrate_to_9),
 )
 
 
@@ -4760,6 +4982,9 @@ class Store:
         self._writes: list[tuple[Any, ...]] = []          # asked for in this turn of the loop (write)
         self._reads: list[tuple[Any, ...]] = []
         self._handing_over = False
+        #: The playbooks' webhooks, which the writer queues every event for (SqlTx.webhooks): filled in
+        #: place by the engine from its configuration, before or after the store opens.
+        self.webhooks: dict[str, tuple[tuple[str, frozenset[str]], ...]] = {}
 
     async def open(self) -> None:
         loop = asyncio.get_running_loop()
@@ -4790,7 +5015,10 @@ class Store:
         if writer:                          # the checkpointer copies the WAL; this is only a safety net
             conn.execute(f"PRAGMA wal_autocheckpoint = {WRITER_AUTOCHECKPOINT_PAGES}")
             conn.execute(f"PRAGMA journal_size_limit = {WAL_SIZE_LIMIT_BYTES}")
-        return SQLiteTx(conn)
+        tx = SQLiteTx(conn)
+        if writer:
+            tx.webhooks = self.webhooks
+        return tx
 
     async def close(self) -> None:
         self._hand_over()
@@ -4936,6 +5164,13 @@ class Tx(Protocol):
     def timers_due(self, after: int | None, until: int) -> list[tuple[str, int]]: ...
     def append_event(self, fx: Effects | None, playbook: str, run_id: str | None, type_: str, at: int,
                      by: str | None, payload: dict[str, Any], *, run_seq: int | None = None) -> int: ...
+
+    # Webhooks (the queue append_event fills; see SqlTx.queue_webhooks).
+
+    def begin_webhook_attempt(self, delivery_id: int, *, now: int) -> Row | None: ...
+    def end_webhook_attempt(self, delivery_id: int, attempt: int, *, state: str, next_at: int | None,
+                            ended_at: int | None, history: list[dict[str, Any]]) -> bool: ...
+    def webhook_deliveries(self, playbook: str, *, before: int | None, limit: int) -> list[Row]: ...
     def run_events(self, playbook: str, run_id: str, *, after: int, limit: int) -> list[Row]: ...
     def playbook_events(self, playbook: str, *, type_: str | None, after: int, limit: int) -> list[Row]: ...
 
@@ -5034,7 +5269,7 @@ class SqlTx:
     False or a `conflict` problem) rather than reading, checking in Python and writing by key.
     """
 
-    __slots__ = ("conn",)
+    __slots__ = ("conn", "webhooks")
 
     #: How the shared SQL is said on this backend (SQLITE_DIALECT, POSTGRES_DIALECT).
     dialect: "Dialect"
@@ -5043,6 +5278,10 @@ class SqlTx:
 
     def __init__(self, conn: Any) -> None:
         self.conn = conn
+        #: The playbooks' webhooks as the writer queues events for them: {playbook: ((url, events), ...)}
+        #: (the store's, which the engine fills from the configuration); None on a connection that
+        #: queues nothing (a reader, the command line).
+        self.webhooks: dict[str, tuple[tuple[str, frozenset[str]], ...]] | None = None
 
     def close(self) -> None:
         self.conn.close()
@@ -5096,9 +5335,16 @@ class SqlTx:
         text = dumps(payload)
         event_id = self._insert_event(playbook, run_id, run_seq, (type_, at, by, text, len(text.encode())))
         if fx is not None:
-            fx.published.append({"id": event_id, "playbook": playbook, "run_id": run_id, "type": type_, "at": at,
-                                 "by": by, "payload": payload})
+            self._published(fx, event_id, playbook, run_id, type_, at, by, payload)
         return event_id
+
+    def _published(self, fx: Effects, event_id: int, playbook: str, run_id: str | None, type_: str, at: int,
+                   by: str | None, payload: dict[str, Any]) -> None:
+        """An event appended: published once the change commits, and queued for the playbook's webhooks."""
+        fx.published.append({"id": event_id, "playbook": playbook, "run_id": run_id, "type": type_, "at": at,
+                             "by": by, "payload": payload})
+        if self.webhooks and playbook in self.webhooks:
+            self.queue_webhooks(fx, playbook, run_id, event_id, type_, at, by, payload)
 
     def counted_events(self, fx: Effects, playbook: str, run_id: str, at: int, by: str | None,
                        events: list[tuple[int, str, dict[str, Any]]]) -> list[int]:
@@ -5109,8 +5355,8 @@ class SqlTx:
             text = dumps(payload)
             rows.append((run_seq, (type_, at, by, text, len(text.encode()))))
         ids = self._insert_events(playbook, run_id, rows)
-        fx.published.extend({"id": event_id, "playbook": playbook, "run_id": run_id, "type": type_, "at": at,
-                             "by": by, "payload": payload} for event_id, (_, type_, payload) in zip(ids, events))
+        for event_id, (_, type_, payload) in zip(ids, events):
+            self._published(fx, event_id, playbook, run_id, type_, at, by, payload)
         return ids
 
     def _insert_event(self, playbook: str, run_id: str | None, run_seq: int | None, values: tuple[Any, ...]) -> int:
@@ -5128,6 +5374,53 @@ class SqlTx:
         end (PostgresTx), so that its statements travel together."""
         if not self.conn.execute(sql, params).rowcount:
             raise problem
+    def queue_webhooks(self, fx: Effects, playbook: str, run_id: str | None, event_id: int, type_: str, at: int,
+                       by: str | None, payload: dict[str, Any]) -> None:
+        """Queue an event for each of the playbook's webhooks that takes it, in the event's own
+        transaction, its first attempt due at once (a `webhook` timer). The body is Standard Webhooks'
+        payload, `{type, timestamp, data}`, made once: every attempt signs and sends these bytes."""
+        kind = WEBHOOK_EVENT_OF.get(type_) or ("run_ended" if type_.startswith("run_") and run_id is not None
+                                              and type_ != "run_started" else None)
+        if kind is None:
+            return
+        body = None
+        for url, events in self.webhooks.get(playbook, ()) if self.webhooks else ():
+            if "*" not in events and kind not in events:
+                continue
+            if body is None:
+                body = dumps({"type": kind, "timestamp": fmt_time(at), "data": {
+                    "event_id": f"evt_{event_id}", "event": type_, "playbook": playbook, "run_id": run_id,
+                    "at": fmt_time(at), "by": by, "payload": payload}})
+            delivery_id = self.conn.execute(
+                "INSERT INTO webhook_deliveries (playbook, url, event_id, type, run_id, body, state, created_at, next_at)"
+                " VALUES (?, ?, ?, ?, ?, ?, 'pending', ?, ?) RETURNING id",
+                (playbook, url, event_id, kind, run_id, body, at, at)).fetchone()[0]
+            self.set_timer(fx, timer_key("webhook", playbook, str(delivery_id)), at)
+
+    def begin_webhook_attempt(self, delivery_id: int, *, now: int) -> Row | None:
+        """Start a webhook delivery's next attempt: one still to be made (pending, retrying), or one whose
+        attempt in flight had no recorded end (sending: the daemon stopped), with an attempt left. The
+        delivery as it now stands, or None."""
+        return self.conn.execute(
+            "UPDATE webhook_deliveries SET state = 'sending', attempts = attempts + 1, started_at = ?, next_at = NULL"
+            " WHERE id = ? AND state IN ('pending', 'retrying', 'sending') AND attempts < ? RETURNING *",
+            (now, delivery_id, MAX_WEBHOOK_ATTEMPTS)).fetchone()
+
+    def end_webhook_attempt(self, delivery_id: int, attempt: int, *, state: str, next_at: int | None,
+                            ended_at: int | None, history: list[dict[str, Any]]) -> bool:
+        """Record how attempt `attempt` ended (state: delivered, retrying or failed). Guarded: False when
+        that attempt is no longer the one in flight."""
+        return self.conn.execute(
+            "UPDATE webhook_deliveries SET state = ?, next_at = ?, ended_at = ?, history = ?"
+            " WHERE id = ? AND attempts = ? AND state = 'sending'",
+            (state, next_at, ended_at, dumps(history), delivery_id, attempt)).rowcount > 0
+
+    def webhook_deliveries(self, playbook: str, *, before: int | None, limit: int) -> list[Row]:
+        """A page of a playbook's webhook deliveries, newest first, before the id `before`."""
+        return self.conn.execute(
+            "SELECT id, playbook, url, event_id, type, run_id, state, attempts, created_at, started_at, next_at,"
+            " ended_at, history FROM webhook_deliveries WHERE playbook = ? AND id < ? ORDER BY id DESC LIMIT ?",
+            (playbook, before if before is not None else 2 ** 62, limit)).fetchall()
 
     def set_timer(self, fx: Effects, key: str, due: int) -> None:
         self.conn.execute("INSERT INTO timers (key, due_at) VALUES (?, ?)"
@@ -5932,7 +6225,8 @@ class SQLiteTx(SqlTx):
 #: What `interactiond copy` moves, in an order that respects the references between tables; the
 #: daemons, leases and clock of a PostgreSQL database stay behind (they are its daemons').
 COPIED_TABLES: Final = ("playbooks", "definitions", "runs", "readings", "requests", "replies_seen", "events",
-                        "timers", "tokens", "idempotency", "nudges", "daemon_keys", "approval_rules")
+                        "timers", "tokens", "idempotency", "nudges", "daemon_keys", "approval_rules",
+                        "webhook_deliveries")
 #: Columns one backend has and the other has not, which a copy leaves behind.
 COPY_DROPPABLE: Final = {("events", "daemon")}
 
@@ -6146,6 +6440,7 @@ POSTGRES_MIGRATIONS: Final[tuple[tuple[int, Callable[[Any], None]], ...]] = (
     (6, _pg_migrate_to_6),
     (7, _migrate_to_7),
     (8, _migrate_to_8),
+    (9, _migrate_to_9),
 )
 
 #: Keys of the transaction-level advisory locks (pg_advisory_xact_lock): writes, and the schema.
@@ -6345,6 +6640,26 @@ CREATE TABLE IF NOT EXISTS nudges (
     attempts   INTEGER NOT NULL DEFAULT 0,
     started_at BIGINT                                -- of the attempt in flight or the last one
 );
+
+-- Events POSTed to the playbooks' webhooks (Standard Webhooks), each queued in its event's own
+-- transaction, once a hook; attempted at once, then 1 min, 5 min, 30 min, 2 h and 8 h apart.
+CREATE TABLE IF NOT EXISTS webhook_deliveries (
+    id         BIGINT GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY,
+    playbook   TEXT NOT NULL,
+    url        TEXT NOT NULL,                        -- the hook's, when the event was queued
+    event_id   BIGINT NOT NULL,                      -- events.id
+    type       TEXT NOT NULL,                        -- request_opened, ..., run_ended
+    run_id     TEXT,
+    body       TEXT NOT NULL,                        -- the bytes signed and sent, every attempt
+    state      TEXT NOT NULL CHECK (state IN ('pending', 'sending', 'retrying', 'delivered', 'failed')),
+    attempts   INTEGER NOT NULL DEFAULT 0,
+    created_at BIGINT NOT NULL,
+    started_at BIGINT,                               -- of the attempt in flight or the last one
+    next_at    BIGINT,                               -- of the next attempt, while one is to come
+    ended_at   BIGINT,                               -- delivered, or the last attempt failed
+    history    TEXT NOT NULL DEFAULT '[]'            -- the attempts: [{n, at, status, error}, ...]
+);
+CREATE INDEX IF NOT EXISTS webhook_deliveries_by_playbook ON webhook_deliveries (playbook, id);
 
 -- Append-only. `id` is monotonic and never reused, and ids commit in increasing order (a write
 -- takes the store's advisory lock first); run events also carry a gap-free run_seq.
@@ -6869,7 +7184,8 @@ class PostgresTx(SqlTx):
 
     def after_copy(self) -> None:
         """The ids copied in were given, not drawn: each identity goes on from the largest one copied."""
-        for table, column in (("runs", "seq"), ("readings", "id"), ("requests", "seq"), ("events", "id")):
+        for table, column in (("runs", "seq"), ("readings", "id"), ("requests", "seq"), ("events", "id"),
+                              ("nudges", "id"), ("webhook_deliveries", "id")):
             self.conn.execute(f"SELECT setval(pg_get_serial_sequence(?, ?), COALESCE(MAX({column}), 0) + 1, false)"
                               f" FROM {table}", (table, column))
 
@@ -7375,7 +7691,10 @@ class PostgresStore(Store):
         setup: tuple[str, ...] = ("SET enable_seqscan = off",)
         if writer:
             setup += (f"SET lock_timeout = {PG_LOCK_TIMEOUT_MS}", "SET standard_conforming_strings = on")
-        return PostgresTx(_PgConn(self.path, setup), self.daemon_id)
+        tx = PostgresTx(_PgConn(self.path, setup), self.daemon_id)
+        if writer:
+            tx.webhooks = self.webhooks
+        return tx
 
     async def claim(self, key: str, *, due_by: int | None = None) -> bool:
         return await self.write(lambda tx, fx: tx.claim_lease(key, due_by=due_by))
@@ -7684,7 +8003,6 @@ _SECRET_WORDS: Final = frozenset({"pass", "pwd", "auth", "bearer"})
 _KEY_WORD_RE: Final = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+")
 _TOKEN_RE: Final = re.compile(r"itd_[A-Za-z0-9_-]{20,}")
 SCRUBBED: Final = "[scrubbed]"
-MIN_SECRET_CHARS: Final = 4               # shorter values are too common in text to be scrubbed by value
 MAX_STDERR_LINE_CHARS: Final = 4096        # a tool server's stderr is logged in lines of at most this
 
 
@@ -7799,7 +8117,7 @@ class ToolServers:
 
     def __init__(self, config: Config, store: Store | None = None, clock: Clock | None = None) -> None:
         self.config = config
-        self.scrub = Scrubber(v for sc in config.servers.values() for v in (*sc.env.values(), *sc.headers.values()))
+        self.scrub = Scrubber(config.secrets)         # the servers' env and headers, webhook and SMTP secrets
         self.sessions = {name: ToolSession(sc, self.scrub) for name, sc in config.servers.items()}
         self.store = store                  # where a refused call is recorded (tool_call_refused)
         self.clock = clock
@@ -8082,7 +8400,8 @@ def request_object(row: Row) -> dict[str, Any]:
     return {
         "run_id": row["run_id"], "type": row["type"], "name": row["name"], "version": row["version"],
         "to": row["party"], "addressees": addressees(row), "from": row["answerer"],
-        "delivery": {"server": row["server"], "tool": row["tool"]} if row["server"] else None,
+        "delivery": ({"email": row["tool"]} if row["server"] == EMAIL_SERVER else
+                     {"server": row["server"], "tool": row["tool"]}) if row["server"] else None,
         "message": row["message"], "takes_answer": row["answer_schema"] is not None,
         "asked_at": fmt_time(row["asked_at"]), "expires_at": fmt_time(row["expires_at"]),
         "attempts": row["attempts"], "delivery_state": row["delivery_state"],
@@ -8384,6 +8703,8 @@ def _ask_source(kind: str) -> str:
         "prompt": {"type": "string", "maxLength": 8192, "description": "The question, in Markdown"},
         "to": {"type": "string", "description": "Who is asked"},
         "expires": {"type": "string", "description": "How long the question stands, PT1M to P30D (default P1D)"},
+        "email": {"type": "string", "maxLength": 254, "description": "An address the question is emailed to as well,"
+                  " with its answer link (the daemon's configuration names the SMTP server)"},
     }
     if kind == "choice":
         props["options"] = {"type": "array", "minItems": 1, "maxItems": 50, "description": "The options",
@@ -8868,10 +9189,12 @@ class Runs:
 
     def __init__(self, store: Store, clock: Clock, bus: LocalBus, definitions: Definitions,
                  system_calls: SystemCalls, kinds: dict[str, RunKind], open_limit: int,
-                 links: AnswerLinks | None = None, reminders: Reminders | None = None) -> None:
+                 links: AnswerLinks | None = None, reminders: Reminders | None = None,
+                 email: Email | None = None) -> None:
         self.store = store
         self.links = links or AnswerLinks("")          # answer links (no key: none shown)
         self.reminders = reminders                     # plans a request's reminders, escalation and default
+        self.email = email                             # whether (and how) a request may be emailed
         self.clock = clock
         self.bus = bus
         self.definitions = definitions
@@ -8950,6 +9273,7 @@ class Runs:
                     prepared["follow_up"] = self.reminders.plan(doc, name, input_, now, prepared)
                 if doc.deliver is not None:
                     prepared["deliver_args"] = deliver_args(doc, name, run_id or "", input_, prepared, now)
+                self._prepare_email(doc, name, input_, prepared, now)
             except Problem as exc:
                 ending = exc
             if doc.deliver is not None and ending is None:
@@ -8958,7 +9282,7 @@ class Runs:
                                                           + ([doc.replies.tell.tool] if doc.replies and doc.replies.tell else []))
         limit = self.open_limit
 
-        asks = ending is None and (doc.output_schema is not None or doc.deliver is not None)
+        asks = ending is None and (doc.output_schema is not None or doc.deliver is not None or "email" in prepared)
         # A tool call's approval that a remembered decision of its addressee may decide (section 24).
         call = tool_call_of(input_, prepared.get("answer_schema", doc.output_schema)) if asks else None
 
@@ -8991,6 +9315,52 @@ class Runs:
             run = dict(run, status=RunStatus.STARTED.value)
         return run, fresh
 
+    def _prepare_email(self, doc: Any, name: str, input_: Any, prepared: dict[str, Any], now: int) -> None:
+        """An emailed request's message (`prepared["email"]`, see email_args): to the address the
+        function's deliver.email renders (ask: its input's `email`), with the answer link and the links of
+        its choices; an escalation goes to the address rendered for its party (ask: escalate_to when it is
+        an address), else to the same one. Raises the problem of an ending."""
+        asked = name in ASK_FUNCTIONS
+        template = doc.email
+        if (template is None and not asked) or (asked and not isinstance(input_, dict)) \
+                or (asked and "email" not in input_):
+            return
+        why = self.email.problem() if self.email is not None else ended("unworkable", "this daemon sends no email")
+        if why is not None:
+            raise why
+
+        def address(party: str, pointer: str) -> str:
+            if asked:
+                text = input_["email"] if party == prepared["party"] else party
+            else:
+                try:
+                    text = template.render_text(base_context(now, input=input_, to=party)).strip()
+                except RenderError as exc:
+                    if exc.kind == "undefined":
+                        raise ended("invalid_input", str(exc), errors=[{"pointer": "/input", "message": str(exc)}]) from None
+                    raise ended("unworkable", f"deliver.email: {exc}") from None
+            if not is_email_address(text):
+                if asked:
+                    raise ended("invalid_input", f"{text!r} is not an email address",
+                                errors=[{"pointer": pointer, "message": "an email address, such as ana@example.org"}])
+                raise ended("unworkable", f"deliver.email renders {text!r}, which is not an email address")
+            return text
+
+        to = address(prepared["party"], "/input/email")
+        schema = prepared.get("answer_schema", doc.output_schema)
+        labels = None
+        if asked and isinstance(input_.get("options"), list):
+            labels = {o["id"]: o["label"] for o in input_["options"] if isinstance(o, dict) and "id" in o and "label" in o}
+        prepared["email"] = email_args(to, prepared["message"], prepared["request"].get("answer_url"), schema, labels,
+                                       prepared["expires_at"])
+        escalation = (prepared.get("follow_up") or {}).get("escalate")
+        if escalation is not None:
+            party = escalation["to"]
+            if not asked:
+                escalation["email"] = address(party, "/input")
+            elif is_email_address(party):
+                escalation["email"] = party
+
     def _open_request(self, tx: Tx, fx: Effects, playbook: str, run_id: str, type_: str,
                       name: str, version: int, doc: Any, prepared: dict[str, Any], now: int, by: str) -> bool:
         """Open the run's request; True when the run now waits for it, False when it ended (a
@@ -8998,18 +9368,22 @@ class Runs:
         answer_schema = prepared.get("answer_schema", doc.output_schema)
         notification = answer_schema is None
         deliver = doc.deliver
-        inbox_note = notification and deliver is None
+        emailed = prepared.get("email")                  # sent by email: attempted as a delivery is
+        inbox_note = notification and deliver is None and emailed is None
         tx.open_request(request_id=prepared["request_id"], playbook=playbook, run_id=run_id, type_=type_, name=name,
                         version=version, party=prepared["party"], answerer=prepared["answerer"],
                         message=prepared["message"],
                         answer_schema=dumps(answer_schema) if answer_schema is not None else None,
-                        server=deliver.server if deliver else None, tool=deliver.tool if deliver else None,
-                        delivery=DeliveryState.IN_INBOX if deliver is None else DeliveryState.TO_DELIVER,
+                        server=deliver.server if deliver else EMAIL_SERVER if emailed else None,
+                        tool=deliver.tool if deliver else emailed["to"] if emailed else None,
+                        delivery=DeliveryState.IN_INBOX if deliver is None and not emailed else DeliveryState.TO_DELIVER,
                         asked_at=now, expires_at=prepared["expires_at"],
-                        deliver_args=dumps(prepared["deliver_args"]) if deliver else None, notified=inbox_note,
+                        deliver_args=dumps(prepared["deliver_args"]) if deliver else
+                        dumps({"email": emailed}) if emailed else None, notified=inbox_note,
                         follow_up=dumps(prepared["follow_up"]) if prepared.get("follow_up") else None)
         tx.append_event(fx, playbook, run_id, "interaction_requested", now, by, {
-            "delivery": {"server": deliver.server, "tool": deliver.tool} if deliver else None,
+            "delivery": {"server": deliver.server, "tool": deliver.tool} if deliver else
+            {"email": emailed["to"]} if emailed else None,
             "to": prepared["party"], "from": prepared["answerer"],
             "message_size": len(prepared["message"].encode()), "takes_answer": not notification,
             "expires_at": fmt_time(prepared["expires_at"]), **Reminders.requested(prepared.get("follow_up"))})
@@ -9018,7 +9392,7 @@ class Runs:
             return False
         tx.set_timer(fx, timer_key("expire", playbook, run_id), prepared["expires_at"])
         Reminders.arm(tx, fx, playbook, run_id, prepared.get("follow_up"))
-        if deliver is not None:
+        if deliver is not None or emailed:
             tx.set_timer(fx, timer_key("attempt", playbook, run_id), now)
         return True
 
@@ -9625,17 +9999,159 @@ async def write_attempt_end(store: Store, end: Callable[[Any, Effects], None]) -
             await asyncio.sleep(pause)
 
 
+def is_email_address(text: Any) -> bool:
+    """An address a message can be sent to: one mailbox, local@domain, no display name."""
+    return (isinstance(text, str) and len(text) <= MAX_EMAIL_ADDRESS
+            and re.fullmatch(r"[^\s@<>,;:\"()\[\]]+@[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?", text) is not None)
+
+
+def _choice_text(value: Any) -> str:
+    return ("true" if value else "false") if isinstance(value, bool) else str(value)
+
+
+def answer_choices(schema: Any, labels: Mapping[str, str] | None = None) -> tuple[str, list[tuple[Any, str]]] | None:
+    """The one choice an answer is made of, for the links of an email: its property and each value
+    with its label - the first required property that is an enum, a boolean, or a list of an enum's
+    values (an ask-choice's options, labelled by `labels`); None when the answer has no such choice."""
+    if not isinstance(schema, dict) or not isinstance(schema.get("properties"), dict):
+        return None
+    props = schema["properties"]
+    for name in schema.get("required") or ():
+        sub = props.get(name)
+        if not isinstance(sub, dict):
+            continue
+        items = sub.get("items") if isinstance(sub.get("items"), dict) else {}
+        values = sub.get("enum") if isinstance(sub.get("enum"), list) else \
+            items.get("enum") if sub.get("type") == "array" and isinstance(items.get("enum"), list) else \
+            [True, False] if sub.get("type") == "boolean" else None
+        if not values or not all(isinstance(v, (str, int, bool)) for v in values):
+            continue
+        def label(v: Any) -> str:                  # as the answer page labels its buttons
+            if isinstance(v, bool):
+                return "Yes" if v else "No"
+            return (labels or {}).get(str(v), str(v))
+        return name, [(v, label(v)) for v in values[:50]]
+    return None
+
+
+def email_args(to: str, message: str, answer_url: str | None, schema: Any, labels: Mapping[str, str] | None,
+               expires_at: int) -> dict[str, Any]:
+    """What an emailed request sends, made once when its run starts: every attempt sends the same.
+    The links of its choices open the answer page with that choice chosen (`?name=value`): a GET
+    never answers, the page's button does."""
+    first = next((line for line in message.splitlines() if line.strip()), "")
+    subject = re.sub(r"[#*_`>\[\]]+", "", first).strip()
+    subject = subject if len(subject) <= EMAIL_SUBJECT_CHARS else subject[:EMAIL_SUBJECT_CHARS - 1].rstrip() + "…"
+    choices: list[list[str]] = []
+    found = answer_choices(schema, labels) if answer_url else None
+    if found is not None and answer_url:
+        name, values = found
+        choices = [[label, f"{answer_url}?{urllib.parse.urlencode({name: _choice_text(v)})}"] for v, label in values]
+    return {"to": to, "subject": subject or "A question for you", "message": message,
+            "answer_url": answer_url if schema is not None else None, "choices": choices,
+            "expires_at": fmt_time(expires_at)}
+
+
+class Email:
+    """Sending a request's message by email (`deliver: {email: ...}`, ask's `email`) through the
+    configuration's SMTP server with aiosmtplib: text and HTML, the answer link, a link per choice.
+    Deliveries attempts it as it attempts a tool (delivery's rules: recorded before it is sent, tried
+    again 1, 2, 4 and 8 minutes on, lost after a stop); Reminders sends reminders and the escalation
+    the same way. A permanent refusal (an SMTP 5xx) is not tried again."""
+
+    def __init__(self, config: EmailConfig | None, clock: Clock, scrub: Callable[[Any], Any]) -> None:
+        self.config = config
+        self.clock = clock
+        self.scrub = scrub
+
+    def problem(self) -> Problem | None:
+        """Why a run cannot email now (no SMTP server configured, or aiosmtplib missing), or None."""
+        if self.config is None:
+            return ended("unworkable", "email needs the configuration's email: {smtp: {host, port}, from}")
+        import importlib.util
+        if importlib.util.find_spec("aiosmtplib") is None:
+            return ended("unworkable", "email needs aiosmtplib: pip install 'interactiond[email]'")
+        return None
+
+    def compose(self, args: dict[str, Any]) -> Any:
+        """The message: text, and HTML with the message's Markdown rendered (raw HTML escaped)."""
+        from email.message import EmailMessage
+        from email.utils import format_datetime, make_msgid
+        from markdown_it import MarkdownIt
+        assert self.config is not None
+        lead = args.get("lead")
+        text = [lead, ""] if lead else []
+        text += [args["message"], ""]
+        html = [f"<p><strong>{_esc(lead)}</strong></p>"] if lead else []
+        html.append(MarkdownIt("commonmark", {"html": False}).enable(["table", "strikethrough"]).render(args["message"]))
+        if args.get("answer_url"):
+            text.append(f"Answer: {args['answer_url']}")
+            html.append(f'<p><a href="{_esc(args["answer_url"])}">Answer it</a></p>')
+            if args.get("choices"):
+                text += ["", "Or open the page with your choice made (it is sent when you press its button):"]
+                text += [f"- {label}: {url}" for label, url in args["choices"]]
+                html.append("<p>Or open the page with your choice made (it is sent when you press its button):</p><ul>"
+                            + "".join(f'<li><a href="{_esc(url)}">{_esc(label)}</a></li>' for label, url in args["choices"])
+                            + "</ul>")
+            when = datetime.fromisoformat(args["expires_at"].replace("Z", "+00:00")).strftime("%Y-%m-%d %H:%M UTC")
+            text += ["", f"It expires on {when}."]
+            html.append(f"<p>It expires on {_esc(when)}.</p>")
+        msg = EmailMessage()
+        msg["From"] = self.config.sender
+        msg["To"] = args["to"]
+        msg["Subject"] = args["subject"]
+        msg["Date"] = format_datetime(datetime.fromtimestamp(self.clock.now_ms() / 1000, timezone.utc))
+        msg["Message-ID"] = make_msgid(domain=self.config.sender.rstrip(">").rsplit("@", 1)[-1])
+        msg.set_content("\n".join(text) + "\n")
+        msg.add_alternative("<!doctype html><html><body>" + "".join(html) + "</body></html>", subtype="html")
+        return msg
+
+    async def send(self, args: dict[str, Any]) -> dict[str, Any]:
+        """One attempt, as Deliveries.send reports a tool's: ok, a failure to try again, or refused."""
+        why = self.problem()
+        if why is not None:
+            return {"refused": "not_configured", "message": why.detail}
+        import aiosmtplib
+        c = self.config
+        assert c is not None
+        msg = self.compose(args)
+        raw = msg.as_bytes()
+        try:
+            await aiosmtplib.send(msg, hostname=c.host, port=c.port, username=c.username, password=c.password,
+                                  use_tls=c.tls, start_tls=True if c.starttls else False,
+                                  timeout=OPEN_TIMEOUT_S + CALL_TIMEOUT_S)
+        except aiosmtplib.SMTPRecipientsRefused as exc:
+            codes = [e.code for e in exc.recipients]
+            said = self.scrub("; ".join(f"{e.code} {e.message}" for e in exc.recipients))
+            if codes and all(code >= 500 for code in codes):
+                return {"refused": "recipient_refused", "message": f"the SMTP server refused {args['to']}: {said}"}
+            return {"because": "server_failure", "message": f"the SMTP server refused for now: {said}",
+                    "retry_after_ms": None}
+        except aiosmtplib.SMTPResponseException as exc:
+            said = self.scrub(f"{exc.code} {exc.message}")
+            if exc.code >= 500:                         # permanent: sending it again changes nothing
+                return {"refused": "refused", "message": f"the SMTP server refused the message: {said}"}
+            return {"because": "server_failure", "message": f"the SMTP server answered {said}", "retry_after_ms": None}
+        except (aiosmtplib.SMTPTimeoutError, asyncio.TimeoutError, TimeoutError):
+            return {"because": "timed_out", "message": "the SMTP server did not answer in time", "retry_after_ms": None}
+        except (aiosmtplib.SMTPException, OSError) as exc:
+            return {"because": "server_failure", "message": self.scrub(f"{type(exc).__name__}: {exc}"),
+                    "retry_after_ms": None}
+        return {"ok": True, "answer": None, "result_size": len(raw), "result_sha256": sha256_hex(raw.decode("utf-8", "replace"))}
+
+
 class Deliveries:
     """Sending requests through a tool: attempts, retries, lost attempts. A delivered question whose
     replies are read joins its conversation's reading (`readings`)."""
 
     def __init__(self, store: Store, clock: Clock, tools: ToolServers, definitions: Definitions,
-                 readings: Readings) -> None:
+                 readings: Readings, email: Email | None = None) -> None:
         self.store = store
         self.clock = clock
         self.tools = tools
         self.definitions = definitions
         self.readings = readings
+        self.email = email                              # an emailed request's attempts (server EMAIL_SERVER)
         self._inflight: set[tuple[str, str]] = set()     # attempts running in this process
 
     # -- delivery -------------------------------------------------------------------------------
@@ -9655,8 +10171,10 @@ class Deliveries:
             if req is None:
                 return None
             args = req["deliver_args"]
+            channel = {"email": req["tool"]} if req["server"] == EMAIL_SERVER else \
+                {"server": req["server"], "tool": req["tool"]}
             tx.append_event(fx, playbook, run_id, "delivery_started", now, "interactiond", {
-                "attempt": req["attempts"], "server": req["server"], "tool": req["tool"],
+                "attempt": req["attempts"], **channel,
                 "arguments_size": len(args.encode()), "arguments_sha256": sha256_hex(args)})
             tx.set_timer(fx, timer_key("lost", playbook, run_id), now + LOST_ATTEMPT_S * 1000)
             return req
@@ -9675,6 +10193,10 @@ class Deliveries:
         """One call of the sending tool; what happened, as the attempt's end records it."""
         playbook, server, tool = req["playbook"], req["server"], req["tool"]
         args = json.loads(req["deliver_args"])
+        if server == EMAIL_SERVER:
+            if self.email is None:
+                return {"refused": "not_configured", "message": "this daemon sends no email"}
+            return await self.email.send(args["email"])
         if len(req["deliver_args"].encode()) > MAX_ARGUMENTS_BYTES:
             return {"refused": "too_large", "message": f"the arguments pass {MAX_ARGUMENTS_BYTES // KIB} KiB"}
         try:
@@ -9698,7 +10220,7 @@ class Deliveries:
         _, doc = await self.definitions.document(playbook, req["type"], req["name"], req["version"])
         now = self.clock.now_ms()
         sent_conv = sent_id = conversation = None
-        if outcome.get("ok") and doc.deliver.sent is not None:
+        if outcome.get("ok") and doc.deliver is not None and doc.deliver.sent is not None:
             sent_conv = _sent_value(outcome["answer"], doc.deliver.sent.conversation)
             sent_id = _sent_value(outcome["answer"], doc.deliver.sent.id)
             if sent_conv is not None and sent_id is not None and doc.replies is not None:
@@ -9718,7 +10240,7 @@ class Deliveries:
             if outcome.get("ok"):
                 payload: dict[str, Any] = {"attempt": attempt, "result_size": outcome["result_size"],
                                            "result_sha256": outcome["result_sha256"]}
-                if doc.deliver.sent is not None:
+                if doc.deliver is not None and doc.deliver.sent is not None:
                     payload["delivered_as"] = ({"conversation": sent_conv, "id": sent_id}
                                                if sent_conv is not None and sent_id is not None else None)
                     if doc.replies is not None:
@@ -10605,6 +11127,10 @@ class Reminders:
         false while the message has not been delivered with what it was delivered as)."""
         if req["server"] is None:
             return {}
+        if req["server"] == EMAIL_SERVER:               # an emailed request: reminded by email, as it was sent
+            nudge_id = tx.queue_nudge(req["playbook"], req["run_id"], what=what, n=n, message=message)
+            tx.set_timer(fx, timer_key("nudge", req["playbook"], str(nudge_id)), now)
+            return {"by_email": True}
         if req["sent_conversation"] is None or req["sent_id"] is None:
             return {"in_thread": False}
         nudge_id = tx.queue_nudge(req["playbook"], req["run_id"], what=what, n=n, message=message)
@@ -10621,7 +11147,17 @@ class Reminders:
         tell = doc.replies.tell if doc.replies is not None else None
         args: Any = None
         refused = None if tell is not None else "the function has no replies.tell"
-        if tell is not None:
+        emailed = row["server"] == EMAIL_SERVER
+        if emailed:
+            req = await self.store.read(lambda tx: tx.request(playbook, row["run_id"]))
+            sent = json.loads(req["deliver_args"])["email"]
+            to = sent["to"]
+            if row["what"] == "escalation":
+                to = (json.loads(req["follow_up"] or "{}").get("escalate") or {}).get("email") or to
+            args = {"email": {**sent, "to": to, "lead": row["message"],
+                              "subject": ("Reminder: " if row["what"] == "reminder" else "Escalated: ") + sent["subject"]}}
+            refused = None
+        elif tell is not None:
             ctx = {"to": row["party"], "sent": {"conversation": row["sent_conversation"], "id": row["sent_id"]},
                    "message": row["message"]}
             try:
@@ -10632,6 +11168,8 @@ class Reminders:
                 refused = str(exc)
         text = dumps(args) if refused is None else ""
         base = {"for": row["what"], "n": row["n"], "server": row["server"], "tool": tell.tool if tell else None}
+        if emailed:
+            base = {"for": row["what"], "n": row["n"], "email": args["email"]["to"]}
         run_id, lost_key = row["run_id"], timer_key("nudge_lost", playbook, str(nudge_id))
         now = self.clock.now_ms()
 
@@ -10655,7 +11193,7 @@ class Reminders:
         self._inflight.add(nudge_id)
         try:
             outcome = await self.send({"playbook": playbook, "run_id": run_id, "server": row["server"],
-                                       "tool": tell.tool, "deliver_args": text})
+                                       "tool": tell.tool if tell else None, "deliver_args": text})
         finally:
             self._inflight.discard(nudge_id)
         done = self.clock.now_ms()
@@ -10723,6 +11261,161 @@ class Reminders:
         return True
 
 
+def webhook_signature(key: bytes, msg_id: str, timestamp: str, body: bytes) -> str:
+    """Standard Webhooks' signature of a message: `v1,` and the base64 HMAC-SHA256 of
+    `id.timestamp.body` under the hook's key."""
+    mac = hmac.new(key, msg_id.encode() + b"." + timestamp.encode() + b"." + body, hashlib.sha256)
+    return "v1," + base64.b64encode(mac.digest()).decode()
+
+
+def _http_retry_after_ms(value: str | None) -> int | None:
+    """An HTTP answer's Retry-After (seconds, or an HTTP date), in milliseconds."""
+    if not value:
+        return None
+    if value.strip().isdigit():
+        return int(value.strip()) * 1000
+    with contextlib.suppress(Exception):
+        from email.utils import parsedate_to_datetime
+        return max(0, int(parsedate_to_datetime(value).timestamp() * 1000) - WALL.now_ms())
+    return None
+
+
+class Webhooks:
+    """The playbooks' webhooks (SPEC section 26): every event a hook takes is queued by the store in
+    the event's own transaction (SqlTx.queue_webhooks), one `webhook` timer per delivery; each
+    attempt is a task of its own that signs the queued body as Standard Webhooks says and POSTs it.
+    A 2xx answer delivers it; any other answer, a timeout or a refused connection is tried again
+    1 min, 5 min, 30 min, 2 h and 8 h after the attempt before (or after the receiver's Retry-After),
+    then the delivery has failed. Nothing waits for a receiver: not the change that made the event,
+    not the timer task, not another delivery.
+
+    An attempt is two changes around the POST: the first moves the delivery's timer a minute on, so an
+    attempt whose end is never written (the daemon stopped) is made again then; the second records
+    how it ended and arms the next."""
+
+    def __init__(self, store: Store, clock: Clock, config: Config, scrub: Callable[[Any], Any]) -> None:
+        self.store = store
+        self.clock = clock
+        self.scrub = scrub
+        self.hooks: dict[str, tuple[WebhookConfig, ...]] = {pb: hooks for pb, hooks in config.webhooks.items()
+                                                            if hooks and pb in config.playbooks}
+        self._session: Any = None               # aiohttp's ClientSession, made at the first attempt
+        self._sending: set[int] = set()         # deliveries this daemon has an attempt in flight of
+        store.webhooks.update({pb: tuple((h.url, h.events) for h in hooks) for pb, hooks in self.hooks.items()})
+
+    def hook(self, playbook: str, url: str) -> WebhookConfig | None:
+        """The configured hook a delivery is for (by its URL), whose secret signs it."""
+        return next((h for h in self.hooks.get(playbook, ()) if h.url == url), None)
+
+    async def attempt(self, playbook: str, ref: str, key: str) -> None:
+        """A delivery's timer: its next attempt, unless one is in flight - here, or on another daemon
+        that holds the delivery's lease - whose end arms what comes next."""
+        delivery_id = int(ref)
+        if delivery_id in self._sending or not await self.store.claim(key):
+            return
+        self._sending.add(delivery_id)
+        try:
+            await self._attempt(delivery_id, key)
+        finally:
+            self._sending.discard(delivery_id)
+            await self.store.release(key)
+
+    async def _attempt(self, delivery_id: int, key: str) -> None:
+        now = self.clock.now_ms()
+
+        def begin(tx: Tx, fx: Effects) -> Row | None:
+            if not tx.take_timer(fx, key, now):
+                return None
+            row = tx.begin_webhook_attempt(delivery_id, now=now)
+            if row is not None:        # an attempt with no recorded end a minute on counts as failed
+                tx.set_timer(fx, key, now + LOST_ATTEMPT_S * 1000)
+            return row
+
+        row = await self.store.write(begin)
+        if row is None:
+            return
+        outcome = await self.send(row)
+        ended_now = self.clock.now_ms()
+
+        def ended(tx: Tx, fx: Effects) -> None:
+            attempt = row["attempts"]
+            history = list(json.loads(row["history"]))
+            seen = {h.get("n") for h in history}
+            history += [{"n": n, "at": None, "status": None, "error": "lost: the attempt had no recorded end"}
+                        for n in range(1, attempt) if n not in seen]
+            history.append({"n": attempt, "at": fmt_time(row["started_at"]), "status": outcome.get("status"),
+                            "error": outcome.get("error")})
+            if outcome.get("ok"):
+                state, next_at, ended_at = "delivered", None, ended_now
+            elif attempt < MAX_WEBHOOK_ATTEMPTS and not outcome.get("final"):
+                gap = WEBHOOK_GAPS_S[attempt - 1] * 1000
+                retry_after = outcome.get("retry_after_ms")
+                if retry_after is not None:
+                    gap = min(max(0, int(retry_after)), MAX_RETRY_AFTER_WEBHOOK_S * 1000)
+                state, next_at, ended_at = "retrying", max(ended_now, row["started_at"] + gap), None
+            else:
+                state, next_at, ended_at = "failed", None, ended_now
+            if not tx.end_webhook_attempt(delivery_id, attempt, state=state, next_at=next_at, ended_at=ended_at,
+                                          history=history):
+                return                                  # counted lost meanwhile: this end is stale
+            if next_at is None:
+                tx.drop_timer(fx, key)
+            else:
+                tx.set_timer(fx, key, next_at)
+        await write_attempt_end(self.store, ended)
+
+    async def send(self, row: Row) -> dict[str, Any]:
+        """One POST of a queued delivery, signed; what came of it (ok, status, error, retry_after_ms)."""
+        import aiohttp
+        hook = self.hook(row["playbook"], row["url"])
+        if hook is None:
+            return {"error": "the webhook is no longer in the configuration", "final": True}
+        msg_id = f"msg_{row['id']}"
+        timestamp = str(self.clock.now_ms() // 1000)
+        body = row["body"].encode()
+        headers = {"content-type": "application/json", "user-agent": f"interactiond/{__version__}",
+                   "webhook-id": msg_id, "webhook-timestamp": timestamp,
+                   "webhook-signature": webhook_signature(hook.key(), msg_id, timestamp, body)}
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession()
+        timeout = aiohttp.ClientTimeout(total=OPEN_TIMEOUT_S + CALL_TIMEOUT_S, connect=OPEN_TIMEOUT_S,
+                                        sock_read=CALL_TIMEOUT_S)
+        try:
+            async with self._session.post(hook.url, data=body, headers=headers, timeout=timeout,
+                                          allow_redirects=False) as resp:
+                text = (await resp.content.read(4 * MAX_WEBHOOK_ERROR_CHARS)).decode("utf-8", "replace")
+                if 200 <= resp.status < 300:
+                    return {"ok": True, "status": resp.status, "error": None}
+                said = " ".join(text.split())[:MAX_WEBHOOK_ERROR_CHARS]
+                return {"status": resp.status, "error": self.scrub(f"HTTP {resp.status}" + (f": {said}" if said else "")),
+                        "retry_after_ms": _http_retry_after_ms(resp.headers.get("retry-after"))}
+        except (asyncio.TimeoutError, TimeoutError):
+            return {"status": None, "error": "the receiver did not answer in time"}
+        except (aiohttp.ClientError, OSError, ValueError) as exc:
+            return {"status": None, "error": self.scrub(f"{type(exc).__name__}: {exc}"[:MAX_WEBHOOK_ERROR_CHARS])}
+
+    async def list_deliveries(self, caller: Caller, playbook: str, limit: Any = None,
+                              cursor: str | None = None) -> dict[str, Any]:
+        """The playbook's webhook deliveries, newest first, with their attempts (operator)."""
+        caller.require(Role.OPERATOR)
+        n = check_limit(limit)
+        before = decode_cursor(cursor)[0] if cursor else None
+        rows = await self.store.read(lambda tx: tx.webhook_deliveries(playbook, before=before, limit=n + 1))
+        more = len(rows) > n
+        nxt = encode_cursor([rows[n - 1]["id"]]) if more else None
+        data = [{"id": f"whd_{r['id']}", "webhook_id": f"msg_{r['id']}", "url": r["url"], "type": r["type"],
+                 "event_id": f"evt_{r['event_id']}", "run_id": r["run_id"], "state": r["state"],
+                 "attempts": r["attempts"], "created_at": fmt_time(r["created_at"]),
+                 "next_attempt_at": fmt_time(r["next_at"]), "ended_at": fmt_time(r["ended_at"]),
+                 "history": json.loads(r["history"])} for r in rows[:n]]
+        return {"data": data, "next_cursor": nxt, "page": {"has_more": more, "next_cursor": nxt}}
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
 class Engine:
     """Every operation of the product, over one store, one clock and one timer task.
 
@@ -10763,12 +11456,16 @@ class Engine:
         self.system_calls = SystemCalls(store, clock, self.tools, config, self.calls, self.approvals)
         self.inbox = Inbox(store, clock, self.tools, self.approvals, links=self.links)
         self.readings = Readings(store, clock, self.tools, self.definitions, self.inbox)
-        self.deliveries = Deliveries(store, clock, self.tools, self.definitions, self.readings)
+        #: Email through the configuration's SMTP server: a delivery channel beside the tools.
+        self.email = Email(config.email, clock, self.tools.scrub)
+        self.deliveries = Deliveries(store, clock, self.tools, self.definitions, self.readings, self.email)
         #: Reminders, escalation and default answers of requests, on this engine's timers; they send
         #: as the deliveries do.
         self.reminders = Reminders(store, clock, self.definitions.document, self.deliveries.send, self.spawn)
         self.runs = Runs(store, clock, self.bus, self.definitions, self.system_calls, self.kinds, config.open_requests,
-                         links=self.links, reminders=self.reminders)
+                         links=self.links, reminders=self.reminders, email=self.email)
+        #: The playbooks' webhooks: the store queues their events; the `webhook` timers send them.
+        self.webhooks = Webhooks(store, clock, config, self.tools.scrub)
 
         # The operations the sections below call, each answered by the part that owns it.
         self.document = self.definitions.document
@@ -10797,6 +11494,7 @@ class Engine:
         self.get_event = self.inbox.get_event
         self.list_rules = self.approvals.list_rules
         self.revoke_rule = self.approvals.revoke_rule
+        self.list_webhook_deliveries = self.webhooks.list_deliveries
 
         self.kinds.update((type_, make(self)) for type_, make in RUN_KINDS.items())
         self.on_timer("expire", self._expire)
@@ -10807,6 +11505,7 @@ class Engine:
         for kind_ in Reminders.TIMER_KINDS:
             self.on_timer(kind_, lambda playbook, ref, key, k=kind_: self.reminders.fire(k, playbook, ref, key))
         self.on_timer("prune", lambda playbook, ref, key: self._prune(key))
+        self.on_timer("webhook", self.webhooks.attempt, side=True)
         for type_, kind in self.kinds.items():    # e.g. a workflow run to move on (started, woken, or due)
             self.on_timer(type_, lambda playbook, ref, key, kind=kind: kind.on_timer(playbook, ref), side=True)
 
@@ -10881,6 +11580,7 @@ class Engine:
             await asyncio.gather(*pending, return_exceptions=True)
         self.bus.end_waits()
         await self.tools.close()
+        await self.webhooks.close()
         for kind in self.kinds.values():      # e.g. Workflows: its jq process
             await kind.close()
 
@@ -12694,6 +13394,12 @@ async def h_playbook_events(request: web.Request) -> web.Response:
                                                    q.get("cursor")))
 
 
+async def h_webhook_deliveries(request: web.Request) -> web.Response:
+    q = request.query
+    engine = request.app[engine_key()]
+    return _json(await engine.list_webhook_deliveries(_caller(request), _pb(request), q.get("limit"), q.get("cursor")))
+
+
 async def h_list_interactions(request: web.Request) -> web.Response:
     q = request.query
     engine = request.app[engine_key()]
@@ -13114,6 +13820,8 @@ ROUTES: Final[list[Route]] = [
           " again", Role.OPERATOR),
     Route("GET", PB + "/events", h_playbook_events, "list_playbook_events", query=("type", "limit", "cursor")),
     Route("GET", PB + "/events/{event_id}", h_get_event, "get_event"),
+    Route("GET", PB + "/webhooks/deliveries", h_webhook_deliveries, "The webhooks' deliveries and their attempts,"
+          " newest first", Role.OPERATOR, query=("limit", "cursor")),
     Route("GET", PB + "/tools", h_search, "search", query=("query",)),
     Route("GET", PB + "/tools/{server}/{tool}", h_introspect, "introspect"),
     Route("POST", PB + "/tools/{server}/{tool}", h_execute, "execute", Role.WRITER,
@@ -13502,8 +14210,8 @@ async def _t_execute(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -
 
 
 async def _t_ask(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
-    input_ = {k: a[k] for k in ("prompt", "to", "expires", "options", "multiple", "placeholder", *_ASK_FOLLOW_UP)
-              if k in a}
+    input_ = {k: a[k] for k in ("prompt", "to", "expires", "options", "multiple", "placeholder", "email",
+                                *_ASK_FOLLOW_UP) if k in a}
     run, _fresh = await e.run_definition(c, pb, "interaction", "ask-" + a["type"], input_, a.get("run_id"))
     return _run_result(run)
 
@@ -13612,6 +14320,8 @@ MCP_TOOLS: Final[list[McpTool]] = [
                                    "properties": {"id": {"type": "string"}, "label": {"type": "string"}}}},
              "multiple": _p("boolean", "choice only: may several options be picked (default false)."),
              "placeholder": _p("string", "text only: a hint shown in the empty answer field."),
+             "email": _p("string", "An address the question is also emailed to, with its answer link (the daemon's"
+                                   " configuration names the SMTP server)."),
              **_ASK_FOLLOW_UP,
              "run_id": _p("string", "Optional id of your choosing, for safe retries.", pattern=RUN_ID_RE.pattern)},
             ("type", "prompt", "to"), _t_ask),
@@ -15369,6 +16079,45 @@ class ClientError(Problem):
         return self.body()
 
 
+class Declined(Exception):
+    """A call shown for approval (Client.require_approval) was refused: it did not run. `note` is what
+    the person said, `answered_by` who refused, `run_id` the approval's run."""
+
+    def __init__(self, run_id: str, note: str | None, answered_by: str | None = None) -> None:
+        self.run_id, self.note, self.answered_by = run_id, note, answered_by
+        super().__init__(f"the call was declined{': ' + note if note else ''} (run {run_id})")
+
+
+class Unanswered(Exception):
+    """Nobody answered in time (Client.require_approval, Client.ask): the request expired, was
+    cancelled or could not be delivered (`kind`), or the caller's own `timeout` passed (kind
+    `timed_out`, and the request was cancelled). A call waiting for approval did not run."""
+
+    def __init__(self, run_id: str, kind: str | None, detail: str = "") -> None:
+        self.run_id, self.kind = run_id, kind
+        super().__init__(f"not answered ({kind or 'no answer'}){': ' + detail if detail else ''} (run {run_id})")
+
+
+#: The answer of a call shown for approval: SPEC section 20's approval shape.
+_CALL_APPROVAL_SCHEMA: Final[dict[str, Any]] = {
+    "type": "object", "required": ["approved"], "additionalProperties": False, "properties": {
+        "approved": {"type": "boolean", "description": "Whether the call may run"},
+        "note": {"type": "string", "maxLength": 2000, "description": "Why, or what was changed"}}}
+
+
+def _json_schema_of(annotation: Any) -> dict[str, Any]:
+    """The JSON Schema of a parameter's annotation, as far as a plain type says it (else any value)."""
+    return {bool: {"type": "boolean"}, int: {"type": "integer"}, float: {"type": "number"},
+            str: {"type": "string"}, list: {"type": "array"}, dict: {"type": "object"}}.get(annotation, {})
+
+
+def _code_block(text: str) -> str:
+    """`text` as a Markdown code block whose fence no run of backticks inside it closes."""
+    longest = max((len(m) for m in re.findall(r"`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}json\n{text}\n{fence}"
+
+
 class Client:
     """A small synchronous client of interactiond's HTTP API (urllib only)."""
 
@@ -15385,6 +16134,128 @@ class Client:
         self.interactions = _Interactions(self)
         self.runs = _Runs(self)
         self.definitions = _Definitions(self)
+
+    # -- asking from Python ------------------------------------------------------------------------
+
+    def _outcome(self, run: dict[str, Any], timeout: float | None) -> dict[str, Any]:
+        """Wait for a run to end (for ever, or `timeout` real seconds, then cancel it: Unanswered)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not RunStatus(run["status"]).ended:
+            left = MAX_HTTP_WAIT_S if deadline is None else min(MAX_HTTP_WAIT_S, deadline - time.monotonic())
+            if left <= 0:
+                with contextlib.suppress(ClientError):
+                    self.runs.cancel(run["run_id"])
+                raise Unanswered(run["run_id"], "timed_out", f"no answer within {timeout:g} s; the request is cancelled")
+            run = self.runs.wait(run["run_id"], timeout=left)
+        if run["status"] == RunStatus.SUCCEEDED.value:
+            return run
+        problem = run.get("problem") or {}
+        if run["status"] == RunStatus.REJECTED.value and run.get("kind") != "declined":
+            raise Unanswered(run["run_id"], run.get("kind"), str(problem.get("detail") or ""))
+        raise ClientError.from_body(problem or {"type": PROBLEM_BASE + "failed", "detail": f"the run {run['status']}"})
+
+    def ask(self, prompt: str, *, to: str, type: str = "approval", options: list[dict[str, str]] | None = None,
+            multiple: bool | None = None, expires: str | None = None, timeout: float | None = None,
+            **more: Any) -> Any:
+        """Ask `to` a question and return the answer once given: type `approval` ({approved, comment}),
+        `text` ({text}), `choice` ({option_ids}; `options` [{id, label}], `multiple`) or `confirmation`
+        ({confirmed}). `expires` (ISO 8601, default P1D) and the rest (`remind_after`, `escalate_to`,
+        `escalate_after`, `default`, ...) are the built-in question's input. Raises Unanswered when
+        nobody answers (expired, cancelled, or `timeout` real seconds passed: then it is cancelled)."""
+        if type not in ASK_ANSWER_SCHEMAS:
+            raise ValueError(f"type is one of {', '.join(ASK_ANSWER_SCHEMAS)}")
+        input_: dict[str, Any] = {"prompt": prompt, "to": to, **more}
+        for key, value in (("options", options), ("multiple", multiple), ("expires", expires)):
+            if value is not None:
+                input_[key] = value
+        run = self.runs.start("interaction", f"ask-{type}", input_)
+        return self._outcome(run, timeout)["output"]
+
+    def require_approval(self, *, to: str, expires: str = "P1D", edit: Iterable[str] = (),
+                         name: str | None = None, timeout: float | None = None) -> Callable[[Callable[..., Any]], Any]:
+        """A decorator: every call of the function (sync or async) is first shown to `to` for approval,
+        with its arguments; approved, it runs once, with the arguments as approved (the parameters in
+        `edit` may be changed by the approver); refused, it raises Declined; not answered within
+        `expires` (or `timeout` real seconds), it raises Unanswered. The approval is a function saved
+        in the playbook (`name`, by default approve-<the function's name>), so the operator may give it
+        delivery, reminders or escalation by saving it again under that name."""
+        import inspect
+        editable = tuple(edit)
+        parse_duration(expires)                 # a wrong duration fails here, not at the first call
+
+        def decorate(fn: Callable[..., Any]) -> Any:
+            sig = inspect.signature(fn)
+            unknown = [e for e in editable if e not in sig.parameters]
+            if unknown:
+                raise ValueError(f"edit names {', '.join(unknown)}, not a parameter of {fn.__qualname__}")
+            slug = re.sub(r"[^a-z0-9]+", "-", fn.__qualname__.lower()).strip("-") or "call"
+            fname = name or ("approve-" + slug)[:128]
+            if not FUNCTION_NAME_RE.fullmatch(fname):
+                raise ValueError(f"{fname!r} is not a function name (lowercase letters, digits, - and _)")
+            try:
+                import typing
+                hints = typing.get_type_hints(fn)
+            except Exception:
+                hints = {}
+            answer = json.loads(dumps(_CALL_APPROVAL_SCHEMA))
+            if editable:
+                answer["properties"]["arguments"] = {
+                    "type": "object", "additionalProperties": False,
+                    "description": "The arguments changed, each left out as it was: " + ", ".join(editable),
+                    "properties": {e: _json_schema_of(hints.get(e)) for e in editable}}
+            front = {"description": f"Approves a call of {fn.__qualname__} before it runs (Client.require_approval)",
+                     "to": to, "expires": expires,
+                     "input": {"schema": {"type": "object", "required": ["function", "arguments", "shown"],
+                                          "properties": {"function": {"type": "string"},
+                                                         "arguments": {"type": "object"},
+                                                         "shown": {"type": "string"}}}},
+                     "output": {"schema": answer}}
+            import yaml
+            source = ("---\n" + yaml.safe_dump(front, sort_keys=False) + "---\n"
+                      "May `{{ input.function }}` run with these arguments?\n\n{{ input.shown }}\n"
+                      + (f"\nYou may change: {', '.join(editable)}.\n" if editable else ""))
+            saved: list[bool] = []
+
+            def approved(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+                bound = sig.bind(*args, **kwargs)
+                bound.apply_defaults()
+                try:
+                    shown = json.loads(dumps(dict(bound.arguments)))
+                except (TypeError, ValueError) as exc:
+                    raise TypeError(f"the arguments of {fn.__qualname__} are shown for approval as JSON: {exc}") from None
+                if not saved:                   # saved once; one the operator saved again is left as it is
+                    try:
+                        self.definitions.get("interaction", fname)
+                    except ClientError as exc:
+                        if exc.status != 404:
+                            raise
+                        self.definitions.create("interaction", fname, source)
+                    saved.append(True)
+                run = self.runs.start("interaction", fname, {
+                    "function": fn.__qualname__, "arguments": shown,
+                    "shown": _code_block(json.dumps(shown, indent=2, ensure_ascii=False))})
+                run = self._outcome(run, timeout)
+                out = run.get("output") or {}
+                if not out.get("approved"):
+                    raise Declined(run["run_id"], out.get("note"), run.get("settled_by"))
+                for key, value in (out.get("arguments") or {}).items():
+                    if key in editable:
+                        bound.arguments[key] = value
+                return bound
+
+            if inspect.iscoroutinefunction(fn):
+                @functools.wraps(fn)
+                async def gated_async(*args: Any, **kwargs: Any) -> Any:
+                    bound = await asyncio.to_thread(approved, args, kwargs)
+                    return await fn(*bound.args, **bound.kwargs)
+                return gated_async
+
+            @functools.wraps(fn)
+            def gated(*args: Any, **kwargs: Any) -> Any:
+                bound = approved(args, kwargs)
+                return fn(*bound.args, **bound.kwargs)
+            return gated
+        return decorate
 
     def request(self, method: str, path: str, body: Any = None, *, query: dict[str, Any] | None = None,
                 headers: dict[str, str] | None = None) -> Any:
@@ -15821,7 +16692,8 @@ function requestEl(req, shown) {
   msg.innerHTML = shown.html || "";             // rendered by the daemon with raw HTML off
   const form = req.approval ? approvalEl(req, n) : req.takes_answer ? formEl(req, shown.form, n)
                                 : h("p", {class: "muted"}, "A notification: there is nothing to answer.");
-  const delivery = req.delivery ? ` · sent with ${req.delivery.server}/${req.delivery.tool} (${req.delivery_state})` : "";
+  const delivery = !req.delivery ? "" : req.delivery.email ? ` · emailed to ${req.delivery.email} (${req.delivery_state})`
+    : ` · sent with ${req.delivery.server}/${req.delivery.tool} (${req.delivery_state})`;
   const person = S.session.person;
   return h("li", {class: "req", "data-run-id": req.run_id},
     h("article", {"aria-labelledby": hid},
@@ -16978,9 +17850,15 @@ def _link_form_html(form: dict[str, Any], form_token: str, sent: Mapping[str, li
     if form["mode"] == "choice":
         c = form["choice"]
         err = at.get(c["pointer"])
+        chosen = (sent.get("choice") or [None])[0]
+        if chosen is not None and chosen.isdigit() and int(chosen) < len(c["labels"]):
+            parts.append(f'<p class="chosen" role="status">You chose <strong>{_esc(c["labels"][int(chosen)])}</strong>:'
+                         ' press its button to send it.</p>')
         parts.append(f'<div class="choice-col"><span class="label" id="c-label">{_esc(c["label"])}</span>'
                      f'<div class="choice" role="group" aria-labelledby="c-label">'
-                     + "".join(f'<button type="submit" name="choice" value="{i}">{_esc(lab)}</button>'
+                     + "".join(f'<button type="submit" name="choice" value="{i}"'
+                               + (' class="primary" autofocus aria-describedby="c-label"' if str(i) == chosen else "")
+                               + f'>{_esc(lab)}</button>'
                                for i, lab in enumerate(c["labels"]))
                      + "</div>" + (f'<p class="err">{_esc(err)}</p>' if err else "") + "</div>")
     else:
@@ -17098,11 +17976,35 @@ def _when_words(ms: int | None) -> str:
     return f"{text[:10]} {text[11:16]} UTC" if text else ""
 
 
+def chosen_in_query(form: dict[str, Any], query: Mapping[str, str]) -> dict[str, list[str]]:
+    """What a link's query chooses (an email's link per choice, `?verdict=approve`), as the form's
+    values: the choice's button (`choice`) or a field's option (`fN`). Nothing is sent by it."""
+    sent: dict[str, list[str]] = {}
+
+    def index(fd: dict[str, Any]) -> str | None:
+        said = query.get(fd["name"])
+        for i, v in enumerate(fd.get("values") or ()):
+            if said is not None and said == (("true" if v else "false") if isinstance(v, bool) else str(v)):
+                return str(i)
+        return None
+    if form["mode"] == "choice" and (i := index(form["choice"])) is not None:
+        sent["choice"] = [i]
+    for n, fd in enumerate(form["fields"]):
+        if fd["kind"] in ("choice", "checkboxes") and (i := index(fd)) is not None:
+            sent[f"f{n}"] = [i]
+    return sent
+
+
 async def h_answer_link(request: web.Request) -> web.Response:
     found = await _linked(request)
     if found is None:
         return _link_not_found()
-    return await _link_page(request.app[engine_key()], *found)
+    token, row = found
+    sent = None
+    if request.query and row["answer_schema"] is not None:      # a choice made in the link: shown, not sent
+        sent = chosen_in_query(answer_form(json.loads(row["answer_schema"]), option_labels(row["name"], row["run_input"])),
+                               request.query) or None
+    return await _link_page(request.app[engine_key()], token, row, sent=sent)
 
 
 async def h_answer_link_post(request: web.Request) -> web.Response:

@@ -152,6 +152,26 @@ CREATE TABLE IF NOT EXISTS nudges (
     started_at INTEGER                               -- of the attempt in flight or the last one
 );
 
+-- Events POSTed to the playbooks' webhooks (Standard Webhooks), each queued in its event's own
+-- transaction, once a hook; attempted at once, then 1 min, 5 min, 30 min, 2 h and 8 h apart.
+CREATE TABLE IF NOT EXISTS webhook_deliveries (
+    id         INTEGER PRIMARY KEY,
+    playbook   TEXT NOT NULL,
+    url        TEXT NOT NULL,                        -- the hook's, when the event was queued
+    event_id   INTEGER NOT NULL,                     -- events.id
+    type       TEXT NOT NULL,                        -- request_opened, ..., run_ended
+    run_id     TEXT,
+    body       TEXT NOT NULL,                        -- the bytes signed and sent, every attempt
+    state      TEXT NOT NULL CHECK (state IN ('pending', 'sending', 'retrying', 'delivered', 'failed')),
+    attempts   INTEGER NOT NULL DEFAULT 0,
+    created_at INTEGER NOT NULL,
+    started_at INTEGER,                              -- of the attempt in flight or the last one
+    next_at    INTEGER,                              -- of the next attempt, while one is to come
+    ended_at   INTEGER,                              -- delivered, or the last attempt failed
+    history    TEXT NOT NULL DEFAULT '[]'            -- the attempts: [{n, at, status, error}, ...]
+);
+CREATE INDEX IF NOT EXISTS webhook_deliveries_by_playbook ON webhook_deliveries (playbook, id);
+
 -- Append-only. `id` is monotonic and never reused; run events also carry a gap-free run_seq.
 CREATE TABLE IF NOT EXISTS events (
     id       INTEGER PRIMARY KEY AUTOINCREMENT,

@@ -2,6 +2,7 @@
 (and back), then served there: the runs, requests, readings, events, timers and tokens carry on."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -57,8 +58,9 @@ def chat_config(tmp_path):
 
 async def made_by_a_daemon(aiohttp_client, db: str, config, chat_db: str) -> dict:
     """Runs in several states, open timers, a reading with a reply seen, tokens, a session, an
-    idempotency key - as a daemon on the file leaves them when it stops."""
-    d = await start_daemon(aiohttp_client, db, config=config)
+    idempotency key, webhook deliveries still to be made - as a daemon on the file leaves them when it stops."""
+    hook = itd.WebhookConfig("http://127.0.0.1:9/hook", frozenset({"run_ended"}), "HOOK_SECRET", "a-hook-secret")
+    d = await start_daemon(aiohttp_client, db, config=dataclasses.replace(config, webhooks={PB: (hook,)}))
     await d.define("approve", APPROVAL)
     await d.define("notify", NOTIFY)
     await d.define("chat-approval", SEED_CHAT)
