@@ -389,6 +389,7 @@ PROBLEM_TYPES: Final[dict[str, tuple[int, str, str]]] = {
     "idempotency_key_conflict": (409, "Idempotency key conflict", "This Idempotency-Key was used before with another request body; use a new key for a new response."),
     "interaction_not_pending": (409, "Interaction not pending", "The interaction is already answered, expired or cancelled."),
     "interaction_type_mismatch": (422, "Interaction type mismatch", "The response's type is not the interaction's type."),
+    "digest_mismatch": (409, "Digest mismatch", "The answer names the digest of something the request does not show (another request, or this one before it changed): read the request again and answer what it shows."),
     "validation_failed": (422, "Validation failed", "The response has missing, unknown or invalid fields; `errors` lists each as {field, code, message}."),
 }
 
@@ -554,6 +555,9 @@ class EventType(str, enum.Enum):
     TOOL_CALL_REFUSED = "tool_call_refused"                # the door refused a gated tool's call: nothing sent
     APPROVAL_REQUESTED = "approval_requested"              # a call waits for a person's approval
     APPROVAL_ANSWERED = "approval_answered"                # approved (the call follows) or refused
+    APPROVAL_VOTE = "approval_vote"                        # one addressee of a quorum approved or refused
+    DEPUTY_ADDED = "deputy_added"                          # the playbook's: a deputy stands for a person
+    DEPUTY_REMOVED = "deputy_removed"
     ELICITATION_DECLINED = "elicitation_declined"          # the person at an MCP client declined to answer there
     ELICITATION_REFUSED = "elicitation_refused"            # an answer given for an MCP task's question did not fit
     MCP_TASK_CANCELLED = "mcp_task_cancelled"              # an MCP task's tasks/cancel cancelled its run
@@ -836,6 +840,38 @@ def sha256_hex(data: bytes | str) -> str:
     if isinstance(data, str):
         data = data.encode()
     return hashlib.sha256(data).hexdigest()
+
+
+def canonical_json(value: Any) -> bytes:
+    """`value` as RFC 8785 (JSON Canonicalization Scheme) bytes: sorted keys, no spaces, numbers as
+    ECMAScript writes them - the same bytes for the same JSON whoever serialises it. An integer past
+    I-JSON's range (2**53) is the double JSON numbers are under JCS."""
+    import rfc8785                      # small and pure Python; loaded where a digest is first taken
+
+    try:
+        return rfc8785.dumps(value)
+    except rfc8785.IntegerDomainError:
+        def as_double(v: Any) -> Any:
+            if isinstance(v, bool) or not isinstance(v, (int, dict, list)):
+                return v
+            if isinstance(v, int):
+                return float(v) if abs(v) > 2 ** 53 - 1 else v
+            return {k: as_double(x) for k, x in v.items()} if isinstance(v, dict) else [as_double(x) for x in v]
+        return rfc8785.dumps(as_double(value))
+
+
+def request_digest(message: str, answer_schema: Any, arguments: Any = None) -> str:
+    """What a request shows, bound in 64 hex digits: sha256 of the canonical JSON of
+    `{message, answer_schema, arguments}` (arguments null except for an approval's, as shown). An
+    answer that names another digest answered something else (`digest_mismatch`)."""
+    return hashlib.sha256(canonical_json({"message": message, "answer_schema": answer_schema,
+                                          "arguments": arguments})).hexdigest()
+
+
+def arguments_digest(arguments: Any) -> str:
+    """sha256 hex of a tool call's arguments as canonical JSON: what an approval approved, and what
+    the call then sent, compare equal."""
+    return hashlib.sha256(canonical_json(arguments)).hexdigest()
 
 
 class JsonRefused(ValueError):
@@ -1133,6 +1169,19 @@ def fmt_time(ms: int | None) -> str | None:
         return None
     seconds, millis = divmod(ms, 1000)
     return time.strftime("%Y-%m-%dT%H:%M:%S.", time.gmtime(seconds)) + f"{millis:03d}Z"
+
+
+def parse_rfc3339(text: Any) -> int:
+    """An RFC 3339 time with its offset (`2026-12-02T09:00:00Z`, `...+01:00`) as milliseconds since the
+    epoch; ValueError says what it is not."""
+    if not isinstance(text, str) or not re.fullmatch(
+            r"\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d{1,9})?([Zz]|[+-]\d{2}:\d{2})", text):
+        raise ValueError("an RFC 3339 time with its offset, such as 2026-12-02T09:00:00Z")
+    try:
+        when = datetime.fromisoformat(re.sub(r"(\.\d{6})\d+", r"\1", text).replace("z", "Z"))
+    except ValueError as exc:
+        raise ValueError(f"not a time: {exc}") from None
+    return int(when.timestamp() * 1000)
 
 
 def fmt_date(ms: int) -> str:
@@ -3944,7 +3993,7 @@ def load_config(path: str | None, environ: dict[str, str] | None = None) -> Conf
 # The end of this section runs the same store, threads and SQL on a PostgreSQL server.
 
 #: PRAGMA user_version of a file this version made; an earlier one is migrated at open (MIGRATIONS).
-SCHEMA_VERSION: Final = 7
+SCHEMA_VERSION: Final = 10
 
 
 #: The schema, embedded so an installed wheel needs no data file; tests keep it equal to schema.sql.
@@ -4059,6 +4108,8 @@ CREATE TABLE IF NOT EXISTS requests (
     escalated_to   TEXT,                             -- once escalated: the party asked too, who may answer
     reply_sender   TEXT,                             -- who wrote the reply that answered
     answered_by_name TEXT,                           -- who answered, in words: a token's or person's name, a sender
+    digest         TEXT,                             -- sha256 of what it shows (request_digest); NULL: opened before
+    on_behalf_of   TEXT,                             -- a deputy's answer: the person they stood for
     UNIQUE (playbook, run_id)
 );
 CREATE INDEX IF NOT EXISTS requests_open ON requests (playbook, seq) WHERE open = 1;
@@ -4160,6 +4211,20 @@ CREATE TABLE IF NOT EXISTS idempotency (
     PRIMARY KEY (caller, key)
 );
 CREATE INDEX IF NOT EXISTS idempotency_by_age ON idempotency (created_at);
+
+-- Deputies: while [starts_at, ends_at) holds on the daemon's clock, what is addressed to `for_person`
+-- in the playbook is addressed to `to_person` too; their answer records them and whom they stood for.
+CREATE TABLE IF NOT EXISTS deputies (
+    id          TEXT PRIMARY KEY,                    -- dep_<ULID>
+    playbook    TEXT NOT NULL,
+    for_person  TEXT NOT NULL,
+    to_person   TEXT NOT NULL,
+    starts_at   INTEGER,                             -- NULL: from its making
+    ends_at     INTEGER,                             -- NULL: until removed
+    created_at  INTEGER NOT NULL,
+    created_by  TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS deputies_to ON deputies (playbook, to_person);
 """
 
 
@@ -4242,6 +4307,22 @@ def _migrate_to_7(conn: Any) -> None:
     conn.execute("ALTER TABLE requests ADD COLUMN answered_by_name TEXT")
 
 
+def _migrate_to_10(conn: Any) -> None:
+    """Teams: requests gain `digest` (answers bound to what was shown), filled for the open ones from
+    what they show (message, answer schema, an approval's arguments), a closed one keeping none; and
+    `on_behalf_of` (a deputy's answer). The deputies and votes tables come with the schema itself.
+    PostgreSQL's step too (POSTGRES_MIGRATIONS): the same statements in either dialect."""
+    conn.execute("ALTER TABLE requests ADD COLUMN digest TEXT")
+    conn.execute("ALTER TABLE requests ADD COLUMN on_behalf_of TEXT")
+    rows = conn.execute("SELECT q.seq, q.message, COALESCE(q.own_schema, d.answer_schema), q.approval"
+                        " FROM requests q LEFT JOIN definitions d ON d.playbook = q.playbook AND d.type = q.type"
+                        " AND d.name = q.name AND d.version = q.version WHERE q.open = 1").fetchall()
+    for seq, message, schema, approval in (tuple(r) for r in rows):
+        arguments = json.loads(approval).get("arguments") if approval is not None else None
+        conn.execute("UPDATE requests SET digest = ? WHERE seq = ?",
+                     (request_digest(message, json.loads(schema) if schema is not None else None, arguments), seq))
+
+
 #: Each step takes a file made by an earlier version to the next PRAGMA user_version, in order.
 MIGRATIONS: Final[tuple[tuple[int, Callable[[sqlite3.Connection], None]], ...]] = (
     (2, _migrate_to_2),
@@ -4250,6 +4331,7 @@ MIGRATIONS: Final[tuple[tuple[int, Callable[[sqlite3.Connection], None]], ...]] 
     (5, _migrate_to_5),
     (6, _migrate_to_6),
     (7, _migrate_to_7),
+    (10, _migrate_to_10),
 )
 
 
@@ -4809,15 +4891,16 @@ class Tx(Protocol):
     def open_request(self, *, request_id: str, playbook: str, run_id: str, type_: str, name: str, version: int,
                      party: str, answerer: str, message: str, answer_schema: str | None, server: str | None,
                      tool: str | None, delivery: DeliveryState, asked_at: int, expires_at: int,
-                     deliver_args: str | None, notified: bool = False, follow_up: str | None = None) -> None: ...
+                     deliver_args: str | None, notified: bool = False, follow_up: str | None = None,
+                     digest: str | None = None) -> None: ...
     def request(self, playbook: str, run_id: str) -> Row | None: ...
     def close_request(self, fx: Effects, playbook: str, run_id: str, ending: Ending) -> Row | None: ...
     def record_answer(self, fx: Effects, req: Row, answer: Any, *, by: str, now: int,
                       claimed_for: str | None = None, reply_id: str | None = None,
-                      reply_sender: str | None = None) -> None: ...
+                      reply_sender: str | None = None, on_behalf_of: str | None = None) -> None: ...
     def answer_request(self, fx: Effects, req: Row, answer: Any, *, by: str, now: int,
                        claimed_for: str | None = None, reply_id: str | None = None,
-                       reply_sender: str | None = None) -> Row: ...
+                       reply_sender: str | None = None, on_behalf_of: str | None = None) -> Row: ...
     def record_default(self, fx: Effects, req: Row, answer: Any, *, now: int) -> None: ...
     def cancel_delivery(self, playbook: str, run_id: str) -> bool: ...
 
@@ -4869,6 +4952,14 @@ class Tx(Protocol):
     def spend_login(self, digest: str, now: int) -> Row | None: ...
     def end_session(self, digest: str, now: int) -> bool: ...
     def revoke_token(self, token_id: str, now: int) -> bool: ...
+
+    # Deputies.
+
+    def add_deputy(self, *, deputy_id: str, playbook: str, for_person: str, to_person: str,
+                   starts_at: int | None, ends_at: int | None, now: int, by: str) -> None: ...
+    def deputies(self, playbook: str | None) -> list[Row]: ...
+    def remove_deputy(self, playbook: str | None, deputy_id: str) -> Row | None: ...
+    def standing_for(self, playbook: str, person: str, now: int) -> list[str]: ...
 
     # Idempotency.
 
@@ -5184,17 +5275,21 @@ class SqlTx:
     def open_request(self, *, request_id: str, playbook: str, run_id: str, type_: str, name: str, version: int,
                      party: str, answerer: str, message: str, answer_schema: str | None, server: str | None,
                      tool: str | None, delivery: DeliveryState, asked_at: int, expires_at: int,
-                     deliver_args: str | None, notified: bool = False, follow_up: str | None = None) -> None:
+                     deliver_args: str | None, notified: bool = False, follow_up: str | None = None,
+                     digest: str | None = None) -> None:
         """Insert a run's request: open, and the started run waits for it (guarded, else `conflict`); or,
         `notified`, a notification the inbox shows at once, which leaves the run as it is. `follow_up`
-        is its plan of reminders, escalation and default answer (JSON), if it has one.
+        is its plan of reminders, escalation and default answer (JSON), if it has one. `digest` binds
+        what it shows (request_digest; of its message and answer schema when not given).
 
         The caller appends the event that records it next."""
         status = RequestStatus.NOTIFIED if notified else RequestStatus.OPEN
+        if digest is None:
+            digest = request_digest(message, loads(answer_schema) if answer_schema is not None else None)
         self.conn.execute(_INSERT_REQUEST_SQL, (
             request_id, playbook, run_id, type_, name, version, party, answerer, message, answer_schema,
             playbook, type_, name, version, server, tool,
-            status.value, 0 if notified else 1, delivery.value, asked_at, expires_at, deliver_args, follow_up))
+            status.value, 0 if notified else 1, delivery.value, asked_at, expires_at, deliver_args, follow_up, digest))
         if not notified:
             self.guard(self.conn.execute(_RUN_WAITS_SQL, (playbook, run_id)),
                        Problem("conflict", "the run is not waiting to open a request"))
@@ -5229,7 +5324,8 @@ class SqlTx:
 
     def answer_request(self, fx: Effects, req: Row, answer: Any, *, by: str, now: int,
                        claimed_for: str | None = None, reply_id: str | None = None,
-                       reply_sender: str | None = None, by_name: str | None = None) -> Row:
+                       reply_sender: str | None = None, by_name: str | None = None,
+                       on_behalf_of: str | None = None) -> Row:
         """The one fact of an answer, as record_answer, close_request (answered) and end_run (succeeded)
         write it, in seven statements rather than ten: the run ends (guarded: live, else `conflict`)
         counting request_answered and run_succeeded at once; both are appended; the answer is written
@@ -5237,22 +5333,25 @@ class SqlTx:
         counter follows and the timers go.
 
         The closed row: `req` (as read in this change) with what the answer wrote, not read back.
-        `by_name` is who answered in words (answered_by_name), kept on the request and in request_answered."""
+        `by_name` is who answered in words (answered_by_name), kept on the request and in request_answered;
+        `on_behalf_of`, the person a deputy answered for."""
         playbook, run_id = req["playbook"], req["run_id"]
         reply = {"id": reply_id, **({"sender": reply_sender} if reply_sender is not None else {})}
         answer_id = self._end_run(fx, playbook, run_id, RunStatus.SUCCEEDED, now=now, by=by, output=answer,
                                   before=("request_answered", {"answer": answer, "claimed_for": claimed_for,
                                           **({"reply": reply} if reply_id is not None else {}),
-                                          **({"answered_by_name": by_name} if by_name is not None else {})}))
+                                          **({"answered_by_name": by_name} if by_name is not None else {}),
+                                          **({"digest": req["digest"]} if req["digest"] is not None else {}),
+                                          **({"on_behalf_of": on_behalf_of} if on_behalf_of is not None else {})}))
         text = dumps(answer)
         self.guard(self.conn.execute(_ANSWER_AND_CLOSE_SQL, (text, answer_id, by, now, claimed_for, reply_id,
-                                                             reply_sender, by_name, req["seq"])),
+                                                             reply_sender, by_name, on_behalf_of, req["seq"])),
                    Problem("not_open", "the request has ended; it takes no answer", kind="ended"))
         self._request_gone(fx, playbook, run_id, req)
         closed = dict(zip(req.keys(), req))      # dict(row) looks each name up along the row's columns
         closed.update(answer=text, answer_id=answer_id, answered_by=by, answered_at=now, claimed_for=claimed_for,
                       reply_id=reply_id, reply_sender=reply_sender, answered_by_name=by_name,
-                      status=RequestStatus.ANSWERED.value, open=0)
+                      on_behalf_of=on_behalf_of, status=RequestStatus.ANSWERED.value, open=0)
         return closed
 
     def list_runs(self, playbook: str, *, status: str | None, function: str | None, before: int | None,
@@ -5316,7 +5415,7 @@ class SqlTx:
     # Requests, answers, deliveries and readings: the inbox and the chat tools.
 
     def open_requests(self, playbook: str, *, to: str | None, type_: str | None, name: str | None,
-                      before: int | None, limit: int) -> list[Row]:
+                      before: int | None, limit: int, also: Iterable[str] = ()) -> list[Row]:
         """A page of a playbook's open requests, newest first, before the cursor's `seq` (None: from the
         newest); only those to one party (its own, or escalated to it), of one type or of one function,
         where given."""
@@ -5331,10 +5430,14 @@ class SqlTx:
             args.append(before)
         if to is None:
             return self.conn.execute(sql + " ORDER BY q.seq DESC LIMIT ?", (*args, limit)).fetchall()
-        # A party's own requests and those escalated to it: a range of each one's index, merged.
-        rows = self.conn.execute(sql + " AND q.party = ? ORDER BY q.seq DESC LIMIT ?", (*args, to, limit)).fetchall()
-        rows += self.conn.execute(sql + " AND q.escalated_to = ? AND q.party <> ? ORDER BY q.seq DESC LIMIT ?",
-                                  (*args, to, to, limit)).fetchall()
+        # A party's own requests and those escalated to it: a range of each one's index, merged; with
+        # `also` (the people a deputy stands for), theirs too.
+        rows: list[Row] = []
+        for who in dict.fromkeys((to, *also)):
+            rows += self.conn.execute(sql + " AND q.party = ? ORDER BY q.seq DESC LIMIT ?", (*args, who, limit)).fetchall()
+            rows += self.conn.execute(sql + " AND q.escalated_to = ? AND q.party <> ? ORDER BY q.seq DESC LIMIT ?",
+                                      (*args, who, who, limit)).fetchall()
+        rows = list({r["seq"]: r for r in rows}.values())
         return sorted(rows, key=lambda r: r["seq"], reverse=True)[:limit]
 
     def request(self, playbook: str, run_id: str) -> Row | None:
@@ -5343,7 +5446,8 @@ class SqlTx:
 
     def record_answer(self, fx: Effects, req: Row, answer: Any, *, by: str, now: int,
                       claimed_for: str | None = None, reply_id: str | None = None,
-                      reply_sender: str | None = None, by_name: str | None = None) -> None:
+                      reply_sender: str | None = None, by_name: str | None = None,
+                      on_behalf_of: str | None = None) -> None:
         """Append request_answered and write the answer on the request, guarded: only an open request that is
         not being cancelled takes one (else `not_open`). Its closing and its run's ending follow in the change.
         A reply's answer names the reply and who wrote it."""
@@ -5351,9 +5455,11 @@ class SqlTx:
         answer_id = self.append_event(fx, req["playbook"], req["run_id"], "request_answered", now, by,
                                       {"answer": answer, "claimed_for": claimed_for,
                                        **({"reply": reply} if reply_id is not None else {}),
-                                       **({"answered_by_name": by_name} if by_name is not None else {})})
+                                       **({"answered_by_name": by_name} if by_name is not None else {}),
+                                       **({"digest": req["digest"]} if req["digest"] is not None else {}),
+                                       **({"on_behalf_of": on_behalf_of} if on_behalf_of is not None else {})})
         if not self.conn.execute(_RECORD_ANSWER_SQL, (dumps(answer), answer_id, by, now, claimed_for, reply_id,
-                                                      reply_sender, by_name, req["seq"])).rowcount:
+                                                      reply_sender, by_name, on_behalf_of, req["seq"])).rowcount:
             raise Problem("not_open", "the request has ended; it takes no answer", kind="ended")
 
     def record_default(self, fx: Effects, req: Row, answer: Any, *, now: int) -> None:
@@ -5365,7 +5471,7 @@ class SqlTx:
         answer_id = self.append_event(fx, req["playbook"], req["run_id"], "request_defaulted", now, "interactiond",
                                       fact)
         if not self.conn.execute(_RECORD_ANSWER_SQL, (dumps(answer), answer_id, None, now, None, None, None, None,
-                                                      req["seq"])).rowcount:
+                                                      None, req["seq"])).rowcount:
             raise Problem("not_open", "the request has ended; it takes no default answer", kind="ended")
 
     def remind_request(self, playbook: str, run_id: str, reminded: int) -> Row | None:
@@ -5613,6 +5719,30 @@ class SqlTx:
                           " person) VALUES (?,?,?,?,?,?,?,?,?,?)",
                           (token_id, digest, playbook, role, name, purpose, now, used_at, expires_at, person))
 
+    def add_deputy(self, *, deputy_id: str, playbook: str, for_person: str, to_person: str,
+                   starts_at: int | None, ends_at: int | None, now: int, by: str) -> None:
+        """A deputy: `to_person` answers what is addressed to `for_person` while [starts_at, ends_at) holds."""
+        self.conn.execute("INSERT INTO deputies (id, playbook, for_person, to_person, starts_at, ends_at, created_at,"
+                          " created_by) VALUES (?,?,?,?,?,?,?,?)",
+                          (deputy_id, playbook, for_person, to_person, starts_at, ends_at, now, by))
+
+    def deputies(self, playbook: str | None) -> list[Row]:
+        """The deputies of a playbook (None: of every playbook), oldest first."""
+        return self.conn.execute("SELECT * FROM deputies WHERE CAST(? AS TEXT) IS NULL OR playbook = ?"
+                                 " ORDER BY created_at, id", (playbook, playbook)).fetchall()
+
+    def remove_deputy(self, playbook: str | None, deputy_id: str) -> Row | None:
+        """Remove a deputy (of the playbook, where given); the removed row, or None when there was none."""
+        return self.conn.execute("DELETE FROM deputies WHERE id = ? AND (CAST(? AS TEXT) IS NULL OR playbook = ?)"
+                                 " RETURNING *", (deputy_id, playbook, playbook)).fetchone()
+
+    def standing_for(self, playbook: str, person: str, now: int) -> list[str]:
+        """Whom `person` stands for in the playbook at `now` (the deputies whose window is open), by name."""
+        return [r[0] for r in self.conn.execute(
+            "SELECT DISTINCT for_person FROM deputies WHERE playbook = ? AND to_person = ? AND for_person <> ?"
+            " AND (starts_at IS NULL OR starts_at <= ?) AND (ends_at IS NULL OR ends_at > ?) ORDER BY for_person",
+            (playbook, person, person, now, now)).fetchall()]
+
     def token_known(self, digest: str) -> bool:
         """Whether a token of any purpose with this hash stands unrevoked."""
         return self.conn.execute("SELECT 1 FROM tokens WHERE hash = ? AND revoked_at IS NULL",
@@ -5823,7 +5953,7 @@ class SQLiteTx(SqlTx):
 #: What `interactiond copy` moves, in an order that respects the references between tables; the
 #: daemons, leases and clock of a PostgreSQL database stay behind (they are its daemons').
 COPIED_TABLES: Final = ("playbooks", "definitions", "runs", "readings", "requests", "replies_seen", "events",
-                        "timers", "tokens", "idempotency", "nudges", "daemon_keys")
+                        "timers", "tokens", "idempotency", "nudges", "daemon_keys", "deputies")
 #: Columns one backend has and the other has not, which a copy leaves behind.
 COPY_DROPPABLE: Final = {("events", "daemon")}
 
@@ -5876,7 +6006,7 @@ _IN_FLIGHT_SQL: Final = ", ".join(f"'{s.value}'" for s in (
 #: An answer: guarded by the statuses an answer closes (REQUEST_TRANSITIONS), and not while cancelling.
 _RECORD_ANSWER_SQL: Final = (
     "UPDATE requests SET answer = ?, answer_id = ?, answered_by = ?, answered_at = ?, claimed_for = ?, reply_id = ?,"
-    " reply_sender = ?, answered_by_name = ? WHERE seq = ? AND status IN (" + ", ".join(f"'{s.value}'" for s in allowed_from(REQUEST_TRANSITIONS, RequestStatus.ANSWERED))
+    " reply_sender = ?, answered_by_name = ?, on_behalf_of = ? WHERE seq = ? AND status IN (" + ", ".join(f"'{s.value}'" for s in allowed_from(REQUEST_TRANSITIONS, RequestStatus.ANSWERED))
     + f") AND delivery_state <> '{DeliveryState.CANCELLING.value}'")
 
 #: An answer that closes its request (answer_request): _RECORD_ANSWER_SQL's guard, and the closing's.
@@ -5886,9 +6016,9 @@ _ANSWER_AND_CLOSE_SQL: Final = _RECORD_ANSWER_SQL.replace(
 #: A request inserted; its answer schema only where the function version's is not it (see _REQUEST_ROW).
 _INSERT_REQUEST_SQL: Final = (
     "INSERT INTO requests (id, playbook, run_id, type, name, version, party, answerer, message, own_schema,"
-    " server, tool, status, open, delivery_state, asked_at, expires_at, deliver_args, follow_up)"
+    " server, tool, status, open, delivery_state, asked_at, expires_at, deliver_args, follow_up, digest)"
     " VALUES (?,?,?,?,?,?,?,?,?,NULLIF(?, (SELECT answer_schema FROM definitions WHERE playbook = ? AND type = ?"
-    " AND name = ? AND version = ?)),?,?,?,?,?,?,?,?,?)")
+    " AND name = ? AND version = ?)),?,?,?,?,?,?,?,?,?,?)")
 
 #: A run inserted, started (ON CONFLICT: nothing, when its run id is taken).
 _INSERT_RUN_SQL: Final = (
@@ -5960,7 +6090,7 @@ _REQUEST_ROW: Final = ("SELECT q.*, COALESCE(q.own_schema, d.answer_schema) AS a
 _V2_SELECT: Final = (
     "SELECT q.seq, q.id, q.playbook, q.run_id, q.name, q.status, q.delivery_state, q.message,"
     " COALESCE(q.own_schema, d.answer_schema) AS answer_schema, q.answer, q.answered_at, q.asked_at, q.expires_at,"
-    " q.party, q.reminded, q.escalated_to, r.input AS run_input FROM requests q JOIN runs r ON r.playbook = q.playbook AND r.run_id = q.run_id"
+    " q.party, q.reminded, q.escalated_to, q.digest, r.input AS run_input FROM requests q JOIN runs r ON r.playbook = q.playbook AND r.run_id = q.run_id"
     + _DEFINITION_JOIN + " WHERE COALESCE(q.own_schema, d.answer_schema) IS NOT NULL")
 
 
@@ -6036,6 +6166,7 @@ POSTGRES_MIGRATIONS: Final[tuple[tuple[int, Callable[[Any], None]], ...]] = (
     (5, _pg_migrate_to_5),
     (6, _pg_migrate_to_6),
     (7, _migrate_to_7),
+    (10, _migrate_to_10),
 )
 
 #: Keys of the transaction-level advisory locks (pg_advisory_xact_lock): writes, and the schema.
@@ -6206,6 +6337,8 @@ CREATE TABLE IF NOT EXISTS requests (
     escalated_to   TEXT COLLATE "C",                 -- once escalated: the party asked too, who may answer
     reply_sender   TEXT,                             -- who wrote the reply that answered
     answered_by_name TEXT,                           -- who answered, in words: a token's or person's name, a sender
+    digest         TEXT,                             -- sha256 of what it shows (request_digest); NULL: opened before
+    on_behalf_of   TEXT,                             -- a deputy's answer: the person they stood for
     UNIQUE (playbook, run_id)
 );
 CREATE INDEX IF NOT EXISTS requests_open ON requests (playbook, seq) WHERE open = 1;
@@ -6324,6 +6457,20 @@ CREATE TABLE IF NOT EXISTS leases (
     until_ms BIGINT NOT NULL,
     again    BOOLEAN NOT NULL DEFAULT FALSE          -- another daemon asked for the work meanwhile
 );
+
+-- Deputies: while [starts_at, ends_at) holds on the daemon's clock, what is addressed to `for_person`
+-- in the playbook is addressed to `to_person` too; their answer records them and whom they stood for.
+CREATE TABLE IF NOT EXISTS deputies (
+    id          TEXT PRIMARY KEY,                    -- dep_<ULID>
+    playbook    TEXT NOT NULL,
+    for_person  TEXT NOT NULL,
+    to_person   TEXT NOT NULL,
+    starts_at   BIGINT,                             -- NULL: from its making
+    ends_at     BIGINT,                             -- NULL: until removed
+    created_at  BIGINT NOT NULL,
+    created_by  TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS deputies_to ON deputies (playbook, to_person);
 """
 
 
@@ -7796,6 +7943,7 @@ class Caller:
     playbook: str | None = None          # bound to one playbook; None sees every one
     person: str | None = None            # a person's caller: the party they are
     name: str | None = None              # a token's name (`token create NAME`), said of its answers
+    stands_for: tuple[str, ...] = ()     # a person's: whom they are a deputy of now (Inbox.deputized)
 
     def sees(self, playbook: str) -> bool:
         return self.role is Role.OPERATOR or self.playbook is None or self.playbook == playbook
@@ -7819,19 +7967,33 @@ class Caller:
         """The addressee a listing of open requests keeps: a person's own name (another's is 404)."""
         if self.person is None:
             return to
-        if to is not None and to != self.person:
+        if to is not None and to != self.person and to not in self.stands_for:
             raise not_found("a person sees only the requests addressed to them")
-        return self.person
+        return to if to is not None else self.person
 
     def addressed(self, request: Mapping[str, Any]) -> bool:
         """Whether this caller may see and answer a request (a row with its `party`, and `escalated_to`
         where the row has it): a person only their own, or one escalated to them."""
-        if self.person is None or request["party"] == self.person:
+        if self.person is None or request["party"] == self.person or request["party"] in self.stands_for:
             return True
         try:
-            return request["escalated_to"] == self.person
+            return request["escalated_to"] is not None and (request["escalated_to"] == self.person
+                                                            or request["escalated_to"] in self.stands_for)
         except (KeyError, IndexError):
             return False
+
+    def on_behalf_of(self, request: Mapping[str, Any]) -> str | None:
+        """Whom a person's answer of `request` stands for: None when it is addressed to them, else the
+        person (its party, or whom it was escalated to) they are a deputy of."""
+        if self.person is None:
+            return None
+        try:
+            escalated = request["escalated_to"]
+        except (KeyError, IndexError):
+            escalated = None
+        if self.person in (request["party"], escalated):
+            return None
+        return request["party"] if request["party"] in self.stands_for else escalated
 
 
 OPERATOR_LOCAL: Final = Caller("local", Role.OPERATOR)
@@ -7872,19 +8034,38 @@ class AnswerLinks:
         digest = hmac.new(self.key, text.encode(), hashlib.sha256).digest()[:24]
         return base64.urlsafe_b64encode(digest).decode().rstrip("=")
 
-    def token(self, row: Mapping[str, Any]) -> str | None:
-        """The signed part of a request's link (a row with id, playbook, run_id, party); None before the key."""
+    def token(self, row: Mapping[str, Any], person: str | None = None) -> str | None:
+        """The signed part of a request's link (a row with id, playbook, run_id, party); None before the key.
+        A deputy's link (`person`, standing for the party) names them after the signature."""
         if self.key is None:
             return None
-        return f"{row['id']}.{self._mac(chr(31).join((row['id'], row['playbook'], row['run_id'], row['party'])))}"
+        who = person if person is not None else row["party"]
+        mac = self._mac(chr(31).join((row["id"], row["playbook"], row["run_id"], who)))
+        if who == row["party"]:
+            return f"{row['id']}.{mac}"
+        return f"{row['id']}.{mac}.{base64.urlsafe_b64encode(who.encode()).decode().rstrip('=')}"
 
-    def url(self, row: Mapping[str, Any]) -> str | None:
-        token = self.token(row)
+    def url(self, row: Mapping[str, Any], person: str | None = None) -> str | None:
+        token = self.token(row, person)
         return f"{self.base}/a/{token}" if token is not None else None
 
+    def holder(self, token: str, row: Mapping[str, Any]) -> str | None:
+        """Whom a link that verifies is for: the request's party, or the deputy it names; None when it
+        does not verify."""
+        parts = token.split(".")
+        who = row["party"]
+        if len(parts) == 3:
+            try:
+                who = base64.urlsafe_b64decode(parts[2] + "=" * (-len(parts[2]) % 4)).decode()
+            except (ValueError, UnicodeDecodeError):
+                return None
+            if who == row["party"]:
+                return None
+        mine = self.token(row, who)
+        return who if mine is not None and hmac.compare_digest(mine.encode(), token.encode()) else None
+
     def verifies(self, token: str, row: Mapping[str, Any]) -> bool:
-        mine = self.token(row)
-        return mine is not None and hmac.compare_digest(mine.encode(), token.encode())
+        return self.holder(token, row) is not None
 
     def form_token(self, token: str) -> str:
         return self._mac("form" + chr(31) + token)
@@ -7896,7 +8077,8 @@ class AnswerLinks:
     def shown(self, obj: dict[str, Any], row: Mapping[str, Any], caller: Caller) -> dict[str, Any]:
         """`obj` with the request's `answer_url` when the caller may answer it: a writer (a person only
         their own requests); readers never see it. `row` is the request's (id, playbook, run_id, party)."""
-        if caller.role.rank >= Role.WRITER.rank and caller.addressed(row) and (url := self.url(row)) is not None:
+        deputy = caller.person if caller.on_behalf_of(row) is not None else None     # a deputy's own link
+        if caller.role.rank >= Role.WRITER.rank and caller.addressed(row) and (url := self.url(row, deputy)) is not None:
             obj["answer_url"] = url
         return obj
 
@@ -7954,6 +8136,7 @@ def request_object(row: Row) -> dict[str, Any]:
         "conversation": row["conversation"], "answerer": row["answerer"],
         "refused_replies": row["refused_replies"], "reminded": row["reminded"],
         "approval": _approval_shown(row["approval"]) if row["approval"] is not None else None,
+        "digest": row["digest"],
     }
 
 
@@ -7977,16 +8160,29 @@ def parse_event_id(text: str) -> int:
     return int(m.group(1))
 
 
-def answer_errors(row: Row, answer: Any) -> list[dict[str, Any]]:
+def answer_errors(row: Row, answer: Any, digest: Any = None) -> list[dict[str, Any]]:
     """The one check of an answer, whichever door it comes in by (the API, the page, an answer link,
-    a reply in a thread, an MCP elicitation): the request's answer schema, as stored."""
+    a reply in a thread, an MCP elicitation): the request's answer schema, as stored. An answer that
+    names the digest of what it was given (`digest`) answers that only: another request's, or the
+    same request's before it changed, is 409 digest_mismatch."""
+    if digest is not None:
+        if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
+            raise ended("invalid_input", "digest is the request's 64 lowercase hex digits, as shown with it",
+                        errors=[{"pointer": "/digest", "message": "64 lowercase hex digits"}])
+        if row["digest"] is not None and not hmac.compare_digest(digest, row["digest"]):
+            raise Problem("digest_mismatch", f"the answer was given to a request showing something else (digest"
+                          f" {digest[:12]}...); the request shows {row['digest'][:12]}... now: read it again",
+                          extra={"digest": row["digest"]})
     return schema_errors(_compiled_schema(row["answer_schema"]), answer, "/answer")
 
 
 def answer_fact(row: Row) -> dict[str, Any]:
     fact = {"run_id": row["run_id"], "answer_id": f"evt_{row['answer_id']}", "answer": loads(row["answer"]),
             "claimed_for": row["claimed_for"], "answered_by": row["answered_by"],
-            "answered_by_name": row["answered_by_name"], "answered_at": fmt_time(row["answered_at"])}
+            "answered_by_name": row["answered_by_name"], "answered_at": fmt_time(row["answered_at"]),
+            "digest": row["digest"]}
+    if row["on_behalf_of"] is not None:
+        fact["on_behalf_of"] = row["on_behalf_of"]
     if row["reply_id"] is not None:
         fact["reply"] = {"id": row["reply_id"], **({"sender": row["reply_sender"]} if row["reply_sender"] else {})}
     return fact
@@ -9064,20 +9260,24 @@ class Inbox:
                                 cursor: str | None = None) -> dict[str, Any]:
         n = check_limit(limit)
         before = decode_cursor(cursor)[0] if cursor else None
+        caller = await self.deputized(caller, playbook)
         to = caller.inbox_to(to)
+        also = caller.stands_for if caller.person is not None and to == caller.person else ()
         rows = await self.store.read(lambda tx: tx.open_requests(playbook, to=to, type_=type_, name=function,
-                                                                 before=before, limit=n + 1))
+                                                                 before=before, limit=n + 1, also=also))
         return _page([self.links.shown(request_object(r), r, caller) for r in rows[:n]], rows, n,
                      lambda: [rows[n - 1]["seq"]])
 
     async def request_for(self, caller: Caller, playbook: str, run_id: str) -> dict[str, Any] | None:
         """A run's own request as `caller` may see it - {id, status, to, message, answer_schema, and
         answer_url while open} - or None when the run asks nobody, or asks someone else of a person."""
+        caller = await self.deputized(caller, playbook)
         row = await self.store.read(lambda tx: tx.request(playbook, run_id))
         if row is None or not caller.addressed(row):
             return None
         obj = {"id": row["id"], "status": row["status"], "to": row["party"], "message": row["message"],
-               "answer_schema": json.loads(row["answer_schema"]) if row["answer_schema"] is not None else None}
+               "answer_schema": json.loads(row["answer_schema"]) if row["answer_schema"] is not None else None,
+               "digest": row["digest"]}
         return self.links.shown(obj, row, caller) if row["status"] == RequestStatus.OPEN else obj
 
     async def elicitation_declined(self, caller: Caller, playbook: str, run_id: str, mode: str, action: str) -> None:
@@ -9094,7 +9294,8 @@ class Inbox:
 
     async def answer_interaction(self, caller: Caller, playbook: str, run_id: str, answer: Any,
                                  claimed_for: str | None = None,
-                                 idempotency: IdempotencyKey | None = None) -> tuple[dict[str, Any], bool]:
+                                 idempotency: IdempotencyKey | None = None,
+                                 digest: Any = None) -> tuple[dict[str, Any], bool]:
         """Record the answer of an open request and end its run. Returns the fact and whether it is new.
 
         Under an idempotency key (the typed API) it returns the key's response in place of the fact: a new
@@ -9123,7 +9324,10 @@ class Inbox:
         # first and then the write cost a second thread hop, the larger part of an answer's latency).
         def change(tx: Tx, fx: Effects) -> tuple[dict[str, Any], bool]:
             row = tx.request(playbook, run_id)
-            if row is None or not caller.addressed(row):
+            who = caller
+            if row is not None and not who.addressed(row):     # a deputy's, while their window is open
+                who = replace(caller, stands_for=tuple(tx.standing_for(playbook, caller.person, now)))
+            if row is None or not who.addressed(row):
                 raise not_found(f"no request of run {run_id} in this playbook")
             if idempotency is not None:
                 # Looked up in the answer's own transaction: a concurrent call under the same key that
@@ -9136,12 +9340,13 @@ class Inbox:
                     raise Problem("not_open", "the request has ended (answered)", kind=row["status"])
                 return answer_fact(row), False
             if row["approval"] is not None:
-                self.approvals.may_answer(caller, row)
-            errors = answer_errors(row, answer)
+                self.approvals.may_answer(who, row)
+            errors = answer_errors(row, answer, digest)
             if errors:
                 raise ended("invalid_input", "the answer does not match the request's answer schema",
                                      errors=errors)
-            closed = self.record_answer(tx, fx, row, answer, claimed_for, by, now, by_name=caller.by_name)
+            closed = self.record_answer(tx, fx, row, answer, claimed_for, by, now, by_name=caller.by_name,
+                                        on_behalf_of=who.on_behalf_of(row))
             if idempotency is None:
                 return answer_fact(closed), True
             response = idempotency.response(closed)
@@ -9168,17 +9373,18 @@ class Inbox:
 
     def record_answer(self, tx: Tx, fx: Effects, row: Row, answer: Any, claimed_for: str | None, by: str,
                        now: int, *, reply_id: str | None = None, reply_sender: str | None = None,
-                       by_name: str | None = None) -> Row:
+                       by_name: str | None = None, on_behalf_of: str | None = None) -> Row:
         """The one fact of an answer: request_answered, the request closed, the run succeeded. Who gave
-        it in words (`by_name`) is the caller's name, or a reply's sender.
+        it in words (`by_name`) is the caller's name, or a reply's sender; a deputy's answer names whom
+        they stood for (`on_behalf_of`).
 
         Returns the closed request's row (its answer columns filled)."""
         by_name = by_name if by_name is not None else reply_sender
         if row["approval"] is not None:        # an approval: its call follows, or the run ends declined
             return self.approvals.answered(tx, fx, row, answer, claimed_for, by, now, reply_id=reply_id,
-                                           by_name=by_name)
+                                           by_name=by_name, on_behalf_of=on_behalf_of)
         return tx.answer_request(fx, row, answer, by=by, now=now, claimed_for=claimed_for, reply_id=reply_id,
-                                 reply_sender=reply_sender, by_name=by_name)
+                                 reply_sender=reply_sender, by_name=by_name, on_behalf_of=on_behalf_of)
 
     @staticmethod
     def _answer_state_check(req: Row, answer: Any) -> bool:
@@ -9197,6 +9403,86 @@ class Inbox:
         return False
 
 
+
+    # -- deputies -------------------------------------------------------------------------------
+
+    async def deputized(self, caller: Caller, playbook: str) -> Caller:
+        """A person's caller with whom they stand for now, on the daemon's clock (their deputies' open
+        windows); anyone else's as it is."""
+        if caller.person is None:
+            return caller
+        now = self.clock.now_ms()
+        stands = await self.store.read(lambda tx: tx.standing_for(playbook, caller.person, now))
+        return replace(caller, stands_for=tuple(stands)) if stands else caller
+
+    def deputy_object(self, row: Row) -> dict[str, Any]:
+        now = self.clock.now_ms()
+        return {"id": row["id"], "playbook": row["playbook"], "for": row["for_person"], "to": row["to_person"],
+                "from": fmt_time(row["starts_at"]), "until": fmt_time(row["ends_at"]),
+                "open": (row["starts_at"] is None or row["starts_at"] <= now)
+                and (row["ends_at"] is None or now < row["ends_at"]),
+                "created_at": fmt_time(row["created_at"]), "created_by": row["created_by"]}
+
+    async def add_deputy(self, caller: Caller, playbook: str, body: Any) -> dict[str, Any]:
+        """A deputy (operator): `to` answers what is addressed to `for` from `from` (default: now) until
+        `until` (default: until removed), RFC 3339 times on the daemon's clock."""
+        caller.require(Role.OPERATOR)
+        if not isinstance(body, dict):
+            raise Problem("invalid_request", "the body is an object: {for, to, from?, until?}",
+                          errors=[{"pointer": "", "message": "an object: {for, to, from?, until?}"}])
+        errors = [{"pointer": f"/{k}", "message": "not a key of a deputy (for, to, from, until)"}
+                  for k in body if k not in ("for", "to", "from", "until")]
+        names: dict[str, str] = {}
+        for key in ("for", "to"):
+            try:
+                names[key] = person_name(body.get(key))
+            except ValueError as exc:
+                errors.append({"pointer": f"/{key}", "message": str(exc)})
+        times: dict[str, int | None] = {"from": None, "until": None}
+        for key in times:
+            if body.get(key) is not None:
+                try:
+                    times[key] = parse_rfc3339(body[key])
+                except ValueError as exc:
+                    errors.append({"pointer": f"/{key}", "message": str(exc)})
+        if len(names) == 2 and names["for"] == names["to"]:
+            errors.append({"pointer": "/to", "message": "a person is not their own deputy"})
+        if times["from"] is not None and times["until"] is not None and times["until"] <= times["from"]:
+            errors.append({"pointer": "/until", "message": "until comes after from"})
+        if errors:
+            raise Problem("invalid_request", "the deputy is not valid", errors=errors)
+        now = self.clock.now_ms()
+        deputy_id = "dep_" + new_ulid()
+
+        def change(tx: Tx, fx: Effects) -> Row:
+            tx.add_deputy(deputy_id=deputy_id, playbook=playbook, for_person=names["for"], to_person=names["to"],
+                          starts_at=times["from"], ends_at=times["until"], now=now, by=caller.by)
+            tx.append_event(fx, playbook, None, "deputy_added", now, caller.by,
+                            {"id": deputy_id, "for": names["for"], "to": names["to"],
+                             "from": fmt_time(times["from"]), "until": fmt_time(times["until"])})
+            return {"id": deputy_id, "playbook": playbook, "for_person": names["for"], "to_person": names["to"],
+                    "starts_at": times["from"], "ends_at": times["until"], "created_at": now, "created_by": caller.by}
+        return self.deputy_object(await self.store.write(change))
+
+    async def list_deputies(self, caller: Caller, playbook: str) -> dict[str, Any]:
+        caller.require(Role.OPERATOR)
+        rows = await self.store.read(lambda tx: tx.deputies(playbook))
+        return {"data": [self.deputy_object(r) for r in rows], "page": {"has_more": False, "next_cursor": None}}
+
+    async def remove_deputy(self, caller: Caller, playbook: str, deputy_id: str) -> dict[str, Any]:
+        caller.require(Role.OPERATOR)
+        now = self.clock.now_ms()
+
+        def change(tx: Tx, fx: Effects) -> Row | None:
+            row = tx.remove_deputy(playbook, deputy_id)
+            if row is not None:
+                tx.append_event(fx, playbook, None, "deputy_removed", now, caller.by,
+                                {"id": deputy_id, "for": row["for_person"], "to": row["to_person"]})
+            return row
+        row = await self.store.write(change)
+        if row is None:
+            raise not_found(f"no deputy {deputy_id} in this playbook")
+        return self.deputy_object(row)
 
     # -- events ---------------------------------------------------------------------------------
 
@@ -9846,7 +10132,8 @@ class Approvals:
                             server=deliver.server if deliver else None, tool=deliver.tool if deliver else None,
                             delivery=DeliveryState.IN_INBOX if deliver is None else DeliveryState.TO_DELIVER,
                             asked_at=now, expires_at=prepared["expires_at"],
-                            deliver_args=dumps(prepared["deliver_args"]) if deliver else None)
+                            deliver_args=dumps(prepared["deliver_args"]) if deliver else None,
+                            digest=request_digest(prepared["message"], APPROVAL_ANSWER_SCHEMA, gate["arguments"]))
             tx.set_approval(playbook, run_id, dumps({**gate, "asked_by": caller.id, "asked_by_person": caller.person}))
             tx.append_event(fx, playbook, run_id, "interaction_requested", now, caller.id, {
                 "delivery": {"server": deliver.server, "tool": deliver.tool} if deliver else None,
@@ -9875,7 +10162,7 @@ class Approvals:
                                                 " (their session, token or answer link) or an operator answers it")
 
     def answered(self, tx: Tx, fx: Effects, row: Row, answer: Any, claimed_for: str | None, by: str, now: int,
-                 reply_id: str | None = None, by_name: str | None = None) -> Row:
+                 reply_id: str | None = None, by_name: str | None = None, on_behalf_of: str | None = None) -> Row:
         """Inside the answer's change: take an approval's answer (it passed the answer schema). A change
         outside `edit`, or arguments the tool's schema refuses, is `invalid_input` and writes nothing."""
         playbook, run_id = row["playbook"], row["run_id"]
@@ -9885,7 +10172,8 @@ class Approvals:
         arguments = None
         if approved:
             patch, arguments = self._approved(gate, answer)
-        tx.record_answer(fx, row, answer, by=by, now=now, claimed_for=claimed_for, reply_id=reply_id, by_name=by_name)
+        tx.record_answer(fx, row, answer, by=by, now=now, claimed_for=claimed_for, reply_id=reply_id, by_name=by_name,
+                         on_behalf_of=on_behalf_of)
         note = answer.get("note")
         if not approved:                # the run ends declined, its request closed as answered
             tx.append_event(fx, playbook, run_id, "approval_answered", now, by, {
@@ -9896,7 +10184,8 @@ class Approvals:
             return closed
         closed = tx.close_request(fx, playbook, run_id, ENDINGS["answered"])
         tx.append_event(fx, playbook, run_id, "approval_answered", now, by, {
-            "approved": approved, "by": by, "patch": self.tools.record(gate["server"], patch), "note": note})
+            "approved": approved, "by": by, "patch": self.tools.record(gate["server"], patch), "note": note,
+            "arguments_digest": arguments_digest(arguments)})
         tx.set_approval(playbook, run_id, dumps({**gate, "approved": arguments}))
         tx.resume_run(playbook, run_id)
         tx.set_timer(fx, timer_key("call", playbook, run_id), now)
@@ -9967,7 +10256,7 @@ class Approvals:
         read_only = session.read_only(tool) if session is not None else bool(gate["read_only"])
         started = {"server": server, "tool": tool, "read_only": read_only,
                    "arguments": self.tools.record(server, arguments), "arguments_size": json_size(arguments),
-                   "arguments_sha256": sha256_hex(dumps(arguments))}
+                   "arguments_sha256": sha256_hex(dumps(arguments)), "arguments_digest": arguments_digest(arguments)}
 
         def begin(tx: Tx, fx: Effects) -> bool:
             if not tx.take_timer(fx, key, now):
@@ -10377,6 +10666,9 @@ class Engine:
         self.execute_tool = self.system_calls.execute_tool
         self.list_interactions = self.inbox.list_interactions
         self.answer_interaction = self.inbox.answer_interaction
+        self.deputized = self.inbox.deputized
+        self.add_deputy, self.list_deputies = self.inbox.add_deputy, self.inbox.list_deputies
+        self.remove_deputy = self.inbox.remove_deputy
         self.request_for = self.inbox.request_for
         self.elicitation_declined = self.inbox.elicitation_declined
         self.elicitation_refused = self.inbox.elicitation_refused
@@ -12285,7 +12577,7 @@ async def h_answer(request: web.Request) -> web.Response:
         raise Problem("invalid_request", "answer is required", errors=[{"pointer": "/answer", "message": "required"}])
     engine = request.app[engine_key()]
     fact, _ = await engine.answer_interaction(_caller(request), _pb(request), request.match_info["run_id"],
-                                              body["answer"], body.get("claimed_for"))
+                                              body["answer"], body.get("claimed_for"), digest=body.get("digest"))
     return _json(fact)
 
 
@@ -12341,6 +12633,20 @@ async def h_create_link(request: web.Request) -> web.Response:
     url, expires_at = await make_login_link(engine, person, playbook, lasts)
     return _json({"url": url, "for": person, "playbook": playbook if person is not None else None,
                   "expires_at": fmt_time(expires_at)}, 201)
+
+
+async def h_add_deputy(request: web.Request) -> web.Response:
+    body = await _json_body(request)
+    return _json(await request.app[engine_key()].add_deputy(_caller(request), _pb(request), body), 201)
+
+
+async def h_list_deputies(request: web.Request) -> web.Response:
+    return _json(await request.app[engine_key()].list_deputies(_caller(request), _pb(request)))
+
+
+async def h_remove_deputy(request: web.Request) -> web.Response:
+    return _json(await request.app[engine_key()].remove_deputy(_caller(request), _pb(request),
+                                                               request.match_info["deputy_id"]))
 
 
 async def h_problem_page(request: web.Request) -> web.Response:
@@ -12660,7 +12966,8 @@ _APPROVE_BODY: Final = {"type": "object", "description": "Have a person approve 
                         "properties": {"to": {"type": "string"}, "expires": {"type": "string"},
                                        "edit": {"type": "array", "items": {"type": "string"}}}}
 _ANSWER_BODY: Final = {"type": "object", "required": ["answer"], "properties": {
-    "answer": {}, "claimed_for": {"type": "string", "maxLength": 256}}}
+    "answer": {}, "claimed_for": {"type": "string", "maxLength": 256},
+    "digest": {"type": "string", "description": "the request's digest as shown: another is 409 digest_mismatch"}}}
 
 ROUTES: Final[list[Route]] = [
     Route("GET", "/healthz", h_healthz, "Liveness", public=True),
@@ -12671,6 +12978,12 @@ ROUTES: Final[list[Route]] = [
     Route("POST", PB + "/links", h_create_link, "A one-time sign-in link: a person's (for) in this playbook, or an"
           " operator's", Role.OPERATOR, {"type": "object", "properties": {
               "for": {"type": ["string", "null"]}, "expires": {"type": "string"}}}),
+    Route("POST", PB + "/deputies", h_add_deputy, "A deputy: `to` answers what is addressed to `for` while the window"
+          " (from, until: RFC 3339) is open", Role.OPERATOR, {"type": "object", "required": ["for", "to"], "properties": {
+              "for": {"type": "string"}, "to": {"type": "string"}, "from": {"type": ["string", "null"]},
+              "until": {"type": ["string", "null"]}}}),
+    Route("GET", PB + "/deputies", h_list_deputies, "The playbook's deputies", Role.OPERATOR),
+    Route("DELETE", PB + "/deputies/{deputy_id}", h_remove_deputy, "Remove a deputy", Role.OPERATOR),
     Route("POST", PB + "/definitions", h_create_definition, "create_definition", Role.WRITER, _DEF_BODY),
     Route("GET", PB + "/definitions", h_list_definitions, "list_definitions", query=("type",)),
     Route("GET", PB + "/definitions/{type}/{name}", h_get_definition, "get_definition", query=("version",)),
@@ -14587,7 +14900,7 @@ def interaction_object(row: Mapping[str, Any]) -> dict[str, Any]:
         "defaulted": defaulted,
         "expires_at": fmt_time(row["expires_at"]), "created_at": fmt_time(row["asked_at"]),
         "answered_at": fmt_time(row["answered_at"]) if answered else None,
-        "addressees": addressees(row), "reminded": row["reminded"],
+        "addressees": addressees(row), "reminded": row["reminded"], "digest": row["digest"],
     }
 
 
@@ -14661,7 +14974,7 @@ async def find_interaction(engine: Engine, caller: Caller, ident: str) -> Row:
     if INTERACTION_ID_RE.fullmatch(ident):
         row = await engine.store.read(lambda tx: tx.interaction(ident))
     if row is None or row["playbook"] not in engine.playbooks or not caller.sees(row["playbook"]) \
-            or not caller.addressed(row):
+            or not (await engine.deputized(caller, row["playbook"])).addressed(row):
         raise _v2_problem("not_found", "The interaction does not exist or is not visible to this token.")
     return row
 
@@ -14709,10 +15022,12 @@ async def respond_interaction(engine: Engine, caller: Caller, row: Row, key: str
     if row["status"] != RequestStatus.OPEN or row["delivery_state"] == DeliveryState.CANCELLING.value:
         raise _not_pending(row["status"])
     kind, _, _ = typed_shape(row["answer_schema"])
-    answer = typed_answer(kind, json.loads(row["answer_schema"]), body)
+    # The digest of what was shown, beside the variant's fields (its own, not a field of the answer).
+    digest = body.get("digest")
+    answer = typed_answer(kind, json.loads(row["answer_schema"]), {k: v for k, v in body.items() if k != "digest"})
     try:
         response, new = await engine.answer_interaction(caller, row["playbook"], row["run_id"], answer,
-                                                        idempotency=idempotency)
+                                                        idempotency=idempotency, digest=digest)
     except Problem as exc:
         raise _v2_refusal(exc, kind) from None
     return 200, response, not new
@@ -14731,6 +15046,11 @@ def _v2_refusal(exc: Problem, kind: str) -> Problem:
     (its status is the problem's kind) is not pending, an answer off its schema fails validation."""
     if exc.name in ("answered", "not_open"):
         return _not_pending(exc.kind or "")
+    if exc.name == "digest_mismatch":
+        return _v2_problem("digest_mismatch", exc.detail, extra=exc.extra)
+    if exc.name == "invalid_input" and exc.errors and exc.errors[0]["pointer"] == "/digest":
+        return _v2_problem("validation_failed", exc.detail, errors=[
+            {"field": "digest", "code": "invalid_value", "message": exc.errors[0]["message"]}])
     if exc.name == "invalid_input":
         prefix = "answer" if kind == "form" else ""
         return _v2_problem("validation_failed", exc.detail, errors=[
@@ -15401,6 +15721,8 @@ function requestEl(req, shown) {
       h("p", {class: "meta"}, "asked ", relTime(req.asked_at), " · ",
         req.expires_at ? ["expires ", relTime(req.expires_at)] : "never expires", delivery,
         h("span", {class: "nudged"}, nudgedWords(req)),
+        req.digest ? [" · digest ", h("code", {class: "digest", "data-digest": req.digest,
+          title: `sha256 of what this request shows (message, form, arguments): ${req.digest}`}, req.digest.slice(0, 12))] : null,
         person ? null : [" · ", h("a", {href: `#/runs/${enc(req.run_id)}`}, "History")],
         req.answer_url && !person ? [" · ", h("a", {href: req.answer_url, class: "answer-link", target: "_blank", rel: "noreferrer",
           title: `The link ${req.to} answers on without signing in; copy it to send it`}, "Answer link")] : null),
@@ -15537,7 +15859,9 @@ async function submitApproval(req, f, fields, formErr, approved) {
   const buttons = [...f.querySelectorAll("button:not([hidden])")];
   buttons.forEach(b => { b.disabled = true; });
   f.setAttribute("aria-busy", "true");
-  const r = await api("POST", `${base()}/runs/${enc(req.run_id)}/answer`, {answer});
+  // The digest of what this card shows goes back with the answer: if the request changed meanwhile,
+  // the daemon refuses it (409 digest_mismatch) rather than take it for what it shows now.
+  const r = await api("POST", `${base()}/runs/${enc(req.run_id)}/answer`, {answer, digest: req.digest});
   f.removeAttribute("aria-busy");
   buttons.forEach(b => { b.disabled = false; });
   if (r.ok) return answered(req);
@@ -15652,7 +15976,7 @@ async function submitAnswer(req, form, f, fields, formErr, submitter) {
   buttons.forEach(b => { b.disabled = true; });
   f.setAttribute("aria-busy", "true");
   // The page's own answer route: answer_interaction's rules, its errors in a person's words.
-  const r = await api("POST", `/web${base().slice(3)}/runs/${enc(req.run_id)}/answer`, {answer});
+  const r = await api("POST", `/web${base().slice(3)}/runs/${enc(req.run_id)}/answer`, {answer, digest: req.digest});
   f.removeAttribute("aria-busy");
   buttons.forEach(b => { b.disabled = false; });
   if (r.ok) return answered(req);
@@ -16358,7 +16682,7 @@ async def h_web_answer(request: web.Request) -> web.Response:
     engine, caller, playbook = request.app[engine_key()], _caller(request), _pb(request)
     run_id = request.match_info["run_id"]
     try:
-        fact, _ = await engine.answer_interaction(caller, playbook, run_id, body["answer"])
+        fact, _ = await engine.answer_interaction(caller, playbook, run_id, body["answer"], digest=body.get("digest"))
     except Problem as exc:
         if exc.name == "invalid_input" and exc.errors:
             req, run = await engine.store.read(lambda tx: (tx.request(playbook, run_id), tx.run(playbook, run_id)))
@@ -16369,7 +16693,8 @@ async def h_web_answer(request: web.Request) -> web.Response:
 
 
 async def h_web_counts(request: web.Request) -> web.Response:
-    playbook, engine, caller = _pb(request), request.app[engine_key()], _caller(request)
+    playbook, engine = _pb(request), request.app[engine_key()]
+    caller = await engine.deputized(_caller(request), playbook)       # a deputy counts whom they stand for too
     rows = [r for r in await engine.store.read(lambda tx: tx.open_counts_by_party(playbook)) if caller.addressed(r)]
     return _json({"total": sum(r["n"] for r in rows), "to": [{"to": r["party"], "count": r["n"]} for r in rows],
                   "now": fmt_time(engine.clock.now_ms())})
@@ -16385,24 +16710,33 @@ async def h_web_counts(request: web.Request) -> web.Response:
 # form, which must carry the form token derived from the link. A link that does not verify, or
 # whose playbook this daemon does not serve, is a plain 404 page.
 
-_LINK_RE: Final = re.compile(r"(int_[0-9A-Za-z]{1,64})\.[A-Za-z0-9_-]{32}")
+_LINK_RE: Final = re.compile(r"(int_[0-9A-Za-z]{1,64})\.[A-Za-z0-9_-]{32}(?:\.[A-Za-z0-9_-]{1,400})?")
 
 
 async def _linked(request: web.Request) -> tuple[str, Row] | None:
-    """The link's signed part and its request (with the run's input), or None when it does not verify."""
+    """The link's signed part and its request (with the run's input), or None when it does not verify -
+    or when it is a deputy's whose window has closed."""
     engine, token = request.app[engine_key()], request.match_info["token"]
     m = _LINK_RE.fullmatch(token)
     if m is None:
         return None
     row = await engine.store.read(lambda tx: tx.linked_request(m.group(1)))
-    if row is None or row["playbook"] not in engine.playbooks or not engine.links.verifies(token, row):
+    if row is None or row["playbook"] not in engine.playbooks or (holder := engine.links.holder(token, row)) is None:
         return None
+    if holder != row["party"]:
+        deputy = await engine.deputized(Caller("link", Role.WRITER, row["playbook"], holder), row["playbook"])
+        if not deputy.addressed(row):
+            return None
     return token, row
 
 
-def _link_caller(row: Row) -> Caller:
-    """Who answers through a link: its addressee, a writer of its playbook."""
-    return Caller(f"link:{row['id']}", Role.WRITER, row["playbook"], row["party"])
+def _link_caller(row: Row, token: str = "") -> Caller:
+    """Who answers through a link: its addressee (or the deputy it was made for), a writer of its playbook."""
+    parts = token.split(".")
+    person = row["party"]
+    if len(parts) == 3:
+        person = base64.urlsafe_b64decode(parts[2] + "=" * (-len(parts[2]) % 4)).decode()
+    return Caller(f"link:{row['id']}", Role.WRITER, row["playbook"], person)
 
 
 async def _answered_by_words(engine: Engine, by: str | None, name: str | None = None) -> str:
@@ -16483,11 +16817,12 @@ def _place_errors(fields: list[dict[str, Any]], errors: list[dict[str, Any]]) ->
 
 
 def _link_form_html(form: dict[str, Any], form_token: str, sent: Mapping[str, list[str]],
-                    errors: list[dict[str, Any]]) -> str:
+                    errors: list[dict[str, Any]], digest: str | None = None) -> str:
     fields = form["fields"] + ([form["choice"]] if form["mode"] == "choice" else [])
     at, rest = _place_errors(fields, errors)
     parts = [f'<form class="answer" method="post" action="" novalidate>'
-             f'<input type="hidden" name="form" value="{_esc(form_token)}">']
+             f'<input type="hidden" name="form" value="{_esc(form_token)}">'
+             + (f'<input type="hidden" name="digest" value="{_esc(digest)}">' if digest else "")]
     parts += [_field_html(fd, str(i), sent.get(f"f{i}", []), at.get(fd["pointer"])) for i, fd in enumerate(form["fields"])]
     if form["mode"] == "choice":
         c = form["choice"]
@@ -16571,7 +16906,9 @@ async def _link_page(engine: Engine, token: str, row: Row, *, sent: Mapping[str,
     head = (f'<h1>{_esc(row["name"])} <span class="to">for {_esc(row["party"])}</span></h1>'
             f'<p class="meta">asked {_esc(_when_words(row["asked_at"]))}'
             + (f' · expires {_esc(_when_words(row["expires_at"]))}' if row["status"] == RequestStatus.OPEN else "") + "</p>"
-            f'<div class="msg">{render_markdown(row["message"])}</div>')
+            f'<div class="msg">{render_markdown(row["message"])}</div>'
+            + (f'<p class="meta digest" title="sha256 of what this request shows: its message, answer form and'
+               f' arguments">digest <code id="digest">{_esc(row["digest"])}</code></p>' if row["digest"] else ""))
     state = row["status"]
     if state == RequestStatus.ANSWERED:
         who = await _answered_by_words(engine, row["answered_by"], row["answered_by_name"])
@@ -16589,7 +16926,7 @@ async def _link_page(engine: Engine, token: str, row: Row, *, sent: Mapping[str,
         end = '<div id="status" class="card" role="status"><p>It is being cancelled. It takes no answer now.</p></div>'
     else:
         form = answer_form(json.loads(row["answer_schema"]), option_labels(row["name"], row["run_input"]))
-        end = _link_form_html(form, engine.links.form_token(token), sent or {}, errors or [])
+        end = _link_form_html(form, engine.links.form_token(token), sent or {}, errors or [], row["digest"])
     return _link_html(title, head, end, status=status)
 
 
@@ -16613,13 +16950,13 @@ async def h_answer_link_post(request: web.Request) -> web.Response:
             raise not_found("no such answer link")
         return _link_not_found()
     engine, (token, row) = request.app[engine_key()], found
-    caller = _link_caller(row)
+    caller = _link_caller(row, token)
     if request.content_type == "application/json":     # a program holding the link: answer_interaction's answers
         body = await _json_body(request)
         if "answer" not in body:
             raise Problem("invalid_request", "answer is required", errors=[{"pointer": "/answer", "message": "required"}])
         fact, _ = await engine.answer_interaction(caller, row["playbook"], row["run_id"], body["answer"],
-                                                  body.get("claimed_for"))
+                                                  body.get("claimed_for"), digest=body.get("digest"))
         return _json(fact)
     posted = await request.post()
     sent = {k: [str(v) for v in posted.getall(k)] for k in set(posted.keys())}
@@ -16634,7 +16971,8 @@ async def h_answer_link_post(request: web.Request) -> web.Response:
     if bad:
         return await _link_page(engine, token, row, sent=sent, errors=bad, status=422)
     try:
-        await engine.answer_interaction(caller, row["playbook"], row["run_id"], answer)
+        await engine.answer_interaction(caller, row["playbook"], row["run_id"], answer,
+                                        digest=str(posted["digest"]) if "digest" in posted else None)
     except Problem as exc:
         if exc.name in ("answered", "not_open", "notification"):         # ended meanwhile: say how
             row = await engine.store.read(lambda tx: tx.linked_request(row["id"])) or row
@@ -17383,6 +17721,39 @@ def _cli_client(args: Any, db: str, config: Config) -> int:
     return 0
 
 
+def _cli_deputy(args: Any, db: str, config: Config) -> int:
+    """`deputy add|list|remove`: the running daemon's deputies (their windows are on its clock)."""
+    if not PLAYBOOK_RE.fullmatch(args.playbook):
+        raise CliError(f"--playbook is ORG/NAME in lowercase letters, digits and hyphens, not {args.playbook!r}",
+                       EXIT_USAGE)
+    org, _, name = args.playbook.partition("/")
+    path = f"/v1/orgs/{org}/playbooks/{name}/deputies"
+    d = daemon_address(args, db, config)
+    if args.deputy_cmd == "add":
+        body = {"for": args.for_, "to": args.to, "from": args.from_, "until": args.until}
+        status, out, _ = call_daemon(d, "POST", path, {k: v for k, v in body.items() if v is not None})
+    elif args.deputy_cmd == "remove":
+        status, out, _ = call_daemon(d, "DELETE", f"{path}/{urllib.parse.quote(args.id, safe='')}")
+    else:
+        status, out, _ = call_daemon(d, "GET", path)
+    if status >= 400:
+        raise CliError(problem_line(status, out))
+
+    def line(dep: dict[str, Any]) -> str:
+        window = f"from {dep['from'] or 'its making'} until {dep['until'] or 'removed'}"
+        return f"{dep['id']}  {dep['to']} for {dep['for']}  {window}  ({'open' if dep['open'] else 'closed'} now)"
+    if args.deputy_cmd == "list":
+        for dep in out["data"]:
+            print(line(dep))
+        if not out["data"]:
+            print(f"no deputies in {args.playbook}", file=sys.stderr)
+    else:
+        print(line(out))
+        if args.deputy_cmd == "remove":
+            print("removed", file=sys.stderr)
+    return 0
+
+
 def _cli_link(args: Any, db: str, config: Config) -> int:
     """`link`: a one-time sign-in link, made by the running daemon (its clock, its public_url), else
     written straight to the database when no daemon answers."""
@@ -17835,6 +18206,7 @@ COMMANDS: Final = (
     ("check", "check function documents, workflows and configuration files offline; exit 1 on any problem"),
     ("token", "create, list or revoke API tokens; list or end inbox sessions"),
     ("link", "print a one-time sign-in link to the inbox: a person's (--for NAME) or an operator's"),
+    ("deputy", "add, list or remove deputies: who answers what is addressed to a person while they are away"),
     ("copy", "copy a whole database into an empty one: an SQLite file into PostgreSQL, or back"),
     ("define", "save a function document or a workflow from a file"),
     ("run", "start a run of a function or a workflow"),
@@ -17931,6 +18303,27 @@ def build_parser() -> Any:
                                 " (their `to`), and answers as PERSON (default playbook: local/default)")
         elif name == "revoke":
             t.add_argument("id", help="the token's or the session's id (tok_...), as `token list` shows it")
+    p = command("deputy")
+    dsub = p.add_subparsers(dest="deputy_cmd", required=True, metavar="ACTION")
+    for name, text in (("add", "add a deputy: --to answers what is addressed to --for while the window is open"),
+                       ("list", "list the playbook's deputies, and whether each window is open now"),
+                       ("remove", "remove a deputy by its id")):
+        t = dsub.add_parser(name, help=text, description=text + " (on the running daemon's clock).",
+                            formatter_class=Help, epilog=EXIT_CODES)
+        t.add_argument("--db", metavar="PATH", help="the database the daemon serves (its URL and token are beside it)")
+        t.add_argument("--config", metavar="PATH", help="the operator configuration, YAML (env: INTERACTIOND_CONFIG)")
+        t.add_argument("--playbook", metavar="ORG/NAME", default=DEFAULT_PLAYBOOK, help="the playbook")
+        t.add_argument("--url", help="the daemon's URL (default: the one serve wrote beside the database)")
+        t.add_argument("--token", help="an operator token (env: INTERACTIOND_TOKEN; default: the one serve wrote"
+                                       " beside the database)")
+        if name == "add":
+            t.add_argument("--for", dest="for_", metavar="PERSON", required=True, help="the person who is away")
+            t.add_argument("--to", metavar="PERSON", required=True, help="the person who answers for them")
+            t.add_argument("--from", dest="from_", metavar="TIME", help="RFC 3339, e.g. 2026-12-02T09:00:00Z"
+                                                                      " (default: now)")
+            t.add_argument("--until", metavar="TIME", help="RFC 3339 (default: until removed)")
+        elif name == "remove":
+            t.add_argument("id", help="the deputy's id (dep_...), as `deputy list` shows it")
     p = command("link")
     p.add_argument("--for", dest="for_", metavar="PERSON",
                    help="the person the link signs in: they see and answer only the requests addressed to them"
@@ -18019,6 +18412,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cli_token(args, db)
         if args.cmd == "link":
             return _cli_link(args, db, config)
+        if args.cmd == "deputy":
+            return _cli_deputy(args, db, config)
         if args.cmd in CLIENT_COMMANDS:
             return _cli_client(args, db, config)
         if args.cmd == "stdio":

@@ -108,6 +108,8 @@ CREATE TABLE IF NOT EXISTS requests (
     escalated_to   TEXT,                             -- once escalated: the party asked too, who may answer
     reply_sender   TEXT,                             -- who wrote the reply that answered
     answered_by_name TEXT,                           -- who answered, in words: a token's or person's name, a sender
+    digest         TEXT,                             -- sha256 of what it shows (request_digest); NULL: opened before
+    on_behalf_of   TEXT,                             -- a deputy's answer: the person they stood for
     UNIQUE (playbook, run_id)
 );
 CREATE INDEX IF NOT EXISTS requests_open ON requests (playbook, seq) WHERE open = 1;
@@ -209,3 +211,17 @@ CREATE TABLE IF NOT EXISTS idempotency (
     PRIMARY KEY (caller, key)
 );
 CREATE INDEX IF NOT EXISTS idempotency_by_age ON idempotency (created_at);
+
+-- Deputies: while [starts_at, ends_at) holds on the daemon's clock, what is addressed to `for_person`
+-- in the playbook is addressed to `to_person` too; their answer records them and whom they stood for.
+CREATE TABLE IF NOT EXISTS deputies (
+    id          TEXT PRIMARY KEY,                    -- dep_<ULID>
+    playbook    TEXT NOT NULL,
+    for_person  TEXT NOT NULL,
+    to_person   TEXT NOT NULL,
+    starts_at   INTEGER,                             -- NULL: from its making
+    ends_at     INTEGER,                             -- NULL: until removed
+    created_at  INTEGER NOT NULL,
+    created_by  TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS deputies_to ON deputies (playbook, to_person);

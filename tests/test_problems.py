@@ -139,6 +139,8 @@ async def test_every_problem_type_through_the_app(d):
     await ask("a-1")
     body = await got("invalid_input", "POST", "/runs/a-1/answer", json={"answer": {"approved": "yes"}})
     assert body["errors"][0]["pointer"].startswith("/answer")
+    body = await got("digest_mismatch", "POST", "/runs/a-1/answer", json={"answer": {"approved": True}, "digest": "0" * 64})
+    assert len(body["digest"]) == 64 and body["digest"] != "0" * 64
     assert (await d.call("POST", "/runs/a-1/answer", {"answer": {"approved": True}}))[0] == 200
     await got("answered", "POST", "/runs/a-1/answer", json={"answer": {"approved": False}})
     await ask("c-1")

@@ -334,7 +334,7 @@ def test_an_answer_is_recorded_its_request_closed_and_its_run_ended_together_onc
                                                                     ("run_succeeded", 3, "tok_1")]
     assert events[0]["id"] < events[1]["id"] and closed["answer_id"] == events[0]["id"]
     assert json.loads(events[0]["payload"]) == {"answer": {"verdict": "approve"}, "claimed_for": "bo",
-                                                "reply": {"id": "m9"}}
+                                                "reply": {"id": "m9"}, "digest": closed["digest"]}
     assert json.loads(events[1]["payload"]) == {"status": "succeeded", "kind": None, "output": {"verdict": "approve"}}
     assert [(e["id"], e["type"], e["by"], e["payload"]) for e in fx.published] == \
         [(e["id"], e["type"], e["by"], json.loads(e["payload"])) for e in events]
