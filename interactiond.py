@@ -172,6 +172,8 @@ MIB: Final = 1024 * 1024
 
 #: A rendered party (`to`, `from`): short enough to be a name a reader filters by.
 MAX_PARTY_BYTES: Final = 256
+#: The people a quorum approval may name in `to` (SPEC section 25).
+MAX_QUORUM: Final = 16
 #: A rendered message: a question a person reads, not a document.
 MAX_MESSAGE_BYTES: Final = 8 * KIB
 #: The arguments of any tool call, as JSON.
@@ -389,6 +391,7 @@ PROBLEM_TYPES: Final[dict[str, tuple[int, str, str]]] = {
     "idempotency_key_conflict": (409, "Idempotency key conflict", "This Idempotency-Key was used before with another request body; use a new key for a new response."),
     "interaction_not_pending": (409, "Interaction not pending", "The interaction is already answered, expired or cancelled."),
     "interaction_type_mismatch": (422, "Interaction type mismatch", "The response's type is not the interaction's type."),
+    "arguments_changed": (409, "Arguments changed", "An earlier approval of this quorum set the call's arguments; a later approver approves or refuses them as shown, without changes."),
     "digest_mismatch": (409, "Digest mismatch", "The answer names the digest of something the request does not show (another request, or this one before it changed): read the request again and answer what it shows."),
     "validation_failed": (422, "Validation failed", "The response has missing, unknown or invalid fields; `errors` lists each as {field, code, message}."),
 }
@@ -2559,6 +2562,9 @@ class ApproveSpec:
     to: Template
     expires: timedelta
     edit: tuple[str, ...]       # JSON Pointers into the arguments; nothing is editable without them
+    also: tuple[Template, ...] = ()     # `to: [a, b, c]`: the other addressees of a quorum
+    need: int = 1               # approvals it takes (a quorum's `need`)
+    veto: bool = True           # one refusal ends it refused
 
 
 #: What an approval takes (SPEC section 20): the verdict, the arguments as the approver leaves them
@@ -3218,10 +3224,25 @@ def _read_approve(r: _Reader, data: dict[str, Any],
     """The approval gate of a call: `to`, `expires`, `edit`, and optionally `deliver` and `replies`
     as an interaction has them (the replies read by APPROVAL_RULE)."""
     path = ("approve",)
-    block = r.mapping(path, data["approve"], ("to", "expires", "edit", "deliver", "replies"), ("to", "expires"))
+    block = r.mapping(path, data["approve"], ("to", "expires", "edit", "deliver", "replies", "need", "veto"),
+                      ("to", "expires"))
     if block is None:
         return None, None, None
-    to = r.template(path + ("to",), block["to"], PLACES["party"], input_schema) if "to" in block else None
+    listed = block.get("to")
+    if isinstance(listed, list):            # a quorum: `to: [a, b, c]`, `need: N`, `veto`
+        if not 1 <= len(listed) <= MAX_QUORUM:
+            r.add(path + ("to",), f"lists 1 to {MAX_QUORUM} people, not {len(listed)}")
+        parties = [r.template(path + ("to", i), t, PLACES["party"], input_schema) for i, t in enumerate(listed)]
+        to = parties[0] if parties and all(t is not None for t in parties) else None
+        also = tuple(t for t in parties[1:] if t is not None)
+    else:
+        to = r.template(path + ("to",), listed, PLACES["party"], input_schema) if "to" in block else None
+        also = ()
+    need, veto = block.get("need", 1), block.get("veto", True)
+    if isinstance(need, bool) or not isinstance(need, int) or not 1 <= need <= 1 + len(also):
+        r.add(path + ("need",), f"is how many of the {1 + len(also)} people in `to` must approve: 1 to {1 + len(also)}")
+    if not isinstance(veto, bool):
+        r.add(path + ("veto",), "is true (one refusal refuses the call) or false (refusals only fail to approve)")
     expires = (r.duration(path + ("expires",), block["expires"], EXPIRES_MIN, EXPIRES_MAX,
                           "PT1M to P30D (1 minute to 30 days)") if "expires" in block else None)
     with_ = data["call"].get("with") if isinstance(data.get("call"), dict) else None
@@ -3234,7 +3255,7 @@ def _read_approve(r: _Reader, data: dict[str, Any],
         replies = _read_replies(within, shown, deliver, APPROVAL_ANSWER_SCHEMA, APPROVAL_RULE)
     if to is None or expires is None or edit is None:
         return None, None, None
-    return ApproveSpec(to, expires, edit), deliver, replies
+    return ApproveSpec(to, expires, edit, also, need, veto), deliver, replies
 
 
 def _read_edit(r: _Reader, path: tuple[Any, ...], value: Any, with_: Any) -> tuple[str, ...] | None:
@@ -3634,8 +3655,15 @@ def _approve_overview(doc: FunctionDoc) -> list[str]:
     edit = (f"they may change {', '.join(f'`{p}`' for p in gate.edit)} before approving"
             if gate.edit else "they approve or refuse the arguments as they are")
     where = (f" The question is sent with the tool `{doc.deliver.tool}` of `{doc.deliver.server}`." if doc.deliver else "")
-    out = [f"**Who approves:** each call first waits for {template_words(gate.to.source)} to approve it, at most "
-           f"{duration_words(gate.expires)}; {edit}. A refusal ends the run declined, no answer in time ends it "
+    who = template_words(gate.to.source)
+    refusal = "A refusal ends the run declined"
+    if gate.also:                   # a quorum
+        who = (f"{gate.need} of {', '.join(template_words(t.source) for t in (gate.to, *gate.also))}, each once"
+               f" (the first approval's arguments stand for the rest)")
+        refusal = ("A refusal by any of them ends the run declined" if gate.veto else
+                   "Refusals only fail to approve; when too few are left to approve, the run ends declined")
+    out = [f"**Who approves:** each call first waits for {who} to approve it, at most "
+           f"{duration_words(gate.expires)}; {edit}. {refusal}, no answer in time ends it "
            f"unanswered, and the tool is not called.{where}"]
     if doc.replies is not None:
         out.append(f"**Replies:** read with the tool `{doc.replies.tool}`. {APPROVAL_RULE.describe()}")
@@ -4225,6 +4253,14 @@ CREATE TABLE IF NOT EXISTS deputies (
     created_by  TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS deputies_to ON deputies (playbook, to_person);
+
+-- A quorum approval's addressees besides its party: listing by `to` finds it under each of them.
+CREATE TABLE IF NOT EXISTS addressees (
+    playbook TEXT NOT NULL,
+    person   TEXT NOT NULL,
+    run_id   TEXT NOT NULL,
+    PRIMARY KEY (playbook, person, run_id)
+);
 """
 
 
@@ -4960,6 +4996,8 @@ class Tx(Protocol):
     def deputies(self, playbook: str | None) -> list[Row]: ...
     def remove_deputy(self, playbook: str | None, deputy_id: str) -> Row | None: ...
     def standing_for(self, playbook: str, person: str, now: int) -> list[str]: ...
+    def add_addressees(self, playbook: str, run_id: str, people: Iterable[str]) -> None: ...
+    def set_digest(self, playbook: str, run_id: str, digest: str) -> None: ...
 
     # Idempotency.
 
@@ -5437,6 +5475,9 @@ class SqlTx:
             rows += self.conn.execute(sql + " AND q.party = ? ORDER BY q.seq DESC LIMIT ?", (*args, who, limit)).fetchall()
             rows += self.conn.execute(sql + " AND q.escalated_to = ? AND q.party <> ? ORDER BY q.seq DESC LIMIT ?",
                                       (*args, who, who, limit)).fetchall()
+            rows += self.conn.execute(sql + " AND q.run_id IN (SELECT a.run_id FROM addressees a WHERE a.playbook = ?"
+                                      " AND a.person = ?) ORDER BY q.seq DESC LIMIT ?",
+                                      (*args, playbook, who, limit)).fetchall()
         rows = list({r["seq"]: r for r in rows}.values())
         return sorted(rows, key=lambda r: r["seq"], reverse=True)[:limit]
 
@@ -5743,6 +5784,17 @@ class SqlTx:
             " AND (starts_at IS NULL OR starts_at <= ?) AND (ends_at IS NULL OR ends_at > ?) ORDER BY for_person",
             (playbook, person, person, now, now)).fetchall()]
 
+    def add_addressees(self, playbook: str, run_id: str, people: Iterable[str]) -> None:
+        """A quorum approval's addressees besides its party, so listing by `to` finds it under each."""
+        for person in people:           # a few: at most MAX_QUORUM
+            self.conn.execute("INSERT INTO addressees (playbook, person, run_id) VALUES (?,?,?) ON CONFLICT DO NOTHING",
+                              (playbook, person, run_id))
+
+    def set_digest(self, playbook: str, run_id: str, digest: str) -> None:
+        """What an open request shows changed (a quorum's first approval edited its arguments): its digest."""
+        self.conn.execute(f"UPDATE requests SET digest = ? WHERE playbook = ? AND run_id = ? AND {_OPEN_REQUEST_SQL}",
+                          (digest, playbook, run_id))
+
     def token_known(self, digest: str) -> bool:
         """Whether a token of any purpose with this hash stands unrevoked."""
         return self.conn.execute("SELECT 1 FROM tokens WHERE hash = ? AND revoked_at IS NULL",
@@ -5953,7 +6005,8 @@ class SQLiteTx(SqlTx):
 #: What `interactiond copy` moves, in an order that respects the references between tables; the
 #: daemons, leases and clock of a PostgreSQL database stay behind (they are its daemons').
 COPIED_TABLES: Final = ("playbooks", "definitions", "runs", "readings", "requests", "replies_seen", "events",
-                        "timers", "tokens", "idempotency", "nudges", "daemon_keys", "deputies")
+                        "timers", "tokens", "idempotency", "nudges", "daemon_keys", "deputies",
+                        "addressees")
 #: Columns one backend has and the other has not, which a copy leaves behind.
 COPY_DROPPABLE: Final = {("events", "daemon")}
 
@@ -6471,6 +6524,14 @@ CREATE TABLE IF NOT EXISTS deputies (
     created_by  TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS deputies_to ON deputies (playbook, to_person);
+
+-- A quorum approval's addressees besides its party: listing by `to` finds it under each of them.
+CREATE TABLE IF NOT EXISTS addressees (
+    playbook TEXT NOT NULL,
+    person   TEXT NOT NULL,
+    run_id   TEXT NOT NULL,
+    PRIMARY KEY (playbook, person, run_id)
+);
 """
 
 
@@ -7927,6 +7988,18 @@ class Role(str, enum.Enum):
         return {"reader": 0, "writer": 1, "operator": 2}[self.value]
 
 
+def quorum_people(request: Mapping[str, Any]) -> list[str]:
+    """The addressees of a quorum approval (`to: [a, b, c]`) from a request's row; [] for any other
+    request (or a row read without its approval)."""
+    try:
+        approval = request["approval"]
+    except (KeyError, IndexError):
+        return []
+    if approval is None or '"quorum"' not in approval:
+        return []
+    return list(json.loads(approval).get("quorum", {}).get("to", []))
+
+
 @dataclass(frozen=True)
 class Caller:
     """Who makes a call: a token's id, `stdio`, or `local`; what it may do and see.
@@ -7976,6 +8049,8 @@ class Caller:
         where the row has it): a person only their own, or one escalated to them."""
         if self.person is None or request["party"] == self.person or request["party"] in self.stands_for:
             return True
+        if any(p == self.person or p in self.stands_for for p in quorum_people(request)):
+            return True
         try:
             return request["escalated_to"] is not None and (request["escalated_to"] == self.person
                                                             or request["escalated_to"] in self.stands_for)
@@ -7991,9 +8066,10 @@ class Caller:
             escalated = request["escalated_to"]
         except (KeyError, IndexError):
             escalated = None
-        if self.person in (request["party"], escalated):
+        people = quorum_people(request)
+        if self.person in (request["party"], escalated, *people):
             return None
-        return request["party"] if request["party"] in self.stands_for else escalated
+        return next((p for p in (request["party"], *people) if p in self.stands_for), escalated)
 
 
 OPERATOR_LOCAL: Final = Caller("local", Role.OPERATOR)
@@ -8112,15 +8188,18 @@ def _listed_schema(text: str) -> Any:
 
 
 def addressees(row: Row) -> list[str]:
-    """Whom a request asks: its party and, once escalated, the escalation's party too (either may answer)."""
+    """Whom a request asks: its party and, once escalated, the escalation's party too (either may answer);
+    a quorum approval, each of its `to`."""
     escalated = row["escalated_to"]
-    return [row["party"]] if escalated is None or escalated == row["party"] else [row["party"], escalated]
+    listed = quorum_people(row) or [row["party"]]
+    return listed if escalated is None or escalated in listed else [*listed, escalated]
 
 
 def may_reply(row: Row, sender: str) -> bool:
     """Whether a reply from `sender` counts for a request: from its answerer, or from the party it was
-    escalated to."""
-    return sender == row["answerer"] or (row["escalated_to"] is not None and sender == row["escalated_to"])
+    escalated to; for a quorum approval, from any of its addressees (a vote as the sender)."""
+    return sender == row["answerer"] or (row["escalated_to"] is not None and sender == row["escalated_to"]) \
+        or sender in quorum_people(row)
 
 
 def request_object(row: Row) -> dict[str, Any]:
@@ -9911,10 +9990,21 @@ class Readings:
                 self._refuse(tx, fx, target, doc_rule, m["id"], "; ".join(reasons), now, tellings,
                              ("Your reply could not be taken: " + "; ".join(reasons) + ". " + how).strip())
                 continue
+            try:
+                took = self.inbox.record_answer(tx, fx, target, answer, None, f"playbook:{playbook}", now,
+                                                reply_id=m["id"], reply_sender=m["sender"])
+            except Problem as exc:                     # a quorum's vote it refuses (a second one, a change)
+                if exc.name not in ("answered", "arguments_changed", "approval_not_yours"):
+                    raise
+                refused += 1
+                self._refuse(tx, fx, target, doc_rule, m["id"], exc.detail, now, tellings,
+                             f"Your reply could not be taken: {exc.detail}.")
+                continue
             taken += 1
+            at = open_reqs.index(target)
             open_reqs.remove(target)
-            self.inbox.record_answer(tx, fx, target, answer, None, f"playbook:{playbook}", now, reply_id=m["id"],
-                                      reply_sender=m["sender"])
+            if took["status"] == RequestStatus.OPEN.value:     # one vote of a quorum: it stays open for the rest
+                open_reqs.insert(at, tx.request(target["playbook"], target["run_id"]))
         tx.read_up_to(reading["id"], since)
         if counted:
             tx.append_event(fx, playbook, None, "replies_read", now, "interactiond",
@@ -9962,10 +10052,19 @@ class Readings:
 
 
 def _approval_shown(text: str) -> dict[str, Any]:
-    """The gate of an approval request as listings show it: the call proposed, and what may change."""
+    """The gate of an approval request as listings show it: the call proposed, and what may change;
+    for a quorum, whom it asks, how many approvals it takes, and the votes so far."""
     gate = json.loads(text)
-    return {"server": gate["server"], "tool": gate["tool"], "read_only": gate["read_only"],
-            "arguments": gate["arguments"], "edit": gate["edit"]}
+    shown = {"server": gate["server"], "tool": gate["tool"], "read_only": gate["read_only"],
+             "arguments": gate["arguments"], "edit": gate["edit"]}
+    if "quorum" in gate:
+        shown.update(gate["quorum"], votes=_votes_shown(gate))
+    return shown
+
+
+def _votes_shown(gate: Mapping[str, Any]) -> list[dict[str, Any]]:
+    return [{"by": v["by"], "approved": v["approved"], "note": v["note"], "at": fmt_time(v["at"]),
+             **({"on_behalf_of": v["on_behalf_of"]} if v.get("on_behalf_of") else {})} for v in gate.get("votes", [])]
 
 
 class Approvals:
@@ -10004,9 +10103,15 @@ class Approvals:
         now = self.clock.now_ms()
         ending: Problem | None = None
         prepared: dict[str, Any] = {}
+        quorum: dict[str, Any] | None = None
         ctx = base_context(now, input=input_)
         try:
             party = policy.to if policy is not None else render_party(gate.to, ctx, "approve.to")
+            if policy is None and gate.also:        # a quorum: each of `to`, once
+                people = list(dict.fromkeys([party, *(render_party(t, ctx, "approve.to") for t in gate.also)]))
+                if len(people) < gate.need:
+                    raise ended("unworkable", f"approve.to names {len(people)} different people, and need is {gate.need}")
+                quorum = {"to": people, "need": gate.need, "veto": gate.veto}
             request_id = "int_" + new_ulid()
             ctx["request"] = {"answer_url": self.links.url({"id": request_id, "playbook": playbook, "run_id": run_id,
                                                             "party": party})}
@@ -10030,14 +10135,19 @@ class Approvals:
         except Problem as exc:
             ending = exc
         edit = list(gate.edit) if gate is not None else []
+        shown = self._gate(call.server, call.tool, read_only, arguments, edit, schema)
+        if quorum is not None:
+            shown["quorum"] = quorum
         return await self._ask(caller, playbook, run_id, type_, name, version, input_text, input_sha, parent,
-                               doc.deliver, prepared, self._gate(call.server, call.tool, read_only, arguments, edit, schema),
-                               ending)
+                               doc.deliver, prepared, shown, ending)
 
     async def ask_execute(self, caller: Caller, playbook: str, server: str, tool: str, arguments: dict[str, Any],
                           read_only: bool, schema: Any, approve: Any) -> dict[str, Any]:
         """`execute` of a gated tool (the operator's gate, or `approve` given): the started run to wait on."""
         policy = self.policy(server, tool)
+        quorum = self._execute_quorum(approve) if policy is None else None
+        if quorum is not None:
+            approve = {**approve, "to": quorum["to"][0]}
         to, expires, edit = self._execute_gate(approve, arguments, needs_to=policy is None)
         if policy is not None:
             to, expires = policy.to, policy.expires
@@ -10049,10 +10159,42 @@ class Approvals:
                     "expires_at": now + int(expires.total_seconds() * 1000), "answer_schema": APPROVAL_ANSWER_SCHEMA,
                     "message": f"A call of **{tool}** on the tool server **{server}** (it {kind}) waits for approval."
                                " Approve the call, or reject it."}
+        gate = self._gate(server, tool, read_only, arguments, edit, schema)
+        if quorum is not None:
+            gate["quorum"] = quorum
         run, _ = await self._ask(caller, playbook, new_run_id(), "execute", f"{server}/{tool}", 0, input_text,
-                                 sha256_hex(input_text), None, None, prepared,
-                                 self._gate(server, tool, read_only, arguments, edit, schema), None)
+                                 sha256_hex(input_text), None, None, prepared, gate, None)
         return run
+
+    @staticmethod
+    def _execute_quorum(approve: Any) -> dict[str, Any] | None:
+        """`execute`'s `approve` naming a quorum - `to: [a, b, c]`, `need`, `veto` - checked; None when it
+        names one person (`to` a text)."""
+        if not isinstance(approve, dict) or not isinstance(approve.get("to"), list):
+            for key in ("need", "veto"):
+                if isinstance(approve, dict) and key in approve:
+                    raise Problem("invalid_request", "approve is not valid", errors=[
+                        {"pointer": f"/approve/{key}", "message": "goes with `to` as a list of people"}])
+            return None
+        errors = []
+        people: list[str] = []
+        for i, p in enumerate(approve["to"]):
+            try:
+                people.append(person_name(p))
+            except ValueError as exc:
+                errors.append({"pointer": f"/approve/to/{i}", "message": str(exc)})
+        people = list(dict.fromkeys(people))
+        if not 1 <= len(approve["to"]) <= MAX_QUORUM:
+            errors.append({"pointer": "/approve/to", "message": f"1 to {MAX_QUORUM} people"})
+        need, veto = approve.get("need", 1), approve.get("veto", True)
+        if isinstance(need, bool) or not isinstance(need, int) or not 1 <= need <= max(len(people), 1):
+            errors.append({"pointer": "/approve/need", "message": f"how many of the {len(people)} different people"
+                                                                  f" in to must approve: 1 to {len(people)}"})
+        if not isinstance(veto, bool):
+            errors.append({"pointer": "/approve/veto", "message": "true or false"})
+        if errors:
+            raise Problem("invalid_request", "approve is not valid", errors=errors)
+        return {"to": people, "need": need, "veto": veto}
 
     def _gate(self, server: str, tool: str, read_only: bool, arguments: Any, edit: list[str],
               schema: Any) -> dict[str, Any]:
@@ -10070,8 +10212,8 @@ class Approvals:
         if not isinstance(approve, dict):
             raise Problem("invalid_request", "approve is an object: {to, expires, edit}",
                           errors=[{"pointer": "/approve", "message": "an object: {to, expires, edit}"}])
-        errors = [{"pointer": f"/approve/{k}", "message": "not a key of approve (to, expires, edit)"}
-                  for k in approve if k not in ("to", "expires", "edit")]
+        errors = [{"pointer": f"/approve/{k}", "message": "not a key of approve (to, expires, edit, need, veto)"}
+                  for k in approve if k not in ("to", "expires", "edit", "need", "veto")]
         to = approve.get("to")
         if to is None and needs_to:
             errors.append({"pointer": "/approve/to", "message": "required: the person who approves the call"})
@@ -10135,6 +10277,8 @@ class Approvals:
                             deliver_args=dumps(prepared["deliver_args"]) if deliver else None,
                             digest=request_digest(prepared["message"], APPROVAL_ANSWER_SCHEMA, gate["arguments"]))
             tx.set_approval(playbook, run_id, dumps({**gate, "asked_by": caller.id, "asked_by_person": caller.person}))
+            if "quorum" in gate:                # listing by `to` finds it under each addressee
+                tx.add_addressees(playbook, run_id, [p for p in gate["quorum"]["to"] if p != prepared["party"]])
             tx.append_event(fx, playbook, run_id, "interaction_requested", now, caller.id, {
                 "delivery": {"server": deliver.server, "tool": deliver.tool} if deliver else None,
                 "to": prepared["party"], "from": prepared["answerer"],
@@ -10170,7 +10314,13 @@ class Approvals:
         approved = answer.get("approved") is True
         patch: list[dict[str, Any]] = []
         arguments = None
-        if approved:
+        if "quorum" in gate:                # one vote of several; the last one needed decides below
+            voted = self._vote(tx, fx, row, gate, answer, claimed_for, by, now, reply_id, by_name, on_behalf_of)
+            if not isinstance(voted, dict) or "decided" not in voted:
+                return voted
+            gate, patch, arguments = voted["gate"], voted["patch"], voted["arguments"]
+            approved = voted["decided"]
+        elif approved:
             patch, arguments = self._approved(gate, answer)
         tx.record_answer(fx, row, answer, by=by, now=now, claimed_for=claimed_for, reply_id=reply_id, by_name=by_name,
                          on_behalf_of=on_behalf_of)
@@ -10179,6 +10329,11 @@ class Approvals:
             tx.append_event(fx, playbook, run_id, "approval_answered", now, by, {
                 "approved": approved, "by": by, "patch": self.tools.record(gate["server"], patch), "note": note})
             detail = f"{by} refused the call of {gate['tool']} on {gate['server']}" + (f": {note}" if note else "")
+            if "quorum" in gate and not gate["quorum"]["veto"]:         # too few left to approve
+                detail = (f"the call of {gate['tool']} on {gate['server']} cannot have the {gate['quorum']['need']}"
+                          f" approvals it needs: too many of {', '.join(gate['quorum']['to'])} refused")
+            if "quorum" in gate:
+                tx.set_approval(playbook, run_id, dumps(gate))
             closed = end(tx, fx, playbook, run_id, "declined", detail, now=now, by=by)
             assert closed is not None
             return closed
@@ -10190,6 +10345,74 @@ class Approvals:
         tx.resume_run(playbook, run_id)
         tx.set_timer(fx, timer_key("call", playbook, run_id), now)
         return closed
+
+    def _vote(self, tx: Tx, fx: Effects, row: Row, gate: dict[str, Any], answer: dict[str, Any],
+              claimed_for: str | None, by: str, now: int, reply_id: str | None, by_name: str | None,
+              on_behalf_of: str | None) -> Any:
+        """One addressee's vote on a quorum approval, inside the answer's change (SPEC section 25).
+
+        Each person votes once, counted as the person a deputy stands for (a reply's vote is its
+        sender's; an operator's, one vote under the token). The first approval's arguments stand: a
+        later approval that changes them is 409 arguments_changed. Returns the open request's row with
+        this vote as its answer while it is not decided, else {decided: approved?, gate, patch,
+        arguments} for answered() to record as the approval's answer."""
+        playbook, run_id = row["playbook"], row["run_id"]
+        quorum = gate["quorum"]
+        person = by_name if reply_id is not None else by
+        counted = on_behalf_of or person
+        if counted == gate.get("asked_by_person") or person == gate.get("asked_by_person"):
+            raise Problem("approval_not_yours", "this call was started by the same person that votes on it;"
+                                                " the others in its `to` approve it")
+        votes: list[dict[str, Any]] = list(gate.get("votes", []))
+        mine = next((v for v in votes if v["counted"] == counted), None)
+        if mine is not None:
+            if mine["answer"] == answer:                # the same vote again: its fact, no second vote
+                return {**dict(zip(row.keys(), row)), "answer": dumps(answer), "answer_id": mine["answer_id"],
+                        "answered_by": mine["by"], "answered_at": mine["at"], "answered_by_name": mine.get("name"),
+                        "on_behalf_of": mine.get("on_behalf_of"), "claimed_for": claimed_for, "reply_id": reply_id}
+            raise Problem("answered", f"{counted} has voted on this approval already; each person votes once",
+                          kind="answered")
+        approved = answer.get("approved") is True
+        patch: list[dict[str, Any]] = []
+        arguments = None
+        if approved and any(v["approved"] for v in votes):      # approve what the first approval left
+            if "arguments" in answer and json_patch(gate["arguments"], answer["arguments"]):
+                raise Problem("arguments_changed", "an earlier approval set these arguments: approve or refuse them as"
+                              " they are shown now, without changes", extra={"arguments": gate["arguments"]})
+            arguments = gate["proposed"]
+        elif approved:
+            patch, arguments = self._approved(gate, answer)
+        note = answer.get("note")
+        vote_id = tx.append_event(fx, playbook, run_id, EventType.APPROVAL_VOTE.value, now, by, {
+            "by": person, "approved": approved, "note": note, "patch": self.tools.record(gate["server"], patch),
+            **({"on_behalf_of": on_behalf_of} if on_behalf_of else {})})
+        votes.append({"by": person, "counted": counted, "approved": approved, "note": note, "at": now,
+                      "answer_id": vote_id, "answer": answer, "name": by_name,
+                      **({"on_behalf_of": on_behalf_of} if on_behalf_of else {})})
+        gate = {**gate, "votes": votes}
+        if approved and patch:                  # the first approval's edits stand for the rest
+            gate.update(arguments=self.tools.scrub(arguments), proposed=arguments, first_patch=patch)
+            tx.set_digest(playbook, run_id, request_digest(row["message"], APPROVAL_ANSWER_SCHEMA, gate["arguments"]))
+        yes = sum(1 for v in votes if v["approved"])
+        left = len([p for p in quorum["to"] if p not in {v["counted"] for v in votes}])
+        if (not approved and quorum["veto"]) or yes + left < quorum["need"]:
+            return {"decided": False, "gate": gate, "patch": patch, "arguments": None}
+        if yes >= quorum["need"]:
+            return {"decided": True, "gate": gate, "patch": gate.get("first_patch", patch),
+                    "arguments": gate["proposed"]}
+        tx.set_approval(playbook, run_id, dumps(gate))
+        return {**dict(zip(row.keys(), row)), "answer": dumps(answer), "answer_id": vote_id, "answered_by": by,
+                "answered_at": now, "answered_by_name": by_name, "on_behalf_of": on_behalf_of,
+                "claimed_for": claimed_for, "reply_id": reply_id}
+
+    async def with_votes(self, run: dict[str, Any]) -> dict[str, Any]:
+        """A run object with its quorum approval's `approval: {need, votes}`, when it has one."""
+        req = await self.store.read(lambda tx: tx.request(run["playbook"], run["run_id"]))
+        if req is not None and req["approval"] is not None and '"quorum"' in req["approval"]:
+            gate = json.loads(req["approval"])
+            run["approval"] = {"to": gate["quorum"]["to"], "need": gate["quorum"]["need"],
+                               "veto": gate["quorum"]["veto"], "votes": _votes_shown(gate)}
+        return run
 
     @staticmethod
     def _approved(gate: dict[str, Any], answer: dict[str, Any]) -> tuple[list[dict[str, Any]], Any]:
@@ -10656,8 +10879,8 @@ class Engine:
         self.get_definition = self.definitions.get_definition
         self.list_definitions = self.definitions.list_definitions
         self.delete_definition = self.definitions.delete_definition
-        self.get_run = self.runs.get_run
-        self.wait_run = self.runs.wait_run
+        self.get_run = self._with_votes(self.runs.get_run)       # a quorum approval's run shows its votes
+        self.wait_run = self._with_votes(self.runs.wait_run)
         self.cancel_run = self.runs.cancel_run
         self.cancel_in = self.runs.cancel_in
         self.list_runs = self.runs.list_runs
@@ -10807,6 +11030,13 @@ class Engine:
 
     def unsubscribe(self, q: asyncio.Queue[dict[str, Any]]) -> None:
         self.bus.unsubscribe(q)
+
+    def _with_votes(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """`fn`, answering a run object, with the votes of its quorum approval (Approvals.with_votes)."""
+        async def call(*args: Any, **kw: Any) -> Any:
+            run = await fn(*args, **kw)
+            return await self.approvals.with_votes(run) if isinstance(run, dict) and "run_id" in run else run
+        return call
 
     async def run_definition(self, caller: Caller, playbook: str, type_: str, name: str, input_: Any = None,
                              run_id: str | None = None, *, parent: str | None = None) -> tuple[dict[str, Any], bool]:

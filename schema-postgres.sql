@@ -265,3 +265,11 @@ CREATE TABLE IF NOT EXISTS deputies (
     created_by  TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS deputies_to ON deputies (playbook, to_person);
+
+-- A quorum approval's addressees besides its party: listing by `to` finds it under each of them.
+CREATE TABLE IF NOT EXISTS addressees (
+    playbook TEXT NOT NULL,
+    person   TEXT NOT NULL,
+    run_id   TEXT NOT NULL,
+    PRIMARY KEY (playbook, person, run_id)
+);

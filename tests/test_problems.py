@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 import interactiond as itd
-from daemon_kit import NOTIFY, start_daemon
+from daemon_kit import NOTIFY, person_token, start_daemon
 
 ROOT = Path(__file__).resolve().parent.parent
 FLAKY = str(Path(__file__).parent / "servers" / "flaky_server.py")
@@ -170,6 +170,16 @@ async def test_every_problem_type_through_the_app(d):
     status, gate = await d.call("POST", "/tools/flaky/echo", {"arguments": {"text": "hi"}, "approve": {"to": "ana"}})
     assert status == 202, gate
     await got("approval_not_yours", "POST", f"/runs/{gate['run_id']}/answer", json={"answer": {"approved": True}})
+    # Two approvers: the first one's edit stands; a later edit is refused.
+    status, pair = await d.call("POST", "/tools/flaky/echo", {"arguments": {"text": "hi"},
+                                                             "approve": {"to": ["ana", "ben"], "need": 2, "edit": ["/text"]}})
+    assert status == 202, pair
+    d.tokens["ana"], d.tokens["ben"] = person_token(d.db, "ana"), person_token(d.db, "ben")
+    status, _ = await d.call("POST", f"/runs/{pair['run_id']}/answer",
+                             {"answer": {"approved": True, "arguments": {"text": "hello"}}}, role="ana")
+    assert status == 200
+    await got("arguments_changed", "POST", f"/runs/{pair['run_id']}/answer", role="ben",
+              json={"answer": {"approved": True, "arguments": {"text": "bye"}}})
 
     # The typed API: the same envelope, with `code`.
     await got("unauthorized", "GET", "/v2/interactions", role=None)
