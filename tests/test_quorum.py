@@ -206,3 +206,29 @@ async def test_replies_in_the_thread_vote_as_their_sender(db, tmp_path, aiohttp_
     assert calls(d) == [{"tool": "restart_service", "arguments": {"service": "web"}}]
     told = [m["text"] for m in chat_server.messages(chat_db, "ops") if m["user"] == "interactiond" and m["thread_ts"]]
     assert any("voted on this approval already" in t for t in told), told
+
+
+async def test_the_guides_two_person_deploy_with_a_deputy(d):
+    """docs/teams.md's function, as the guide tells it: Dan stands in for Ana, Ben approves too."""
+    from pathlib import Path
+    guide = (Path(__file__).resolve().parent.parent / "docs" / "teams.md").read_text()
+    source = guide.split("```yaml\n", 1)[1].split("```", 1)[0]
+    await d.define("deploy", source)
+    status, run = await d.run("deploy", {"service": "web"})
+    assert status == 202, run
+    run_id = run["run_id"]
+    await d.advance("PT1H")
+    now = (await d.call("GET", f"/runs/{run_id}"))[1]["created_at"]
+    status, dep = await d.call("POST", "/deputies", {"for": "ana", "to": "dan", "from": now, "until": "2099-01-01T00:00:00Z"})
+    assert status == 201 and dep["open"], dep
+    [item] = (await d.call("GET", "/interactions", role=who(d, "dan")))[1]["data"]
+    status, fact = await d.call("POST", f"/runs/{run_id}/answer", {"answer": {"approved": True, "note": "for ana"},
+                                                                  "digest": item["digest"]}, role=who(d, "dan"))
+    assert status == 200 and (fact["answered_by"], fact["on_behalf_of"]) == ("dan", "ana"), fact
+    assert (await vote(d, run_id, "ana", {"approved": True}))[0] == 409       # counted once
+    assert (await vote(d, run_id, "ben", {"approved": True}))[0] == 200
+    status, run = await ended(d, run_id)
+    assert status == 200 and run["status"] == "succeeded", run
+    assert [(v["by"], v.get("on_behalf_of")) for v in run["approval"]["votes"]] == [("dan", "ana"), ("ben", None)]
+    events = {e["type"]: e["payload"] for e in await history(d, run_id)}
+    assert events["approval_answered"]["arguments_digest"] == events["tool_call_started"]["arguments_digest"]
