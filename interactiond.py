@@ -15293,7 +15293,7 @@ def _v2_refusal(exc: Problem, kind: str) -> Problem:
 
 _RUN_ENDINGS: Final = tuple(f"run_{s.value}" for s in RunStatus if s.ended)
 _STREAMED: Final = ("interaction_requested", "request_answered", "request_reminded", "request_escalated",
-                     "request_defaulted", *_RUN_ENDINGS)
+                     "request_defaulted", "approval_vote", *_RUN_ENDINGS)
 
 
 def _stream_messages(ev: Row, req: Row | None) -> list[tuple[str, dict[str, Any]]]:
@@ -15313,6 +15313,9 @@ def _stream_messages(ev: Row, req: Row | None) -> list[tuple[str, dict[str, Any]
         return [("interaction.reminded", {**base, **about, "n": payload.get("n")})] if typed else []
     if ev["type"] == "request_escalated":
         return [("interaction.escalated", {**base, **about, "to": payload.get("to")})] if typed else []
+    if ev["type"] == "approval_vote":               # one vote of a quorum approval; it stays open
+        return [("interaction.voted", {**base, **about, "by": payload.get("by"),
+                                       "approved": payload.get("approved")})] if typed else []
     if ev["type"] == "request_defaulted":          # the interaction expired, taking its default as its response
         return [(ENDINGS["defaulted"].stream or "", {**base, **about, "defaulted": True,
                  "response": typed_response(kind, payload.get("answer"), ev["at"])})] if typed else []
@@ -15712,7 +15715,7 @@ const enc = encodeURIComponent;
 const S = {session: null, pb: null, to: "", items: new Map(), gone: new Set(), timer: null, es: null, skew: 0,
            seq: 0, busy: false, again: false, countsSig: "", loaded: false};
 const STREAM_EVENTS = ["interaction.created", "interaction.answered", "interaction.expired", "interaction.cancelled",
-                       "interaction.reminded", "interaction.escalated", "run.ended"];
+                       "interaction.reminded", "interaction.escalated", "interaction.voted", "run.ended"];
 const FORCE_POLL = new URLSearchParams(location.search).get("live") === "poll";   // for proxies that break SSE
 
 function h(tag, attrs, ...kids) {
@@ -15905,6 +15908,12 @@ async function showList(page, pb) {
   for (const [id, it] of S.items) {
     if (!ids.has(id)) { it.el.remove(); S.items.delete(id); left += 1; }
   }
+  // A request that shows something else now (a quorum's first approver changed the arguments) is
+  // drawn again: the card always shows, and answers, what its digest binds.
+  for (const x of want) {
+    const it = S.items.get(x.run_id);
+    if (it && it.req.digest !== x.digest) { it.el.remove(); S.items.delete(x.run_id); }
+  }
   const fresh = want.filter(r => !S.items.has(r.run_id));
   if (fresh.length) {
     const r = await api("POST", "/web/render", {items: fresh.map(x => ({markdown: x.message, schema: x.answer_schema,
@@ -15921,6 +15930,8 @@ async function showList(page, pb) {
     if (!it) continue;
     it.el.querySelector(".nudged").textContent = nudgedWords(x);
     it.el.querySelector("h2 .to").textContent = forWords(x);
+    const votes = it.el.querySelector(".votes");
+    if (votes) votes.textContent = votesWords(x.approval);
     if (it.el === cur) cur = cur.nextElementSibling;
     else ol.insertBefore(it.el, cur);
   }
@@ -15962,6 +15973,13 @@ function requestEl(req, shown) {
 // Whom a request asks (its party, and whom it was escalated to), and how often it was reminded: both
 // change while it stays listed, so showList writes them again on each refresh.
 function forWords(req) { return `for ${(req.addressees || [req.to]).join(" and ")}`; }
+// A quorum approval: how many approvals it needs of whom, and who has voted how so far.
+function votesWords(a) {
+  if (!a || !a.need || !a.to) return "";
+  const votes = (a.votes || []).map(v => `${v.by}${v.on_behalf_of ? ` for ${v.on_behalf_of}` : ""} ${v.approved ? "approved" : "refused"}`);
+  return `Needs ${a.need} of ${a.to.join(", ")}${a.veto ? "; one refusal refuses it" : ""}. `
+    + (votes.length ? `Voted: ${votes.join(", ")}.` : "No votes yet.");
+}
 function nudgedWords(req) {
   return req.reminded ? ` · reminded ${req.reminded} time${req.reminded === 1 ? "" : "s"}` : "";
 }
@@ -16045,6 +16063,7 @@ function approvalEl(req, n) {
   f.append(
     h("p", {class: "meta"}, "Calls ", h("strong", {}, a.tool), " on ", h("strong", {}, a.server), " · ",
       a.read_only ? "read-only" : "may change something"),
+    ...(a.need ? [h("p", {class: "votes", role: "status"}, votesWords(a))] : []),
     rows.length ? h("div", {class: "wide"}, h("table", {class: "arguments"},
       h("thead", {}, h("tr", {}, h("th", {scope: "col"}, "Argument"), h("th", {scope: "col"}, "Value"))),
       h("tbody", {}, body)))

@@ -14,7 +14,7 @@ import pytest
 
 import interactiond as itd
 from daemon_kit import person_token, start_daemon
-from test_approval import CHAT_RESTART, RESTART, calls, chat_server, ended, history, ops_config
+from test_approval import CHAT_RESTART, RESTART, calls, chat_server, ended, history, ops_config, served_ops  # noqa: F401
 from test_web_inbox import CHROMIUM, CHROMIUM_ARGS, _playwright, served  # noqa: F401  (a fixture)
 
 DEPLOY = RESTART.replace("  to: '{{ input.owner }}'\n", "  to: [ana, ben, cy]\n  need: 2\n").replace(
@@ -232,3 +232,45 @@ async def test_the_guides_two_person_deploy_with_a_deputy(d):
     assert [(v["by"], v.get("on_behalf_of")) for v in run["approval"]["votes"]] == [("dan", "ana"), ("ben", None)]
     events = {e["type"]: e["payload"] for e in await history(d, run_id)}
     assert events["approval_answered"]["arguments_digest"] == events["tool_call_started"]["arguments_digest"]
+
+
+def test_the_page_shows_who_has_voted_and_redraws_what_the_first_approver_changed(served_ops, tmp_path):
+    import json
+    from test_people_page import link_for
+    served = served_ops
+    sync_api = _playwright()
+    expect = sync_api.expect
+    expect.set_options(timeout=10_000)
+    served.define("deploy", RESTART.replace("  to: '{{ input.owner }}'\n", "  to: [ana, ben]\n  need: 2\n")
+                  .replace("edit: [/service, /force]", "edit: [/service]"))
+    run_id = served.run("deploy", {"service": "web", "owner": "ana"})
+    db = tmp_path / "inbox.db"
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            ben = browser.new_context(viewport={"width": 1000, "height": 900}).new_page()
+            broken: list[str] = []
+            ben.on("pageerror", lambda exc: broken.append(str(exc)))
+            ben.goto(link_for(db, "ben"))
+            ben_item = ben.locator(f'li[data-run-id="{run_id}"]')
+            expect(ben_item.locator(".votes")).to_have_text("Needs 2 of ana, ben; one refusal refuses it. No votes yet.")
+            expect(ben_item.locator("h2 .to")).to_have_text("for ana and ben")
+            ana = browser.new_context(viewport={"width": 1000, "height": 900}).new_page()
+            ana.goto(link_for(db, "ana"))
+            ana_item = ana.locator(f'li[data-run-id="{run_id}"]')
+            ana_item.get_by_label("service (may change)").fill("api")
+            ana_item.get_by_role("button", name="Approve").click()
+            expect(ana_item).to_have_count(0)
+            # Ben's page hears of the vote, and draws the call again as ana left it, with its votes.
+            expect(ben_item.locator(".votes")).to_contain_text("Voted: ana approved.")
+            expect(ben_item.get_by_label("service (may change)")).to_have_value("api")
+            ben_item.get_by_role("button", name="Approve").click()
+            expect(ben_item).to_have_count(0)
+            status, run = served.call("POST", f"/runs/{run_id}/wait?timeout=10")
+            assert status == 200 and run["output"] == "restarted api", run
+            assert [v["by"] for v in run["approval"]["votes"]] == ["ana", "ben"]
+            assert [json.loads(x) for x in served.calls_log.read_text().splitlines()] == [
+                {"tool": "restart_service", "arguments": {"service": "api", "force": False}}]
+            assert broken == []
+        finally:
+            browser.close()
