@@ -5668,9 +5668,10 @@ class SqlTx:
         return self.conn.execute(_V2_SELECT + " AND q.id = ?", (interaction_id,)).fetchone()
 
     def interactions(self, playbooks: list[str], statuses: Iterable[str], *, run_id: str | None,
-                     before: int | None, limit: int, party: str | None = None) -> list[Row]:
+                     before: int | None, limit: int, party: str | None = None, also: Iterable[str] = ()) -> list[Row]:
         """A page of the typed API's view of the playbooks' requests in `statuses` (of one run, and addressed
-        to one party, where given), newest first, before the cursor's `seq` (None: from the newest)."""
+        to one party, where given - or to those in `also`, whom a deputy stands for, or listing either among
+        a quorum's addressees), newest first, before the cursor's `seq` (None: from the newest)."""
         statuses = tuple(statuses)
         sql = (_V2_SELECT + f" AND q.playbook IN ({','.join('?' * len(playbooks))})"
                f" AND q.status IN ({','.join('?' * len(statuses))})")
@@ -5679,8 +5680,11 @@ class SqlTx:
             sql += " AND q.run_id = ?"
             args.append(run_id)
         if party is not None:
-            sql += " AND q.party = ?"
-            args.append(party)
+            people = list(dict.fromkeys((party, *also)))
+            marks = ",".join("?" * len(people))
+            sql += (f" AND (q.party IN ({marks}) OR q.run_id IN (SELECT a.run_id FROM addressees a"
+                    f" WHERE a.playbook = q.playbook AND a.person IN ({marks})))")
+            args += people + people
         if before is not None:
             sql += " AND q.seq < ?"
             args.append(before)
@@ -15222,8 +15226,11 @@ async def list_typed_interactions(engine: Engine, caller: Caller, status: str | 
         raise _v2_problem("bad_request", "The cursor does not decode; pass next_cursor as it came.")
     playbooks = _visible(engine, caller)
     statuses = V2_STATUS_FILTER[status] if status else tuple(V2_STATUS)
+    if caller.person is not None and caller.playbook is not None:      # a deputy: whom they stand for too
+        caller = await engine.deputized(caller, caller.playbook)
     rows = await engine.store.read(lambda tx: tx.interactions(playbooks, statuses, run_id=run_id, before=before,
-                                                              limit=n + 1, party=caller.person)) if playbooks else []
+                                                              limit=n + 1, party=caller.person,
+                                                              also=caller.stands_for)) if playbooks else []
     more = len(rows) > n
     return {"data": [engine.links.shown(interaction_object(r), r, caller) for r in rows[:n]],
             "page": {"has_more": more, "next_cursor": encode_cursor([rows[n - 1]["seq"]]) if more else None}}

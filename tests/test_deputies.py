@@ -197,3 +197,19 @@ def test_the_page_shows_the_deputy_the_persons_requests(served, tmp_path):
     [answered] = [e for e in served.call("GET", f"/runs/{run['run_id']}/events")[1]["data"]
                   if e["type"] == "request_answered"]
     assert answered["by"] == "ben" and answered["payload"]["on_behalf_of"] == "ana"
+
+
+async def test_the_typed_api_lists_and_answers_for_the_person_too(d):
+    await ask(d, "q")
+    ben = who(d, "ben")
+    assert (await d.call("GET", "/v2/interactions", role=ben))[1]["data"] == []
+    assert (await d.call("POST", DEPUTIES, {"for": "ana", "to": "ben"}))[0] == 201
+    [item] = (await d.call("GET", "/v2/interactions", role=ben))[1]["data"]
+    assert item["run_id"] == "q" and "/a/" in item["answer_url"]
+    resp = await d.client.post(f"/v2/interactions/{item['id']}/responses", json={"type": "text", "text": "go",
+                                                                                "digest": item["digest"]},
+                               headers={"Authorization": f"Bearer {d.tokens[ben]}", "Idempotency-Key": "k1"})
+    body = await resp.json()
+    assert resp.status == 200 and body["status"] == "answered", body
+    [answered] = [e for e in (await d.call("GET", "/runs/q/events"))[1]["data"] if e["type"] == "request_answered"]
+    assert answered["by"] == "ben" and answered["payload"]["on_behalf_of"] == "ana"

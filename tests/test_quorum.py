@@ -56,6 +56,7 @@ async def test_two_of_three_approve_and_the_call_runs_once_with_both_votes_on_th
     for name in ("ana", "ben", "cy"):
         assert await listed(d, name) == [run_id]                       # under each addressee
         assert [r["run_id"] for r in (await d.call("GET", "/interactions", role=who(d, name)))[1]["data"]] == [run_id]
+        assert [r["run_id"] for r in (await d.call("GET", "/v2/interactions", role=who(d, name)))[1]["data"]] == [run_id]
     [req] = (await d.call("GET", "/interactions"))[1]["data"]
     assert req["addressees"] == ["ana", "ben", "cy"]
     assert (req["approval"]["to"], req["approval"]["need"], req["approval"]["veto"], req["approval"]["votes"]) == \
