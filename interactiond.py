@@ -3784,6 +3784,9 @@ class ApprovalPolicy:
     tools: tuple[str, ...]
     to: str
     expires: timedelta = timedelta(days=1)
+    also: tuple[str, ...] = ()          # `to: [a, b, c]`: a quorum's other addressees
+    need: int = 1
+    veto: bool = True
 
 
 @dataclass(frozen=True)
@@ -3880,13 +3883,25 @@ def _read_policy(where: str, a: Any, problems: list[str]) -> ApprovalPolicy | No
         problems.append(f"{where}: a mapping with tools, to and expires")
         return None
     count = len(problems)
-    problems += [f"{where}.{k}: unknown key" for k in a if k not in ("tools", "to", "expires")]
+    problems += [f"{where}.{k}: unknown key" for k in a if k not in ("tools", "to", "expires", "need", "veto")]
     tools = a.get("tools")
     if not isinstance(tools, list) or not tools or not all(isinstance(t, str) and TOOL_RE.fullmatch(t) for t in tools):
         problems.append(f"{where}.tools: a list of the tool names whose calls wait for approval")
     to = a.get("to")
-    if not isinstance(to, str) or not to.strip() or has_control_char(to) or len(to.encode()) > MAX_PARTY_BYTES:
-        problems.append(f"{where}.to: the person who approves, as requests name them (at most {MAX_PARTY_BYTES} bytes)")
+    listed = list(dict.fromkeys(t.strip() for t in to if isinstance(t, str))) if isinstance(to, list) else [to]
+    if isinstance(to, list) and (not 1 <= len(to) <= MAX_QUORUM or len(listed) != len(to)):
+        problems.append(f"{where}.to: a quorum lists 1 to {MAX_QUORUM} different people")
+    for person in listed:
+        if not isinstance(person, str) or not person.strip() or has_control_char(person) \
+                or len(person.encode()) > MAX_PARTY_BYTES:
+            problems.append(f"{where}.to: the person who approves (or a list of them), as requests name them"
+                            f" (at most {MAX_PARTY_BYTES} bytes)")
+            break
+    need, veto = a.get("need", 1), a.get("veto", True)
+    if isinstance(need, bool) or not isinstance(need, int) or not 1 <= need <= max(len(listed), 1):
+        problems.append(f"{where}.need: how many of the people in to must approve, 1 to {len(listed)}")
+    if not isinstance(veto, bool):
+        problems.append(f"{where}.veto: true (one refusal refuses the call) or false")
     expires = timedelta(days=1)
     try:
         expires = parse_duration(a.get("expires", "P1D"))
@@ -3896,7 +3911,7 @@ def _read_policy(where: str, a: Any, problems: list[str]) -> ApprovalPolicy | No
         problems.append(f"{where}.expires: an ISO 8601 duration, PT1M to P30D ({exc})")
     if len(problems) > count:
         return None
-    return ApprovalPolicy(tuple(tools), to.strip(), expires)
+    return ApprovalPolicy(tuple(tools), listed[0].strip(), expires, tuple(listed[1:]), need, veto)
 
 
 def _read_playbook(pb: Any, p: Any, raw_servers: dict[Any, Any], problems: list[str]) -> tuple[str, ...] | None:
@@ -10111,7 +10126,9 @@ class Approvals:
         ctx = base_context(now, input=input_)
         try:
             party = policy.to if policy is not None else render_party(gate.to, ctx, "approve.to")
-            if policy is None and gate.also:        # a quorum: each of `to`, once
+            if policy is not None and policy.also:          # the operator's quorum
+                quorum = {"to": [policy.to, *policy.also], "need": policy.need, "veto": policy.veto}
+            elif policy is None and gate.also:        # a quorum: each of `to`, once
                 people = list(dict.fromkeys([party, *(render_party(t, ctx, "approve.to") for t in gate.also)]))
                 if len(people) < gate.need:
                     raise ended("unworkable", f"approve.to names {len(people)} different people, and need is {gate.need}")
@@ -10149,8 +10166,9 @@ class Approvals:
                           read_only: bool, schema: Any, approve: Any) -> dict[str, Any]:
         """`execute` of a gated tool (the operator's gate, or `approve` given): the started run to wait on."""
         policy = self.policy(server, tool)
-        quorum = self._execute_quorum(approve) if policy is None else None
-        if quorum is not None:
+        quorum = self._execute_quorum(approve) if policy is None else (
+            {"to": [policy.to, *policy.also], "need": policy.need, "veto": policy.veto} if policy.also else None)
+        if quorum is not None and policy is None:
             approve = {**approve, "to": quorum["to"][0]}
         to, expires, edit = self._execute_gate(approve, arguments, needs_to=policy is None)
         if policy is not None:

@@ -275,3 +275,30 @@ def test_the_page_shows_who_has_voted_and_redraws_what_the_first_approver_change
             assert broken == []
         finally:
             browser.close()
+
+
+async def test_the_operators_gate_may_need_two(db, tmp_path, aiohttp_client):
+    log = tmp_path / "ops-calls.jsonl"
+    policy = itd.ApprovalPolicy(("restart_service",), "ana", itd.parse_duration("PT1H"), ("ben",), 2)
+    d = await start_daemon(aiohttp_client, db, config=ops_config(log, policy=policy))
+    d.calls_log = log
+    status, run = await d.call("POST", "/tools/ops/restart_service", {"arguments": {"service": "web"}})
+    assert status == 202, run
+    assert (await vote(d, run["run_id"], "ana", {"approved": True}))[0] == 200
+    assert (await d.call("GET", f"/runs/{run['run_id']}"))[1]["status"] == "waiting" and calls(d) == []
+    assert (await vote(d, run["run_id"], "ben", {"approved": True}))[0] == 200
+    status, done = await ended(d, run["run_id"])
+    assert status == 200 and calls(d) == [{"tool": "restart_service", "arguments": {"service": "web"}}]
+    # In the configuration: to as a list, need and veto, each checked with its key path.
+    config = {"servers": {"ops": {"command": ["python", "ops.py"], "approve": {
+        "tools": ["restart_service"], "to": ["ana", "ben"], "need": 2, "veto": False}}}}
+    path = tmp_path / "c.yaml"
+    path.write_text(itd.dumps(config))
+    loaded = itd.load_config(str(path), environ={})
+    assert loaded.servers["ops"].approve == itd.ApprovalPolicy(("restart_service",), "ana", itd.parse_duration("P1D"),
+                                                               ("ben",), 2, False)
+    config["servers"]["ops"]["approve"]["need"] = 3
+    path.write_text(itd.dumps(config))
+    with pytest.raises(Exception) as refused:
+        itd.load_config(str(path), environ={})
+    assert "servers.ops.approve.need" in str(refused.value)
