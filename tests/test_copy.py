@@ -95,6 +95,11 @@ async def made_by_a_daemon(aiohttp_client, db: str, config, chat_db: str) -> dic
                                headers={**d.auth("writer"), "Idempotency-Key": "k-1"})
     assert resp.status == 200
     ids["typed"] = run["run_id"]
+    assert (await d.call("POST", "/deputies", {"for": "ana", "to": "ben"}))[0] == 201          # a deputy
+    status, run = await d.call("POST", "/tools/chat/post_message", {"arguments": {"channel": "ops", "text": "hi"},
+                                                                   "approve": {"to": ["ana", "ben"], "need": 2}})
+    assert status == 202, run                                                   # a quorum: its addressees
+    ids["quorum"] = run["run_id"]
     tx = itd.open_sync(db)
     itd.create_token(tx, "operator", None, "link", purpose="login")
     tx.queue_nudge(PB, ids["chat"], what="reminder", n=1, message="Still waiting for your answer")   # a reminder to send
