@@ -213,3 +213,43 @@ async def test_the_typed_api_lists_and_answers_for_the_person_too(d):
     assert resp.status == 200 and body["status"] == "answered", body
     [answered] = [e for e in (await d.call("GET", "/runs/q/events"))[1]["data"] if e["type"] == "request_answered"]
     assert answered["by"] == "ben" and answered["payload"]["on_behalf_of"] == "ana"
+
+
+@pytest.mark.parametrize("mode", ["legacy", "auto"])
+async def test_the_deputys_mcp_client_is_asked_the_persons_question(db, aiohttp_client, mode):
+    import contextlib
+
+    import httpx2
+    from mcp import Client
+    from mcp import types as mt
+    from mcp.client.streamable_http import streamable_http_client
+
+    from daemon_kit import APPROVAL
+    d = await start_daemon(aiohttp_client, db)
+    await d.define("approve", APPROVAL)
+    _, run = await d.run("approve", {"owner": "ana", "review": "R"})
+    asks = []
+
+    async def on_elicit(ctx, params):
+        asks.append(params)
+        return mt.ElicitResult(action="accept", content={"verdict": "approve"})
+    url = str(d.client.make_url("/mcp"))
+
+    @contextlib.asynccontextmanager
+    async def client():
+        async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {d.tokens[who(d, 'ben')]}"}, timeout=30) as http:
+            async with Client(streamable_http_client(url, http_client=http), mode=mode,
+                              elicitation_callback=on_elicit) as c:
+                yield c
+    async with client() as c:                              # no window: ben is not asked ana's question
+        r = await c.call_tool("wait_run", {"run_id": run["run_id"], "timeout": 0.2})
+        assert r.is_error or r.structured_content["status"] == "waiting"
+        assert asks == []
+    assert (await d.call("POST", DEPUTIES, {"for": "ana", "to": "ben"}))[0] == 201
+    async with client() as c:
+        r = await c.call_tool("wait_run", {"run_id": run["run_id"], "timeout": 20})
+        assert r.structured_content["status"] == "succeeded" and r.structured_content["settled_by"] == "ben", r
+    assert len(asks) == 1
+    [answered] = [e for e in (await d.call("GET", f"/runs/{run['run_id']}/events"))[1]["data"]
+                  if e["type"] == "request_answered"]
+    assert answered["by"] == "ben" and answered["payload"]["on_behalf_of"] == "ana"
