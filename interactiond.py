@@ -8172,7 +8172,10 @@ class AnswerLinks:
     def shown(self, obj: dict[str, Any], row: Mapping[str, Any], caller: Caller) -> dict[str, Any]:
         """`obj` with the request's `answer_url` when the caller may answer it: a writer (a person only
         their own requests); readers never see it. `row` is the request's (id, playbook, run_id, party)."""
-        deputy = caller.person if caller.on_behalf_of(row) is not None else None     # a deputy's own link
+        # A deputy's own link, and each of a quorum's addressees': whoever holds it votes as its person.
+        own = caller.person is not None and caller.person != row["party"] and (
+            caller.on_behalf_of(row) is not None or caller.person in quorum_people(row))
+        deputy = caller.person if own else None
         if caller.role.rank >= Role.WRITER.rank and caller.addressed(row) and (url := self.url(row, deputy)) is not None:
             obj["answer_url"] = url
         return obj

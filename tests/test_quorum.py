@@ -302,3 +302,18 @@ async def test_the_operators_gate_may_need_two(db, tmp_path, aiohttp_client):
     with pytest.raises(Exception) as refused:
         itd.load_config(str(path), environ={})
     assert "servers.ops.approve.need" in str(refused.value)
+
+
+async def test_each_addressee_has_their_own_answer_link_and_votes_as_themselves_with_it(d):
+    run_id = await deploy(d)
+    links = {}
+    for name in ("ana", "ben"):
+        [item] = (await d.call("GET", "/interactions", role=who(d, name)))[1]["data"]
+        links[name] = "/a/" + item["answer_url"].rsplit("/a/", 1)[1]
+    assert links["ana"] != links["ben"]
+    for name in ("ana", "ben"):
+        resp = await d.client.post(links[name], json={"answer": {"approved": True}})
+        fact = await resp.json()
+        assert resp.status == 200 and fact["answered_by"] == name, fact
+    status, run = await ended(d, run_id)
+    assert status == 200 and [v["by"] for v in run["approval"]["votes"]] == ["ana", "ben"], run
