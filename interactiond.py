@@ -17185,7 +17185,8 @@ async def _link_page(engine: Engine, token: str, row: Row, *, sent: Mapping[str,
             + (f' · expires {_esc(_when_words(row["expires_at"]))}' if row["status"] == RequestStatus.OPEN else "") + "</p>"
             f'<div class="msg">{render_markdown(row["message"])}</div>'
             + (f'<p class="meta digest" title="sha256 of what this request shows: its message, answer form and'
-               f' arguments">digest <code id="digest">{_esc(row["digest"])}</code></p>' if row["digest"] else ""))
+               f' arguments">digest <code id="digest">{_esc(row["digest"])}</code></p>' if row["digest"] else "")
+            + (f'<p class="votes" id="votes">{_esc(_votes_words(row["approval"]))}</p>' if quorum_people(row) else ""))
     state = row["status"]
     if state == RequestStatus.ANSWERED:
         who = await _answered_by_words(engine, row["answered_by"], row["answered_by_name"])
@@ -17205,6 +17206,16 @@ async def _link_page(engine: Engine, token: str, row: Row, *, sent: Mapping[str,
         form = answer_form(json.loads(row["answer_schema"]), option_labels(row["name"], row["run_input"]))
         end = _link_form_html(form, engine.links.form_token(token), sent or {}, errors or [], row["digest"])
     return _link_html(title, head, end, status=status)
+
+
+def _votes_words(approval: str) -> str:
+    """A quorum approval's votes as a person reads them (the inbox page's votesWords, on the link's page)."""
+    gate = json.loads(approval)
+    quorum, votes = gate["quorum"], _votes_shown(gate)
+    cast = ", ".join(f"{v['by']}{' for ' + v['on_behalf_of'] if v.get('on_behalf_of') else ''}"
+                     f" {'approved' if v['approved'] else 'refused'}" for v in votes)
+    return (f"Needs {quorum['need']} of {', '.join(quorum['to'])}{'; one refusal refuses it' if quorum['veto'] else ''}. "
+            + (f"Voted: {cast}." if votes else "No votes yet."))
 
 
 def _when_words(ms: int | None) -> str:

@@ -311,6 +311,8 @@ async def test_each_addressee_has_their_own_answer_link_and_votes_as_themselves_
         [item] = (await d.call("GET", "/interactions", role=who(d, name)))[1]["data"]
         links[name] = "/a/" + item["answer_url"].rsplit("/a/", 1)[1]
     assert links["ana"] != links["ben"]
+    page = await d.client.get(links["ben"])
+    assert 'id="votes">Needs 2 of ana, ben, cy; one refusal refuses it. No votes yet.<' in await page.text()
     for name in ("ana", "ben"):
         resp = await d.client.post(links[name], json={"answer": {"approved": True}})
         fact = await resp.json()
