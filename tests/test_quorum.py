@@ -307,7 +307,7 @@ async def test_the_operators_gate_may_need_two(db, tmp_path, aiohttp_client):
 async def test_each_addressee_has_their_own_answer_link_and_votes_as_themselves_with_it(d):
     run_id = await deploy(d)
     links = {}
-    for name in ("ana", "ben"):
+    for name in ("ana", "ben", "cy"):
         [item] = (await d.call("GET", "/interactions", role=who(d, name)))[1]["data"]
         links[name] = "/a/" + item["answer_url"].rsplit("/a/", 1)[1]
     assert links["ana"] != links["ben"]
@@ -317,5 +317,8 @@ async def test_each_addressee_has_their_own_answer_link_and_votes_as_themselves_
         resp = await d.client.post(links[name], json={"answer": {"approved": True}})
         fact = await resp.json()
         assert resp.status == 200 and fact["answered_by"] == name, fact
+        if name == "ana":
+            page = await d.client.get(links["cy"])
+            assert "Voted: ana approved.</p>" in await page.text()
     status, run = await ended(d, run_id)
     assert status == 200 and [v["by"] for v in run["approval"]["votes"]] == ["ana", "ben"], run
