@@ -10,11 +10,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from daemon_kit import person_token, start_daemon
 from test_approval import RESTART, calls, ended, history, ops_config
-from test_web_inbox import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, _playwright, served  # noqa: F401  (a fixture)
-
-import pytest
+from test_web_inbox import CHROMIUM, CHROMIUM_ARGS, _playwright, served  # noqa: F401  (a fixture)
 
 DEPUTIES = "/deputies"
 
@@ -77,7 +77,6 @@ async def test_while_the_window_is_open_the_deputy_sees_and_answers_as_themselve
     await ask(d, "for-ana")
     await ask(d, "for-cy", to="cy")
     now = (await d.call("GET", "/runs/for-ana"))[1]["created_at"]
-    start = now[:11] + "10:00:00Z" if now[11:13] < "10" else None
     # A window from an hour on, for a day, on the daemon's clock.
     status, dep = await d.call("POST", DEPUTIES, {"for": "ana", "to": "ben", "from": _plus(now, hours=1),
                                                   "until": _plus(now, hours=25)})

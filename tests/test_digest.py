@@ -13,16 +13,14 @@ import hashlib
 import json
 import re
 import sqlite3
-from pathlib import Path
 
+import pytest
 import rfc8785
 
 import interactiond as itd
-from daemon_kit import person_token, start_daemon
+from daemon_kit import start_daemon
 from test_approval import RESTART, answer, calls, ended, history, ops_config, person, request_of
 from test_web_inbox import CHROMIUM, CHROMIUM_ARGS, _playwright, served  # noqa: F401  (a fixture)
-
-import pytest
 
 
 def jcs_sha(value) -> str:

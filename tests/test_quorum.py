@@ -14,8 +14,9 @@ import pytest
 
 import interactiond as itd
 from daemon_kit import person_token, start_daemon
-from test_approval import CHAT_RESTART, RESTART, calls, chat_server, ended, history, ops_config, served_ops  # noqa: F401
-from test_web_inbox import CHROMIUM, CHROMIUM_ARGS, _playwright, served  # noqa: F401  (a fixture)
+from test_approval import CHAT_RESTART, RESTART, calls, chat_server, ended, history, ops_config
+from test_approval import served_ops  # noqa: F401  (a fixture)
+from test_web_inbox import CHROMIUM, CHROMIUM_ARGS, _playwright
 
 DEPLOY = RESTART.replace("  to: '{{ input.owner }}'\n", "  to: [ana, ben, cy]\n  need: 2\n").replace(
     "required: [service, owner]", "required: [service]")
