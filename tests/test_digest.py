@@ -150,7 +150,8 @@ def test_a_file_of_version_7_gains_the_digests_of_its_open_requests(tmp_path):
     tx.conn.commit()
     tx.conn.close()
     conn = sqlite3.connect(db)
-    conn.execute("ALTER TABLE requests DROP COLUMN digest")
+    conn.execute("ALTER TABLE requests DROP COLUMN digest")          # as version 7 made it
+    conn.execute("ALTER TABLE requests DROP COLUMN on_behalf_of")
     conn.execute("PRAGMA user_version = 7")
     conn.commit()
     conn.close()
