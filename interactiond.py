@@ -5766,10 +5766,13 @@ class SqlTx:
             (playbook, run_id)).fetchone()
 
     def open_counts_by_party(self, playbook: str) -> list[Row]:
-        """The playbook's open requests counted by party (`party`, `n`), in the order of the party."""
+        """The playbook's open requests counted by party (`party`, `n`), in the order of the party; a quorum
+        approval counts under each of its addressees."""
         return self.conn.execute(
-            "SELECT party, COUNT(*) AS n FROM requests WHERE playbook = ? AND open = 1 GROUP BY party ORDER BY party",
-            (playbook,)).fetchall()
+            "SELECT party, COUNT(*) AS n FROM (SELECT party FROM requests WHERE playbook = ? AND open = 1"
+            " UNION ALL SELECT a.person FROM addressees a JOIN requests q ON q.playbook = a.playbook"
+            " AND q.run_id = a.run_id WHERE a.playbook = ? AND q.open = 1) c GROUP BY party ORDER BY party",
+            (playbook, playbook)).fetchall()
 
     def insert_token(self, *, token_id: str, digest: str, playbook: str | None, role: str, name: str | None,
                      purpose: str, now: int, used_at: int | None, expires_at: int | None,
@@ -16972,9 +16975,12 @@ async def h_web_answer(request: web.Request) -> web.Response:
 async def h_web_counts(request: web.Request) -> web.Response:
     playbook, engine = _pb(request), request.app[engine_key()]
     caller = await engine.deputized(_caller(request), playbook)       # a deputy counts whom they stand for too
-    rows = [r for r in await engine.store.read(lambda tx: tx.open_counts_by_party(playbook)) if caller.addressed(r)]
-    return _json({"total": sum(r["n"] for r in rows), "to": [{"to": r["party"], "count": r["n"]} for r in rows],
-                  "now": fmt_time(engine.clock.now_ms())})
+    counted, total = await engine.store.read(lambda tx: (tx.open_counts_by_party(playbook),
+                                                         tx.open_request_counts().get(playbook, 0)))
+    rows = [r for r in counted if caller.addressed(r)]
+    # A quorum approval counts under each of its addressees, and once in the whole.
+    return _json({"total": total if caller.person is None else sum(r["n"] for r in rows),
+                  "to": [{"to": r["party"], "count": r["n"]} for r in rows], "now": fmt_time(engine.clock.now_ms())})
 
 
 # -- answer links ------------------------------------------------------------------------------------

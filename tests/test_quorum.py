@@ -60,6 +60,8 @@ async def test_two_of_three_approve_and_the_call_runs_once_with_both_votes_on_th
         assert [r["run_id"] for r in (await d.call("GET", "/v2/interactions", role=who(d, name)))[1]["data"]] == [run_id]
     [req] = (await d.call("GET", "/interactions"))[1]["data"]
     assert req["addressees"] == ["ana", "ben", "cy"]
+    counts = await (await d.client.get("/web/orgs/local/playbooks/default/counts", headers=d.auth())).json()
+    assert counts["total"] == 1 and counts["to"] == [{"to": p, "count": 1} for p in ("ana", "ben", "cy")], counts
     assert (req["approval"]["to"], req["approval"]["need"], req["approval"]["veto"], req["approval"]["votes"]) == \
         (["ana", "ben", "cy"], 2, True, [])
     status, fact = await vote(d, run_id, "ana", {"approved": True, "note": "ok by me"})
