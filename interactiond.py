@@ -174,6 +174,8 @@ MIB: Final = 1024 * 1024
 
 #: A rendered party (`to`, `from`): short enough to be a name a reader filters by.
 MAX_PARTY_BYTES: Final = 256
+#: The people a quorum approval may name in `to` (SPEC section 25).
+MAX_QUORUM: Final = 16
 #: A rendered message: a question a person reads, not a document.
 MAX_MESSAGE_BYTES: Final = 8 * KIB
 #: The arguments of any tool call, as JSON.
@@ -416,6 +418,8 @@ PROBLEM_TYPES: Final[dict[str, tuple[int, str, str]]] = {
     "idempotency_key_conflict": (409, "Idempotency key conflict", "This Idempotency-Key was used before with another request body; use a new key for a new response."),
     "interaction_not_pending": (409, "Interaction not pending", "The interaction is already answered, expired or cancelled."),
     "interaction_type_mismatch": (422, "Interaction type mismatch", "The response's type is not the interaction's type."),
+    "arguments_changed": (409, "Arguments changed", "An earlier approval of this quorum set the call's arguments; a later approver approves or refuses them as shown, without changes."),
+    "digest_mismatch": (409, "Digest mismatch", "The answer names the digest of something the request does not show (another request, or this one before it changed): read the request again and answer what it shows."),
     "validation_failed": (422, "Validation failed", "The response has missing, unknown or invalid fields; `errors` lists each as {field, code, message}."),
 }
 
@@ -584,6 +588,9 @@ class EventType(str, enum.Enum):
     APPROVAL_REMEMBERED = "approval_remembered"            # a tool call decided by a remembered decision, unasked
     APPROVAL_RULE_MADE = "approval_rule_made"              # an approval's answer said `remember`: a rule kept
     APPROVAL_RULE_REVOKED = "approval_rule_revoked"        # an operator ended a remembered decision
+    APPROVAL_VOTE = "approval_vote"                        # one addressee of a quorum approved or refused
+    DEPUTY_ADDED = "deputy_added"                          # the playbook's: a deputy stands for a person
+    DEPUTY_REMOVED = "deputy_removed"
     ELICITATION_DECLINED = "elicitation_declined"          # the person at an MCP client declined to answer there
     ELICITATION_REFUSED = "elicitation_refused"            # an answer given for an MCP task's question did not fit
     MCP_TASK_CANCELLED = "mcp_task_cancelled"              # an MCP task's tasks/cancel cancelled its run
@@ -866,6 +873,38 @@ def sha256_hex(data: bytes | str) -> str:
     if isinstance(data, str):
         data = data.encode()
     return hashlib.sha256(data).hexdigest()
+
+
+def canonical_json(value: Any) -> bytes:
+    """`value` as RFC 8785 (JSON Canonicalization Scheme) bytes: sorted keys, no spaces, numbers as
+    ECMAScript writes them - the same bytes for the same JSON whoever serialises it. An integer past
+    I-JSON's range (2**53) is the double JSON numbers are under JCS."""
+    import rfc8785                      # small and pure Python; loaded where a digest is first taken
+
+    try:
+        return rfc8785.dumps(value)
+    except rfc8785.IntegerDomainError:
+        def as_double(v: Any) -> Any:
+            if isinstance(v, bool) or not isinstance(v, (int, dict, list)):
+                return v
+            if isinstance(v, int):
+                return float(v) if abs(v) > 2 ** 53 - 1 else v
+            return {k: as_double(x) for k, x in v.items()} if isinstance(v, dict) else [as_double(x) for x in v]
+        return rfc8785.dumps(as_double(value))
+
+
+def request_digest(message: str, answer_schema: Any, arguments: Any = None) -> str:
+    """What a request shows, bound in 64 hex digits: sha256 of the canonical JSON of
+    `{message, answer_schema, arguments}` (arguments null except for an approval's, as shown). An
+    answer that names another digest answered something else (`digest_mismatch`)."""
+    return hashlib.sha256(canonical_json({"message": message, "answer_schema": answer_schema,
+                                          "arguments": arguments})).hexdigest()
+
+
+def arguments_digest(arguments: Any) -> str:
+    """sha256 hex of a tool call's arguments as canonical JSON: what an approval approved, and what
+    the call then sent, compare equal."""
+    return hashlib.sha256(canonical_json(arguments)).hexdigest()
 
 
 class JsonRefused(ValueError):
@@ -1163,6 +1202,19 @@ def fmt_time(ms: int | None) -> str | None:
         return None
     seconds, millis = divmod(ms, 1000)
     return time.strftime("%Y-%m-%dT%H:%M:%S.", time.gmtime(seconds)) + f"{millis:03d}Z"
+
+
+def parse_rfc3339(text: Any) -> int:
+    """An RFC 3339 time with its offset (`2026-12-02T09:00:00Z`, `...+01:00`) as milliseconds since the
+    epoch; ValueError says what it is not."""
+    if not isinstance(text, str) or not re.fullmatch(
+            r"\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d{1,9})?([Zz]|[+-]\d{2}:\d{2})", text):
+        raise ValueError("an RFC 3339 time with its offset, such as 2026-12-02T09:00:00Z")
+    try:
+        when = datetime.fromisoformat(re.sub(r"(\.\d{6})\d+", r"\1", text).replace("z", "Z"))
+    except ValueError as exc:
+        raise ValueError(f"not a time: {exc}") from None
+    return int(when.timestamp() * 1000)
 
 
 def fmt_date(ms: int) -> str:
@@ -2620,6 +2672,9 @@ class ApproveSpec:
     to: Template
     expires: timedelta
     edit: tuple[str, ...]       # JSON Pointers into the arguments; nothing is editable without them
+    also: tuple[Template, ...] = ()     # `to: [a, b, c]`: the other addressees of a quorum
+    need: int = 1               # approvals it takes (a quorum's `need`)
+    veto: bool = True           # one refusal ends it refused
 
 
 #: What an approval takes (SPEC section 20): the verdict, the arguments as the approver leaves them
@@ -3317,10 +3372,25 @@ def _read_approve(r: _Reader, data: dict[str, Any],
     """The approval gate of a call: `to`, `expires`, `edit`, and optionally `deliver` and `replies`
     as an interaction has them (the replies read by APPROVAL_RULE)."""
     path = ("approve",)
-    block = r.mapping(path, data["approve"], ("to", "expires", "edit", "deliver", "replies"), ("to", "expires"))
+    block = r.mapping(path, data["approve"], ("to", "expires", "edit", "deliver", "replies", "need", "veto"),
+                      ("to", "expires"))
     if block is None:
         return None, None, None
-    to = r.template(path + ("to",), block["to"], PLACES["party"], input_schema) if "to" in block else None
+    listed = block.get("to")
+    if isinstance(listed, list):            # a quorum: `to: [a, b, c]`, `need: N`, `veto`
+        if not 1 <= len(listed) <= MAX_QUORUM:
+            r.add(path + ("to",), f"lists 1 to {MAX_QUORUM} people, not {len(listed)}")
+        parties = [r.template(path + ("to", i), t, PLACES["party"], input_schema) for i, t in enumerate(listed)]
+        to = parties[0] if parties and all(t is not None for t in parties) else None
+        also = tuple(t for t in parties[1:] if t is not None)
+    else:
+        to = r.template(path + ("to",), listed, PLACES["party"], input_schema) if "to" in block else None
+        also = ()
+    need, veto = block.get("need", 1), block.get("veto", True)
+    if isinstance(need, bool) or not isinstance(need, int) or not 1 <= need <= 1 + len(also):
+        r.add(path + ("need",), f"is how many of the {1 + len(also)} people in `to` must approve: 1 to {1 + len(also)}")
+    if not isinstance(veto, bool):
+        r.add(path + ("veto",), "is true (one refusal refuses the call) or false (refusals only fail to approve)")
     expires = (r.duration(path + ("expires",), block["expires"], EXPIRES_MIN, EXPIRES_MAX,
                           "PT1M to P30D (1 minute to 30 days)") if "expires" in block else None)
     with_ = data["call"].get("with") if isinstance(data.get("call"), dict) else None
@@ -3333,7 +3403,7 @@ def _read_approve(r: _Reader, data: dict[str, Any],
         replies = _read_replies(within, shown, deliver, APPROVAL_ANSWER_SCHEMA, APPROVAL_RULE)
     if to is None or expires is None or edit is None:
         return None, None, None
-    return ApproveSpec(to, expires, edit), deliver, replies
+    return ApproveSpec(to, expires, edit, also, need, veto), deliver, replies
 
 
 def _read_edit(r: _Reader, path: tuple[Any, ...], value: Any, with_: Any) -> tuple[str, ...] | None:
@@ -3751,8 +3821,15 @@ def _approve_overview(doc: FunctionDoc) -> list[str]:
     edit = (f"they may change {', '.join(f'`{p}`' for p in gate.edit)} before approving"
             if gate.edit else "they approve or refuse the arguments as they are")
     where = (f" The question is sent with the tool `{doc.deliver.tool}` of `{doc.deliver.server}`." if doc.deliver else "")
-    out = [f"**Who approves:** each call first waits for {template_words(gate.to.source)} to approve it, at most "
-           f"{duration_words(gate.expires)}; {edit}. A refusal ends the run declined, no answer in time ends it "
+    who = template_words(gate.to.source)
+    refusal = "A refusal ends the run declined"
+    if gate.also:                   # a quorum
+        who = (f"{gate.need} of {', '.join(template_words(t.source) for t in (gate.to, *gate.also))}, each once"
+               f" (the first approval's arguments stand for the rest)")
+        refusal = ("A refusal by any of them ends the run declined" if gate.veto else
+                   "Refusals only fail to approve; when too few are left to approve, the run ends declined")
+    out = [f"**Who approves:** each call first waits for {who} to approve it, at most "
+           f"{duration_words(gate.expires)}; {edit}. {refusal}, no answer in time ends it "
            f"unanswered, and the tool is not called.{where}"]
     if doc.replies is not None:
         out.append(f"**Replies:** read with the tool `{doc.replies.tool}`. {APPROVAL_RULE.describe()}")
@@ -3876,6 +3953,9 @@ class ApprovalPolicy:
     tools: tuple[str, ...]
     to: str
     expires: timedelta = timedelta(days=1)
+    also: tuple[str, ...] = ()          # `to: [a, b, c]`: a quorum's other addressees
+    need: int = 1
+    veto: bool = True
 
 
 @dataclass(frozen=True)
@@ -4018,13 +4098,25 @@ def _read_policy(where: str, a: Any, problems: list[str]) -> ApprovalPolicy | No
         problems.append(f"{where}: a mapping with tools, to and expires")
         return None
     count = len(problems)
-    problems += [f"{where}.{k}: unknown key" for k in a if k not in ("tools", "to", "expires")]
+    problems += [f"{where}.{k}: unknown key" for k in a if k not in ("tools", "to", "expires", "need", "veto")]
     tools = a.get("tools")
     if not isinstance(tools, list) or not tools or not all(isinstance(t, str) and TOOL_RE.fullmatch(t) for t in tools):
         problems.append(f"{where}.tools: a list of the tool names whose calls wait for approval")
     to = a.get("to")
-    if not isinstance(to, str) or not to.strip() or has_control_char(to) or len(to.encode()) > MAX_PARTY_BYTES:
-        problems.append(f"{where}.to: the person who approves, as requests name them (at most {MAX_PARTY_BYTES} bytes)")
+    listed = list(dict.fromkeys(t.strip() for t in to if isinstance(t, str))) if isinstance(to, list) else [to]
+    if isinstance(to, list) and (not 1 <= len(to) <= MAX_QUORUM or len(listed) != len(to)):
+        problems.append(f"{where}.to: a quorum lists 1 to {MAX_QUORUM} different people")
+    for person in listed:
+        if not isinstance(person, str) or not person.strip() or has_control_char(person) \
+                or len(person.encode()) > MAX_PARTY_BYTES:
+            problems.append(f"{where}.to: the person who approves (or a list of them), as requests name them"
+                            f" (at most {MAX_PARTY_BYTES} bytes)")
+            break
+    need, veto = a.get("need", 1), a.get("veto", True)
+    if isinstance(need, bool) or not isinstance(need, int) or not 1 <= need <= max(len(listed), 1):
+        problems.append(f"{where}.need: how many of the people in to must approve, 1 to {len(listed)}")
+    if not isinstance(veto, bool):
+        problems.append(f"{where}.veto: true (one refusal refuses the call) or false")
     expires = timedelta(days=1)
     try:
         expires = parse_duration(a.get("expires", "P1D"))
@@ -4034,7 +4126,7 @@ def _read_policy(where: str, a: Any, problems: list[str]) -> ApprovalPolicy | No
         problems.append(f"{where}.expires: an ISO 8601 duration, PT1M to P30D ({exc})")
     if len(problems) > count:
         return None
-    return ApprovalPolicy(tuple(tools), to.strip(), expires)
+    return ApprovalPolicy(tuple(tools), listed[0].strip(), expires, tuple(listed[1:]), need, veto)
 
 
 def _read_playbook(pb: Any, p: Any, raw_servers: dict[Any, Any], problems: list[str]) -> tuple[str, ...] | None:
@@ -4261,7 +4353,7 @@ def load_config(path: str | None, environ: dict[str, str] | None = None) -> Conf
 # The end of this section runs the same store, threads and SQL on a PostgreSQL server.
 
 #: PRAGMA user_version of a file this version made; an earlier one is migrated at open (MIGRATIONS).
-SCHEMA_VERSION: Final = 9
+SCHEMA_VERSION: Final = 10
 
 
 #: The schema, embedded so an installed wheel needs no data file; tests keep it equal to schema.sql.
@@ -4376,6 +4468,8 @@ CREATE TABLE IF NOT EXISTS requests (
     escalated_to   TEXT,                             -- once escalated: the party asked too, who may answer
     reply_sender   TEXT,                             -- who wrote the reply that answered
     answered_by_name TEXT,                           -- who answered, in words: a token's or person's name, a sender
+    digest         TEXT,                             -- sha256 of what it shows (request_digest); NULL: opened before
+    on_behalf_of   TEXT,                             -- a deputy's answer: the person they stood for
     UNIQUE (playbook, run_id)
 );
 CREATE INDEX IF NOT EXISTS requests_open ON requests (playbook, seq) WHERE open = 1;
@@ -4518,6 +4612,28 @@ CREATE TABLE IF NOT EXISTS approval_rules (
     revoked_at INTEGER
 );
 CREATE INDEX IF NOT EXISTS approval_rules_live ON approval_rules (playbook, party, tool) WHERE revoked_at IS NULL;
+
+-- Deputies: while [starts_at, ends_at) holds on the daemon's clock, what is addressed to `for_person`
+-- in the playbook is addressed to `to_person` too; their answer records them and whom they stood for.
+CREATE TABLE IF NOT EXISTS deputies (
+    id          TEXT PRIMARY KEY,                    -- dep_<ULID>
+    playbook    TEXT NOT NULL,
+    for_person  TEXT NOT NULL,
+    to_person   TEXT NOT NULL,
+    starts_at   INTEGER,                             -- NULL: from its making
+    ends_at     INTEGER,                             -- NULL: until removed
+    created_at  INTEGER NOT NULL,
+    created_by  TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS deputies_to ON deputies (playbook, to_person);
+
+-- A quorum approval's addressees besides its party: listing by `to` finds it under each of them.
+CREATE TABLE IF NOT EXISTS addressees (
+    playbook TEXT NOT NULL,
+    person   TEXT NOT NULL,
+    run_id   TEXT NOT NULL,
+    PRIMARY KEY (playbook, person, run_id)
+);
 """
 
 
@@ -4618,6 +4734,22 @@ def _migrate_to_9(conn: Any) -> None:
     earlier event was never queued. PostgreSQL's step too (POSTGRES_MIGRATIONS)."""
 
 
+def _migrate_to_10(conn: Any) -> None:
+    """Teams: requests gain `digest` (answers bound to what was shown), filled for the open ones from
+    what they show (message, answer schema, an approval's arguments), a closed one keeping none; and
+    `on_behalf_of` (a deputy's answer). The deputies and votes tables come with the schema itself.
+    PostgreSQL's step too (POSTGRES_MIGRATIONS): the same statements in either dialect."""
+    conn.execute("ALTER TABLE requests ADD COLUMN digest TEXT")
+    conn.execute("ALTER TABLE requests ADD COLUMN on_behalf_of TEXT")
+    rows = conn.execute("SELECT q.seq, q.message, COALESCE(q.own_schema, d.answer_schema), q.approval"
+                        " FROM requests q LEFT JOIN definitions d ON d.playbook = q.playbook AND d.type = q.type"
+                        " AND d.name = q.name AND d.version = q.version WHERE q.open = 1").fetchall()
+    for seq, message, schema, approval in (tuple(r) for r in rows):
+        arguments = json.loads(approval).get("arguments") if approval is not None else None
+        conn.execute("UPDATE requests SET digest = ? WHERE seq = ?",
+                     (request_digest(message, json.loads(schema) if schema is not None else None, arguments), seq))
+
+
 #: Each step takes a file made by an earlier version to the next PRAGMA user_version, in order.
 MIGRATIONS: Final[tuple[tuple[int, Callable[[sqlite3.Connection], None]], ...]] = (
     (2, _migrate_to_2),
@@ -4628,6 +4760,7 @@ MIGRATIONS: Final[tuple[tuple[int, Callable[[sqlite3.Connection], None]], ...]] 
     (7, _migrate_to_7),
     (8, _migrate_to_8),
     (9, _migrate_to_9),
+    (10, _migrate_to_10),
 )
 
 
@@ -5135,15 +5268,16 @@ class Tx(Protocol):
     def open_request(self, *, request_id: str, playbook: str, run_id: str, type_: str, name: str, version: int,
                      party: str, answerer: str, message: str, answer_schema: str | None, server: str | None,
                      tool: str | None, delivery: DeliveryState, asked_at: int, expires_at: int,
-                     deliver_args: str | None, notified: bool = False, follow_up: str | None = None) -> None: ...
+                     deliver_args: str | None, notified: bool = False, follow_up: str | None = None,
+                     digest: str | None = None) -> None: ...
     def request(self, playbook: str, run_id: str) -> Row | None: ...
     def close_request(self, fx: Effects, playbook: str, run_id: str, ending: Ending) -> Row | None: ...
     def record_answer(self, fx: Effects, req: Row, answer: Any, *, by: str, now: int,
                       claimed_for: str | None = None, reply_id: str | None = None,
-                      reply_sender: str | None = None) -> None: ...
+                      reply_sender: str | None = None, on_behalf_of: str | None = None) -> None: ...
     def answer_request(self, fx: Effects, req: Row, answer: Any, *, by: str, now: int,
                        claimed_for: str | None = None, reply_id: str | None = None,
-                       reply_sender: str | None = None) -> Row: ...
+                       reply_sender: str | None = None, on_behalf_of: str | None = None) -> Row: ...
     def record_default(self, fx: Effects, req: Row, answer: Any, *, now: int) -> None: ...
     def cancel_delivery(self, playbook: str, run_id: str) -> bool: ...
 
@@ -5210,6 +5344,16 @@ class Tx(Protocol):
     def live_rules(self, playbook: str, party: str, tool: str, now: int) -> list[Row]: ...
     def listed_rules(self, playbook: str, now: int) -> list[Row]: ...
     def revoke_rule(self, playbook: str, rule_id: str, now: int) -> bool: ...
+
+    # Deputies.
+
+    def add_deputy(self, *, deputy_id: str, playbook: str, for_person: str, to_person: str,
+                   starts_at: int | None, ends_at: int | None, now: int, by: str) -> None: ...
+    def deputies(self, playbook: str | None) -> list[Row]: ...
+    def remove_deputy(self, playbook: str | None, deputy_id: str) -> Row | None: ...
+    def standing_for(self, playbook: str, person: str, now: int) -> list[str]: ...
+    def add_addressees(self, playbook: str, run_id: str, people: Iterable[str]) -> None: ...
+    def set_digest(self, playbook: str, run_id: str, digest: str) -> None: ...
 
     # Idempotency.
 
@@ -5583,17 +5727,21 @@ class SqlTx:
     def open_request(self, *, request_id: str, playbook: str, run_id: str, type_: str, name: str, version: int,
                      party: str, answerer: str, message: str, answer_schema: str | None, server: str | None,
                      tool: str | None, delivery: DeliveryState, asked_at: int, expires_at: int,
-                     deliver_args: str | None, notified: bool = False, follow_up: str | None = None) -> None:
+                     deliver_args: str | None, notified: bool = False, follow_up: str | None = None,
+                     digest: str | None = None) -> None:
         """Insert a run's request: open, and the started run waits for it (guarded, else `conflict`); or,
         `notified`, a notification the inbox shows at once, which leaves the run as it is. `follow_up`
-        is its plan of reminders, escalation and default answer (JSON), if it has one.
+        is its plan of reminders, escalation and default answer (JSON), if it has one. `digest` binds
+        what it shows (request_digest; of its message and answer schema when not given).
 
         The caller appends the event that records it next."""
         status = RequestStatus.NOTIFIED if notified else RequestStatus.OPEN
+        if digest is None:
+            digest = request_digest(message, loads(answer_schema) if answer_schema is not None else None)
         self.conn.execute(_INSERT_REQUEST_SQL, (
             request_id, playbook, run_id, type_, name, version, party, answerer, message, answer_schema,
             playbook, type_, name, version, server, tool,
-            status.value, 0 if notified else 1, delivery.value, asked_at, expires_at, deliver_args, follow_up))
+            status.value, 0 if notified else 1, delivery.value, asked_at, expires_at, deliver_args, follow_up, digest))
         if not notified:
             self.guard(_RUN_WAITS_SQL, (playbook, run_id),
                        Problem("conflict", "the run is not waiting to open a request"))
@@ -5628,7 +5776,8 @@ class SqlTx:
 
     def answer_request(self, fx: Effects, req: Row, answer: Any, *, by: str, now: int,
                        claimed_for: str | None = None, reply_id: str | None = None,
-                       reply_sender: str | None = None, by_name: str | None = None) -> Row:
+                       reply_sender: str | None = None, by_name: str | None = None,
+                       on_behalf_of: str | None = None) -> Row:
         """The one fact of an answer, as record_answer, close_request (answered) and end_run (succeeded)
         write it, in seven statements rather than ten: the run ends (guarded: live, else `conflict`)
         counting request_answered and run_succeeded at once; both are appended; the answer is written
@@ -5636,22 +5785,25 @@ class SqlTx:
         counter follows and the timers go.
 
         The closed row: `req` (as read in this change) with what the answer wrote, not read back.
-        `by_name` is who answered in words (answered_by_name), kept on the request and in request_answered."""
+        `by_name` is who answered in words (answered_by_name), kept on the request and in request_answered;
+        `on_behalf_of`, the person a deputy answered for."""
         playbook, run_id = req["playbook"], req["run_id"]
         reply = {"id": reply_id, **({"sender": reply_sender} if reply_sender is not None else {})}
         answer_id = self._end_run(fx, playbook, run_id, RunStatus.SUCCEEDED, now=now, by=by, output=answer,
                                   before=("request_answered", {"answer": answer, "claimed_for": claimed_for,
                                           **({"reply": reply} if reply_id is not None else {}),
-                                          **({"answered_by_name": by_name} if by_name is not None else {})}))
+                                          **({"answered_by_name": by_name} if by_name is not None else {}),
+                                          **({"digest": req["digest"]} if req["digest"] is not None else {}),
+                                          **({"on_behalf_of": on_behalf_of} if on_behalf_of is not None else {})}))
         text = dumps(answer)
         self.guard(_ANSWER_AND_CLOSE_SQL, (text, answer_id, by, now, claimed_for, reply_id, reply_sender, by_name,
-                                           req["seq"]),
+                                           on_behalf_of, req["seq"]),
                    Problem("not_open", "the request has ended; it takes no answer", kind="ended"))
         self._request_gone(fx, playbook, run_id, req)
         closed = dict(zip(req.keys(), req))      # dict(row) looks each name up along the row's columns
         closed.update(answer=text, answer_id=answer_id, answered_by=by, answered_at=now, claimed_for=claimed_for,
                       reply_id=reply_id, reply_sender=reply_sender, answered_by_name=by_name,
-                      status=RequestStatus.ANSWERED.value, open=0)
+                      on_behalf_of=on_behalf_of, status=RequestStatus.ANSWERED.value, open=0)
         return closed
 
     def list_runs(self, playbook: str, *, status: str | None, function: str | None, before: int | None,
@@ -5715,7 +5867,7 @@ class SqlTx:
     # Requests, answers, deliveries and readings: the inbox and the chat tools.
 
     def open_requests(self, playbook: str, *, to: str | None, type_: str | None, name: str | None,
-                      before: int | None, limit: int) -> list[Row]:
+                      before: int | None, limit: int, also: Iterable[str] = ()) -> list[Row]:
         """A page of a playbook's open requests, newest first, before the cursor's `seq` (None: from the
         newest); only those to one party (its own, or escalated to it), of one type or of one function,
         where given."""
@@ -5730,10 +5882,17 @@ class SqlTx:
             args.append(before)
         if to is None:
             return self.conn.execute(sql + " ORDER BY q.seq DESC LIMIT ?", (*args, limit)).fetchall()
-        # A party's own requests and those escalated to it: a range of each one's index, merged.
-        rows = self.conn.execute(sql + " AND q.party = ? ORDER BY q.seq DESC LIMIT ?", (*args, to, limit)).fetchall()
-        rows += self.conn.execute(sql + " AND q.escalated_to = ? AND q.party <> ? ORDER BY q.seq DESC LIMIT ?",
-                                  (*args, to, to, limit)).fetchall()
+        # A party's own requests and those escalated to it: a range of each one's index, merged; with
+        # `also` (the people a deputy stands for), theirs too.
+        rows: list[Row] = []
+        for who in dict.fromkeys((to, *also)):
+            rows += self.conn.execute(sql + " AND q.party = ? ORDER BY q.seq DESC LIMIT ?", (*args, who, limit)).fetchall()
+            rows += self.conn.execute(sql + " AND q.escalated_to = ? AND q.party <> ? ORDER BY q.seq DESC LIMIT ?",
+                                      (*args, who, who, limit)).fetchall()
+            rows += self.conn.execute(sql + " AND q.run_id IN (SELECT a.run_id FROM addressees a WHERE a.playbook = ?"
+                                      " AND a.person = ?) ORDER BY q.seq DESC LIMIT ?",
+                                      (*args, playbook, who, limit)).fetchall()
+        rows = list({r["seq"]: r for r in rows}.values())
         return sorted(rows, key=lambda r: r["seq"], reverse=True)[:limit]
 
     def request(self, playbook: str, run_id: str) -> Row | None:
@@ -5742,7 +5901,8 @@ class SqlTx:
 
     def record_answer(self, fx: Effects, req: Row, answer: Any, *, by: str, now: int,
                       claimed_for: str | None = None, reply_id: str | None = None,
-                      reply_sender: str | None = None, by_name: str | None = None) -> None:
+                      reply_sender: str | None = None, by_name: str | None = None,
+                      on_behalf_of: str | None = None) -> None:
         """Append request_answered and write the answer on the request, guarded: only an open request that is
         not being cancelled takes one (else `not_open`). Its closing and its run's ending follow in the change.
         A reply's answer names the reply and who wrote it."""
@@ -5750,9 +5910,11 @@ class SqlTx:
         answer_id = self.append_event(fx, req["playbook"], req["run_id"], "request_answered", now, by,
                                       {"answer": answer, "claimed_for": claimed_for,
                                        **({"reply": reply} if reply_id is not None else {}),
-                                       **({"answered_by_name": by_name} if by_name is not None else {})})
+                                       **({"answered_by_name": by_name} if by_name is not None else {}),
+                                       **({"digest": req["digest"]} if req["digest"] is not None else {}),
+                                       **({"on_behalf_of": on_behalf_of} if on_behalf_of is not None else {})})
         if not self.conn.execute(_RECORD_ANSWER_SQL, (dumps(answer), answer_id, by, now, claimed_for, reply_id,
-                                                      reply_sender, by_name, req["seq"])).rowcount:
+                                                      reply_sender, by_name, on_behalf_of, req["seq"])).rowcount:
             raise Problem("not_open", "the request has ended; it takes no answer", kind="ended")
 
     def record_default(self, fx: Effects, req: Row, answer: Any, *, now: int) -> None:
@@ -5764,7 +5926,7 @@ class SqlTx:
         answer_id = self.append_event(fx, req["playbook"], req["run_id"], "request_defaulted", now, "interactiond",
                                       fact)
         if not self.conn.execute(_RECORD_ANSWER_SQL, (dumps(answer), answer_id, None, now, None, None, None, None,
-                                                      req["seq"])).rowcount:
+                                                      None, req["seq"])).rowcount:
             raise Problem("not_open", "the request has ended; it takes no default answer", kind="ended")
 
     def remind_request(self, playbook: str, run_id: str, reminded: int) -> Row | None:
@@ -5920,9 +6082,10 @@ class SqlTx:
         return self.conn.execute(_V2_SELECT + " AND q.id = ?", (interaction_id,)).fetchone()
 
     def interactions(self, playbooks: list[str], statuses: Iterable[str], *, run_id: str | None,
-                     before: int | None, limit: int, party: str | None = None) -> list[Row]:
+                     before: int | None, limit: int, party: str | None = None, also: Iterable[str] = ()) -> list[Row]:
         """A page of the typed API's view of the playbooks' requests in `statuses` (of one run, and addressed
-        to one party, where given), newest first, before the cursor's `seq` (None: from the newest)."""
+        to one party, where given - or to those in `also`, whom a deputy stands for, or listing either among
+        a quorum's addressees), newest first, before the cursor's `seq` (None: from the newest)."""
         statuses = tuple(statuses)
         sql = (_V2_SELECT + f" AND q.playbook IN ({','.join('?' * len(playbooks))})"
                f" AND q.status IN ({','.join('?' * len(statuses))})")
@@ -5931,8 +6094,11 @@ class SqlTx:
             sql += " AND q.run_id = ?"
             args.append(run_id)
         if party is not None:
-            sql += " AND q.party = ?"
-            args.append(party)
+            people = list(dict.fromkeys((party, *also)))
+            marks = ",".join("?" * len(people))
+            sql += (f" AND (q.party IN ({marks}) OR q.run_id IN (SELECT a.run_id FROM addressees a"
+                    f" WHERE a.playbook = q.playbook AND a.person IN ({marks})))")
+            args += people + people
         if before is not None:
             sql += " AND q.seq < ?"
             args.append(before)
@@ -5999,10 +6165,13 @@ class SqlTx:
             (playbook, run_id)).fetchone()
 
     def open_counts_by_party(self, playbook: str) -> list[Row]:
-        """The playbook's open requests counted by party (`party`, `n`), in the order of the party."""
+        """The playbook's open requests counted by party (`party`, `n`), in the order of the party; a quorum
+        approval counts under each of its addressees."""
         return self.conn.execute(
-            "SELECT party, COUNT(*) AS n FROM requests WHERE playbook = ? AND open = 1 GROUP BY party ORDER BY party",
-            (playbook,)).fetchall()
+            "SELECT party, COUNT(*) AS n FROM (SELECT party FROM requests WHERE playbook = ? AND open = 1"
+            " UNION ALL SELECT a.person FROM addressees a JOIN requests q ON q.playbook = a.playbook"
+            " AND q.run_id = a.run_id WHERE a.playbook = ? AND q.open = 1) c GROUP BY party ORDER BY party",
+            (playbook, playbook)).fetchall()
 
     def insert_token(self, *, token_id: str, digest: str, playbook: str | None, role: str, name: str | None,
                      purpose: str, now: int, used_at: int | None, expires_at: int | None,
@@ -6011,6 +6180,41 @@ class SqlTx:
         self.conn.execute("INSERT INTO tokens (id, hash, playbook, role, name, purpose, created_at, used_at, expires_at,"
                           " person) VALUES (?,?,?,?,?,?,?,?,?,?)",
                           (token_id, digest, playbook, role, name, purpose, now, used_at, expires_at, person))
+
+    def add_deputy(self, *, deputy_id: str, playbook: str, for_person: str, to_person: str,
+                   starts_at: int | None, ends_at: int | None, now: int, by: str) -> None:
+        """A deputy: `to_person` answers what is addressed to `for_person` while [starts_at, ends_at) holds."""
+        self.conn.execute("INSERT INTO deputies (id, playbook, for_person, to_person, starts_at, ends_at, created_at,"
+                          " created_by) VALUES (?,?,?,?,?,?,?,?)",
+                          (deputy_id, playbook, for_person, to_person, starts_at, ends_at, now, by))
+
+    def deputies(self, playbook: str | None) -> list[Row]:
+        """The deputies of a playbook (None: of every playbook), oldest first."""
+        return self.conn.execute("SELECT * FROM deputies WHERE CAST(? AS TEXT) IS NULL OR playbook = ?"
+                                 " ORDER BY created_at, id", (playbook, playbook)).fetchall()
+
+    def remove_deputy(self, playbook: str | None, deputy_id: str) -> Row | None:
+        """Remove a deputy (of the playbook, where given); the removed row, or None when there was none."""
+        return self.conn.execute("DELETE FROM deputies WHERE id = ? AND (CAST(? AS TEXT) IS NULL OR playbook = ?)"
+                                 " RETURNING *", (deputy_id, playbook, playbook)).fetchone()
+
+    def standing_for(self, playbook: str, person: str, now: int) -> list[str]:
+        """Whom `person` stands for in the playbook at `now` (the deputies whose window is open), by name."""
+        return [r[0] for r in self.conn.execute(
+            "SELECT DISTINCT for_person FROM deputies WHERE playbook = ? AND to_person = ? AND for_person <> ?"
+            " AND (starts_at IS NULL OR starts_at <= ?) AND (ends_at IS NULL OR ends_at > ?) ORDER BY for_person",
+            (playbook, person, person, now, now)).fetchall()]
+
+    def add_addressees(self, playbook: str, run_id: str, people: Iterable[str]) -> None:
+        """A quorum approval's addressees besides its party, so listing by `to` finds it under each."""
+        for person in people:           # a few: at most MAX_QUORUM
+            self.conn.execute("INSERT INTO addressees (playbook, person, run_id) VALUES (?,?,?) ON CONFLICT DO NOTHING",
+                              (playbook, person, run_id))
+
+    def set_digest(self, playbook: str, run_id: str, digest: str) -> None:
+        """What an open request shows changed (a quorum's first approval edited its arguments): its digest."""
+        self.conn.execute(f"UPDATE requests SET digest = ? WHERE playbook = ? AND run_id = ? AND {_OPEN_REQUEST_SQL}",
+                          (digest, playbook, run_id))
 
     def token_known(self, digest: str) -> bool:
         """Whether a token of any purpose with this hash stands unrevoked."""
@@ -6226,7 +6430,8 @@ class SQLiteTx(SqlTx):
 #: daemons, leases and clock of a PostgreSQL database stay behind (they are its daemons').
 COPIED_TABLES: Final = ("playbooks", "definitions", "runs", "readings", "requests", "replies_seen", "events",
                         "timers", "tokens", "idempotency", "nudges", "daemon_keys", "approval_rules",
-                        "webhook_deliveries")
+                        "webhook_deliveries",
+                        "deputies", "addressees")
 #: Columns one backend has and the other has not, which a copy leaves behind.
 COPY_DROPPABLE: Final = {("events", "daemon")}
 
@@ -6279,7 +6484,7 @@ _IN_FLIGHT_SQL: Final = ", ".join(f"'{s.value}'" for s in (
 #: An answer: guarded by the statuses an answer closes (REQUEST_TRANSITIONS), and not while cancelling.
 _RECORD_ANSWER_SQL: Final = (
     "UPDATE requests SET answer = ?, answer_id = ?, answered_by = ?, answered_at = ?, claimed_for = ?, reply_id = ?,"
-    " reply_sender = ?, answered_by_name = ? WHERE seq = ? AND status IN (" + ", ".join(f"'{s.value}'" for s in allowed_from(REQUEST_TRANSITIONS, RequestStatus.ANSWERED))
+    " reply_sender = ?, answered_by_name = ?, on_behalf_of = ? WHERE seq = ? AND status IN (" + ", ".join(f"'{s.value}'" for s in allowed_from(REQUEST_TRANSITIONS, RequestStatus.ANSWERED))
     + f") AND delivery_state <> '{DeliveryState.CANCELLING.value}'")
 
 #: An answer that closes its request (answer_request): _RECORD_ANSWER_SQL's guard, and the closing's.
@@ -6289,9 +6494,9 @@ _ANSWER_AND_CLOSE_SQL: Final = _RECORD_ANSWER_SQL.replace(
 #: A request inserted; its answer schema only where the function version's is not it (see _REQUEST_ROW).
 _INSERT_REQUEST_SQL: Final = (
     "INSERT INTO requests (id, playbook, run_id, type, name, version, party, answerer, message, own_schema,"
-    " server, tool, status, open, delivery_state, asked_at, expires_at, deliver_args, follow_up)"
+    " server, tool, status, open, delivery_state, asked_at, expires_at, deliver_args, follow_up, digest)"
     " VALUES (?,?,?,?,?,?,?,?,?,NULLIF(?, (SELECT answer_schema FROM definitions WHERE playbook = ? AND type = ?"
-    " AND name = ? AND version = ?)),?,?,?,?,?,?,?,?,?)")
+    " AND name = ? AND version = ?)),?,?,?,?,?,?,?,?,?,?)")
 
 #: A run inserted, started (ON CONFLICT: nothing, when its run id is taken).
 _INSERT_RUN_SQL: Final = (
@@ -6363,7 +6568,7 @@ _REQUEST_ROW: Final = ("SELECT q.*, COALESCE(q.own_schema, d.answer_schema) AS a
 _V2_SELECT: Final = (
     "SELECT q.seq, q.id, q.playbook, q.run_id, q.name, q.status, q.delivery_state, q.message,"
     " COALESCE(q.own_schema, d.answer_schema) AS answer_schema, q.answer, q.answered_at, q.asked_at, q.expires_at,"
-    " q.party, q.reminded, q.escalated_to, r.input AS run_input FROM requests q JOIN runs r ON r.playbook = q.playbook AND r.run_id = q.run_id"
+    " q.party, q.reminded, q.escalated_to, q.digest, r.input AS run_input FROM requests q JOIN runs r ON r.playbook = q.playbook AND r.run_id = q.run_id"
     + _DEFINITION_JOIN + " WHERE COALESCE(q.own_schema, d.answer_schema) IS NOT NULL")
 
 
@@ -6441,6 +6646,7 @@ POSTGRES_MIGRATIONS: Final[tuple[tuple[int, Callable[[Any], None]], ...]] = (
     (7, _migrate_to_7),
     (8, _migrate_to_8),
     (9, _migrate_to_9),
+    (10, _migrate_to_10),
 )
 
 #: Keys of the transaction-level advisory locks (pg_advisory_xact_lock): writes, and the schema.
@@ -6611,6 +6817,8 @@ CREATE TABLE IF NOT EXISTS requests (
     escalated_to   TEXT COLLATE "C",                 -- once escalated: the party asked too, who may answer
     reply_sender   TEXT,                             -- who wrote the reply that answered
     answered_by_name TEXT,                           -- who answered, in words: a token's or person's name, a sender
+    digest         TEXT,                             -- sha256 of what it shows (request_digest); NULL: opened before
+    on_behalf_of   TEXT,                             -- a deputy's answer: the person they stood for
     UNIQUE (playbook, run_id)
 );
 CREATE INDEX IF NOT EXISTS requests_open ON requests (playbook, seq) WHERE open = 1;
@@ -6769,6 +6977,28 @@ CREATE TABLE IF NOT EXISTS leases (
     daemon   TEXT NOT NULL,                          -- daemons.id of the holder
     until_ms BIGINT NOT NULL,
     again    BOOLEAN NOT NULL DEFAULT FALSE          -- another daemon asked for the work meanwhile
+);
+
+-- Deputies: while [starts_at, ends_at) holds on the daemon's clock, what is addressed to `for_person`
+-- in the playbook is addressed to `to_person` too; their answer records them and whom they stood for.
+CREATE TABLE IF NOT EXISTS deputies (
+    id          TEXT PRIMARY KEY,                    -- dep_<ULID>
+    playbook    TEXT NOT NULL,
+    for_person  TEXT NOT NULL,
+    to_person   TEXT NOT NULL,
+    starts_at   BIGINT,                             -- NULL: from its making
+    ends_at     BIGINT,                             -- NULL: until removed
+    created_at  BIGINT NOT NULL,
+    created_by  TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS deputies_to ON deputies (playbook, to_person);
+
+-- A quorum approval's addressees besides its party: listing by `to` finds it under each of them.
+CREATE TABLE IF NOT EXISTS addressees (
+    playbook TEXT NOT NULL,
+    person   TEXT NOT NULL,
+    run_id   TEXT NOT NULL,
+    PRIMARY KEY (playbook, person, run_id)
 );
 """
 
@@ -8234,6 +8464,18 @@ class Role(str, enum.Enum):
         return {"reader": 0, "writer": 1, "operator": 2}[self.value]
 
 
+def quorum_people(request: Mapping[str, Any]) -> list[str]:
+    """The addressees of a quorum approval (`to: [a, b, c]`) from a request's row; [] for any other
+    request (or a row read without its approval)."""
+    try:
+        approval = request["approval"]
+    except (KeyError, IndexError):
+        return []
+    if approval is None or '"quorum"' not in approval:
+        return []
+    return list(json.loads(approval).get("quorum", {}).get("to", []))
+
+
 @dataclass(frozen=True)
 class Caller:
     """Who makes a call: a token's id, `stdio`, or `local`; what it may do and see.
@@ -8250,6 +8492,7 @@ class Caller:
     playbook: str | None = None          # bound to one playbook; None sees every one
     person: str | None = None            # a person's caller: the party they are
     name: str | None = None              # a token's name (`token create NAME`), said of its answers
+    stands_for: tuple[str, ...] = ()     # a person's: whom they are a deputy of now (Inbox.deputized)
 
     def sees(self, playbook: str) -> bool:
         return self.role is Role.OPERATOR or self.playbook is None or self.playbook == playbook
@@ -8273,19 +8516,36 @@ class Caller:
         """The addressee a listing of open requests keeps: a person's own name (another's is 404)."""
         if self.person is None:
             return to
-        if to is not None and to != self.person:
+        if to is not None and to != self.person and to not in self.stands_for:
             raise not_found("a person sees only the requests addressed to them")
-        return self.person
+        return to if to is not None else self.person
 
     def addressed(self, request: Mapping[str, Any]) -> bool:
         """Whether this caller may see and answer a request (a row with its `party`, and `escalated_to`
         where the row has it): a person only their own, or one escalated to them."""
-        if self.person is None or request["party"] == self.person:
+        if self.person is None or request["party"] == self.person or request["party"] in self.stands_for:
+            return True
+        if any(p == self.person or p in self.stands_for for p in quorum_people(request)):
             return True
         try:
-            return request["escalated_to"] == self.person
+            return request["escalated_to"] is not None and (request["escalated_to"] == self.person
+                                                            or request["escalated_to"] in self.stands_for)
         except (KeyError, IndexError):
             return False
+
+    def on_behalf_of(self, request: Mapping[str, Any]) -> str | None:
+        """Whom a person's answer of `request` stands for: None when it is addressed to them, else the
+        person (its party, or whom it was escalated to) they are a deputy of."""
+        if self.person is None:
+            return None
+        try:
+            escalated = request["escalated_to"]
+        except (KeyError, IndexError):
+            escalated = None
+        people = quorum_people(request)
+        if self.person in (request["party"], escalated, *people):
+            return None
+        return next((p for p in (request["party"], *people) if p in self.stands_for), escalated)
 
 
 OPERATOR_LOCAL: Final = Caller("local", Role.OPERATOR)
@@ -8326,19 +8586,38 @@ class AnswerLinks:
         digest = hmac.new(self.key, text.encode(), hashlib.sha256).digest()[:24]
         return base64.urlsafe_b64encode(digest).decode().rstrip("=")
 
-    def token(self, row: Mapping[str, Any]) -> str | None:
-        """The signed part of a request's link (a row with id, playbook, run_id, party); None before the key."""
+    def token(self, row: Mapping[str, Any], person: str | None = None) -> str | None:
+        """The signed part of a request's link (a row with id, playbook, run_id, party); None before the key.
+        A deputy's link (`person`, standing for the party) names them after the signature."""
         if self.key is None:
             return None
-        return f"{row['id']}.{self._mac(chr(31).join((row['id'], row['playbook'], row['run_id'], row['party'])))}"
+        who = person if person is not None else row["party"]
+        mac = self._mac(chr(31).join((row["id"], row["playbook"], row["run_id"], who)))
+        if who == row["party"]:
+            return f"{row['id']}.{mac}"
+        return f"{row['id']}.{mac}.{base64.urlsafe_b64encode(who.encode()).decode().rstrip('=')}"
 
-    def url(self, row: Mapping[str, Any]) -> str | None:
-        token = self.token(row)
+    def url(self, row: Mapping[str, Any], person: str | None = None) -> str | None:
+        token = self.token(row, person)
         return f"{self.base}/a/{token}" if token is not None else None
 
+    def holder(self, token: str, row: Mapping[str, Any]) -> str | None:
+        """Whom a link that verifies is for: the request's party, or the deputy it names; None when it
+        does not verify."""
+        parts = token.split(".")
+        who = row["party"]
+        if len(parts) == 3:
+            try:
+                who = base64.urlsafe_b64decode(parts[2] + "=" * (-len(parts[2]) % 4)).decode()
+            except (ValueError, UnicodeDecodeError):
+                return None
+            if who == row["party"]:
+                return None
+        mine = self.token(row, who)
+        return who if mine is not None and hmac.compare_digest(mine.encode(), token.encode()) else None
+
     def verifies(self, token: str, row: Mapping[str, Any]) -> bool:
-        mine = self.token(row)
-        return mine is not None and hmac.compare_digest(mine.encode(), token.encode())
+        return self.holder(token, row) is not None
 
     def form_token(self, token: str) -> str:
         return self._mac("form" + chr(31) + token)
@@ -8350,7 +8629,11 @@ class AnswerLinks:
     def shown(self, obj: dict[str, Any], row: Mapping[str, Any], caller: Caller) -> dict[str, Any]:
         """`obj` with the request's `answer_url` when the caller may answer it: a writer (a person only
         their own requests); readers never see it. `row` is the request's (id, playbook, run_id, party)."""
-        if caller.role.rank >= Role.WRITER.rank and caller.addressed(row) and (url := self.url(row)) is not None:
+        # A deputy's own link, and each of a quorum's addressees': whoever holds it votes as its person.
+        own = caller.person is not None and caller.person != row["party"] and (
+            caller.on_behalf_of(row) is not None or caller.person in quorum_people(row))
+        deputy = caller.person if own else None
+        if caller.role.rank >= Role.WRITER.rank and caller.addressed(row) and (url := self.url(row, deputy)) is not None:
             obj["answer_url"] = url
         return obj
 
@@ -8384,15 +8667,18 @@ def _listed_schema(text: str) -> Any:
 
 
 def addressees(row: Row) -> list[str]:
-    """Whom a request asks: its party and, once escalated, the escalation's party too (either may answer)."""
+    """Whom a request asks: its party and, once escalated, the escalation's party too (either may answer);
+    a quorum approval, each of its `to`."""
     escalated = row["escalated_to"]
-    return [row["party"]] if escalated is None or escalated == row["party"] else [row["party"], escalated]
+    listed = quorum_people(row) or [row["party"]]
+    return listed if escalated is None or escalated in listed else [*listed, escalated]
 
 
 def may_reply(row: Row, sender: str) -> bool:
     """Whether a reply from `sender` counts for a request: from its answerer, or from the party it was
-    escalated to."""
-    return sender == row["answerer"] or (row["escalated_to"] is not None and sender == row["escalated_to"])
+    escalated to; for a quorum approval, from any of its addressees (a vote as the sender)."""
+    return sender == row["answerer"] or (row["escalated_to"] is not None and sender == row["escalated_to"]) \
+        or sender in quorum_people(row)
 
 
 def request_object(row: Row) -> dict[str, Any]:
@@ -8409,6 +8695,7 @@ def request_object(row: Row) -> dict[str, Any]:
         "conversation": row["conversation"], "answerer": row["answerer"],
         "refused_replies": row["refused_replies"], "reminded": row["reminded"],
         "approval": _approval_shown(row["approval"]) if row["approval"] is not None else None,
+        "digest": row["digest"],
     }
 
 
@@ -8461,17 +8748,30 @@ def remember_errors(answer: Any) -> list[dict[str, Any]]:
     return []
 
 
-def answer_errors(row: Row, answer: Any) -> list[dict[str, Any]]:
+def answer_errors(row: Row, answer: Any, digest: Any = None) -> list[dict[str, Any]]:
     """The one check of an answer, whichever door it comes in by (the API, the page, an answer link,
-    a reply in a thread, an MCP elicitation): the request's answer schema, as stored, and the bound of
-    a remembered decision's duration."""
+    a reply in a thread, an MCP elicitation): the request's answer schema, as stored, and the bound
+    of a remembered decision's duration. An answer that
+    names the digest of what it was given (`digest`) answers that only: another request's, or the
+    same request's before it changed, is 409 digest_mismatch."""
+    if digest is not None:
+        if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
+            raise ended("invalid_input", "digest is the request's 64 lowercase hex digits, as shown with it",
+                        errors=[{"pointer": "/digest", "message": "64 lowercase hex digits"}])
+        if row["digest"] is not None and not hmac.compare_digest(digest, row["digest"]):
+            raise Problem("digest_mismatch", f"the answer was given to a request showing something else (digest"
+                          f" {digest[:12]}...); the request shows {row['digest'][:12]}... now: read it again",
+                          extra={"digest": row["digest"]})
     return schema_errors(_compiled_schema(row["answer_schema"]), answer, "/answer") or remember_errors(answer)
 
 
 def answer_fact(row: Row) -> dict[str, Any]:
     fact = {"run_id": row["run_id"], "answer_id": f"evt_{row['answer_id']}", "answer": loads(row["answer"]),
             "claimed_for": row["claimed_for"], "answered_by": row["answered_by"],
-            "answered_by_name": row["answered_by_name"], "answered_at": fmt_time(row["answered_at"])}
+            "answered_by_name": row["answered_by_name"], "answered_at": fmt_time(row["answered_at"]),
+            "digest": row["digest"]}
+    if row["on_behalf_of"] is not None:
+        fact["on_behalf_of"] = row["on_behalf_of"]
     if row["reply_id"] is not None:
         fact["reply"] = {"id": row["reply_id"], **({"sender": row["reply_sender"]} if row["reply_sender"] else {})}
     return fact
@@ -9778,20 +10078,24 @@ class Inbox:
                                 cursor: str | None = None) -> dict[str, Any]:
         n = check_limit(limit)
         before = decode_cursor(cursor)[0] if cursor else None
+        caller = await self.deputized(caller, playbook)
         to = caller.inbox_to(to)
+        also = caller.stands_for if caller.person is not None and to == caller.person else ()
         rows = await self.store.read(lambda tx: tx.open_requests(playbook, to=to, type_=type_, name=function,
-                                                                 before=before, limit=n + 1))
+                                                                 before=before, limit=n + 1, also=also))
         return _page([self.links.shown(request_object(r), r, caller) for r in rows[:n]], rows, n,
                      lambda: [rows[n - 1]["seq"]])
 
     async def request_for(self, caller: Caller, playbook: str, run_id: str) -> dict[str, Any] | None:
         """A run's own request as `caller` may see it - {id, status, to, message, answer_schema, and
         answer_url while open} - or None when the run asks nobody, or asks someone else of a person."""
+        caller = await self.deputized(caller, playbook)
         row = await self.store.read(lambda tx: tx.request(playbook, run_id))
         if row is None or not caller.addressed(row):
             return None
         obj = {"id": row["id"], "status": row["status"], "to": row["party"], "message": row["message"],
-               "answer_schema": json.loads(row["answer_schema"]) if row["answer_schema"] is not None else None}
+               "answer_schema": json.loads(row["answer_schema"]) if row["answer_schema"] is not None else None,
+               "digest": row["digest"]}
         return self.links.shown(obj, row, caller) if row["status"] == RequestStatus.OPEN else obj
 
     async def elicitation_declined(self, caller: Caller, playbook: str, run_id: str, mode: str, action: str) -> None:
@@ -9808,7 +10112,8 @@ class Inbox:
 
     async def answer_interaction(self, caller: Caller, playbook: str, run_id: str, answer: Any,
                                  claimed_for: str | None = None,
-                                 idempotency: IdempotencyKey | None = None) -> tuple[dict[str, Any], bool]:
+                                 idempotency: IdempotencyKey | None = None,
+                                 digest: Any = None) -> tuple[dict[str, Any], bool]:
         """Record the answer of an open request and end its run. Returns the fact and whether it is new.
 
         Under an idempotency key (the typed API) it returns the key's response in place of the fact: a new
@@ -9837,7 +10142,10 @@ class Inbox:
         # first and then the write cost a second thread hop, the larger part of an answer's latency).
         def change(tx: Tx, fx: Effects) -> tuple[dict[str, Any], bool]:
             row = tx.request(playbook, run_id)
-            if row is None or not caller.addressed(row):
+            who = caller
+            if row is not None and not who.addressed(row):     # a deputy's, while their window is open
+                who = replace(caller, stands_for=tuple(tx.standing_for(playbook, caller.person, now)))
+            if row is None or not who.addressed(row):
                 raise not_found(f"no request of run {run_id} in this playbook")
             if idempotency is not None:
                 # Looked up in the answer's own transaction: a concurrent call under the same key that
@@ -9850,14 +10158,15 @@ class Inbox:
                     raise Problem("not_open", "the request has ended (answered)", kind=row["status"])
                 return answer_fact(row), False
             if row["approval"] is not None:
-                self.approvals.may_answer(caller, row)
+                self.approvals.may_answer(who, row)
             else:
-                self.approvals.may_answer_call(tx, caller, row)
-            errors = answer_errors(row, answer)
+                self.approvals.may_answer_call(tx, who, row)
+            errors = answer_errors(row, answer, digest)
             if errors:
                 raise ended("invalid_input", "the answer does not match the request's answer schema",
                                      errors=errors)
-            closed = self.record_answer(tx, fx, row, answer, claimed_for, by, now, by_name=caller.by_name)
+            closed = self.record_answer(tx, fx, row, answer, claimed_for, by, now, by_name=caller.by_name,
+                                        on_behalf_of=who.on_behalf_of(row))
             if idempotency is None:
                 return answer_fact(closed), True
             response = idempotency.response(closed)
@@ -9884,19 +10193,20 @@ class Inbox:
 
     def record_answer(self, tx: Tx, fx: Effects, row: Row, answer: Any, claimed_for: str | None, by: str,
                        now: int, *, reply_id: str | None = None, reply_sender: str | None = None,
-                       by_name: str | None = None) -> Row:
+                       by_name: str | None = None, on_behalf_of: str | None = None) -> Row:
         """The one fact of an answer: request_answered, the request closed, the run succeeded. Who gave
-        it in words (`by_name`) is the caller's name, or a reply's sender.
+        it in words (`by_name`) is the caller's name, or a reply's sender; a deputy's answer names whom
+        they stood for (`on_behalf_of`).
 
         Returns the closed request's row (its answer columns filled)."""
         by_name = by_name if by_name is not None else reply_sender
         if row["approval"] is not None:        # an approval: its call follows, or the run ends declined
             return self.approvals.answered(tx, fx, row, answer, claimed_for, by, now, reply_id=reply_id,
-                                           by_name=by_name)
+                                           by_name=by_name, on_behalf_of=on_behalf_of)
         if isinstance(answer, dict) and isinstance(answer.get("remember"), dict):
             self.approvals.remember(tx, fx, row, answer, by, now)
         return tx.answer_request(fx, row, answer, by=by, now=now, claimed_for=claimed_for, reply_id=reply_id,
-                                 reply_sender=reply_sender, by_name=by_name)
+                                 reply_sender=reply_sender, by_name=by_name, on_behalf_of=on_behalf_of)
 
     @staticmethod
     def _answer_state_check(req: Row, answer: Any) -> bool:
@@ -9915,6 +10225,86 @@ class Inbox:
         return False
 
 
+
+    # -- deputies -------------------------------------------------------------------------------
+
+    async def deputized(self, caller: Caller, playbook: str) -> Caller:
+        """A person's caller with whom they stand for now, on the daemon's clock (their deputies' open
+        windows); anyone else's as it is."""
+        if caller.person is None:
+            return caller
+        now = self.clock.now_ms()
+        stands = await self.store.read(lambda tx: tx.standing_for(playbook, caller.person, now))
+        return replace(caller, stands_for=tuple(stands)) if stands else caller
+
+    def deputy_object(self, row: Row) -> dict[str, Any]:
+        now = self.clock.now_ms()
+        return {"id": row["id"], "playbook": row["playbook"], "for": row["for_person"], "to": row["to_person"],
+                "from": fmt_time(row["starts_at"]), "until": fmt_time(row["ends_at"]),
+                "open": (row["starts_at"] is None or row["starts_at"] <= now)
+                and (row["ends_at"] is None or now < row["ends_at"]),
+                "created_at": fmt_time(row["created_at"]), "created_by": row["created_by"]}
+
+    async def add_deputy(self, caller: Caller, playbook: str, body: Any) -> dict[str, Any]:
+        """A deputy (operator): `to` answers what is addressed to `for` from `from` (default: now) until
+        `until` (default: until removed), RFC 3339 times on the daemon's clock."""
+        caller.require(Role.OPERATOR)
+        if not isinstance(body, dict):
+            raise Problem("invalid_request", "the body is an object: {for, to, from?, until?}",
+                          errors=[{"pointer": "", "message": "an object: {for, to, from?, until?}"}])
+        errors = [{"pointer": f"/{k}", "message": "not a key of a deputy (for, to, from, until)"}
+                  for k in body if k not in ("for", "to", "from", "until")]
+        names: dict[str, str] = {}
+        for key in ("for", "to"):
+            try:
+                names[key] = person_name(body.get(key))
+            except ValueError as exc:
+                errors.append({"pointer": f"/{key}", "message": str(exc)})
+        times: dict[str, int | None] = {"from": None, "until": None}
+        for key in times:
+            if body.get(key) is not None:
+                try:
+                    times[key] = parse_rfc3339(body[key])
+                except ValueError as exc:
+                    errors.append({"pointer": f"/{key}", "message": str(exc)})
+        if len(names) == 2 and names["for"] == names["to"]:
+            errors.append({"pointer": "/to", "message": "a person is not their own deputy"})
+        if times["from"] is not None and times["until"] is not None and times["until"] <= times["from"]:
+            errors.append({"pointer": "/until", "message": "until comes after from"})
+        if errors:
+            raise Problem("invalid_request", "the deputy is not valid", errors=errors)
+        now = self.clock.now_ms()
+        deputy_id = "dep_" + new_ulid()
+
+        def change(tx: Tx, fx: Effects) -> Row:
+            tx.add_deputy(deputy_id=deputy_id, playbook=playbook, for_person=names["for"], to_person=names["to"],
+                          starts_at=times["from"], ends_at=times["until"], now=now, by=caller.by)
+            tx.append_event(fx, playbook, None, "deputy_added", now, caller.by,
+                            {"id": deputy_id, "for": names["for"], "to": names["to"],
+                             "from": fmt_time(times["from"]), "until": fmt_time(times["until"])})
+            return {"id": deputy_id, "playbook": playbook, "for_person": names["for"], "to_person": names["to"],
+                    "starts_at": times["from"], "ends_at": times["until"], "created_at": now, "created_by": caller.by}
+        return self.deputy_object(await self.store.write(change))
+
+    async def list_deputies(self, caller: Caller, playbook: str) -> dict[str, Any]:
+        caller.require(Role.OPERATOR)
+        rows = await self.store.read(lambda tx: tx.deputies(playbook))
+        return {"data": [self.deputy_object(r) for r in rows], "page": {"has_more": False, "next_cursor": None}}
+
+    async def remove_deputy(self, caller: Caller, playbook: str, deputy_id: str) -> dict[str, Any]:
+        caller.require(Role.OPERATOR)
+        now = self.clock.now_ms()
+
+        def change(tx: Tx, fx: Effects) -> Row | None:
+            row = tx.remove_deputy(playbook, deputy_id)
+            if row is not None:
+                tx.append_event(fx, playbook, None, "deputy_removed", now, caller.by,
+                                {"id": deputy_id, "for": row["for_person"], "to": row["to_person"]})
+            return row
+        row = await self.store.write(change)
+        if row is None:
+            raise not_found(f"no deputy {deputy_id} in this playbook")
+        return self.deputy_object(row)
 
     # -- events ---------------------------------------------------------------------------------
 
@@ -10491,10 +10881,21 @@ class Readings:
                 self._refuse(tx, fx, target, doc_rule, m["id"], "; ".join(reasons), now, tellings,
                              ("Your reply could not be taken: " + "; ".join(reasons) + ". " + how).strip())
                 continue
+            try:
+                took = self.inbox.record_answer(tx, fx, target, answer, None, f"playbook:{playbook}", now,
+                                                reply_id=m["id"], reply_sender=m["sender"])
+            except Problem as exc:                     # a quorum's vote it refuses (a second one, a change)
+                if exc.name not in ("answered", "arguments_changed", "approval_not_yours"):
+                    raise
+                refused += 1
+                self._refuse(tx, fx, target, doc_rule, m["id"], exc.detail, now, tellings,
+                             f"Your reply could not be taken: {exc.detail}.")
+                continue
             taken += 1
+            at = open_reqs.index(target)
             open_reqs.remove(target)
-            self.inbox.record_answer(tx, fx, target, answer, None, f"playbook:{playbook}", now, reply_id=m["id"],
-                                      reply_sender=m["sender"])
+            if took["status"] == RequestStatus.OPEN.value:     # one vote of a quorum: it stays open for the rest
+                open_reqs.insert(at, tx.request(target["playbook"], target["run_id"]))
         tx.read_up_to(reading["id"], since)
         if counted:
             tx.append_event(fx, playbook, None, "replies_read", now, "interactiond",
@@ -10542,10 +10943,19 @@ class Readings:
 
 
 def _approval_shown(text: str) -> dict[str, Any]:
-    """The gate of an approval request as listings show it: the call proposed, and what may change."""
+    """The gate of an approval request as listings show it: the call proposed, and what may change;
+    for a quorum, whom it asks, how many approvals it takes, and the votes so far."""
     gate = json.loads(text)
-    return {"server": gate["server"], "tool": gate["tool"], "read_only": gate["read_only"],
-            "arguments": gate["arguments"], "edit": gate["edit"]}
+    shown = {"server": gate["server"], "tool": gate["tool"], "read_only": gate["read_only"],
+             "arguments": gate["arguments"], "edit": gate["edit"]}
+    if "quorum" in gate:
+        shown.update(gate["quorum"], votes=_votes_shown(gate))
+    return shown
+
+
+def _votes_shown(gate: Mapping[str, Any]) -> list[dict[str, Any]]:
+    return [{"by": v["by"], "approved": v["approved"], "note": v["note"], "at": fmt_time(v["at"]),
+             **({"on_behalf_of": v["on_behalf_of"]} if v.get("on_behalf_of") else {})} for v in gate.get("votes", [])]
 
 
 class Approvals:
@@ -10584,9 +10994,17 @@ class Approvals:
         now = self.clock.now_ms()
         ending: Problem | None = None
         prepared: dict[str, Any] = {}
+        quorum: dict[str, Any] | None = None
         ctx = base_context(now, input=input_)
         try:
             party = policy.to if policy is not None else render_party(gate.to, ctx, "approve.to")
+            if policy is not None and policy.also:          # the operator's quorum
+                quorum = {"to": [policy.to, *policy.also], "need": policy.need, "veto": policy.veto}
+            elif policy is None and gate.also:        # a quorum: each of `to`, once
+                people = list(dict.fromkeys([party, *(render_party(t, ctx, "approve.to") for t in gate.also)]))
+                if len(people) < gate.need:
+                    raise ended("unworkable", f"approve.to names {len(people)} different people, and need is {gate.need}")
+                quorum = {"to": people, "need": gate.need, "veto": gate.veto}
             request_id = "int_" + new_ulid()
             ctx["request"] = {"answer_url": self.links.url({"id": request_id, "playbook": playbook, "run_id": run_id,
                                                             "party": party})}
@@ -10610,14 +11028,20 @@ class Approvals:
         except Problem as exc:
             ending = exc
         edit = list(gate.edit) if gate is not None else []
+        shown = self._gate(call.server, call.tool, read_only, arguments, edit, schema)
+        if quorum is not None:
+            shown["quorum"] = quorum
         return await self._ask(caller, playbook, run_id, type_, name, version, input_text, input_sha, parent,
-                               doc.deliver, prepared, self._gate(call.server, call.tool, read_only, arguments, edit, schema),
-                               ending)
+                               doc.deliver, prepared, shown, ending)
 
     async def ask_execute(self, caller: Caller, playbook: str, server: str, tool: str, arguments: dict[str, Any],
                           read_only: bool, schema: Any, approve: Any) -> dict[str, Any]:
         """`execute` of a gated tool (the operator's gate, or `approve` given): the started run to wait on."""
         policy = self.policy(server, tool)
+        quorum = self._execute_quorum(approve) if policy is None else (
+            {"to": [policy.to, *policy.also], "need": policy.need, "veto": policy.veto} if policy.also else None)
+        if quorum is not None and policy is None:
+            approve = {**approve, "to": quorum["to"][0]}
         to, expires, edit = self._execute_gate(approve, arguments, needs_to=policy is None)
         if policy is not None:
             to, expires = policy.to, policy.expires
@@ -10629,10 +11053,42 @@ class Approvals:
                     "expires_at": now + int(expires.total_seconds() * 1000), "answer_schema": APPROVAL_ANSWER_SCHEMA,
                     "message": f"A call of **{tool}** on the tool server **{server}** (it {kind}) waits for approval."
                                " Approve the call, or reject it."}
+        gate = self._gate(server, tool, read_only, arguments, edit, schema)
+        if quorum is not None:
+            gate["quorum"] = quorum
         run, _ = await self._ask(caller, playbook, new_run_id(), "execute", f"{server}/{tool}", 0, input_text,
-                                 sha256_hex(input_text), None, None, prepared,
-                                 self._gate(server, tool, read_only, arguments, edit, schema), None)
+                                 sha256_hex(input_text), None, None, prepared, gate, None)
         return run
+
+    @staticmethod
+    def _execute_quorum(approve: Any) -> dict[str, Any] | None:
+        """`execute`'s `approve` naming a quorum - `to: [a, b, c]`, `need`, `veto` - checked; None when it
+        names one person (`to` a text)."""
+        if not isinstance(approve, dict) or not isinstance(approve.get("to"), list):
+            for key in ("need", "veto"):
+                if isinstance(approve, dict) and key in approve:
+                    raise Problem("invalid_request", "approve is not valid", errors=[
+                        {"pointer": f"/approve/{key}", "message": "goes with `to` as a list of people"}])
+            return None
+        errors = []
+        people: list[str] = []
+        for i, p in enumerate(approve["to"]):
+            try:
+                people.append(person_name(p))
+            except ValueError as exc:
+                errors.append({"pointer": f"/approve/to/{i}", "message": str(exc)})
+        people = list(dict.fromkeys(people))
+        if not 1 <= len(approve["to"]) <= MAX_QUORUM:
+            errors.append({"pointer": "/approve/to", "message": f"1 to {MAX_QUORUM} people"})
+        need, veto = approve.get("need", 1), approve.get("veto", True)
+        if isinstance(need, bool) or not isinstance(need, int) or not 1 <= need <= max(len(people), 1):
+            errors.append({"pointer": "/approve/need", "message": f"how many of the {len(people)} different people"
+                                                                  f" in to must approve: 1 to {len(people)}"})
+        if not isinstance(veto, bool):
+            errors.append({"pointer": "/approve/veto", "message": "true or false"})
+        if errors:
+            raise Problem("invalid_request", "approve is not valid", errors=errors)
+        return {"to": people, "need": need, "veto": veto}
 
     def _gate(self, server: str, tool: str, read_only: bool, arguments: Any, edit: list[str],
               schema: Any) -> dict[str, Any]:
@@ -10650,8 +11106,8 @@ class Approvals:
         if not isinstance(approve, dict):
             raise Problem("invalid_request", "approve is an object: {to, expires, edit}",
                           errors=[{"pointer": "/approve", "message": "an object: {to, expires, edit}"}])
-        errors = [{"pointer": f"/approve/{k}", "message": "not a key of approve (to, expires, edit)"}
-                  for k in approve if k not in ("to", "expires", "edit")]
+        errors = [{"pointer": f"/approve/{k}", "message": "not a key of approve (to, expires, edit, need, veto)"}
+                  for k in approve if k not in ("to", "expires", "edit", "need", "veto")]
         to = approve.get("to")
         if to is None and needs_to:
             errors.append({"pointer": "/approve/to", "message": "required: the person who approves the call"})
@@ -10712,8 +11168,11 @@ class Approvals:
                             server=deliver.server if deliver else None, tool=deliver.tool if deliver else None,
                             delivery=DeliveryState.IN_INBOX if deliver is None else DeliveryState.TO_DELIVER,
                             asked_at=now, expires_at=prepared["expires_at"],
-                            deliver_args=dumps(prepared["deliver_args"]) if deliver else None)
+                            deliver_args=dumps(prepared["deliver_args"]) if deliver else None,
+                            digest=request_digest(prepared["message"], APPROVAL_ANSWER_SCHEMA, gate["arguments"]))
             tx.set_approval(playbook, run_id, dumps({**gate, "asked_by": caller.id, "asked_by_person": caller.person}))
+            if "quorum" in gate:                # listing by `to` finds it under each addressee
+                tx.add_addressees(playbook, run_id, [p for p in gate["quorum"]["to"] if p != prepared["party"]])
             tx.append_event(fx, playbook, run_id, "interaction_requested", now, caller.id, {
                 "delivery": {"server": deliver.server, "tool": deliver.tool} if deliver else None,
                 "to": prepared["party"], "from": prepared["answerer"],
@@ -10756,7 +11215,7 @@ class Approvals:
                                                 f" {row['party']} (their page, link or token) or an operator approves it")
 
     def answered(self, tx: Tx, fx: Effects, row: Row, answer: Any, claimed_for: str | None, by: str, now: int,
-                 reply_id: str | None = None, by_name: str | None = None) -> Row:
+                 reply_id: str | None = None, by_name: str | None = None, on_behalf_of: str | None = None) -> Row:
         """Inside the answer's change: take an approval's answer (it passed the answer schema). A change
         outside `edit`, or arguments the tool's schema refuses, is `invalid_input` and writes nothing."""
         playbook, run_id = row["playbook"], row["run_id"]
@@ -10764,24 +11223,105 @@ class Approvals:
         approved = answer.get("approved") is True
         patch: list[dict[str, Any]] = []
         arguments = None
-        if approved:
+        if "quorum" in gate:                # one vote of several; the last one needed decides below
+            voted = self._vote(tx, fx, row, gate, answer, claimed_for, by, now, reply_id, by_name, on_behalf_of)
+            if not isinstance(voted, dict) or "decided" not in voted:
+                return voted
+            gate, patch, arguments = voted["gate"], voted["patch"], voted["arguments"]
+            approved = voted["decided"]
+        elif approved:
             patch, arguments = self._approved(gate, answer)
-        tx.record_answer(fx, row, answer, by=by, now=now, claimed_for=claimed_for, reply_id=reply_id, by_name=by_name)
+        tx.record_answer(fx, row, answer, by=by, now=now, claimed_for=claimed_for, reply_id=reply_id, by_name=by_name,
+                         on_behalf_of=on_behalf_of)
         note = answer.get("note")
         if not approved:                # the run ends declined, its request closed as answered
             tx.append_event(fx, playbook, run_id, "approval_answered", now, by, {
                 "approved": approved, "by": by, "patch": self.tools.record(gate["server"], patch), "note": note})
             detail = f"{by} refused the call of {gate['tool']} on {gate['server']}" + (f": {note}" if note else "")
+            if "quorum" in gate and not gate["quorum"]["veto"]:         # too few left to approve
+                detail = (f"the call of {gate['tool']} on {gate['server']} cannot have the {gate['quorum']['need']}"
+                          f" approvals it needs: too many of {', '.join(gate['quorum']['to'])} refused")
+            if "quorum" in gate:
+                tx.set_approval(playbook, run_id, dumps(gate))
             closed = end(tx, fx, playbook, run_id, "declined", detail, now=now, by=by)
             assert closed is not None
             return closed
         closed = tx.close_request(fx, playbook, run_id, ENDINGS["answered"])
         tx.append_event(fx, playbook, run_id, "approval_answered", now, by, {
-            "approved": approved, "by": by, "patch": self.tools.record(gate["server"], patch), "note": note})
+            "approved": approved, "by": by, "patch": self.tools.record(gate["server"], patch), "note": note,
+            "arguments_digest": arguments_digest(arguments)})
         tx.set_approval(playbook, run_id, dumps({**gate, "approved": arguments}))
         tx.resume_run(playbook, run_id)
         tx.set_timer(fx, timer_key("call", playbook, run_id), now)
         return closed
+
+    def _vote(self, tx: Tx, fx: Effects, row: Row, gate: dict[str, Any], answer: dict[str, Any],
+              claimed_for: str | None, by: str, now: int, reply_id: str | None, by_name: str | None,
+              on_behalf_of: str | None) -> Any:
+        """One addressee's vote on a quorum approval, inside the answer's change (SPEC section 25).
+
+        Each person votes once, counted as the person a deputy stands for (a reply's vote is its
+        sender's; an operator's, one vote under the token). The first approval's arguments stand: a
+        later approval that changes them is 409 arguments_changed. Returns the open request's row with
+        this vote as its answer while it is not decided, else {decided: approved?, gate, patch,
+        arguments} for answered() to record as the approval's answer."""
+        playbook, run_id = row["playbook"], row["run_id"]
+        quorum = gate["quorum"]
+        person = by_name if reply_id is not None else by
+        counted = on_behalf_of or person
+        if counted == gate.get("asked_by_person") or person == gate.get("asked_by_person"):
+            raise Problem("approval_not_yours", "this call was started by the same person that votes on it;"
+                                                " the others in its `to` approve it")
+        votes: list[dict[str, Any]] = list(gate.get("votes", []))
+        mine = next((v for v in votes if v["counted"] == counted), None)
+        if mine is not None:
+            if mine["answer"] == answer:                # the same vote again: its fact, no second vote
+                return {**dict(zip(row.keys(), row)), "answer": dumps(answer), "answer_id": mine["answer_id"],
+                        "answered_by": mine["by"], "answered_at": mine["at"], "answered_by_name": mine.get("name"),
+                        "on_behalf_of": mine.get("on_behalf_of"), "claimed_for": claimed_for, "reply_id": reply_id}
+            raise Problem("answered", f"{counted} has voted on this approval already; each person votes once",
+                          kind="answered")
+        approved = answer.get("approved") is True
+        patch: list[dict[str, Any]] = []
+        arguments = None
+        if approved and any(v["approved"] for v in votes):      # approve what the first approval left
+            if "arguments" in answer and json_patch(gate["arguments"], answer["arguments"]):
+                raise Problem("arguments_changed", "an earlier approval set these arguments: approve or refuse them as"
+                              " they are shown now, without changes", extra={"arguments": gate["arguments"]})
+            arguments = gate["proposed"]
+        elif approved:
+            patch, arguments = self._approved(gate, answer)
+        note = answer.get("note")
+        vote_id = tx.append_event(fx, playbook, run_id, EventType.APPROVAL_VOTE.value, now, by, {
+            "by": person, "approved": approved, "note": note, "patch": self.tools.record(gate["server"], patch),
+            **({"on_behalf_of": on_behalf_of} if on_behalf_of else {})})
+        votes.append({"by": person, "counted": counted, "approved": approved, "note": note, "at": now,
+                      "answer_id": vote_id, "answer": answer, "name": by_name,
+                      **({"on_behalf_of": on_behalf_of} if on_behalf_of else {})})
+        gate = {**gate, "votes": votes}
+        if approved and patch:                  # the first approval's edits stand for the rest
+            gate.update(arguments=self.tools.scrub(arguments), proposed=arguments, first_patch=patch)
+            tx.set_digest(playbook, run_id, request_digest(row["message"], APPROVAL_ANSWER_SCHEMA, gate["arguments"]))
+        yes = sum(1 for v in votes if v["approved"])
+        left = len([p for p in quorum["to"] if p not in {v["counted"] for v in votes}])
+        if (not approved and quorum["veto"]) or yes + left < quorum["need"]:
+            return {"decided": False, "gate": gate, "patch": patch, "arguments": None}
+        if yes >= quorum["need"]:
+            return {"decided": True, "gate": gate, "patch": gate.get("first_patch", patch),
+                    "arguments": gate["proposed"]}
+        tx.set_approval(playbook, run_id, dumps(gate))
+        return {**dict(zip(row.keys(), row)), "answer": dumps(answer), "answer_id": vote_id, "answered_by": by,
+                "answered_at": now, "answered_by_name": by_name, "on_behalf_of": on_behalf_of,
+                "claimed_for": claimed_for, "reply_id": reply_id}
+
+    async def with_votes(self, run: dict[str, Any]) -> dict[str, Any]:
+        """A run object with its quorum approval's `approval: {need, votes}`, when it has one."""
+        req = await self.store.read(lambda tx: tx.request(run["playbook"], run["run_id"]))
+        if req is not None and req["approval"] is not None and '"quorum"' in req["approval"]:
+            gate = json.loads(req["approval"])
+            run["approval"] = {"to": gate["quorum"]["to"], "need": gate["quorum"]["need"],
+                               "veto": gate["quorum"]["veto"], "votes": _votes_shown(gate)}
+        return run
 
     @staticmethod
     def _approved(gate: dict[str, Any], answer: dict[str, Any]) -> tuple[list[dict[str, Any]], Any]:
@@ -10898,7 +11438,7 @@ class Approvals:
         read_only = session.read_only(tool) if session is not None else bool(gate["read_only"])
         started = {"server": server, "tool": tool, "read_only": read_only,
                    "arguments": self.tools.record(server, arguments), "arguments_size": json_size(arguments),
-                   "arguments_sha256": sha256_hex(dumps(arguments))}
+                   "arguments_sha256": sha256_hex(dumps(arguments)), "arguments_digest": arguments_digest(arguments)}
 
         def begin(tx: Tx, fx: Effects) -> bool:
             if not tx.take_timer(fx, key, now):
@@ -11473,8 +12013,8 @@ class Engine:
         self.get_definition = self.definitions.get_definition
         self.list_definitions = self.definitions.list_definitions
         self.delete_definition = self.definitions.delete_definition
-        self.get_run = self.runs.get_run
-        self.wait_run = self.runs.wait_run
+        self.get_run = self._with_votes(self.runs.get_run)       # a quorum approval's run shows its votes
+        self.wait_run = self._with_votes(self.runs.wait_run)
         self.cancel_run = self.runs.cancel_run
         self.cancel_in = self.runs.cancel_in
         self.list_runs = self.runs.list_runs
@@ -11483,6 +12023,9 @@ class Engine:
         self.execute_tool = self.system_calls.execute_tool
         self.list_interactions = self.inbox.list_interactions
         self.answer_interaction = self.inbox.answer_interaction
+        self.deputized = self.inbox.deputized
+        self.add_deputy, self.list_deputies = self.inbox.add_deputy, self.inbox.list_deputies
+        self.remove_deputy = self.inbox.remove_deputy
         self.request_for = self.inbox.request_for
         self.elicitation_declined = self.inbox.elicitation_declined
         self.elicitation_refused = self.inbox.elicitation_refused
@@ -11627,6 +12170,13 @@ class Engine:
 
     def unsubscribe(self, q: asyncio.Queue[dict[str, Any]]) -> None:
         self.bus.unsubscribe(q)
+
+    def _with_votes(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """`fn`, answering a run object, with the votes of its quorum approval (Approvals.with_votes)."""
+        async def call(*args: Any, **kw: Any) -> Any:
+            run = await fn(*args, **kw)
+            return await self.approvals.with_votes(run) if isinstance(run, dict) and "run_id" in run else run
+        return call
 
     async def run_definition(self, caller: Caller, playbook: str, type_: str, name: str, input_: Any = None,
                              run_id: str | None = None, *, parent: str | None = None) -> tuple[dict[str, Any], bool]:
@@ -13413,7 +13963,7 @@ async def h_answer(request: web.Request) -> web.Response:
         raise Problem("invalid_request", "answer is required", errors=[{"pointer": "/answer", "message": "required"}])
     engine = request.app[engine_key()]
     fact, _ = await engine.answer_interaction(_caller(request), _pb(request), request.match_info["run_id"],
-                                              body["answer"], body.get("claimed_for"))
+                                              body["answer"], body.get("claimed_for"), digest=body.get("digest"))
     return _json(fact)
 
 
@@ -13469,6 +14019,20 @@ async def h_create_link(request: web.Request) -> web.Response:
     url, expires_at = await make_login_link(engine, person, playbook, lasts)
     return _json({"url": url, "for": person, "playbook": playbook if person is not None else None,
                   "expires_at": fmt_time(expires_at)}, 201)
+
+
+async def h_add_deputy(request: web.Request) -> web.Response:
+    body = await _json_body(request)
+    return _json(await request.app[engine_key()].add_deputy(_caller(request), _pb(request), body), 201)
+
+
+async def h_list_deputies(request: web.Request) -> web.Response:
+    return _json(await request.app[engine_key()].list_deputies(_caller(request), _pb(request)))
+
+
+async def h_remove_deputy(request: web.Request) -> web.Response:
+    return _json(await request.app[engine_key()].remove_deputy(_caller(request), _pb(request),
+                                                               request.match_info["deputy_id"]))
 
 
 async def h_problem_page(request: web.Request) -> web.Response:
@@ -13788,7 +14352,8 @@ _APPROVE_BODY: Final = {"type": "object", "description": "Have a person approve 
                         "properties": {"to": {"type": "string"}, "expires": {"type": "string"},
                                        "edit": {"type": "array", "items": {"type": "string"}}}}
 _ANSWER_BODY: Final = {"type": "object", "required": ["answer"], "properties": {
-    "answer": {}, "claimed_for": {"type": "string", "maxLength": 256}}}
+    "answer": {}, "claimed_for": {"type": "string", "maxLength": 256},
+    "digest": {"type": "string", "description": "the request's digest as shown: another is 409 digest_mismatch"}}}
 
 ROUTES: Final[list[Route]] = [
     Route("GET", "/healthz", h_healthz, "Liveness", public=True),
@@ -13799,6 +14364,12 @@ ROUTES: Final[list[Route]] = [
     Route("POST", PB + "/links", h_create_link, "A one-time sign-in link: a person's (for) in this playbook, or an"
           " operator's", Role.OPERATOR, {"type": "object", "properties": {
               "for": {"type": ["string", "null"]}, "expires": {"type": "string"}}}),
+    Route("POST", PB + "/deputies", h_add_deputy, "A deputy: `to` answers what is addressed to `for` while the window"
+          " (from, until: RFC 3339) is open", Role.OPERATOR, {"type": "object", "required": ["for", "to"], "properties": {
+              "for": {"type": "string"}, "to": {"type": "string"}, "from": {"type": ["string", "null"]},
+              "until": {"type": ["string", "null"]}}}),
+    Route("GET", PB + "/deputies", h_list_deputies, "The playbook's deputies", Role.OPERATOR),
+    Route("DELETE", PB + "/deputies/{deputy_id}", h_remove_deputy, "Remove a deputy", Role.OPERATOR),
     Route("POST", PB + "/definitions", h_create_definition, "create_definition", Role.WRITER, _DEF_BODY),
     Route("GET", PB + "/definitions", h_list_definitions, "list_definitions", query=("type",)),
     Route("GET", PB + "/definitions/{type}/{name}", h_get_definition, "get_definition", query=("version",)),
@@ -15723,7 +16294,7 @@ def interaction_object(row: Mapping[str, Any]) -> dict[str, Any]:
         "defaulted": defaulted,
         "expires_at": fmt_time(row["expires_at"]), "created_at": fmt_time(row["asked_at"]),
         "answered_at": fmt_time(row["answered_at"]) if answered else None,
-        "addressees": addressees(row), "reminded": row["reminded"],
+        "addressees": addressees(row), "reminded": row["reminded"], "digest": row["digest"],
     }
 
 
@@ -15797,7 +16368,7 @@ async def find_interaction(engine: Engine, caller: Caller, ident: str) -> Row:
     if INTERACTION_ID_RE.fullmatch(ident):
         row = await engine.store.read(lambda tx: tx.interaction(ident))
     if row is None or row["playbook"] not in engine.playbooks or not caller.sees(row["playbook"]) \
-            or not caller.addressed(row):
+            or not (await engine.deputized(caller, row["playbook"])).addressed(row):
         raise _v2_problem("not_found", "The interaction does not exist or is not visible to this token.")
     return row
 
@@ -15815,8 +16386,11 @@ async def list_typed_interactions(engine: Engine, caller: Caller, status: str | 
         raise _v2_problem("bad_request", "The cursor does not decode; pass next_cursor as it came.")
     playbooks = _visible(engine, caller)
     statuses = V2_STATUS_FILTER[status] if status else tuple(V2_STATUS)
+    if caller.person is not None and caller.playbook is not None:      # a deputy: whom they stand for too
+        caller = await engine.deputized(caller, caller.playbook)
     rows = await engine.store.read(lambda tx: tx.interactions(playbooks, statuses, run_id=run_id, before=before,
-                                                              limit=n + 1, party=caller.person)) if playbooks else []
+                                                              limit=n + 1, party=caller.person,
+                                                              also=caller.stands_for)) if playbooks else []
     more = len(rows) > n
     return {"data": [engine.links.shown(interaction_object(r), r, caller) for r in rows[:n]],
             "page": {"has_more": more, "next_cursor": encode_cursor([rows[n - 1]["seq"]]) if more else None}}
@@ -15845,10 +16419,12 @@ async def respond_interaction(engine: Engine, caller: Caller, row: Row, key: str
     if row["status"] != RequestStatus.OPEN or row["delivery_state"] == DeliveryState.CANCELLING.value:
         raise _not_pending(row["status"])
     kind, _, _ = typed_shape(row["answer_schema"])
-    answer = typed_answer(kind, json.loads(row["answer_schema"]), body)
+    # The digest of what was shown, beside the variant's fields (its own, not a field of the answer).
+    digest = body.get("digest")
+    answer = typed_answer(kind, json.loads(row["answer_schema"]), {k: v for k, v in body.items() if k != "digest"})
     try:
         response, new = await engine.answer_interaction(caller, row["playbook"], row["run_id"], answer,
-                                                        idempotency=idempotency)
+                                                        idempotency=idempotency, digest=digest)
     except Problem as exc:
         raise _v2_refusal(exc, kind) from None
     return 200, response, not new
@@ -15867,6 +16443,11 @@ def _v2_refusal(exc: Problem, kind: str) -> Problem:
     (its status is the problem's kind) is not pending, an answer off its schema fails validation."""
     if exc.name in ("answered", "not_open"):
         return _not_pending(exc.kind or "")
+    if exc.name == "digest_mismatch":
+        return _v2_problem("digest_mismatch", exc.detail, extra=exc.extra)
+    if exc.name == "invalid_input" and exc.errors and exc.errors[0]["pointer"] == "/digest":
+        return _v2_problem("validation_failed", exc.detail, errors=[
+            {"field": "digest", "code": "invalid_value", "message": exc.errors[0]["message"]}])
     if exc.name == "invalid_input":
         prefix = "answer" if kind == "form" else ""
         return _v2_problem("validation_failed", exc.detail, errors=[
@@ -15879,7 +16460,7 @@ def _v2_refusal(exc: Problem, kind: str) -> Problem:
 
 _RUN_ENDINGS: Final = tuple(f"run_{s.value}" for s in RunStatus if s.ended)
 _STREAMED: Final = ("interaction_requested", "request_answered", "request_reminded", "request_escalated",
-                     "request_defaulted", *_RUN_ENDINGS)
+                     "request_defaulted", "approval_vote", *_RUN_ENDINGS)
 
 
 def _stream_messages(ev: Row, req: Row | None) -> list[tuple[str, dict[str, Any]]]:
@@ -15899,6 +16480,9 @@ def _stream_messages(ev: Row, req: Row | None) -> list[tuple[str, dict[str, Any]
         return [("interaction.reminded", {**base, **about, "n": payload.get("n")})] if typed else []
     if ev["type"] == "request_escalated":
         return [("interaction.escalated", {**base, **about, "to": payload.get("to")})] if typed else []
+    if ev["type"] == "approval_vote":               # one vote of a quorum approval; it stays open
+        return [("interaction.voted", {**base, **about, "by": payload.get("by"),
+                                       "approved": payload.get("approved")})] if typed else []
     if ev["type"] == "request_defaulted":          # the interaction expired, taking its default as its response
         return [(ENDINGS["defaulted"].stream or "", {**base, **about, "defaulted": True,
                  "response": typed_response(kind, payload.get("answer"), ev["at"])})] if typed else []
@@ -16461,7 +17045,7 @@ const enc = encodeURIComponent;
 const S = {session: null, pb: null, to: "", items: new Map(), gone: new Set(), timer: null, es: null, skew: 0,
            seq: 0, busy: false, again: false, countsSig: "", loaded: false};
 const STREAM_EVENTS = ["interaction.created", "interaction.answered", "interaction.expired", "interaction.cancelled",
-                       "interaction.reminded", "interaction.escalated", "run.ended"];
+                       "interaction.reminded", "interaction.escalated", "interaction.voted", "run.ended"];
 const FORCE_POLL = new URLSearchParams(location.search).get("live") === "poll";   // for proxies that break SSE
 
 function h(tag, attrs, ...kids) {
@@ -16654,6 +17238,12 @@ async function showList(page, pb) {
   for (const [id, it] of S.items) {
     if (!ids.has(id)) { it.el.remove(); S.items.delete(id); left += 1; }
   }
+  // A request that shows something else now (a quorum's first approver changed the arguments) is
+  // drawn again: the card always shows, and answers, what its digest binds.
+  for (const x of want) {
+    const it = S.items.get(x.run_id);
+    if (it && it.req.digest !== x.digest) { it.el.remove(); S.items.delete(x.run_id); }
+  }
   const fresh = want.filter(r => !S.items.has(r.run_id));
   if (fresh.length) {
     const r = await api("POST", "/web/render", {items: fresh.map(x => ({markdown: x.message, schema: x.answer_schema,
@@ -16670,6 +17260,8 @@ async function showList(page, pb) {
     if (!it) continue;
     it.el.querySelector(".nudged").textContent = nudgedWords(x);
     it.el.querySelector("h2 .to").textContent = forWords(x);
+    const votes = it.el.querySelector(".votes");
+    if (votes) votes.textContent = votesWords(x.approval);
     if (it.el === cur) cur = cur.nextElementSibling;
     else ol.insertBefore(it.el, cur);
   }
@@ -16701,6 +17293,8 @@ function requestEl(req, shown) {
       h("p", {class: "meta"}, "asked ", relTime(req.asked_at), " · ",
         req.expires_at ? ["expires ", relTime(req.expires_at)] : "never expires", delivery,
         h("span", {class: "nudged"}, nudgedWords(req)),
+        req.digest ? [" · digest ", h("code", {class: "digest", "data-digest": req.digest,
+          title: `sha256 of what this request shows (message, form, arguments): ${req.digest}`}, req.digest.slice(0, 12))] : null,
         person ? null : [" · ", h("a", {href: `#/runs/${enc(req.run_id)}`}, "History")],
         req.answer_url && !person ? [" · ", h("a", {href: req.answer_url, class: "answer-link", target: "_blank", rel: "noreferrer",
           title: `The link ${req.to} answers on without signing in; copy it to send it`}, "Answer link")] : null),
@@ -16710,6 +17304,13 @@ function requestEl(req, shown) {
 // Whom a request asks (its party, and whom it was escalated to), and how often it was reminded: both
 // change while it stays listed, so showList writes them again on each refresh.
 function forWords(req) { return `for ${(req.addressees || [req.to]).join(" and ")}`; }
+// A quorum approval: how many approvals it needs of whom, and who has voted how so far.
+function votesWords(a) {
+  if (!a || !a.need || !a.to) return "";
+  const votes = (a.votes || []).map(v => `${v.by}${v.on_behalf_of ? ` for ${v.on_behalf_of}` : ""} ${v.approved ? "approved" : "refused"}`);
+  return `Needs ${a.need} of ${a.to.join(", ")}${a.veto ? "; one refusal refuses it" : ""}. `
+    + (votes.length ? `Voted: ${votes.join(", ")}.` : "No votes yet.");
+}
 function nudgedWords(req) {
   return req.reminded ? ` · reminded ${req.reminded} time${req.reminded === 1 ? "" : "s"}` : "";
 }
@@ -16793,6 +17394,7 @@ function approvalEl(req, n) {
   f.append(
     h("p", {class: "meta"}, "Calls ", h("strong", {}, a.tool), " on ", h("strong", {}, a.server), " · ",
       a.read_only ? "read-only" : "may change something"),
+    ...(a.need ? [h("p", {class: "votes", role: "status"}, votesWords(a))] : []),
     rows.length ? h("div", {class: "wide"}, h("table", {class: "arguments"},
       h("thead", {}, h("tr", {}, h("th", {scope: "col"}, "Argument"), h("th", {scope: "col"}, "Value"))),
       h("tbody", {}, body)))
@@ -16837,7 +17439,9 @@ async function submitApproval(req, f, fields, formErr, approved) {
   const buttons = [...f.querySelectorAll("button:not([hidden])")];
   buttons.forEach(b => { b.disabled = true; });
   f.setAttribute("aria-busy", "true");
-  const r = await api("POST", `${base()}/runs/${enc(req.run_id)}/answer`, {answer});
+  // The digest of what this card shows goes back with the answer: if the request changed meanwhile,
+  // the daemon refuses it (409 digest_mismatch) rather than take it for what it shows now.
+  const r = await api("POST", `${base()}/runs/${enc(req.run_id)}/answer`, {answer, digest: req.digest});
   f.removeAttribute("aria-busy");
   buttons.forEach(b => { b.disabled = false; });
   if (r.ok) return answered(req);
@@ -16952,7 +17556,7 @@ async function submitAnswer(req, form, f, fields, formErr, submitter) {
   buttons.forEach(b => { b.disabled = true; });
   f.setAttribute("aria-busy", "true");
   // The page's own answer route: answer_interaction's rules, its errors in a person's words.
-  const r = await api("POST", `/web${base().slice(3)}/runs/${enc(req.run_id)}/answer`, {answer});
+  const r = await api("POST", `/web${base().slice(3)}/runs/${enc(req.run_id)}/answer`, {answer, digest: req.digest});
   f.removeAttribute("aria-busy");
   buttons.forEach(b => { b.disabled = false; });
   if (r.ok) return answered(req);
@@ -17716,7 +18320,7 @@ async def h_web_answer(request: web.Request) -> web.Response:
     engine, caller, playbook = request.app[engine_key()], _caller(request), _pb(request)
     run_id = request.match_info["run_id"]
     try:
-        fact, _ = await engine.answer_interaction(caller, playbook, run_id, body["answer"])
+        fact, _ = await engine.answer_interaction(caller, playbook, run_id, body["answer"], digest=body.get("digest"))
     except Problem as exc:
         if exc.name == "invalid_input" and exc.errors:
             req, run = await engine.store.read(lambda tx: (tx.request(playbook, run_id), tx.run(playbook, run_id)))
@@ -17727,10 +18331,14 @@ async def h_web_answer(request: web.Request) -> web.Response:
 
 
 async def h_web_counts(request: web.Request) -> web.Response:
-    playbook, engine, caller = _pb(request), request.app[engine_key()], _caller(request)
-    rows = [r for r in await engine.store.read(lambda tx: tx.open_counts_by_party(playbook)) if caller.addressed(r)]
-    return _json({"total": sum(r["n"] for r in rows), "to": [{"to": r["party"], "count": r["n"]} for r in rows],
-                  "now": fmt_time(engine.clock.now_ms())})
+    playbook, engine = _pb(request), request.app[engine_key()]
+    caller = await engine.deputized(_caller(request), playbook)       # a deputy counts whom they stand for too
+    counted, total = await engine.store.read(lambda tx: (tx.open_counts_by_party(playbook),
+                                                         tx.open_request_counts().get(playbook, 0)))
+    rows = [r for r in counted if caller.addressed(r)]
+    # A quorum approval counts under each of its addressees, and once in the whole.
+    return _json({"total": total if caller.person is None else sum(r["n"] for r in rows),
+                  "to": [{"to": r["party"], "count": r["n"]} for r in rows], "now": fmt_time(engine.clock.now_ms())})
 
 
 # -- answer links ------------------------------------------------------------------------------------
@@ -17743,24 +18351,33 @@ async def h_web_counts(request: web.Request) -> web.Response:
 # form, which must carry the form token derived from the link. A link that does not verify, or
 # whose playbook this daemon does not serve, is a plain 404 page.
 
-_LINK_RE: Final = re.compile(r"(int_[0-9A-Za-z]{1,64})\.[A-Za-z0-9_-]{32}")
+_LINK_RE: Final = re.compile(r"(int_[0-9A-Za-z]{1,64})\.[A-Za-z0-9_-]{32}(?:\.[A-Za-z0-9_-]{1,400})?")
 
 
 async def _linked(request: web.Request) -> tuple[str, Row] | None:
-    """The link's signed part and its request (with the run's input), or None when it does not verify."""
+    """The link's signed part and its request (with the run's input), or None when it does not verify -
+    or when it is a deputy's whose window has closed."""
     engine, token = request.app[engine_key()], request.match_info["token"]
     m = _LINK_RE.fullmatch(token)
     if m is None:
         return None
     row = await engine.store.read(lambda tx: tx.linked_request(m.group(1)))
-    if row is None or row["playbook"] not in engine.playbooks or not engine.links.verifies(token, row):
+    if row is None or row["playbook"] not in engine.playbooks or (holder := engine.links.holder(token, row)) is None:
         return None
+    if holder != row["party"]:
+        deputy = await engine.deputized(Caller("link", Role.WRITER, row["playbook"], holder), row["playbook"])
+        if not deputy.addressed(row):
+            return None
     return token, row
 
 
-def _link_caller(row: Row) -> Caller:
-    """Who answers through a link: its addressee, a writer of its playbook."""
-    return Caller(f"link:{row['id']}", Role.WRITER, row["playbook"], row["party"])
+def _link_caller(row: Row, token: str = "") -> Caller:
+    """Who answers through a link: its addressee (or the deputy it was made for), a writer of its playbook."""
+    parts = token.split(".")
+    person = row["party"]
+    if len(parts) == 3:
+        person = base64.urlsafe_b64decode(parts[2] + "=" * (-len(parts[2]) % 4)).decode()
+    return Caller(f"link:{row['id']}", Role.WRITER, row["playbook"], person)
 
 
 async def _answered_by_words(engine: Engine, by: str | None, name: str | None = None) -> str:
@@ -17841,11 +18458,12 @@ def _place_errors(fields: list[dict[str, Any]], errors: list[dict[str, Any]]) ->
 
 
 def _link_form_html(form: dict[str, Any], form_token: str, sent: Mapping[str, list[str]],
-                    errors: list[dict[str, Any]]) -> str:
+                    errors: list[dict[str, Any]], digest: str | None = None) -> str:
     fields = form["fields"] + ([form["choice"]] if form["mode"] == "choice" else [])
     at, rest = _place_errors(fields, errors)
     parts = [f'<form class="answer" method="post" action="" novalidate>'
-             f'<input type="hidden" name="form" value="{_esc(form_token)}">']
+             f'<input type="hidden" name="form" value="{_esc(form_token)}">'
+             + (f'<input type="hidden" name="digest" value="{_esc(digest)}">' if digest else "")]
     parts += [_field_html(fd, str(i), sent.get(f"f{i}", []), at.get(fd["pointer"])) for i, fd in enumerate(form["fields"])]
     if form["mode"] == "choice":
         c = form["choice"]
@@ -17935,7 +18553,10 @@ async def _link_page(engine: Engine, token: str, row: Row, *, sent: Mapping[str,
     head = (f'<h1>{_esc(row["name"])} <span class="to">for {_esc(row["party"])}</span></h1>'
             f'<p class="meta">asked {_esc(_when_words(row["asked_at"]))}'
             + (f' · expires {_esc(_when_words(row["expires_at"]))}' if row["status"] == RequestStatus.OPEN else "") + "</p>"
-            f'<div class="msg">{render_markdown(row["message"])}</div>')
+            f'<div class="msg">{render_markdown(row["message"])}</div>'
+            + (f'<p class="meta digest" title="sha256 of what this request shows: its message, answer form and'
+               f' arguments">digest <code id="digest">{_esc(row["digest"])}</code></p>' if row["digest"] else "")
+            + (f'<p class="votes" id="votes">{_esc(_votes_words(row["approval"]))}</p>' if quorum_people(row) else ""))
     state = row["status"]
     if state == RequestStatus.ANSWERED:
         who = await _answered_by_words(engine, row["answered_by"], row["answered_by_name"])
@@ -17953,7 +18574,7 @@ async def _link_page(engine: Engine, token: str, row: Row, *, sent: Mapping[str,
         end = '<div id="status" class="card" role="status"><p>It is being cancelled. It takes no answer now.</p></div>'
     else:
         form = answer_form(json.loads(row["answer_schema"]), option_labels(row["name"], row["run_input"]))
-        end = _link_form_html(form, engine.links.form_token(token), sent or _proposed(form, row), errors or [])
+        end = _link_form_html(form, engine.links.form_token(token), sent or _proposed(form, row), errors or [], row["digest"])
     return _link_html(title, head, end, status=status)
 
 
@@ -17968,6 +18589,16 @@ def _proposed(form: dict[str, Any], row: Row) -> dict[str, list[str]]:
         return {}
     return {f"f{i}": [json.dumps(call[1], indent=2, ensure_ascii=False)] for i, fd in enumerate(form["fields"])
             if fd["name"] == "arguments" and fd["kind"] == "json"}
+
+
+def _votes_words(approval: str) -> str:
+    """A quorum approval's votes as a person reads them (the inbox page's votesWords, on the link's page)."""
+    gate = json.loads(approval)
+    quorum, votes = gate["quorum"], _votes_shown(gate)
+    cast = ", ".join(f"{v['by']}{' for ' + v['on_behalf_of'] if v.get('on_behalf_of') else ''}"
+                     f" {'approved' if v['approved'] else 'refused'}" for v in votes)
+    return (f"Needs {quorum['need']} of {', '.join(quorum['to'])}{'; one refusal refuses it' if quorum['veto'] else ''}. "
+            + (f"Voted: {cast}." if votes else "No votes yet."))
 
 
 def _when_words(ms: int | None) -> str:
@@ -18014,13 +18645,13 @@ async def h_answer_link_post(request: web.Request) -> web.Response:
             raise not_found("no such answer link")
         return _link_not_found()
     engine, (token, row) = request.app[engine_key()], found
-    caller = _link_caller(row)
+    caller = _link_caller(row, token)
     if request.content_type == "application/json":     # a program holding the link: answer_interaction's answers
         body = await _json_body(request)
         if "answer" not in body:
             raise Problem("invalid_request", "answer is required", errors=[{"pointer": "/answer", "message": "required"}])
         fact, _ = await engine.answer_interaction(caller, row["playbook"], row["run_id"], body["answer"],
-                                                  body.get("claimed_for"))
+                                                  body.get("claimed_for"), digest=body.get("digest"))
         return _json(fact)
     posted = await request.post()
     sent = {k: [str(v) for v in posted.getall(k)] for k in set(posted.keys())}
@@ -18035,7 +18666,8 @@ async def h_answer_link_post(request: web.Request) -> web.Response:
     if bad:
         return await _link_page(engine, token, row, sent=sent, errors=bad, status=422)
     try:
-        await engine.answer_interaction(caller, row["playbook"], row["run_id"], answer)
+        await engine.answer_interaction(caller, row["playbook"], row["run_id"], answer,
+                                        digest=str(posted["digest"]) if "digest" in posted else None)
     except Problem as exc:
         if exc.name in ("answered", "not_open", "notification"):         # ended meanwhile: say how
             row = await engine.store.read(lambda tx: tx.linked_request(row["id"])) or row
@@ -19042,6 +19674,39 @@ def _cli_rules(args: Any, db: str, config: Config) -> int:
     return 0
 
 
+def _cli_deputy(args: Any, db: str, config: Config) -> int:
+    """`deputy add|list|remove`: the running daemon's deputies (their windows are on its clock)."""
+    if not PLAYBOOK_RE.fullmatch(args.playbook):
+        raise CliError(f"--playbook is ORG/NAME in lowercase letters, digits and hyphens, not {args.playbook!r}",
+                       EXIT_USAGE)
+    org, _, name = args.playbook.partition("/")
+    path = f"/v1/orgs/{org}/playbooks/{name}/deputies"
+    d = daemon_address(args, db, config)
+    if args.deputy_cmd == "add":
+        body = {"for": args.for_, "to": args.to, "from": args.from_, "until": args.until}
+        status, out, _ = call_daemon(d, "POST", path, {k: v for k, v in body.items() if v is not None})
+    elif args.deputy_cmd == "remove":
+        status, out, _ = call_daemon(d, "DELETE", f"{path}/{urllib.parse.quote(args.id, safe='')}")
+    else:
+        status, out, _ = call_daemon(d, "GET", path)
+    if status >= 400:
+        raise CliError(problem_line(status, out))
+
+    def line(dep: dict[str, Any]) -> str:
+        window = f"from {dep['from'] or 'its making'} until {dep['until'] or 'removed'}"
+        return f"{dep['id']}  {dep['to']} for {dep['for']}  {window}  ({'open' if dep['open'] else 'closed'} now)"
+    if args.deputy_cmd == "list":
+        for dep in out["data"]:
+            print(line(dep))
+        if not out["data"]:
+            print(f"no deputies in {args.playbook}", file=sys.stderr)
+    else:
+        print(line(out))
+        if args.deputy_cmd == "remove":
+            print("removed", file=sys.stderr)
+    return 0
+
+
 def _cli_link(args: Any, db: str, config: Config) -> int:
     """`link`: a one-time sign-in link, made by the running daemon (its clock, its public_url), else
     written straight to the database when no daemon answers."""
@@ -19505,6 +20170,7 @@ COMMANDS: Final = (
     ("check", "check function documents, workflows and configuration files offline; exit 1 on any problem"),
     ("token", "create, list or revoke API tokens; list or end inbox sessions"),
     ("link", "print a one-time sign-in link to the inbox: a person's (--for NAME) or an operator's"),
+    ("deputy", "add, list or remove deputies: who answers what is addressed to a person while they are away"),
     ("copy", "copy a whole database into an empty one: an SQLite file into PostgreSQL, or back"),
     ("define", "save a function document or a workflow from a file"),
     ("run", "start a run of a function or a workflow"),
@@ -19634,6 +20300,27 @@ def build_parser() -> Any:
                                 " (their `to`), and answers as PERSON (default playbook: local/default)")
         elif name == "revoke":
             t.add_argument("id", help="the token's or the session's id (tok_...), as `token list` shows it")
+    p = command("deputy")
+    dsub = p.add_subparsers(dest="deputy_cmd", required=True, metavar="ACTION")
+    for name, text in (("add", "add a deputy: --to answers what is addressed to --for while the window is open"),
+                       ("list", "list the playbook's deputies, and whether each window is open now"),
+                       ("remove", "remove a deputy by its id")):
+        t = dsub.add_parser(name, help=text, description=text + " (on the running daemon's clock).",
+                            formatter_class=Help, epilog=EXIT_CODES)
+        t.add_argument("--db", metavar="PATH", help="the database the daemon serves (its URL and token are beside it)")
+        t.add_argument("--config", metavar="PATH", help="the operator configuration, YAML (env: INTERACTIOND_CONFIG)")
+        t.add_argument("--playbook", metavar="ORG/NAME", default=DEFAULT_PLAYBOOK, help="the playbook")
+        t.add_argument("--url", help="the daemon's URL (default: the one serve wrote beside the database)")
+        t.add_argument("--token", help="an operator token (env: INTERACTIOND_TOKEN; default: the one serve wrote"
+                                       " beside the database)")
+        if name == "add":
+            t.add_argument("--for", dest="for_", metavar="PERSON", required=True, help="the person who is away")
+            t.add_argument("--to", metavar="PERSON", required=True, help="the person who answers for them")
+            t.add_argument("--from", dest="from_", metavar="TIME", help="RFC 3339, e.g. 2026-12-02T09:00:00Z"
+                                                                      " (default: now)")
+            t.add_argument("--until", metavar="TIME", help="RFC 3339 (default: until removed)")
+        elif name == "remove":
+            t.add_argument("id", help="the deputy's id (dep_...), as `deputy list` shows it")
     p = command("link")
     p.add_argument("--for", dest="for_", metavar="PERSON",
                    help="the person the link signs in: they see and answer only the requests addressed to them"
@@ -19772,6 +20459,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cli_link(args, db, config)
         if args.cmd == "rules":
             return _cli_rules(args, db, config)
+        if args.cmd == "deputy":
+            return _cli_deputy(args, db, config)
         if args.cmd in CLIENT_COMMANDS:
             return _cli_client(args, db, config)
         if args.cmd == "stdio":

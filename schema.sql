@@ -108,6 +108,8 @@ CREATE TABLE IF NOT EXISTS requests (
     escalated_to   TEXT,                             -- once escalated: the party asked too, who may answer
     reply_sender   TEXT,                             -- who wrote the reply that answered
     answered_by_name TEXT,                           -- who answered, in words: a token's or person's name, a sender
+    digest         TEXT,                             -- sha256 of what it shows (request_digest); NULL: opened before
+    on_behalf_of   TEXT,                             -- a deputy's answer: the person they stood for
     UNIQUE (playbook, run_id)
 );
 CREATE INDEX IF NOT EXISTS requests_open ON requests (playbook, seq) WHERE open = 1;
@@ -250,3 +252,25 @@ CREATE TABLE IF NOT EXISTS approval_rules (
     revoked_at INTEGER
 );
 CREATE INDEX IF NOT EXISTS approval_rules_live ON approval_rules (playbook, party, tool) WHERE revoked_at IS NULL;
+
+-- Deputies: while [starts_at, ends_at) holds on the daemon's clock, what is addressed to `for_person`
+-- in the playbook is addressed to `to_person` too; their answer records them and whom they stood for.
+CREATE TABLE IF NOT EXISTS deputies (
+    id          TEXT PRIMARY KEY,                    -- dep_<ULID>
+    playbook    TEXT NOT NULL,
+    for_person  TEXT NOT NULL,
+    to_person   TEXT NOT NULL,
+    starts_at   INTEGER,                             -- NULL: from its making
+    ends_at     INTEGER,                             -- NULL: until removed
+    created_at  INTEGER NOT NULL,
+    created_by  TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS deputies_to ON deputies (playbook, to_person);
+
+-- A quorum approval's addressees besides its party: listing by `to` finds it under each of them.
+CREATE TABLE IF NOT EXISTS addressees (
+    playbook TEXT NOT NULL,
+    person   TEXT NOT NULL,
+    run_id   TEXT NOT NULL,
+    PRIMARY KEY (playbook, person, run_id)
+);

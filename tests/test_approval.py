@@ -181,7 +181,8 @@ async def test_approved_as_proposed_the_tool_is_called_once(d):
                                            "run_succeeded"]
     requested, answered = events[0]["payload"], events[3]["payload"]
     assert requested["arguments"] == {"service": "web", "force": False} and requested["read_only"] is False
-    assert answered == {"approved": True, "by": fact["answered_by"], "patch": [], "note": "go"}
+    assert answered == {"approved": True, "by": fact["answered_by"], "patch": [], "note": "go",
+                        "arguments_digest": itd.arguments_digest({"service": "web", "force": False})}
     assert events[4]["payload"]["arguments"] == {"service": "web", "force": False}
     # The same answer again is the same fact; the call is not made again.
     assert await answer(d, run_id, {"approved": True, "note": "go"}) == (200, fact)

@@ -102,6 +102,11 @@ async def made_by_a_daemon(aiohttp_client, db: str, config, chat_db: str) -> dic
     assert (await d.call("POST", f"/runs/{run['run_id']}/answer", {"answer": {
         "approved": True, "remember": {"for": "P7D", "scope": "prefix"}}}))[0] == 200      # a remembered decision
     ids["tool_call"] = run["run_id"]
+    assert (await d.call("POST", "/deputies", {"for": "ana", "to": "ben"}))[0] == 201          # a deputy
+    status, run = await d.call("POST", "/tools/chat/post_message", {"arguments": {"channel": "ops", "text": "hi"},
+                                                                   "approve": {"to": ["ana", "ben"], "need": 2}})
+    assert status == 202, run                                                   # a quorum: its addressees
+    ids["quorum"] = run["run_id"]
     tx = itd.open_sync(db)
     itd.create_token(tx, "operator", None, "link", purpose="login")
     tx.queue_nudge(PB, ids["chat"], what="reminder", n=1, message="Still waiting for your answer")   # a reminder to send

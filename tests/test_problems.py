@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 import interactiond as itd
-from daemon_kit import NOTIFY, start_daemon
+from daemon_kit import NOTIFY, person_token, start_daemon
 
 ROOT = Path(__file__).resolve().parent.parent
 FLAKY = str(Path(__file__).parent / "servers" / "flaky_server.py")
@@ -139,6 +139,8 @@ async def test_every_problem_type_through_the_app(d):
     await ask("a-1")
     body = await got("invalid_input", "POST", "/runs/a-1/answer", json={"answer": {"approved": "yes"}})
     assert body["errors"][0]["pointer"].startswith("/answer")
+    body = await got("digest_mismatch", "POST", "/runs/a-1/answer", json={"answer": {"approved": True}, "digest": "0" * 64})
+    assert len(body["digest"]) == 64 and body["digest"] != "0" * 64
     assert (await d.call("POST", "/runs/a-1/answer", {"answer": {"approved": True}}))[0] == 200
     await got("answered", "POST", "/runs/a-1/answer", json={"answer": {"approved": False}})
     await ask("c-1")
@@ -168,6 +170,16 @@ async def test_every_problem_type_through_the_app(d):
     status, gate = await d.call("POST", "/tools/flaky/echo", {"arguments": {"text": "hi"}, "approve": {"to": "ana"}})
     assert status == 202, gate
     await got("approval_not_yours", "POST", f"/runs/{gate['run_id']}/answer", json={"answer": {"approved": True}})
+    # Two approvers: the first one's edit stands; a later edit is refused.
+    status, pair = await d.call("POST", "/tools/flaky/echo", {"arguments": {"text": "hi"},
+                                                             "approve": {"to": ["ana", "ben"], "need": 2, "edit": ["/text"]}})
+    assert status == 202, pair
+    d.tokens["ana"], d.tokens["ben"] = person_token(d.db, "ana"), person_token(d.db, "ben")
+    status, _ = await d.call("POST", f"/runs/{pair['run_id']}/answer",
+                             {"answer": {"approved": True, "arguments": {"text": "hello"}}}, role="ana")
+    assert status == 200
+    await got("arguments_changed", "POST", f"/runs/{pair['run_id']}/answer", role="ben",
+              json={"answer": {"approved": True, "arguments": {"text": "bye"}}})
 
     # The typed API: the same envelope, with `code`.
     await got("unauthorized", "GET", "/v2/interactions", role=None)

@@ -334,7 +334,7 @@ def test_an_answer_is_recorded_its_request_closed_and_its_run_ended_together_onc
                                                                     ("run_succeeded", 3, "tok_1")]
     assert events[0]["id"] < events[1]["id"] and closed["answer_id"] == events[0]["id"]
     assert json.loads(events[0]["payload"]) == {"answer": {"verdict": "approve"}, "claimed_for": "bo",
-                                                "reply": {"id": "m9"}}
+                                                "reply": {"id": "m9"}, "digest": closed["digest"]}
     assert json.loads(events[1]["payload"]) == {"status": "succeeded", "kind": None, "output": {"verdict": "approve"}}
     assert [(e["id"], e["type"], e["by"], e["payload"]) for e in fx.published] == \
         [(e["id"], e["type"], e["by"], json.loads(e["payload"])) for e in events]
@@ -1007,3 +1007,36 @@ def test_a_version_6_database_gains_answered_by_name(db):
         assert closed["answered_by_name"] == tx.request(PB, "r2")["answered_by_name"] == "ops"
     finally:
         tx.close()
+
+
+def test_deputies_are_added_listed_open_in_their_window_and_removed(tx):
+    tx.add_deputy(deputy_id="dep_1", playbook=PB, for_person="ann", to_person="ben", starts_at=NOW + 10,
+                  ends_at=NOW + 20, now=NOW, by="local")
+    tx.add_deputy(deputy_id="dep_2", playbook="acme/other", for_person="cy", to_person="ben", starts_at=None,
+                  ends_at=None, now=NOW + 1, by="local")
+    assert [r["id"] for r in tx.deputies(PB)] == ["dep_1"]
+    assert [r["id"] for r in tx.deputies(None)] == ["dep_1", "dep_2"]
+    assert [tx.standing_for(PB, "ben", t) for t in (NOW + 9, NOW + 10, NOW + 19, NOW + 20)] == [[], ["ann"], ["ann"], []]
+    assert tx.standing_for("acme/other", "ben", NOW) == ["cy"] and tx.standing_for(PB, "ann", NOW + 15) == []
+    assert tx.remove_deputy("acme/other", "dep_1") is None                  # another playbook's: not removed
+    assert tx.remove_deputy(PB, "dep_1")["for_person"] == "ann"
+    assert tx.remove_deputy(PB, "dep_1") is None and tx.deputies(PB) == []
+
+
+def test_a_requests_digest_is_kept_changed_only_while_open_and_its_addressees_list_it(tx):
+    _run_with_request(tx, "r1")
+    req = tx.request(PB, "r1")
+    assert req["digest"] == itd.request_digest("ok?", {"type": "object"})
+    tx.set_digest(PB, "r1", "a" * 64)
+    assert tx.request(PB, "r1")["digest"] == "a" * 64
+    tx.add_addressees(PB, "r1", ["bo", "cy"])
+    tx.add_addressees(PB, "r1", ["cy"])                                      # once each
+    for who in ("ann", "bo", "cy"):
+        assert [r["run_id"] for r in tx.open_requests(PB, to=who, type_=None, name=None, before=None, limit=10)] == ["r1"]
+    assert tx.open_requests(PB, to="dan", type_=None, name=None, before=None, limit=10) == []
+    assert [r["run_id"] for r in tx.open_requests(PB, to="dan", type_=None, name=None, before=None, limit=10,
+                                                  also=("bo",))] == ["r1"]
+    tx.close_request(itd.Effects(), PB, "r1", itd.ENDINGS["cancelled"])
+    tx.set_digest(PB, "r1", "b" * 64)                                        # a closed request keeps its digest
+    assert tx.request(PB, "r1")["digest"] == "a" * 64
+    assert tx.open_requests(PB, to="bo", type_=None, name=None, before=None, limit=10) == []
