@@ -101,11 +101,26 @@ def test_stdio_answers_an_mcp_initialize(installed, tmp_path):
     init = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
         "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "smoke", "version": "1"}}}
     listed = {"jsonrpc": "2.0", "id": 2, "method": "tools/list"}
-    done = subprocess.run([exe(installed), "stdio"], cwd=tmp_path, env=_env(), capture_output=True, text=True,
-                          timeout=120, input="\n".join(json.dumps(m) for m in (
-                              init, {"jsonrpc": "2.0", "method": "notifications/initialized"}, listed)) + "\n")
-    replies = {m["id"]: m for m in map(json.loads, done.stdout.splitlines())}
-    assert replies[1]["result"]["serverInfo"]["name"] == "interactiond", done.stderr
+    proc = subprocess.Popen([exe(installed), "stdio"], cwd=tmp_path, env=_env(), text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    replies: dict[int, dict] = {}
+    try:
+        # One message at a time, each answer read before the next is sent: stdin stays open until the
+        # last answer is in (an end of input may stop the server before it answers what came before).
+        for message, wanted in ((init, 1), ({"jsonrpc": "2.0", "method": "notifications/initialized"}, None),
+                                (listed, 2)):
+            proc.stdin.write(json.dumps(message) + "\n")
+            proc.stdin.flush()
+            while wanted is not None and wanted not in replies:
+                line = proc.stdout.readline()
+                assert line, proc.stderr.read()
+                reply = json.loads(line)
+                if "id" in reply:
+                    replies[reply["id"]] = reply
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=60)
+    assert replies[1]["result"]["serverInfo"]["name"] == "interactiond"
     assert {"run_definition", "wait_run"} <= {t["name"] for t in replies[2]["result"]["tools"]}, replies[2]
 
 
