@@ -5889,9 +5889,8 @@ class SqlTx:
             rows += self.conn.execute(sql + " AND q.party = ? ORDER BY q.seq DESC LIMIT ?", (*args, who, limit)).fetchall()
             rows += self.conn.execute(sql + " AND q.escalated_to = ? AND q.party <> ? ORDER BY q.seq DESC LIMIT ?",
                                       (*args, who, who, limit)).fetchall()
-            rows += self.conn.execute(sql + " AND q.run_id IN (SELECT a.run_id FROM addressees a WHERE a.playbook = ?"
-                                      " AND a.person = ?) ORDER BY q.seq DESC LIMIT ?",
-                                      (*args, playbook, who, limit)).fetchall()
+            rows += self.conn.execute(sql + _QUORUM_OF + " ORDER BY +q.seq DESC LIMIT ?",   # from the few a person
+                                      (*args, playbook, who, limit)).fetchall()      # is among, not by seq
         rows = list({r["seq"]: r for r in rows}.values())
         return sorted(rows, key=lambda r: r["seq"], reverse=True)[:limit]
 
@@ -6093,16 +6092,21 @@ class SqlTx:
         if run_id is not None:
             sql += " AND q.run_id = ?"
             args.append(run_id)
-        if party is not None:
-            people = list(dict.fromkeys((party, *also)))
-            marks = ",".join("?" * len(people))
-            sql += (f" AND (q.party IN ({marks}) OR q.run_id IN (SELECT a.run_id FROM addressees a"
-                    f" WHERE a.playbook = q.playbook AND a.person IN ({marks})))")
-            args += people + people
         if before is not None:
             sql += " AND q.seq < ?"
             args.append(before)
-        return self.conn.execute(sql + " ORDER BY q.seq DESC LIMIT ?", (*args, limit)).fetchall()
+        if party is None:
+            return self.conn.execute(sql + " ORDER BY q.seq DESC LIMIT ?", (*args, limit)).fetchall()
+        # The people's own requests (by seq), and those they are among a quorum's addressees of (from the
+        # few each is among), merged.
+        rows: list[Row] = []
+        for who in dict.fromkeys((party, *also)):
+            rows += self.conn.execute(sql + " AND q.party = ? ORDER BY q.seq DESC LIMIT ?", (*args, who, limit)).fetchall()
+            for playbook in playbooks:
+                rows += self.conn.execute(sql + _QUORUM_OF + " ORDER BY +q.seq DESC LIMIT ?",
+                                          (*args, playbook, who, limit)).fetchall()
+        rows = list({r["seq"]: r for r in rows}.values())
+        return sorted(rows, key=lambda r: r["seq"], reverse=True)[:limit]
 
     def events_after(self, after: int, *, types: Iterable[str], playbooks: list[str], limit: int) -> list[Row]:
         """Up to `limit` events of the playbooks, of the given types, after the event id `after`, oldest first."""
@@ -6563,6 +6567,8 @@ _DEFINITION_JOIN: Final = (" LEFT JOIN definitions d ON d.playbook = q.playbook 
 #: once, on its definition, not once per request.
 _REQUEST_ROW: Final = ("SELECT q.*, COALESCE(q.own_schema, d.answer_schema) AS answer_schema FROM requests q"
                        + _DEFINITION_JOIN)
+#: A request (`q`) among whose quorum's addressees a person is (the playbook and the person given).
+_QUORUM_OF: Final = " AND q.run_id IN (SELECT a.run_id FROM addressees a WHERE a.playbook = ? AND a.person = ?)"
 
 #: The typed API's view of a request that takes an answer, joined with its run's input (interaction_object).
 _V2_SELECT: Final = (
