@@ -895,10 +895,20 @@ def canonical_json(value: Any) -> bytes:
 
 def request_digest(message: str, answer_schema: Any, arguments: Any = None) -> str:
     """What a request shows, bound in 64 hex digits: sha256 of the canonical JSON of
-    `{message, answer_schema, arguments}` (arguments null except for an approval's, as shown). An
-    answer that names another digest answered something else (`digest_mismatch`)."""
-    return hashlib.sha256(canonical_json({"message": message, "answer_schema": answer_schema,
-                                          "arguments": arguments})).hexdigest()
+    `{message, answer_schema, arguments}` (arguments null except for an approval's, as shown;
+    the answer schema as a value or as its JSON text). An answer that names another digest answered
+    something else (`digest_mismatch`). The object's members are written in their canonical order,
+    each canonical: the schema's once per schema (every request of a function shares it)."""
+    schema = b"null" if answer_schema is None else _canonical_text(
+        answer_schema if isinstance(answer_schema, str) else json.dumps(answer_schema))
+    return hashlib.sha256(b'{"answer_schema":' + schema + b',"arguments":' + canonical_json(arguments)
+                          + b',"message":' + canonical_json(message) + b"}").hexdigest()
+
+
+@functools.lru_cache(maxsize=512)
+def _canonical_text(text: str) -> bytes:
+    """The canonical JSON of a JSON text (an answer schema, the same for each request of a function)."""
+    return canonical_json(json.loads(text))
 
 
 def arguments_digest(arguments: Any) -> str:
@@ -5737,7 +5747,7 @@ class SqlTx:
         The caller appends the event that records it next."""
         status = RequestStatus.NOTIFIED if notified else RequestStatus.OPEN
         if digest is None:
-            digest = request_digest(message, loads(answer_schema) if answer_schema is not None else None)
+            digest = request_digest(message, answer_schema)
         self.conn.execute(_INSERT_REQUEST_SQL, (
             request_id, playbook, run_id, type_, name, version, party, answerer, message, answer_schema,
             playbook, type_, name, version, server, tool,
