@@ -406,3 +406,20 @@ async def test_an_approval_ask_with_a_bad_quorum_ends_invalid_input_with_its_poi
     [req] = [r for r in (await d.call("GET", "/interactions"))[1]["data"] if r["run_id"] == run["run_id"]]
     assert req["approval"] is None and req["addressees"] == ["ana"]
     assert (await d.call("POST", f"/runs/{run['run_id']}/answer", {"answer": {"approved": True}}, role="writer"))[0] == 200
+
+
+async def test_the_mcp_ask_tool_asks_a_quorum(d):
+    from test_mcp import connect
+    async with connect(d, "http") as c:
+        r = await c.call_tool("ask", {"type": "approval", "prompt": "Ship it?", "to": ["ana", "ben"], "need": 2,
+                                      "veto": False})
+        assert not r.is_error, r.structured_content
+        run_id = r.structured_content["run_id"]
+        [item] = (await c.call_tool("list_interactions", {"to": "ben"})).structured_content["data"]
+        assert item["run_id"] == run_id and item["approval"]["need"] == 2 and item["approval"]["veto"] is False
+        r = await c.call_tool("ask", {"type": "approval", "prompt": "Ship it?", "to": ["ana"], "need": 2})
+        assert r.is_error and r.structured_content["problem"]["errors"][0]["pointer"] == "/input/need", r
+    assert (await vote(d, run_id, "ana", {"approved": True}))[0] == 200
+    assert (await vote(d, run_id, "ben", {"approved": True}))[0] == 200
+    status, run = await d.call("POST", f"/runs/{run_id}/wait?timeout=5")
+    assert status == 200 and [v["by"] for v in run["approval"]["votes"]] == ["ana", "ben"], run
