@@ -6568,7 +6568,8 @@ _REQUEST_ROW: Final = ("SELECT q.*, COALESCE(q.own_schema, d.answer_schema) AS a
 _V2_SELECT: Final = (
     "SELECT q.seq, q.id, q.playbook, q.run_id, q.name, q.status, q.delivery_state, q.message,"
     " COALESCE(q.own_schema, d.answer_schema) AS answer_schema, q.answer, q.answered_at, q.asked_at, q.expires_at,"
-    " q.party, q.reminded, q.escalated_to, q.digest, r.input AS run_input FROM requests q JOIN runs r ON r.playbook = q.playbook AND r.run_id = q.run_id"
+    " q.party, q.reminded, q.escalated_to, q.digest, q.approval, r.input AS run_input"
+    " FROM requests q JOIN runs r ON r.playbook = q.playbook AND r.run_id = q.run_id"
     + _DEFINITION_JOIN + " WHERE COALESCE(q.own_schema, d.answer_schema) IS NOT NULL")
 
 

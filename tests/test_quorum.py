@@ -423,3 +423,18 @@ async def test_the_mcp_ask_tool_asks_a_quorum(d):
     assert (await vote(d, run_id, "ben", {"approved": True}))[0] == 200
     status, run = await d.call("POST", f"/runs/{run_id}/wait?timeout=5")
     assert status == 200 and [v["by"] for v in run["approval"]["votes"]] == ["ana", "ben"], run
+
+
+async def test_an_approval_ask_of_two_over_v2_each_responds_once(d):
+    status, run = await ask(d, {"prompt": "Ship it?", "to": ["ana", "ben"], "need": 2})
+    assert status == 202, run
+    [x] = (await d.call("GET", f"/v2/interactions?run_id={run['run_id']}", role=who(d, "ana")))[1]["data"]
+    responses = []
+    for name in ("ana", "ben"):
+        resp = await d.client.post(f"/v2/interactions/{x['id']}/responses", json={"type": "approval", "approved": True},
+                                   headers={**d.auth(who(d, name)), "Idempotency-Key": f"k-{name}"})
+        responses.append((resp.status, await resp.json()))
+    assert [s for s, _ in responses] == [200, 200], responses
+    status, done = await d.call("POST", f"/runs/{run['run_id']}/wait?timeout=5")
+    assert status == 200 and done["output"] == {"approved": True} and \
+        [v["by"] for v in done["approval"]["votes"]] == ["ana", "ben"], done
