@@ -6584,7 +6584,8 @@ _QUORUM_OF: Final = " AND q.run_id IN (SELECT a.run_id FROM addressees a WHERE a
 _V2_SELECT: Final = (
     "SELECT q.seq, q.id, q.playbook, q.run_id, q.name, q.status, q.delivery_state, q.message,"
     " COALESCE(q.own_schema, d.answer_schema) AS answer_schema, q.answer, q.answered_at, q.asked_at, q.expires_at,"
-    " q.party, q.reminded, q.escalated_to, q.digest, r.input AS run_input FROM requests q JOIN runs r ON r.playbook = q.playbook AND r.run_id = q.run_id"
+    " q.party, q.reminded, q.escalated_to, q.digest, q.approval, r.input AS run_input"
+    " FROM requests q JOIN runs r ON r.playbook = q.playbook AND r.run_id = q.run_id"
     + _DEFINITION_JOIN + " WHERE COALESCE(q.own_schema, d.answer_schema) IS NOT NULL")
 
 
@@ -8577,6 +8578,31 @@ def person_name(text: Any) -> str:
     return name
 
 
+def quorum_of(approve: Any, at: str) -> tuple[dict[str, Any] | None, list[dict[str, str]]]:
+    """An approval naming a quorum - `to: [a, b, c]`, `need`, `veto` - and its errors (pointers under
+    `at`, e.g. /approve or /input); None when it names one person (`to` a text)."""
+    if not isinstance(approve, dict) or not isinstance(approve.get("to"), list):
+        return None, [{"pointer": f"{at}/{key}", "message": "goes with `to` as a list of people"}
+                      for key in ("need", "veto") if isinstance(approve, dict) and key in approve][:1]
+    errors = []
+    people: list[str] = []
+    for i, p in enumerate(approve["to"]):
+        try:
+            people.append(person_name(p))
+        except ValueError as exc:
+            errors.append({"pointer": f"{at}/to/{i}", "message": str(exc)})
+    people = list(dict.fromkeys(people))
+    if not 1 <= len(approve["to"]) <= MAX_QUORUM:
+        errors.append({"pointer": f"{at}/to", "message": f"1 to {MAX_QUORUM} people"})
+    need, veto = approve.get("need", 1), approve.get("veto", True)
+    if isinstance(need, bool) or not isinstance(need, int) or not 1 <= need <= max(len(people), 1):
+        errors.append({"pointer": f"{at}/need", "message": f"how many of the {len(people)} different people"
+                                                           f" in to must approve: 1 to {len(people)}"})
+    if not isinstance(veto, bool):
+        errors.append({"pointer": f"{at}/veto", "message": "true or false"})
+    return {"to": people, "need": need, "veto": veto}, errors
+
+
 class AnswerLinks:
     """The answer links of open requests: `{base}/a/{request id}.{signature}`.
 
@@ -9014,6 +9040,17 @@ _ASK_FOLLOW_UP: Final[dict[str, Any]] = {
 }
 
 
+#: What an approval `ask` takes to ask several people: each of `to` votes once (Approvals._vote).
+_ASK_QUORUM: Final[dict[str, Any]] = {
+    "to": {"type": ["string", "array"], "items": {"type": "string"}, "minItems": 1, "maxItems": MAX_QUORUM,
+           "description": "Who is asked; approval only: a list of people, each of whom votes once"},
+    "need": {"type": "integer", "minimum": 1, "maximum": MAX_QUORUM,
+             "description": "approval only, with `to` a list: how many approvals it takes (default 1)"},
+    "veto": {"type": "boolean", "description": "approval only, with `to` a list: whether one refusal refuses it"
+                                               " (default true); false: it is refused when `need` can no longer be reached"},
+}
+
+
 def _ask_source(kind: str) -> str:
     props: dict[str, Any] = {
         "prompt": {"type": "string", "maxLength": 8192, "description": "The question, in Markdown"},
@@ -9030,11 +9067,14 @@ def _ask_source(kind: str) -> str:
         props["multiple"] = {"type": "boolean", "description": "Whether several options may be picked"}
     if kind == "text":
         props["placeholder"] = {"type": "string", "maxLength": 256, "description": "A hint for the empty field"}
+    if kind == "approval":                      # a quorum: `to: [a, b, c]`, `need`, `veto` (SPEC section 25)
+        props.update(_ASK_QUORUM)
     props.update(_ASK_FOLLOW_UP)
     required = ["prompt", "to"] + (["options"] if kind == "choice" else [])
     front = {
         "description": f"Asks a person to {_ASK_WORDS[kind]} (built in; run it with the ask tool)",
-        "to": "{{ input.to }}", "expires": "P1D",
+        # An approval's `to` may list people: the run then addresses the first (Runs._ask_quorum), not rendered.
+        "to": "{{ input.to | strip }}" if kind == "approval" else "{{ input.to }}", "expires": "P1D",
         "input": {"schema": {"type": "object", "required": required, "additionalProperties": False,
                              "properties": props}},
         "output": {"schema": ASK_ANSWER_SCHEMAS[kind]},
@@ -9521,8 +9561,10 @@ class Runs:
 
     # -- runs -----------------------------------------------------------------------------------
 
-    def _prepare_request(self, doc: Any, input_: Any, now: int, playbook: str = "", run_id: str = "") -> dict[str, Any]:
-        """Check the input and render what the request shows; raises the problem of an ending."""
+    def _prepare_request(self, doc: Any, input_: Any, now: int, playbook: str = "", run_id: str = "",
+                         party: str | None = None) -> dict[str, Any]:
+        """Check the input and render what the request shows (`party`: its addressee, not rendered from
+        `to`: a quorum's first); raises the problem of an ending."""
         if doc.input_validator is not None:
             errors = schema_errors(doc.input_validator, input_, "/input")
             if errors:
@@ -9533,7 +9575,7 @@ class Runs:
         # stalled the loop behind the writer's GIL turn
         request_id = "int_" + new_ulid()
         try:
-            party = render_party(doc.to, ctx, "to")
+            party = party if party is not None else render_party(doc.to, ctx, "to")
             answerer = render_party(doc.from_, ctx, "from") if doc.from_ is not None else party
             ctx["request"] = {"answer_url": self.links.url({"id": request_id, "playbook": playbook, "run_id": run_id,
                                                             "party": party})}
@@ -9580,7 +9622,11 @@ class Runs:
                                                        input_text, input_sha, parent=parent)
         else:
             try:
-                prepared = self._prepare_request(doc, input_, now, playbook, run_id)
+                quorum = self._ask_quorum(caller, name, input_)
+                prepared = self._prepare_request(doc, input_, now, playbook, run_id,
+                                                 party=quorum["quorum"]["to"][0] if quorum else None)
+                if quorum is not None:
+                    prepared["approval"] = quorum
                 if name in ASK_FUNCTIONS:
                     prepared.update(_ask_overrides(ASK_FUNCTIONS[name], input_, now))
                 elif name == APPROVE_TOOL_CALL:         # the call as a person reads it: a command, a diff
@@ -9630,6 +9676,20 @@ class Runs:
         if fresh and run["status"] == RunStatus.WAITING.value:
             run = dict(run, status=RunStatus.STARTED.value)
         return run, fresh
+
+    @staticmethod
+    def _ask_quorum(caller: Caller, name: str, input_: Any) -> dict[str, Any] | None:
+        """What an approval `ask` naming several people (`to: [a, b, c]`, `need`, `veto`) carries on its
+        request as Approvals._vote reads it - {quorum, asked_by, asked_by_person}; None for one person.
+        Its problems are `invalid_input` pointers under /input."""
+        if ASK_FUNCTIONS.get(name) != "approval":
+            return None
+        quorum, errors = quorum_of(input_, "/input")
+        if errors:
+            raise ended("invalid_input", "the question's input is not valid", errors=errors)
+        if quorum is None:
+            return None
+        return {"quorum": quorum, "asked_by": caller.id, "asked_by_person": caller.person}
 
     def _prepare_email(self, doc: Any, name: str, input_: Any, prepared: dict[str, Any], now: int) -> None:
         """An emailed request's message (`prepared["email"]`, see email_args): to the address the
@@ -9697,6 +9757,9 @@ class Runs:
                         deliver_args=dumps(prepared["deliver_args"]) if deliver else
                         dumps({"email": emailed}) if emailed else None, notified=inbox_note,
                         follow_up=dumps(prepared["follow_up"]) if prepared.get("follow_up") else None)
+        if "approval" in prepared:          # an approval `ask` of several people: each votes (Approvals._vote)
+            tx.set_approval(playbook, run_id, dumps(prepared["approval"]))
+            tx.add_addressees(playbook, run_id, prepared["approval"]["quorum"]["to"][1:])
         tx.append_event(fx, playbook, run_id, "interaction_requested", now, by, {
             "delivery": {"server": deliver.server, "tool": deliver.tool} if deliver else
             {"email": emailed["to"]} if emailed else None,
@@ -10962,11 +11025,23 @@ def _approval_shown(text: str) -> dict[str, Any]:
     """The gate of an approval request as listings show it: the call proposed, and what may change;
     for a quorum, whom it asks, how many approvals it takes, and the votes so far."""
     gate = json.loads(text)
+    if "server" not in gate:                    # an approval `ask` of several people: no call, its votes
+        return {**gate["quorum"], "votes": _votes_shown(gate)}
     shown = {"server": gate["server"], "tool": gate["tool"], "read_only": gate["read_only"],
              "arguments": gate["arguments"], "edit": gate["edit"]}
     if "quorum" in gate:
         shown.update(gate["quorum"], votes=_votes_shown(gate))
     return shown
+
+
+def not_voted(request: Mapping[str, Any]) -> list[str]:
+    """The addressees of a quorum approval who have not voted yet (a deputy's vote counts for the person
+    they stand for): whom its reminders are for. [] for any other request."""
+    people = quorum_people(request)
+    if not people:
+        return []
+    counted = {v["counted"] for v in json.loads(request["approval"]).get("votes", [])}
+    return [p for p in people if p not in counted]
 
 
 def _votes_shown(gate: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -11080,31 +11155,10 @@ class Approvals:
     def _execute_quorum(approve: Any) -> dict[str, Any] | None:
         """`execute`'s `approve` naming a quorum - `to: [a, b, c]`, `need`, `veto` - checked; None when it
         names one person (`to` a text)."""
-        if not isinstance(approve, dict) or not isinstance(approve.get("to"), list):
-            for key in ("need", "veto"):
-                if isinstance(approve, dict) and key in approve:
-                    raise Problem("invalid_request", "approve is not valid", errors=[
-                        {"pointer": f"/approve/{key}", "message": "goes with `to` as a list of people"}])
-            return None
-        errors = []
-        people: list[str] = []
-        for i, p in enumerate(approve["to"]):
-            try:
-                people.append(person_name(p))
-            except ValueError as exc:
-                errors.append({"pointer": f"/approve/to/{i}", "message": str(exc)})
-        people = list(dict.fromkeys(people))
-        if not 1 <= len(approve["to"]) <= MAX_QUORUM:
-            errors.append({"pointer": "/approve/to", "message": f"1 to {MAX_QUORUM} people"})
-        need, veto = approve.get("need", 1), approve.get("veto", True)
-        if isinstance(need, bool) or not isinstance(need, int) or not 1 <= need <= max(len(people), 1):
-            errors.append({"pointer": "/approve/need", "message": f"how many of the {len(people)} different people"
-                                                                  f" in to must approve: 1 to {len(people)}"})
-        if not isinstance(veto, bool):
-            errors.append({"pointer": "/approve/veto", "message": "true or false"})
+        quorum, errors = quorum_of(approve, "/approve")
         if errors:
             raise Problem("invalid_request", "approve is not valid", errors=errors)
-        return {"to": people, "need": need, "veto": veto}
+        return quorum
 
     def _gate(self, server: str, tool: str, read_only: bool, arguments: Any, edit: list[str],
               schema: Any) -> dict[str, Any]:
@@ -11209,7 +11263,7 @@ class Approvals:
         the same person. Anyone else: 403 approval_not_yours."""
         gate = json.loads(row["approval"])
         if caller.id == gate.get("asked_by") or (caller.person is not None and caller.person == gate.get("asked_by_person")):
-            raise Problem("approval_not_yours", "this call was started by the same caller that answers its approval;"
+            raise Problem("approval_not_yours", "this approval was asked by the same caller that answers it;"
                                                 " another person (its addressee) or an operator approves it")
         if caller.role is not Role.OPERATOR and (caller.person is None or not caller.addressed(row)):
             raise Problem("approval_not_yours", f"this approval is addressed to {row['party']}: only that person"
@@ -11243,6 +11297,10 @@ class Approvals:
             voted = self._vote(tx, fx, row, gate, answer, claimed_for, by, now, reply_id, by_name, on_behalf_of)
             if not isinstance(voted, dict) or "decided" not in voted:
                 return voted
+            if "server" not in gate:        # an approval `ask`: the deciding vote is its answer, the run's output
+                tx.set_approval(playbook, run_id, dumps(voted["gate"]))
+                return tx.answer_request(fx, row, answer, by=by, now=now, claimed_for=claimed_for, reply_id=reply_id,
+                                         by_name=by_name, on_behalf_of=on_behalf_of)
             gate, patch, arguments = voted["gate"], voted["patch"], voted["arguments"]
             approved = voted["decided"]
         elif approved:
@@ -11286,7 +11344,7 @@ class Approvals:
         person = by_name if reply_id is not None else by
         counted = on_behalf_of or person
         if counted == gate.get("asked_by_person") or person == gate.get("asked_by_person"):
-            raise Problem("approval_not_yours", "this call was started by the same person that votes on it;"
+            raise Problem("approval_not_yours", "this approval was asked by the same person that votes on it;"
                                                 " the others in its `to` approve it")
         votes: list[dict[str, Any]] = list(gate.get("votes", []))
         mine = next((v for v in votes if v["counted"] == counted), None)
@@ -11300,16 +11358,20 @@ class Approvals:
         approved = answer.get("approved") is True
         patch: list[dict[str, Any]] = []
         arguments = None
-        if approved and any(v["approved"] for v in votes):      # approve what the first approval left
+        call = "server" in gate             # a tool call's approval; an approval `ask` has no arguments
+        if not call:
+            pass
+        elif approved and any(v["approved"] for v in votes):      # approve what the first approval left
             if "arguments" in answer and json_patch(gate["arguments"], answer["arguments"]):
                 raise Problem("arguments_changed", "an earlier approval set these arguments: approve or refuse them as"
                               " they are shown now, without changes", extra={"arguments": gate["arguments"]})
             arguments = gate["proposed"]
         elif approved:
             patch, arguments = self._approved(gate, answer)
-        note = answer.get("note")
+        note = answer.get("note") if call else answer.get("comment")
         vote_id = tx.append_event(fx, playbook, run_id, EventType.APPROVAL_VOTE.value, now, by, {
-            "by": person, "approved": approved, "note": note, "patch": self.tools.record(gate["server"], patch),
+            "by": person, "approved": approved, "note": note,
+            "patch": self.tools.record(gate["server"], patch) if call else [],
             **({"on_behalf_of": on_behalf_of} if on_behalf_of else {})})
         votes.append({"by": person, "counted": counted, "approved": approved, "note": note, "at": now,
                       "answer_id": vote_id, "answer": answer, "name": by_name,
@@ -11324,7 +11386,7 @@ class Approvals:
             return {"decided": False, "gate": gate, "patch": patch, "arguments": None}
         if yes >= quorum["need"]:
             return {"decided": True, "gate": gate, "patch": gate.get("first_patch", patch),
-                    "arguments": gate["proposed"]}
+                    "arguments": gate.get("proposed")}
         tx.set_approval(playbook, run_id, dumps(gate))
         return {**dict(zip(row.keys(), row)), "answer": dumps(answer), "answer_id": vote_id, "answered_by": by,
                 "answered_at": now, "answered_by_name": by_name, "on_behalf_of": on_behalf_of,
@@ -11658,7 +11720,9 @@ class Reminders:
         if row is None:
             return
         message = plan["remind"]["message"]
+        waiting = not_voted(req)
         payload = {"n": row["reminded"], "message": message, "due_at": fmt_time(passed[-1] if passed else due),
+                   **({"to": waiting} if waiting else {}),
                    **({"missed": len(passed) - 1} if len(passed) > 1 else {}),
                    **self._queue(tx, fx, row, "reminder", row["reminded"], message, now)}
         tx.append_event(fx, playbook, run_id, "request_reminded", now, "interactiond", payload)
@@ -14797,8 +14861,8 @@ async def _t_execute(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -
 
 
 async def _t_ask(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
-    input_ = {k: a[k] for k in ("prompt", "to", "expires", "options", "multiple", "placeholder", "email",
-                                *_ASK_FOLLOW_UP) if k in a}
+    input_ = {k: a[k] for k in ("prompt", "to", "need", "veto", "expires", "options", "multiple", "placeholder",
+                                "email", *_ASK_FOLLOW_UP) if k in a}
     run, _fresh = await e.run_definition(c, pb, "interaction", "ask-" + a["type"], input_, a.get("run_id"))
     return _run_result(run)
 
@@ -14899,7 +14963,13 @@ MCP_TOOLS: Final[list[McpTool]] = [
             "started run; call wait_run for the answer.",
             {"type": _p("string", "The kind of question.", enum=["approval", "text", "choice", "confirmation"]),
              "prompt": _p("string", "The question, in Markdown, at most 8 KiB.", maxLength=8192),
-             "to": _p("string", "Who is asked: the name they filter their inbox by."),
+             "to": {"type": ["string", "array"], "items": {"type": "string"}, "minItems": 1, "maxItems": MAX_QUORUM,
+                    "description": "Who is asked: the name they filter their inbox by. approval only: a list of"
+                                   " people, each of whom votes once (with need and veto)."},
+             "need": _p("integer", "approval with to a list: how many approvals it takes (default 1).", minimum=1,
+                        maximum=MAX_QUORUM),
+             "veto": _p("boolean", "approval with to a list: one refusal refuses it (default true); false: refused"
+                                   " only when need can no longer be reached."),
              "expires": _p("string", "ISO 8601 duration, PT1M to P30D; P1D when left out."),
              "options": {"type": "array", "description": "choice only: 1 to 50 options, ids unique.",
                          "minItems": 1, "maxItems": 50,
@@ -17298,7 +17368,7 @@ function requestEl(req, shown) {
   const n = ++S.seq, hid = `req-${n}`;
   const msg = h("div", {class: "msg"});
   msg.innerHTML = shown.html || "";             // rendered by the daemon with raw HTML off
-  const form = req.approval ? approvalEl(req, n) : req.takes_answer ? formEl(req, shown.form, n)
+  const form = req.approval && req.approval.tool ? approvalEl(req, n) : req.takes_answer ? formEl(req, shown.form, n)
                                 : h("p", {class: "muted"}, "A notification: there is nothing to answer.");
   const delivery = !req.delivery ? "" : req.delivery.email ? ` · emailed to ${req.delivery.email} (${req.delivery_state})`
     : ` · sent with ${req.delivery.server}/${req.delivery.tool} (${req.delivery_state})`;
@@ -17314,7 +17384,8 @@ function requestEl(req, shown) {
         person ? null : [" · ", h("a", {href: `#/runs/${enc(req.run_id)}`}, "History")],
         req.answer_url && !person ? [" · ", h("a", {href: req.answer_url, class: "answer-link", target: "_blank", rel: "noreferrer",
           title: `The link ${req.to} answers on without signing in; copy it to send it`}, "Answer link")] : null),
-      msg, form));
+      msg, req.approval && !req.approval.tool && req.approval.need
+        ? h("p", {class: "votes", role: "status"}, votesWords(req.approval)) : null, form));
 }
 
 // Whom a request asks (its party, and whom it was escalated to), and how often it was reminded: both

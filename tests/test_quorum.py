@@ -325,3 +325,116 @@ async def test_each_addressee_has_their_own_answer_link_and_votes_as_themselves_
             assert "Voted: ana approved.</p>" in await page.text()
     status, run = await ended(d, run_id)
     assert status == 200 and [v["by"] for v in run["approval"]["votes"]] == ["ana", "ben"], run
+
+
+async def ask(d, input_: dict, role: str = "operator") -> tuple[int, dict]:
+    return await d.call("POST", "/runs", {"type": "interaction", "name": "ask-approval", "input": input_}, role=role)
+
+
+async def test_an_approval_ask_of_three_needs_two_and_reminds_only_those_who_have_not_voted(d):
+    status, run = await ask(d, {"prompt": "Ship **2.4** today?", "to": ["ana", "ben", "cy"], "need": 2,
+                                "remind_after": ["PT1H", "PT2H"], "expires": "PT4H"}, role="writer")
+    assert status == 202 and run["status"] == "started", run
+    run_id = run["run_id"]
+    for name in ("ana", "ben", "cy"):
+        assert await listed(d, name) == [run_id]
+        [mine] = (await d.call("GET", "/interactions", role=who(d, name)))[1]["data"]
+        assert mine["answer_url"]
+    [req] = (await d.call("GET", "/interactions"))[1]["data"]
+    assert req["addressees"] == ["ana", "ben", "cy"] and req["to"] == "ana"
+    assert req["approval"] == {"to": ["ana", "ben", "cy"], "need": 2, "veto": True, "votes": []}
+    # The starter never votes; a writer's token that is nobody's is not an addressee either.
+    status, problem = await d.call("POST", f"/runs/{run_id}/answer", {"answer": {"approved": True}}, role="writer")
+    assert status == 403 and problem["type"] == "/problems/approval_not_yours", problem
+    status, fact = await vote(d, run_id, "ben", {"approved": True, "comment": "tests are green"})
+    assert status == 200 and fact["answered_by"] == "ben", fact
+    assert await vote(d, run_id, "ben", {"approved": True, "comment": "tests are green"}) == (200, fact)
+    assert (await vote(d, run_id, "ben", {"approved": False}))[0] == 409
+    run = (await d.call("GET", f"/runs/{run_id}"))[1]
+    assert run["status"] == "waiting" and run["approval"]["votes"][0]["note"] == "tests are green", run
+    # The reminder is for the addressees who have not voted: not ben.
+    await d.advance("PT1H")
+    [reminded] = [e for e in await history(d, run_id) if e["type"] == "request_reminded"]
+    assert reminded["payload"]["n"] == 1 and reminded["payload"]["to"] == ["ana", "cy"], reminded
+    status, fact = await vote(d, run_id, "cy", {"approved": True})
+    assert status == 200
+    status, run = await d.call("POST", f"/runs/{run_id}/wait?timeout=5")
+    assert status == 200 and run["status"] == "succeeded" and run["output"] == {"approved": True}, run
+    assert [(v["by"], v["approved"], v["note"]) for v in run["approval"]["votes"]] == [
+        ("ben", True, "tests are green"), ("cy", True, None)]
+    assert (run["approval"]["to"], run["approval"]["need"], run["approval"]["veto"]) == (["ana", "ben", "cy"], 2, True)
+    events = await history(d, run_id)
+    assert [(e["type"], e["payload"].get("by")) for e in events if e["type"] == "approval_vote"] == [
+        ("approval_vote", "ben"), ("approval_vote", "cy")]
+    assert [e["payload"]["answer"] for e in events if e["type"] == "request_answered"] == [{"approved": True}]
+    await d.advance("PT2H")                                   # an ended request is reminded no more
+    assert len([e for e in await history(d, run_id) if e["type"] == "request_reminded"]) == 1
+    for name in ("ana", "ben", "cy"):
+        assert await listed(d, name) == []
+    assert (await vote(d, run_id, "ana", {"approved": False}))[0] == 409
+
+
+async def test_an_approval_ask_is_vetoed_by_one_refusal_unless_veto_is_false(d):
+    status, run = await ask(d, {"prompt": "Rotate the keys?", "to": ["ana", "ben"], "need": 2})
+    assert status == 202, run
+    assert (await vote(d, run["run_id"], "ana", {"approved": True}))[0] == 200
+    assert (await vote(d, run["run_id"], "ben", {"approved": False, "comment": "not during the freeze"}))[0] == 200
+    status, done = await d.call("POST", f"/runs/{run['run_id']}/wait?timeout=5")
+    assert status == 200 and done["output"] == {"approved": False, "comment": "not during the freeze"}, done
+    assert [(v["by"], v["approved"]) for v in done["approval"]["votes"]] == [("ana", True), ("ben", False)]
+    status, run = await ask(d, {"prompt": "Rotate the keys?", "to": ["ana", "ben", "cy"], "need": 1, "veto": False})
+    assert (await vote(d, run["run_id"], "ana", {"approved": False}))[0] == 200
+    assert (await d.call("GET", f"/runs/{run['run_id']}"))[1]["status"] == "waiting"
+    assert (await vote(d, run["run_id"], "cy", {"approved": True}))[0] == 200
+    status, done = await d.call("POST", f"/runs/{run['run_id']}/wait?timeout=5")
+    assert status == 200 and done["output"] == {"approved": True}, done
+
+
+async def test_an_approval_ask_with_a_bad_quorum_ends_invalid_input_with_its_pointer(d):
+    for input_, pointer in (({"to": ["ana", "ben"], "need": 3}, "/input/need"),
+                            ({"to": ["ana", ""]}, "/input/to/1"),
+                            ({"to": "ana", "need": 2}, "/input/need"),
+                            ({"to": ["ana", "ben"], "veto": "no"}, "/input/veto")):
+        status, run = await ask(d, {"prompt": "Ship?", **input_})
+        assert status == 422 and run["status"] == "invalid_input", (input_, run)
+        assert pointer in [e["pointer"] for e in run["problem"]["errors"]], (input_, run)
+    status, run = await d.call("POST", "/runs", {"type": "interaction", "name": "ask-text",
+                                                 "input": {"prompt": "Why?", "to": ["ana", "ben"]}})
+    assert run["status"] == "invalid_input", run
+    # One person, as ever: no quorum, anyone with a writer's token answers.
+    status, run = await ask(d, {"prompt": "Ship?", "to": "ana"})
+    [req] = [r for r in (await d.call("GET", "/interactions"))[1]["data"] if r["run_id"] == run["run_id"]]
+    assert req["approval"] is None and req["addressees"] == ["ana"]
+    assert (await d.call("POST", f"/runs/{run['run_id']}/answer", {"answer": {"approved": True}}, role="writer"))[0] == 200
+
+
+async def test_the_mcp_ask_tool_asks_a_quorum(d):
+    from test_mcp import connect
+    async with connect(d, "http") as c:
+        r = await c.call_tool("ask", {"type": "approval", "prompt": "Ship it?", "to": ["ana", "ben"], "need": 2,
+                                      "veto": False})
+        assert not r.is_error, r.structured_content
+        run_id = r.structured_content["run_id"]
+        [item] = (await c.call_tool("list_interactions", {"to": "ben"})).structured_content["data"]
+        assert item["run_id"] == run_id and item["approval"]["need"] == 2 and item["approval"]["veto"] is False
+        r = await c.call_tool("ask", {"type": "approval", "prompt": "Ship it?", "to": ["ana"], "need": 2})
+        assert r.is_error and r.structured_content["problem"]["errors"][0]["pointer"] == "/input/need", r
+    assert (await vote(d, run_id, "ana", {"approved": True}))[0] == 200
+    assert (await vote(d, run_id, "ben", {"approved": True}))[0] == 200
+    status, run = await d.call("POST", f"/runs/{run_id}/wait?timeout=5")
+    assert status == 200 and [v["by"] for v in run["approval"]["votes"]] == ["ana", "ben"], run
+
+
+async def test_an_approval_ask_of_two_over_v2_each_responds_once(d):
+    status, run = await ask(d, {"prompt": "Ship it?", "to": ["ana", "ben"], "need": 2})
+    assert status == 202, run
+    [x] = (await d.call("GET", f"/v2/interactions?run_id={run['run_id']}", role=who(d, "ana")))[1]["data"]
+    responses = []
+    for name in ("ana", "ben"):
+        resp = await d.client.post(f"/v2/interactions/{x['id']}/responses", json={"type": "approval", "approved": True},
+                                   headers={**d.auth(who(d, name)), "Idempotency-Key": f"k-{name}"})
+        responses.append((resp.status, await resp.json()))
+    assert [s for s, _ in responses] == [200, 200], responses
+    status, done = await d.call("POST", f"/runs/{run['run_id']}/wait?timeout=5")
+    assert status == 200 and done["output"] == {"approved": True} and \
+        [v["by"] for v in done["approval"]["votes"]] == ["ana", "ben"], done
