@@ -14505,6 +14505,9 @@ def openapi_spec() -> dict[str, Any]:
         if r.handler is h_create_link:
             op["responses"]["201"] = {"description": "The link: {url, for, playbook, expires_at}",
                                       "content": {"application/json": {"schema": {}}}}
+        if r.handler is h_add_deputy:
+            op["responses"]["201"] = {"description": "The deputy: {id, for, to, from, until, open, ...}",
+                                      "content": {"application/json": {"schema": {}}}}
         if r.handler in (h_run_definition, h_wait_run):
             # The run object whatever its ending, its status telling the ending; a problem alone
             # is about the call itself (SPEC section 6).
@@ -17078,6 +17081,7 @@ ol.requests, ol.timeline { list-style: none; padding: 0; margin: 0; }
 .to { font-weight: 400; color: var(--muted); font-size: .95rem; }
 .meta { margin: .25rem 0 .5rem; font-size: .875rem; color: var(--muted); }
 .msg { overflow-wrap: anywhere; }
+.digest code { overflow-wrap: anywhere; }
 .msg pre { overflow-x: auto; }
 .msg img { max-width: 100%; }
 .msg table { border-collapse: collapse; }
