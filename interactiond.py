@@ -4925,6 +4925,11 @@ class _DbThread(threading.Thread):
     `connect` opens the connection as the backend's operations (SQLiteTx or PostgresTx); what the
     dialects do differently at a transaction's edges (begin, whether it still stands, which errors
     mean an unavailable database) the operations object says.
+
+    On a file the writer's batches usually run on the event loop's thread instead (`commit_here`),
+    on the same connection, while nothing handed to the thread is still to settle; the thread takes
+    the batches that find the file locked by another connection, and every batch after them until
+    they have settled, so the changes commit in the order they were asked for.
     """
 
     def __init__(self, connect: Callable[[], "SqlTx"], loop: asyncio.AbstractEventLoop, *, writer: bool,
@@ -4951,6 +4956,32 @@ class _DbThread(threading.Thread):
     def _settle(self, settled: list[tuple[Any, ...]], handed: int) -> None:
         self.pending -= handed
         _settle_all(settled, self.sink)
+
+    def commit_here(self, batch: list[tuple[Any, ...]]) -> bool:
+        """Run a batch of changes and commit it now, on the calling thread (the event loop's), when the
+        write lock is free: False, nothing run, when another connection holds it (the thread then
+        waits for it, not the loop). Only while the thread is idle (`pending` is 0): one connection.
+
+        On a file a commit appends to the WAL without an fsync (synchronous=NORMAL), so running it
+        here costs the loop what it costs the thread, and saves the hand-over: the thread's wake-up,
+        the GIL passed to it and back at every statement, and the loop's wake-up for the results
+        (bench/README.md has the figures).
+        """
+        try:
+            if not self.tx.begin_at_once():
+                return False
+        except BaseException as exc:
+            failure = self.tx.problem(exc)
+            _settle_all([(fut, None, failure, None) for _, fut, *_ in batch], None)
+            return True
+        began = time.perf_counter()
+        settled = self.tx.run_begun(batch)
+        if self.on_batch is not None:
+            self.on_batch(len(batch), time.perf_counter() - began)
+        if self.checkpointer is not None:
+            self.checkpointer.due.set()
+        _settle_all(settled, self.sink)
+        return True
 
     def run(self) -> None:
         try:
@@ -5017,6 +5048,11 @@ def _db_problem(exc: BaseException, otherwise: str | None = None) -> BaseExcepti
     return Problem("failed", otherwise) if otherwise is not None else exc
 
 
+#: Changes that commit on the loop wait this many more turns of it first (Store._hand_over), unless
+#: this many are waiting already: the requests read in the next turn reach their changes in the one
+#: after, so two turns let a commit carry them too (bench/README.md: "a commit that waits two turns").
+COMMIT_GATHER_TURNS: Final = 2
+COMMIT_GATHER_MAX: Final = 32
 #: The writer checkpoints only if the checkpointer falls this far behind (pages of 4 KiB).
 WRITER_AUTOCHECKPOINT_PAGES: Final = 16_000
 #: How long the checkpointer lets commits gather before it copies them into the database file.
@@ -5110,6 +5146,11 @@ class Store:
     backend's store instead: the same operations, threads and commits over a database server.
     """
 
+    #: Whether a turn's changes commit on the event loop's thread when the writer thread is idle and
+    #: the write lock free (_DbThread.commit_here): a file's commit is a write to its WAL; a server's
+    #: is a round trip the loop must not wait for.
+    commits_on_loop = True
+
     def __new__(cls, path: str, on_commit: Callable[[Effects], None] | None = None) -> "Store":
         if cls is Store and (backend := _backend_of(path)) is not None:
             cls = backend.store
@@ -5125,6 +5166,7 @@ class Store:
         self._writes: list[tuple[Any, ...]] = []          # asked for in this turn of the loop (write)
         self._reads: list[tuple[Any, ...]] = []
         self._handing_over = False
+        self._gathered = 0                                 # turns the changes waiting here have waited
         #: The playbooks' webhooks, which the writer queues every event for (SqlTx.webhooks): filled in
         #: place by the engine from its configuration, before or after the store opens.
         self.webhooks: dict[str, tuple[tuple[str, frozenset[str]], ...]] = {}
@@ -5164,7 +5206,7 @@ class Store:
         return tx
 
     async def close(self) -> None:
-        self._hand_over()
+        self._hand_over(gather=False)
         for t in (self._writer, self._reader):
             if t is not None and t.is_alive():
                 t.q.put(None)
@@ -5184,7 +5226,8 @@ class Store:
         what it wrote is undone and the other changes of the group commit stand.
 
         The changes and readings asked for in one turn of the event loop go to their threads
-        together, at the end of the turn: one wake-up of each thread per turn, not one per call.
+        together, at the end of the turn (changes that commit on the loop gather a little longer:
+        _hand_over): one wake-up of each thread per turn, not one per call.
         Waking a thread costs the loop a system call and, on a busy machine, its core for a while
         (the woken thread is scheduled where the loop runs and asks for the GIL the loop holds):
         a tenth of the loop's time when it was one per call."""
@@ -5205,12 +5248,27 @@ class Store:
             loop.call_soon(self._hand_over)
         return fut
 
-    def _hand_over(self) -> None:
-        """Give the writer and the reader what this turn of the loop asked of them (see write)."""
+    def _hand_over(self, gather: bool = True) -> None:
+        """Give the writer and the reader what this turn of the loop asked of them (see write).
+
+        Changes that would commit here, on the loop, first wait COMMIT_GATHER_TURNS more turns
+        (fewer than COMMIT_GATHER_MAX of them, and unless `gather` is False): the requests that
+        arrived beside theirs are read in the next turn and reach their own changes in the one
+        after, so the commit carries those too. Its cost is much the same whatever it carries
+        (the WAL's shared pages, BEGIN and COMMIT, the results settled in one go)."""
         self._handing_over = False
         if self._writes:
-            batch, self._writes = self._writes, []
-            self._writer.hand(batch)
+            writer = self._writer
+            here = self.commits_on_loop and not writer.pending
+            if here and gather and self._gathered < COMMIT_GATHER_TURNS and len(self._writes) < COMMIT_GATHER_MAX:
+                self._gathered += 1
+                self._handing_over = True
+                asyncio.get_running_loop().call_soon(self._hand_over)
+            else:
+                self._gathered = 0
+                batch, self._writes = self._writes, []
+                if not (here and writer.commit_here(batch)):
+                    writer.hand(batch)
         if self._reads:
             batch, self._reads = self._reads, []
             self._reader.hand(batch)
@@ -5447,7 +5505,7 @@ class SqlTx:
     def run_begun(self, batch: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
         """Run each change `(change, future, effects)` of a batch in the transaction just begun,
         each in a savepoint of its own (run_change), and commit: (future, result, problem, effects) of
-        each. The writer thread drives this.
+        each. The writer thread (and the loop's commit_here) drives this.
 
         A change that raises is undone back to its savepoint and fails alone: the changes before and
         after it keep what they wrote, and none runs twice. A failure that ends the transaction
@@ -6339,15 +6397,40 @@ class SQLiteTx(SqlTx):
     """The store's operations on an SQLite file (SqlTx's), with the file's transactions: BEGIN
     IMMEDIATE for a group commit, a SAVEPOINT for each change."""
 
-    __slots__ = ()
+    __slots__ = ("busy_ms", "waits")
 
     dialect = SQLITE_DIALECT
     errors = (sqlite3.Error,)
 
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        super().__init__(conn)
+        self.busy_ms: int | None = None     # the connection's busy timeout, once begin_at_once took it off
+        self.waits = True                   # whether a lock held elsewhere is waited for (busy_ms)
+
     def begin(self) -> None:
         """Open the group commit's transaction, holding the write lock from its start (waiting the
         connection's busy timeout for it when another connection holds it)."""
+        if not self.waits:
+            self.conn.execute(f"PRAGMA busy_timeout = {self.busy_ms}")
+            self.waits = True
         self.conn.execute("BEGIN IMMEDIATE")
+
+    def begin_at_once(self) -> bool:
+        """begin, without waiting: False, no transaction, when another connection holds the write lock.
+        The busy timeout stays off until a `begin` waits again (one statement fewer each time)."""
+        conn = self.conn
+        if self.waits:
+            if self.busy_ms is None:
+                self.busy_ms = conn.execute("PRAGMA busy_timeout").fetchone()[0]
+            conn.execute("PRAGMA busy_timeout = 0")
+            self.waits = False
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as exc:
+            if getattr(exc, "sqlite_errorname", "").startswith("SQLITE_BUSY"):
+                return False
+            raise
+        return True
 
     def commit(self) -> None:
         self.conn.execute("COMMIT")
@@ -7880,6 +7963,7 @@ class PostgresStore(Store):
     PostgresTx's operations; no checkpointer (the server keeps its own log). Each store is one
     daemon of the database, entered in its `daemons` table with a heartbeat (`daemon_id`)."""
 
+    commits_on_loop = False
 
     def __init__(self, path: str, on_commit: Callable[[Effects], None] | None = None) -> None:
         super().__init__(path, on_commit)

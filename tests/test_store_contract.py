@@ -500,9 +500,9 @@ async def test_a_failing_change_rolls_back_alone_and_effects_follow_the_commit(d
         await store.close()
 
 
-async def test_a_file_commits_a_turns_changes_together_and_a_failing_one_alone(tmp_path):
-    """On a file, a turn's changes run and commit on the writer's thread, one transaction; a change
-    that raises having written part of itself
+async def test_a_file_commits_a_turns_changes_on_the_loop_and_a_failing_one_alone(tmp_path):
+    """On a file, with the write lock free and the writer thread idle, a turn's changes run and commit
+    on the event loop's thread, one transaction; a change that raises having written part of itself
     is undone back to its savepoint and fails alone, the others run once and commit, and each
     change's effects follow the commit."""
     store = itd.Store(str(tmp_path / "t.db"))
@@ -533,7 +533,7 @@ async def test_a_file_commits_a_turns_changes_together_and_a_failing_one_alone(t
                                        return_exceptions=True)
         assert results[0] == "a" and results[2] == "b" and isinstance(results[1], itd.Problem | Exception)
         assert ran == ["a", "bad", "b"]                 # its timer written, `bad` failed: each ran once
-        assert threads == [store._writer] * 3
+        assert threads == [threading.main_thread()] * 3
         keys = await store.read(lambda tx: sorted(k for k, _ in tx.all_timers()))
         assert keys == [f"expire:{PB}:a", f"expire:{PB}:b"]
         assert [fx.timers for fx in seen[-2:]] == [[(f"expire:{PB}:a", NOW)], [(f"expire:{PB}:b", NOW)]]
@@ -595,9 +595,43 @@ async def test_a_change_that_fails_having_written_nothing_leaves_the_others_to_c
         await store.close()
 
 
+async def test_a_file_gathers_the_changes_of_the_next_turns_into_one_commit(tmp_path):
+    """Changes that commit on the loop wait two more turns for the changes of the requests that arrived
+    beside them, and commit together; as many as COMMIT_GATHER_MAX commit at once, in their own turn."""
+    store = itd.Store(str(tmp_path / "t.db"))
+    sizes: list[int] = []
+    store.on_batch = lambda n, seconds: sizes.append(n)
+    await store.open()
+    try:
+        await store.write(lambda tx, fx: tx.ensure_playbook(PB, now=NOW))
+        sizes.clear()
+
+        def timer(name):
+            return lambda tx, fx: tx.set_timer(fx, f"expire:{PB}:{name}", NOW)
+
+        first = store.write(timer("a"))
+        await asyncio.sleep(0)
+        second = store.write(timer("b"))            # a turn later: still in the first one's commit
+        await asyncio.gather(first, second)
+        assert sizes == [2]
+
+        many = [store.write(timer(f"m{i}")) for i in range(itd.COMMIT_GATHER_MAX)]
+        await asyncio.sleep(0)                      # the turn they were asked in has ended ...
+        assert all(f.done() for f in many)          # ... and they committed then, together
+        assert sizes == [2, itd.COMMIT_GATHER_MAX]
+
+        last = store.write(timer("c"))
+        await store.close()                         # what waits to be gathered commits at the close
+        assert last.done() and last.exception() is None
+        assert sizes[-1] == 1
+    finally:
+        await store.close()
+
+
 async def test_a_file_locked_elsewhere_leaves_the_loop_free_and_the_writer_thread_commits_in_order(tmp_path):
     """Another connection holds the write lock: the loop does not wait for it (it goes on with its turns),
-    the writer thread does, and commits that change and the ones asked for after it, in order."""
+    the writer thread does, and commits that change and the ones asked for after it, in order; once
+    they have settled, the next change commits on the loop again."""
     db = str(tmp_path / "t.db")
     store = itd.Store(db)
     await store.open()
@@ -630,7 +664,7 @@ async def test_a_file_locked_elsewhere_leaves_the_loop_free_and_the_writer_threa
         assert [name for name, _ in order] == ["first", "second"]
         assert all(t is not threading.main_thread() for _, t in order)
         assert await store.write(change("third")) == "third"
-        assert order[-1][0] == "third" and order[-1][1] is not threading.main_thread()
+        assert order[-1] == ("third", threading.main_thread())
         assert await store.read(lambda tx: sorted(k for k, _ in tx.all_timers())) == [
             f"expire:{PB}:first", f"expire:{PB}:second", f"expire:{PB}:third"]
     finally:
