@@ -12,26 +12,12 @@ import sys
 
 import pytest
 
-from daemon_kit import person_token, start_daemon
-from test_approval import RESTART, calls, ended, history, ops_config
+from daemon_kit import start_daemon
+from test_approval import RESTART, calls, ended, history
+from test_quorum import d, who  # noqa: F401  (a fixture: the daemon with the ops tool server)
 from test_web_inbox import CHROMIUM, CHROMIUM_ARGS, _playwright, served  # noqa: F401  (a fixture)
 
 DEPUTIES = "/deputies"
-
-
-@pytest.fixture
-async def d(db, tmp_path, aiohttp_client):
-    log = tmp_path / "ops-calls.jsonl"
-    daemon = await start_daemon(aiohttp_client, db, config=ops_config(log))
-    daemon.calls_log = log
-    return daemon
-
-
-def who(d, name: str) -> str:
-    key = f"person:{name}"
-    if key not in d.tokens:
-        d.tokens[key] = person_token(d.db, name)
-    return key
 
 
 async def ask(d, run_id: str, to: str = "ana", prompt: str = "Ship the release?") -> None:
