@@ -68,7 +68,6 @@ How to change it:
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import concurrent.futures
 import contextlib
@@ -118,6 +117,25 @@ if TYPE_CHECKING:
     from jsonschema.exceptions import ValidationError
     from liquid import Environment, RenderContext
     from liquid.builtin.output import OutputNode
+
+
+class _ImportedOnUse:
+    """A module imported where it is first used, after which the module's global names it.
+
+    asyncio is a third of a client command's start-up (SPEC section 13) and no client command uses
+    it; everything that does reads `asyncio.X` inside a function, so the first such read imports it.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        import importlib
+        module = globals()[self._name] = importlib.import_module(self._name)
+        return getattr(module, attr)
+
+
+asyncio: Any = _ImportedOnUse("asyncio")
 
 try:                                    # JSON in and out, five to ten times faster (see dumps, read_json)
     import orjson as _orjson
@@ -14222,8 +14240,11 @@ async def h_openapi(request: web.Request) -> web.Response:
 # waits between requests); when every one has a request in flight, the new one is refused at once.
 # So connections that send nothing cannot take the descriptors /healthz and real clients need.
 
-class _Connection(asyncio.Protocol):
-    """One accepted connection: aiohttp's handler behind a count, a deadline for the head, the cap."""
+class _Connection:
+    """One accepted connection: aiohttp's handler behind a count, a deadline for the head, the cap.
+
+    An asyncio protocol by its methods (the loop asks for no base class): it passes every call on.
+    """
 
     __slots__ = ("gate", "handler", "transport", "busy", "deadline")
 
@@ -16828,6 +16849,27 @@ def mount_typed_api(app: web.Application) -> None:
 # its tries, a run gets its run_id before the first try, and the rest are reads or idempotent.
 
 
+def http_exchange(method: str, url: str, headers: Mapping[str, str], data: bytes | None,
+                  timeout: float) -> tuple[int, bytes, Any]:
+    """One request to a daemon and its response: (status, body, headers), whatever the status.
+
+    The client and the command line share it. It raises OSError or http.client.HTTPException when
+    nothing answered. http.client alone, not urllib's opener: a client command starts sooner
+    (SPEC section 13), and a daemon's API neither redirects nor sits behind a proxy of the client's.
+    """
+    import http.client
+    parts = urllib.parse.urlsplit(url)
+    kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    conn = kind(parts.hostname or "", parts.port, timeout=timeout)
+    try:
+        conn.request(method, (parts.path or "/") + (f"?{parts.query}" if parts.query else ""), body=data,
+                     headers=dict(headers))
+        resp = conn.getresponse()
+        return resp.status, resp.read(), resp.headers
+    finally:
+        conn.close()
+
+
 class ClientError(Problem):
     """What the daemon answered with a problem (or `unreachable` when it was not reached)."""
 
@@ -17021,8 +17063,6 @@ class Client:
         A run object comes back whatever its HTTP status (the status tells the run's ending).
         """
         import http.client
-        import urllib.error
-        import urllib.request
         url = self.base_url + path
         if query:
             url += "?" + urllib.parse.urlencode({k: v for k, v in query.items() if v is not None})
@@ -17032,30 +17072,28 @@ class Client:
             head["Content-Type"] = "application/json"
         for attempt in range(self.retries + 1):
             last = attempt == self.retries
-            req = urllib.request.Request(url, data=data, method=method, headers=head)
             try:
-                with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                    return json.loads(resp.read() or b"null")
-            except urllib.error.HTTPError as exc:
-                raw, ctype = exc.read(), exc.headers.get_content_type()
-                try:
-                    got = json.loads(raw)
-                except ValueError:
-                    got = None
-                if ctype == "application/json" and isinstance(got, dict) and "run_id" in got:
-                    return got
-                if exc.code >= 500 and not last:
-                    time.sleep(self.backoff * 2 ** attempt)
-                    continue
-                if not isinstance(got, dict):
-                    got = {"type": PROBLEM_BASE + "failed", "title": exc.reason, "status": exc.code,
-                           "detail": raw.decode(errors="replace")[:500]}
-                raise ClientError.from_body(got) from None
-            except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
+                status, raw, got_headers = http_exchange(method, url, head, data, self.timeout)
+            except (OSError, http.client.HTTPException) as exc:
                 if not last:
                     time.sleep(self.backoff * 2 ** attempt)
                     continue
                 raise ClientError("unreachable", f"{method} {url}: {exc}", status=503, code="unreachable") from exc
+            if status < 400:
+                return json.loads(raw or b"null")
+            try:
+                got = json.loads(raw)
+            except ValueError:
+                got = None
+            if got_headers.get_content_type() == "application/json" and isinstance(got, dict) and "run_id" in got:
+                return got
+            if status >= 500 and not last:
+                time.sleep(self.backoff * 2 ** attempt)
+                continue
+            if not isinstance(got, dict):
+                got = {"type": PROBLEM_BASE + "failed", "title": http.client.responses.get(status, f"HTTP {status}"), "status": status,
+                       "detail": raw.decode(errors="replace")[:500]}
+            raise ClientError.from_body(got) from None
         raise AssertionError("unreachable")
 
 
@@ -19345,18 +19383,11 @@ def daemon_address(args: Any, db: str, config: Config) -> DaemonAddress:
 def _http(method: str, url: str, token: str | None, body: Any = None,
           timeout: float = MAX_HTTP_WAIT_S + 10) -> tuple[int, Any, Mapping[str, str]]:
     """One call: (status, JSON body, headers). Raises OSError (URLError included) when nothing answered."""
-    import urllib.error
-    import urllib.request
     data = dumps(body).encode() if body is not None else None
     headers = {"Content-Type": "application/json", "Accept": "application/json"}
     if token:
         headers["Authorization"] = f"Bearer {token}"
-    req = urllib.request.Request(url, data=data, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            status, raw, got = resp.status, resp.read(), resp.headers
-    except urllib.error.HTTPError as exc:
-        status, raw, got = exc.code, exc.read(), exc.headers
+    status, raw, got = http_exchange(method, url, headers, data, timeout)
     try:
         return status, json.loads(raw or b"null"), got
     except ValueError:
@@ -20362,8 +20393,19 @@ COMMANDS: Final = (
 CLIENT_COMMANDS: Final = ("define", "run", "get", "wait", "cancel", "inbox", "answer", "runs", "definitions")
 
 
-def build_parser() -> Any:
-    """The command line's parser: every command and option with its help, defaults shown."""
+class _Unused:
+    """The parser of a command other than the one being run: what is added to it is dropped."""
+
+    def __getattr__(self, name: str) -> Callable[..., _Unused]:
+        return lambda *args, **kwargs: self
+
+
+def build_parser(argv: list[str] | None = None) -> Any:
+    """The command line's parser: every command and option with its help, defaults shown.
+
+    Given the command line, it adds the options of the command named there only (every command
+    is still listed): a client command starts sooner (SPEC section 13).
+    """
     import argparse
 
     class Parser(argparse.ArgumentParser):
@@ -20414,10 +20456,16 @@ def build_parser() -> Any:
     parser.add_argument("--version", action="version", version=__version__, help="print the version and stop")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND", parser_class=Parser)
     helps = dict(COMMANDS)
+    named = next((a for a in argv or () if not a.startswith("-")), None)
 
-    def command(name: str) -> Any:
-        p = sub.add_parser(name, help=helps[name], description=helps[name] + ".", formatter_class=Help,
+    def command(name: str, description: str = ".", common: bool = True) -> Any:
+        if named in helps and name != named:
+            sub.add_parser(name, help=helps[name])
+            return _Unused()
+        p = sub.add_parser(name, help=helps[name], description=helps[name] + description, formatter_class=Help,
                            epilog=EXIT_CODES)
+        if not common:
+            return p
         p.add_argument("--db", metavar="PATH", help="the SQLite file, or a PostgreSQL database as postgresql://USER@HOST/NAME"
                                                     " (env: INTERACTIOND_DB; else the configuration's database:, else"
                                                     " ./interactiond.db)")
@@ -20508,10 +20556,9 @@ def build_parser() -> Any:
     p.add_argument("--token", help="an operator token (env: INTERACTIOND_TOKEN; default: the one serve wrote"
                                    " beside the database)")
 
-    p = sub.add_parser("hook", help=helps["hook"], formatter_class=Help, epilog=EXIT_CODES,
-                       description=helps["hook"] + ": the hook's JSON on stdin, its decision on stdout, exit 0."
-                       " When nobody answers in time the request is cancelled and --on-timeout decides; when the"
-                       " daemon cannot be reached the decision is ask (one line on stderr).")
+    p = command("hook", ": the hook's JSON on stdin, its decision on stdout, exit 0. When nobody answers in"
+                " time the request is cancelled and --on-timeout decides; when the daemon cannot be reached the"
+                " decision is ask (one line on stderr).", common=False)
     p.add_argument("agent", choices=["claude-code", "generic"],
                    help="claude-code: a PreToolUse or PermissionRequest hook; generic: {tool, arguments, context}"
                         " in, {decision, arguments, note} out")
@@ -20547,10 +20594,9 @@ def build_parser() -> Any:
         if name == "revoke":
             r.add_argument("id", help="the rule's id (rul_...), as `rules list` shows it")
 
-    p = sub.add_parser("copy", help=helps["copy"], formatter_class=Help, epilog=EXIT_CODES,
-                       description=helps["copy"] + ": definitions with their versions, runs, requests, events,"
-                       " timers, tokens and sessions, in one transaction on the target. Stop the daemons of"
-                       " the source first: what they write after the copy began stays behind.")
+    p = command("copy", ": definitions with their versions, runs, requests, events, timers, tokens and"
+                " sessions, in one transaction on the target. Stop the daemons of the source first: what they"
+                " write after the copy began stays behind.", common=False)
     p.add_argument("--from", dest="source", required=True, metavar="DB",
                    help="the database to copy: an SQLite file, or postgresql://USER@HOST/NAME")
     p.add_argument("--to", dest="target", required=True, metavar="DB",
@@ -20602,7 +20648,7 @@ def build_parser() -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     """The command line: every failure a user can meet is one line on stderr and an exit code."""
-    parser = build_parser()
+    parser = build_parser(list(sys.argv[1:] if argv is None else argv))
     type(parser).argv = list(sys.argv[1:] if argv is None else argv)     # every command's parser reads it
     args, extra = parser.parse_known_args(argv)
     if extra:                               # said by the command's own parser, which knows its options
