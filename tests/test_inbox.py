@@ -361,11 +361,6 @@ async def test_every_route_resolves_to_its_handler(d):
     assert resp.status == 405 and (await resp.json())["status"] == 405
 
 
-def test_embedded_schema_equals_schema_sql():
-    from pathlib import Path
-    assert itd.SCHEMA_SQL == (Path(__file__).resolve().parent.parent / "schema.sql").read_text()
-
-
 async def test_list_runs_filters_and_pages(d):
     await d.define("approve", APPROVAL)
     await d.define("notify", NOTIFY)

@@ -683,10 +683,6 @@ def test_the_schema_is_applied_once_and_again_without_change(db):
 # PostgreSQL's own.
 
 
-def test_embedded_postgres_schema_equals_the_file():
-    assert itd.POSTGRES_SCHEMA_SQL == (ROOT / "schema-postgres.sql").read_text()
-
-
 def test_every_migration_since_postgres_has_a_postgres_step():
     sqlite_steps = {v for v, _ in itd.MIGRATIONS if v > itd.POSTGRES_FIRST_VERSION}
     assert sqlite_steps == {v for v, _ in itd.POSTGRES_MIGRATIONS}

@@ -51,6 +51,8 @@ def installed(tmp_path_factory) -> Path:
     names = zipfile.ZipFile(wheel).namelist()
     assert "interactiond.py" in names and any(n.endswith("entry_points.txt") for n in names)
     assert any(n.endswith("share/interactiond/examples/chat_server.py") for n in names), names
+    assert any(n.endswith("share/interactiond/schema.sql") for n in names), names
+    assert any(n.endswith("share/interactiond/schema-postgres.sql") for n in names), names
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     pip = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", str(wheel)],
                          capture_output=True, text=True, timeout=1200, env=_env(), cwd=where)
@@ -64,10 +66,12 @@ def exe(venv: Path) -> str:
 
 def test_the_installed_module_is_the_wheels(installed, tmp_path):
     out = subprocess.run([str(installed / "bin" / "python"), "-c", "import interactiond, sys; print(interactiond.__file__);"
-                          " print(interactiond.EXAMPLES_DIR)"], capture_output=True, text=True, timeout=60,
-                         cwd=tmp_path, env=_env(), check=True).stdout.splitlines()
+                          " print(interactiond.EXAMPLES_DIR); print(interactiond.data_file('schema-postgres.sql'))"],
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path, env=_env(), check=True).stdout.splitlines()
     assert out[0].startswith(str(installed)) and not out[0].startswith(str(ROOT)), out
     assert out[1] == str(installed / "share" / "interactiond" / "examples"), out
+    assert out[2] == str(installed / "share" / "interactiond" / "schema-postgres.sql"), out
+    assert Path(out[2]).read_text() == (ROOT / "schema-postgres.sql").read_text()
     version = subprocess.run([exe(installed), "--version"], capture_output=True, text=True, timeout=60, cwd=tmp_path,
                              env=_env())
     assert version.returncode == 0 and re.fullmatch(r"\d+\.\d+\.\d+\n", version.stdout), version
