@@ -18478,7 +18478,7 @@ async def _serve(args: Any, config: Config,
               file=sys.stderr)
         return 1
     try:
-        secret = ensure_operator_token(db)
+        ensure_operator_token(db)
         tx = open_sync(db)
         # One login link at a time: the link an earlier start printed stops working.
         tx.revoke_logins(WALL.now_ms())
@@ -19674,9 +19674,6 @@ def check_files(paths: list[str], out: Any = None) -> int:
 
 # -- demo ---------------------------------------------------------------------------------------------
 
-EXAMPLES_DIR: Final = data_file("examples")
-
-
 async def _demo(args: Any) -> int:
     """`interactiond demo`: a daemon on a fresh temporary database, the examples defined, the example
     chat server wired, two requests open (one in the inbox, one posted in the chat); it prints the
@@ -19684,8 +19681,9 @@ async def _demo(args: Any) -> int:
     import shutil
     import tempfile
 
-    if not (EXAMPLES_DIR / "chat_server.py").is_file():
-        print(f"interactiond: the demo needs the examples ({EXAMPLES_DIR} is missing, nor are they under"
+    examples = data_file("examples")
+    if not (examples / "chat_server.py").is_file():
+        print(f"interactiond: the demo needs the examples ({examples} is missing, nor are they under"
               f" {sys.prefix}/share/interactiond/examples); install the wheel or from a checkout", file=sys.stderr)
         return 1
     where = Path(tempfile.mkdtemp(prefix="interactiond-demo-"))
@@ -19695,7 +19693,7 @@ async def _demo(args: Any) -> int:
         config_path.write_text(dumps({
             "listen": {"host": "127.0.0.1", "port": args.port},
             "database": str(where / "interactiond.db"),
-            "servers": {"chat": {"command": [sys.executable, str(EXAMPLES_DIR / "chat_server.py"), "serve",
+            "servers": {"chat": {"command": [sys.executable, str(examples / "chat_server.py"), "serve",
                                              "--db", str(chat_db)],
                                  "tools": ["post_message", "thread_replies", "channel_history"]}},
             "playbooks": {DEFAULT_PLAYBOOK: {"servers": ["chat"]}}}) + "\n")
@@ -19711,8 +19709,8 @@ async def _demo_open(engine: Engine, where: Path, chat_db: Path) -> None:
     import shlex
     import shutil
 
-    pb, me = DEFAULT_PLAYBOOK, OPERATOR_LOCAL
-    for path in sorted(EXAMPLES_DIR.iterdir()):
+    pb, me, examples = DEFAULT_PLAYBOOK, OPERATOR_LOCAL, data_file("examples")
+    for path in sorted(examples.iterdir()):
         type_ = {".md": "interaction", ".yaml": "workflow"}.get(path.suffix)
         if type_ is None or file_kind(path, path.read_text(encoding="utf-8")) == "configuration":
             continue
@@ -19734,7 +19732,7 @@ async def _demo_open(engine: Engine, where: Path, chat_db: Path) -> None:
         await asyncio.sleep(0.1)
     python = "python" if shutil.which("python") == sys.executable else shlex.quote(sys.executable)
     db = shlex.quote(str(where / "interactiond.db"))
-    chat_server = shlex.quote(str(EXAMPLES_DIR / "chat_server.py"))
+    chat_server = shlex.quote(str(examples / "chat_server.py"))
     ts = thread.rsplit("/", 1)[-1] if thread else "TS"
     posted = (f"posted in the chat's #ops channel, thread {ts}" if thread
               else "not posted yet (`interactiond inbox` shows its delivery)")

@@ -66,7 +66,7 @@ def exe(venv: Path) -> str:
 
 def test_the_installed_module_is_the_wheels(installed, tmp_path):
     out = subprocess.run([str(installed / "bin" / "python"), "-c", "import interactiond, sys; print(interactiond.__file__);"
-                          " print(interactiond.EXAMPLES_DIR); print(interactiond.data_file('schema-postgres.sql'))"],
+                          " print(interactiond.data_file('examples')); print(interactiond.data_file('schema-postgres.sql'))"],
                          capture_output=True, text=True, timeout=60, cwd=tmp_path, env=_env(), check=True).stdout.splitlines()
     assert out[0].startswith(str(installed)) and not out[0].startswith(str(ROOT)), out
     assert out[1] == str(installed / "share" / "interactiond" / "examples"), out
