@@ -19852,12 +19852,25 @@ def build_parser(argv: list[str] | None = None) -> Any:
             return _Unused()
         p = sub.add_parser(name, help=helps[name], description=helps[name] + description, formatter_class=Help,
                            epilog=EXIT_CODES)
-        if not common:
-            return p
+        return files(p) if common else p
+
+    def files(p: Any) -> Any:
+        """Where the database and the configuration are."""
         p.add_argument("--db", metavar="PATH", help="the SQLite file, or a PostgreSQL database as postgresql://USER@HOST/NAME"
                                                     " (env: INTERACTIOND_DB; else the configuration's database:, else"
                                                     " ./interactiond.db)")
         p.add_argument("--config", metavar="PATH", help="the operator configuration, YAML (env: INTERACTIOND_CONFIG)")
+        return p
+
+    def daemon(p: Any, token: str = "an operator token", json: str | None = None) -> Any:
+        """A command that calls the running daemon: where it listens, whose token, which playbook."""
+        p.add_argument("--url", help="the daemon's URL (default: the one serve wrote beside the database, else the"
+                                     " configuration's listen address)")
+        p.add_argument("--token", help=f"{token} (env: INTERACTIOND_TOKEN; default: the operator token serve wrote"
+                                       " beside the database)")
+        p.add_argument("--playbook", metavar="ORG/NAME", default=DEFAULT_PLAYBOOK, help="the playbook")
+        if json:
+            p.add_argument("--json", action="store_true", help=json)
         return p
 
     def logs(p: Any) -> None:
@@ -19895,10 +19908,7 @@ def build_parser(argv: list[str] | None = None) -> Any:
     for name, text in (("create", "make a token and print it once (only its hash is kept)"),
                        ("list", "list tokens and inbox sessions (never their secrets)"),
                        ("revoke", "revoke a token, or end an inbox session, by its id")):
-        t = tsub.add_parser(name, help=text, description=text + ".", formatter_class=Help)
-        t.add_argument("--db", metavar="PATH", help="the SQLite file (env: INTERACTIOND_DB; else the"
-                                                    " configuration's database:, else ./interactiond.db)")
-        t.add_argument("--config", metavar="PATH", help="the operator configuration, YAML (env: INTERACTIOND_CONFIG)")
+        t = files(tsub.add_parser(name, help=text, description=text + ".", formatter_class=Help))
         if name == "create":
             t.add_argument("--playbook", metavar="ORG/NAME", help="bind the token to one playbook (default: every"
                                                                   " playbook; an operator is always global)")
@@ -19916,14 +19926,8 @@ def build_parser(argv: list[str] | None = None) -> Any:
     for name, text in (("add", "add a deputy: --to answers what is addressed to --for while the window is open"),
                        ("list", "list the playbook's deputies, and whether each window is open now"),
                        ("remove", "remove a deputy by its id")):
-        t = dsub.add_parser(name, help=text, description=text + " (on the running daemon's clock).",
-                            formatter_class=Help, epilog=EXIT_CODES)
-        t.add_argument("--db", metavar="PATH", help="the database the daemon serves (its URL and token are beside it)")
-        t.add_argument("--config", metavar="PATH", help="the operator configuration, YAML (env: INTERACTIOND_CONFIG)")
-        t.add_argument("--playbook", metavar="ORG/NAME", default=DEFAULT_PLAYBOOK, help="the playbook")
-        t.add_argument("--url", help="the daemon's URL (default: the one serve wrote beside the database)")
-        t.add_argument("--token", help="an operator token (env: INTERACTIOND_TOKEN; default: the one serve wrote"
-                                       " beside the database)")
+        t = daemon(files(dsub.add_parser(name, help=text, description=text + " (on the running daemon's clock).",
+                                         formatter_class=Help, epilog=EXIT_CODES)))
         if name == "add":
             t.add_argument("--for", dest="for_", metavar="PERSON", required=True, help="the person who is away")
             t.add_argument("--to", metavar="PERSON", required=True, help="the person who answers for them")
@@ -19971,14 +19975,8 @@ def build_parser(argv: list[str] | None = None) -> Any:
     rsub = p.add_subparsers(dest="rules_cmd", required=True, metavar="ACTION")
     for name, text in (("list", "list the remembered decisions that stand now"),
                        ("revoke", "end a remembered decision by its id: its calls are asked again")):
-        r = rsub.add_parser(name, help=text, description=text + ".", formatter_class=Help)
-        r.add_argument("--db", metavar="PATH", help="the database the daemon serves (env: INTERACTIOND_DB)")
-        r.add_argument("--config", metavar="PATH", help="the operator configuration, YAML (env: INTERACTIOND_CONFIG)")
-        r.add_argument("--url", help="the daemon's URL (default: the one serve wrote beside the database)")
-        r.add_argument("--token", help="an operator token (env: INTERACTIOND_TOKEN; default: the one serve wrote"
-                                       " beside the database)")
-        r.add_argument("--playbook", metavar="ORG/NAME", default=DEFAULT_PLAYBOOK, help="the playbook")
-        r.add_argument("--json", action="store_true", help="print JSON (a table on a terminal without it)")
+        r = daemon(files(rsub.add_parser(name, help=text, description=text + ".", formatter_class=Help)),
+                   json="print JSON (a table on a terminal without it)")
         if name == "revoke":
             r.add_argument("id", help="the rule's id (rul_...), as `rules list` shows it")
 
@@ -19992,14 +19990,8 @@ def build_parser(argv: list[str] | None = None) -> Any:
     p.add_argument("--json", action="store_true", help="print the JSON summary on a terminal too (it is printed"
                                                        " when piped; a terminal gets a line per table)")
     for name in CLIENT_COMMANDS:
-        p = command(name)
-        p.add_argument("--url", help="the daemon's URL (default: the one serve wrote beside the database, else the"
-                                     " configuration's listen address)")
-        p.add_argument("--token", help="an API token (env: INTERACTIOND_TOKEN; default: the operator token serve"
-                                       " wrote beside the database)")
-        p.add_argument("--playbook", metavar="ORG/NAME", default=DEFAULT_PLAYBOOK, help="the playbook")
-        p.add_argument("--json", action="store_true", help="print JSON: lists print a table on a terminal without"
-                                                           " it; a refusal prints its problem object too")
+        p = daemon(command(name), "an API token", json="print JSON: lists print a table on a terminal without it;"
+                                                       " a refusal prints its problem object too")
         if name == "define":
             p.add_argument("file", help="a function document (.md) or a workflow (.yaml)")
             p.add_argument("--name", help="the definition's name (default: the file's name without its extension)")
