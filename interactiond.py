@@ -8903,6 +8903,22 @@ def answer_fact(row: Row) -> dict[str, Any]:
     return fact
 
 
+def quorum_vote(row: Row, counted: str) -> tuple[dict[str, Any] | None, bool]:
+    """One person's vote on a quorum approval (`counted`: the person, a deputy's counted as whom they
+    stand for) from the request's row, and whether it was the last one (the vote that decided it)."""
+    votes = json.loads(row["approval"]).get("votes", [])
+    mine = next((v for v in votes if v["counted"] == counted), None)
+    return mine, mine is not None and mine is votes[-1]
+
+
+def vote_row(row: Row, vote: Mapping[str, Any], claimed_for: str | None = None,
+             reply_id: str | None = None) -> dict[str, Any]:
+    """A quorum vote as its fact's row: the request's row with the vote as its answer (answer_fact)."""
+    return {**dict(zip(row.keys(), row)), "answer": dumps(vote["answer"]), "answer_id": vote["answer_id"],
+            "answered_by": vote["by"], "answered_at": vote["at"], "answered_by_name": vote.get("name"),
+            "on_behalf_of": vote.get("on_behalf_of"), "claimed_for": claimed_for, "reply_id": reply_id}
+
+
 def _renders_empty(tree: Any, value: Any) -> bool:
     """Whether a text template of a `with` tree (not a whole expression) rendered to nothing."""
     if isinstance(tree, Template):
@@ -10316,10 +10332,10 @@ class Inbox:
                 first = self._first_response(tx.idempotent_response(idempotency.caller, idempotency.key), idempotency)
                 if first is not None:
                     return first, False
-            if self._answer_state_check(row, answer):
+            if (same := self._answer_state_check(row, answer, who)) is not None:
                 if idempotency is not None:
                     raise Problem("not_open", "the request has ended (answered)", kind=row["status"])
-                return answer_fact(row), False
+                return answer_fact(same), False
             if row["approval"] is not None:
                 self.approvals.may_answer(who, row)
             else:
@@ -10372,20 +10388,32 @@ class Inbox:
                                  reply_sender=reply_sender, by_name=by_name, on_behalf_of=on_behalf_of)
 
     @staticmethod
-    def _answer_state_check(req: Row, answer: Any) -> bool:
-        """True when the request already took this very answer; raises when it takes none."""
+    def _answer_state_check(req: Row, answer: Any, who: Caller) -> Mapping[str, Any] | None:
+        """The row of the fact to give again when the request already took this very answer from `who`
+        (a quorum's: this person's own vote, not another's), None while it is open; raises when it takes
+        none (an ended quorum takes no vote of someone who had not voted)."""
         if req["answer_schema"] is None:
             raise Problem("notification", "a notification takes no answer", kind="notification")
         if req["status"] == RequestStatus.ANSWERED:
+            if req["approval"] is not None and '"quorum"' in req["approval"]:
+                counted = who.on_behalf_of(req) or who.by
+                mine, deciding = quorum_vote(req, counted)
+                if mine is None:
+                    raise Problem("not_open", f"the approval was decided before {counted} voted; it takes no more"
+                                  " votes", kind="answered")
+                if mine["answer"] != answer:
+                    raise Problem("answered", f"{counted} has voted on this approval already; each person votes"
+                                  " once", kind="answered")
+                return req if deciding else vote_row(req, mine)
             if json.loads(req["answer"]) == answer:
-                return True
+                return req
             raise Problem("answered", "the request already took a different answer; a run takes one answer",
                           kind="answered")
         if req["status"] != RequestStatus.OPEN:
             raise Problem("not_open", f"the request has ended ({req['status']})", kind=req["status"])
         if req["delivery_state"] == DeliveryState.CANCELLING.value:
             raise Problem("not_open", "the run is being cancelled", kind="cancelling")
-        return False
+        return None
 
 
 
@@ -11434,9 +11462,7 @@ class Approvals:
         mine = next((v for v in votes if v["counted"] == counted), None)
         if mine is not None:
             if mine["answer"] == answer:                # the same vote again: its fact, no second vote
-                return {**dict(zip(row.keys(), row)), "answer": dumps(answer), "answer_id": mine["answer_id"],
-                        "answered_by": mine["by"], "answered_at": mine["at"], "answered_by_name": mine.get("name"),
-                        "on_behalf_of": mine.get("on_behalf_of"), "claimed_for": claimed_for, "reply_id": reply_id}
+                return vote_row(row, mine, claimed_for, reply_id)
             raise Problem("answered", f"{counted} has voted on this approval already; each person votes once",
                           kind="answered")
         approved = answer.get("approved") is True

@@ -438,3 +438,39 @@ async def test_an_approval_ask_of_two_over_v2_each_responds_once(d):
     status, done = await d.call("POST", f"/runs/{run['run_id']}/wait?timeout=5")
     assert status == 200 and done["output"] == {"approved": True} and \
         [v["by"] for v in done["approval"]["votes"]] == ["ana", "ben"], done
+
+
+async def test_once_a_quorum_has_ended_only_a_voter_s_own_answer_again_is_its_fact(d):
+    """The same answer again by the same person is the same fact; by someone who had not voted, 409 -
+    even when it is the answer that decided it."""
+    run_id = await deploy(d)
+    _, ana = await vote(d, run_id, "ana", {"approved": True, "note": "ok"})
+    _, ben = await vote(d, run_id, "ben", {"approved": True})
+    status, run = await ended(d, run_id)
+    assert status == 200 and run["status"] == "succeeded", run
+    status, problem = await vote(d, run_id, "cy", {"approved": True})               # the deciding answer, by cy
+    assert status == 409 and problem["type"] == "/problems/not_open" and "before cy voted" in problem["detail"], problem
+    assert await vote(d, run_id, "ben", {"approved": True}) == (200, ben)           # the decider's retry
+    assert await vote(d, run_id, "ana", {"approved": True, "note": "ok"}) == (200, ana)  # an earlier voter's
+    status, problem = await vote(d, run_id, "ana", {"approved": True})
+    assert status == 409 and problem["type"] == "/problems/answered", problem
+    assert [v["by"] for v in (await d.call("GET", f"/runs/{run_id}"))[1]["approval"]["votes"]] == ["ana", "ben"]
+    # Vetoed: the refusal again by another is refused; the approver's own vote again is still hers.
+    vetoed = await deploy(d, service="api")
+    _, ana = await vote(d, vetoed, "ana", {"approved": True})
+    _, cy = await vote(d, vetoed, "cy", {"approved": False})
+    assert (await vote(d, vetoed, "ben", {"approved": False}))[0] == 409
+    assert await vote(d, vetoed, "ana", {"approved": True}) == (200, ana)
+    assert await vote(d, vetoed, "cy", {"approved": False}) == (200, cy)
+    # An approval ask, and a deputy's vote counted as the person they stood for.
+    status, run = await ask(d, {"prompt": "Ship?", "to": ["ana", "ben", "cy"], "need": 2})
+    assert status == 202, run
+    assert (await d.call("POST", "/deputies", {"for": "ben", "to": "dan"}))[0] == 201
+    _, ana = await vote(d, run["run_id"], "ana", {"approved": True})
+    _, dan = await vote(d, run["run_id"], "dan", {"approved": True})
+    assert dan["on_behalf_of"] == "ben", dan
+    status, problem = await vote(d, run["run_id"], "cy", {"approved": True})
+    assert status == 409 and problem["type"] == "/problems/not_open", problem
+    assert (await vote(d, run["run_id"], "ben", {"approved": True}))[0] == 200      # counted as dan's vote for him
+    assert await vote(d, run["run_id"], "dan", {"approved": True}) == (200, dan)
+    assert await vote(d, run["run_id"], "ana", {"approved": True}) == (200, ana)
