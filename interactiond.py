@@ -9231,7 +9231,8 @@ def _approve_tool_call_source() -> str:
     text: dict[str, Any] = {"type": "string", "maxLength": 4096}
     front = {
         "description": "Asks a person to approve a coding agent's tool call (built in; `interactiond hook` runs it)",
-        "to": "{{ input.to }}", "expires": "P1D",
+        # `to` may list people: the run then addresses the first (Runs._ask_quorum), not rendered.
+        "to": "{{ input.to | strip }}", "expires": "P1D",
         "input": {"schema": {"type": "object", "required": ["tool", "arguments", "to"], "additionalProperties": False,
                              "properties": {
                                  "tool": {"type": "string", "minLength": 1, "maxLength": 256,
@@ -9240,7 +9241,7 @@ def _approve_tool_call_source() -> str:
                                  "cwd": dict(text, description="The agent's working folder"),
                                  "session": dict(text, maxLength=256, description="The agent's session"),
                                  "event": dict(text, maxLength=64, description="The hook's event: PreToolUse, ..."),
-                                 "to": {"type": "string", "description": "Who approves it"}}}},
+                                 **_ASK_QUORUM}}},
         "output": {"schema": TOOL_APPROVAL_SCHEMA},
     }
     import yaml
@@ -9722,7 +9723,7 @@ class Runs:
                                                        input_text, input_sha, parent=parent)
         else:
             try:
-                quorum = self._ask_quorum(caller, name, input_)
+                quorum = self._ask_quorum(caller, name, input_, doc.output_schema)
                 prepared = self._prepare_request(doc, input_, now, playbook, run_id,
                                                  party=quorum["quorum"]["to"][0] if quorum else None)
                 if quorum is not None:
@@ -9746,7 +9747,8 @@ class Runs:
 
         asks = ending is None and (doc.output_schema is not None or doc.deliver is not None or "email" in prepared)
         # A tool call's approval that a remembered decision of its addressee may decide (section 24).
-        call = tool_call_of(input_, prepared.get("answer_schema", doc.output_schema)) if asks else None
+        call = tool_call_of(input_, prepared.get("answer_schema", doc.output_schema)) \
+            if asks and "approval" not in prepared else None     # a quorum's call: never a rule, always its votes
 
         def change(tx: Tx, fx: Effects) -> tuple[dict[str, Any], bool]:
             run = dict(playbook=playbook, run_id=run_id, type_=type_, name=name, version=version, input_text=input_text,
@@ -9778,18 +9780,24 @@ class Runs:
         return run, fresh
 
     @staticmethod
-    def _ask_quorum(caller: Caller, name: str, input_: Any) -> dict[str, Any] | None:
-        """What an approval `ask` naming several people (`to: [a, b, c]`, `need`, `veto`) carries on its
-        request as Approvals._vote reads it - {quorum, asked_by, asked_by_person}; None for one person.
-        Its problems are `invalid_input` pointers under /input."""
+    def _ask_quorum(caller: Caller, name: str, input_: Any, answer_schema: Any) -> dict[str, Any] | None:
+        """What an approval naming several people (`to: [a, b, c]`, `need`, `veto`) in its input - an
+        approval `ask`, or a coding agent's tool call (approve-tool-call, or a function of its shape) -
+        carries on its request as Approvals._vote reads it: {quorum, asked_by, asked_by_person, and a
+        tool call's `arguments`, as the first approval leaves them}; None for one person. Its problems
+        are `invalid_input` pointers under /input."""
+        call = None
         if ASK_FUNCTIONS.get(name) != "approval":
-            return None
+            if not isinstance(input_, dict) or not isinstance(input_.get("to"), list) \
+                    or (call := tool_call_of(input_, answer_schema)) is None:
+                return None
         quorum, errors = quorum_of(input_, "/input")
         if errors:
             raise ended("invalid_input", "the question's input is not valid", errors=errors)
         if quorum is None:
             return None
-        return {"quorum": quorum, "asked_by": caller.id, "asked_by_person": caller.person}
+        return {"quorum": quorum, "asked_by": caller.id, "asked_by_person": caller.person,
+                **({"arguments": call[1]} if call is not None else {})}
 
     def _prepare_email(self, doc: Any, name: str, input_: Any, prepared: dict[str, Any], now: int) -> None:
         """An emailed request's message (`prepared["email"]`, see email_args): to the address the
@@ -11076,7 +11084,7 @@ class Readings:
                 took = self.inbox.record_answer(tx, fx, target, answer, None, f"playbook:{playbook}", now,
                                                 reply_id=m["id"], reply_sender=m["sender"])
             except Problem as exc:                     # a quorum's vote it refuses (a second one, a change)
-                if exc.name not in ("answered", "arguments_changed", "approval_not_yours"):
+                if exc.name not in ("answered", "arguments_changed", "approval_not_yours", "invalid_input"):
                     raise
                 refused += 1
                 self._refuse(tx, fx, target, doc_rule, m["id"], exc.detail, now, tellings,
@@ -11138,7 +11146,8 @@ def _approval_shown(text: str) -> dict[str, Any]:
     for a quorum, whom it asks, how many approvals it takes, and the votes so far."""
     gate = json.loads(text)
     if "server" not in gate:                    # an approval `ask` of several people: no call, its votes
-        return {**gate["quorum"], "votes": _votes_shown(gate)}
+        return {**gate["quorum"], "votes": _votes_shown(gate),      # a coding agent's call: its arguments as they stand
+                **({"arguments": gate["arguments"]} if "arguments" in gate else {})}
     shown = {"server": gate["server"], "tool": gate["tool"], "read_only": gate["read_only"],
              "arguments": gate["arguments"], "edit": gate["edit"]}
     if "quorum" in gate:
@@ -11411,6 +11420,8 @@ class Approvals:
                 return voted
             if "server" not in gate:        # an approval `ask`: the deciding vote is its answer, the run's output
                 tx.set_approval(playbook, run_id, dumps(voted["gate"]))
+                if voted["decided"] and voted["arguments"] is not None:     # a coding agent's call, as first edited
+                    answer = {**answer, "arguments": voted["arguments"]}
                 return tx.answer_request(fx, row, answer, by=by, now=now, claimed_for=claimed_for, reply_id=reply_id,
                                          by_name=by_name, on_behalf_of=on_behalf_of)
             gate, patch, arguments = voted["gate"], voted["patch"], voted["arguments"]
@@ -11469,6 +11480,16 @@ class Approvals:
         patch: list[dict[str, Any]] = []
         arguments = None
         call = "server" in gate             # a tool call's approval; an approval `ask` has no arguments
+        agents = not call and "arguments" in gate       # a coding agent's tool call: its answer carries them
+        if agents and isinstance(answer.get("remember"), dict):
+            raise ended("invalid_input", "a call asked of several people is decided by their votes each time;"
+                        " a vote is not remembered", errors=[{"pointer": "/answer/remember", "message":
+                        "not for a call several people vote on: a remembered decision is one person's"}])
+        if agents and approved and isinstance(answer.get("arguments"), dict) and answer["arguments"] != gate["arguments"]:
+            if any(v["approved"] for v in votes):       # approve what the first approval left
+                raise Problem("arguments_changed", "an earlier approval set these arguments: approve or refuse them as"
+                              " they are shown now, without changes", extra={"arguments": gate["arguments"]})
+            arguments = answer["arguments"]
         if not call:
             pass
         elif approved and any(v["approved"] for v in votes):      # approve what the first approval left
@@ -11490,6 +11511,9 @@ class Approvals:
         if approved and patch:                  # the first approval's edits stand for the rest
             gate.update(arguments=self.tools.scrub(arguments), proposed=arguments, first_patch=patch)
             tx.set_digest(playbook, run_id, request_digest(row["message"], APPROVAL_ANSWER_SCHEMA, gate["arguments"]))
+        elif agents and arguments is not None:  # the same, for a coding agent's call: what it shows changed
+            gate.update(arguments=arguments, proposed=arguments)
+            tx.set_digest(playbook, run_id, request_digest(row["message"], json.loads(row["answer_schema"]), arguments))
         yes = sum(1 for v in votes if v["approved"])
         left = len([p for p in quorum["to"] if p not in {v["counted"] for v in votes}])
         if (not approved and quorum["veto"]) or yes + left < quorum["need"]:
@@ -19766,7 +19790,15 @@ def _hook_ask(args: Any, call: HookCall) -> tuple[str, dict[str, Any] | None, st
     input_ = {k: v for k, v in input_.items() if v is not None}
     if args.to or args.function == APPROVE_TOOL_CALL:
         import getpass
-        input_["to"] = args.to or os.environ.get("INTERACTIOND_TO") or getpass.getuser()
+        input_["to"] = args.to[0] if args.to and len(args.to) == 1 else args.to
+        input_["to"] = input_["to"] or os.environ.get("INTERACTIOND_TO") or getpass.getuser()
+    if args.need is not None or not args.veto or isinstance(input_.get("to"), list):     # a quorum (SPEC section 25)
+        if not isinstance(input_.get("to"), list):
+            raise CliError("--need and --no-veto go with --to given for each of several people")
+        people = len(set(input_["to"]))
+        if args.need is not None and not 1 <= args.need <= people:
+            raise CliError(f"--need is how many of the {people} different people of --to approve: 1 to {people}")
+        input_.update(**({"need": args.need} if args.need is not None else {}), **({} if args.veto else {"veto": False}))
     began = time.monotonic()
     run_id = "hook-" + secrets.token_hex(12)       # known before the run starts: a stop at any point withdraws it
     path = f"{base}/runs/{run_id}"
@@ -20541,8 +20573,12 @@ def build_parser() -> Any:
     p.add_argument("agent", choices=["claude-code", "generic"],
                    help="claude-code: a PreToolUse or PermissionRequest hook; generic: {tool, arguments, context}"
                         " in, {decision, arguments, note} out")
-    p.add_argument("--to", metavar="NAME", help="who approves (default: INTERACTIOND_TO, else your user name;"
-                                                " a --function may choose its own)")
+    p.add_argument("--to", metavar="NAME", action="append",
+                   help="who approves (default: INTERACTIOND_TO, else your user name; a --function may choose its"
+                        " own); given again, each is asked and --need of them approve")
+    p.add_argument("--need", type=int, metavar="N", help="with several --to: how many approve the call (default 1)")
+    p.add_argument("--no-veto", dest="veto", action="store_false",
+                   help="with several --to: a refusal only fails to approve (by default one refusal denies)")
     p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                    help="how long to wait for the answer, in real seconds (the agent's own hook timeout must be"
                         " longer)")
