@@ -2685,6 +2685,7 @@ class ApproveSpec:
     also: tuple[Template, ...] = ()     # `to: [a, b, c]`: the other addressees of a quorum
     need: int = 1               # approvals it takes (a quorum's `need`)
     veto: bool = True           # one refusal ends it refused
+    remind: RemindSpec | None = None    # `remind: {after, message}`: those who have not voted (SPEC section 19)
 
 
 #: What an approval takes (SPEC section 20): the verdict, the arguments as the approver leaves them
@@ -3292,7 +3293,9 @@ def _check(r: _Reader, source: str, data: dict[str, Any], body: str, body_line: 
         r.add(("approve",), "approve gates a call of a tool: only a function with call has it")
     if shape is Shape.SYSTEM:
         for key in _NOT_WITH_CALL:
-            if key in data:
+            if key == "remind" and key in data and "approve" in data:
+                r.add((key,), "a function with call reminds the people who approve it in approve.remind")
+            elif key in data:
                 r.add((key,), f"a function with call asks a system, so it has no {key}")
         if "approve" in data:          # the body is the message the approver reads
             approve, deliver, replies = _read_approve(r, data, input_schema)
@@ -3382,7 +3385,7 @@ def _read_approve(r: _Reader, data: dict[str, Any],
     """The approval gate of a call: `to`, `expires`, `edit`, and optionally `deliver` and `replies`
     as an interaction has them (the replies read by APPROVAL_RULE)."""
     path = ("approve",)
-    block = r.mapping(path, data["approve"], ("to", "expires", "edit", "deliver", "replies", "need", "veto"),
+    block = r.mapping(path, data["approve"], ("to", "expires", "edit", "deliver", "replies", "need", "veto", "remind"),
                       ("to", "expires"))
     if block is None:
         return None, None, None
@@ -3411,9 +3414,14 @@ def _read_approve(r: _Reader, data: dict[str, Any],
     if "replies" in block:
         shown = {"replies": block["replies"], "output": True, **({"deliver": block["deliver"]} if "deliver" in block else {})}
         replies = _read_replies(within, shown, deliver, APPROVAL_ANSWER_SCHEMA, APPROVAL_RULE)
+    remind = None
+    if "remind" in block:               # as a function that asks reminds (section 19), of its approval
+        asked = {k: block[k] for k in ("remind", "expires", "deliver", "replies") if k in block}
+        remind = _read_follow_up(within, {**asked, "output": True}, expires, input_schema,
+                                 APPROVAL_ANSWER_SCHEMA).get("remind")
     if to is None or expires is None or edit is None:
         return None, None, None
-    return ApproveSpec(to, expires, edit, also, need, veto), deliver, replies
+    return ApproveSpec(to, expires, edit, also, need, veto, remind), deliver, replies
 
 
 def _read_edit(r: _Reader, path: tuple[Any, ...], value: Any, with_: Any) -> tuple[str, ...] | None:
@@ -3966,6 +3974,8 @@ class ApprovalPolicy:
     also: tuple[str, ...] = ()          # `to: [a, b, c]`: a quorum's other addressees
     need: int = 1
     veto: bool = True
+    remind: tuple[timedelta, ...] = ()  # `remind: {after: [...], message}`: after the request opened
+    remind_message: str | None = None   # None: DEFAULT_REMINDER
 
 
 @dataclass(frozen=True)
@@ -4108,7 +4118,7 @@ def _read_policy(where: str, a: Any, problems: list[str]) -> ApprovalPolicy | No
         problems.append(f"{where}: a mapping with tools, to and expires")
         return None
     count = len(problems)
-    problems += [f"{where}.{k}: unknown key" for k in a if k not in ("tools", "to", "expires", "need", "veto")]
+    problems += [f"{where}.{k}: unknown key" for k in a if k not in ("tools", "to", "expires", "need", "veto", "remind")]
     tools = a.get("tools")
     if not isinstance(tools, list) or not tools or not all(isinstance(t, str) and TOOL_RE.fullmatch(t) for t in tools):
         problems.append(f"{where}.tools: a list of the tool names whose calls wait for approval")
@@ -4134,9 +4144,43 @@ def _read_policy(where: str, a: Any, problems: list[str]) -> ApprovalPolicy | No
             raise ValueError("it lies between PT1M and P30D")
     except ValueError as exc:
         problems.append(f"{where}.expires: an ISO 8601 duration, PT1M to P30D ({exc})")
+    remind, message = _read_policy_remind(where + ".remind", a.get("remind"), expires, problems)
     if len(problems) > count:
         return None
-    return ApprovalPolicy(tuple(tools), listed[0].strip(), expires, tuple(listed[1:]), need, veto)
+    return ApprovalPolicy(tuple(tools), listed[0].strip(), expires, tuple(listed[1:]), need, veto, remind, message)
+
+
+def _read_policy_remind(where: str, r: Any, expires: timedelta,
+                        problems: list[str]) -> tuple[tuple[timedelta, ...], str | None]:
+    """The gate's `remind: {after: [PT1H, PT4H], message: TEXT}` (SPEC section 19): durations from when
+    the request opened, increasing, each before `expires`; the message plain text."""
+    if r is None:
+        return (), None
+    if not isinstance(r, dict) or "after" not in r:
+        problems.append(f"{where}: a mapping with after (a list of durations) and an optional message")
+        return (), None
+    problems += [f"{where}.{k}: unknown key" for k in r if k not in ("after", "message")]
+    listed = r["after"] if isinstance(r["after"], list) else [r["after"]]
+    if not 1 <= len(listed) <= MAX_REMINDERS:
+        problems.append(f"{where}.after: 1 to {MAX_REMINDERS} durations, such as [PT1H, PT4H]")
+    spans: list[timedelta] = []
+    for i, text in enumerate(listed):
+        try:
+            span = parse_duration(text)
+        except ValueError as exc:
+            problems.append(f"{where}.after.{i}: an ISO 8601 duration ({exc})")
+            continue
+        if not EXPIRES_MIN <= span < expires:
+            problems.append(f"{where}.after.{i}: {text} lies between PT1M and expires ({duration_words(expires)}):"
+                            " the request has ended by then")
+        elif spans and span <= spans[-1]:
+            problems.append(f"{where}.after.{i}: {text} does not come after the reminder before it")
+        spans.append(span)
+    message = r.get("message")
+    if message is not None and (not isinstance(message, str) or not message.strip()
+                                or len(message.encode()) > MAX_MESSAGE_BYTES):
+        problems.append(f"{where}.message: a text of at most {MAX_MESSAGE_BYTES // KIB} KiB")
+    return tuple(spans), message
 
 
 def _read_playbook(pb: Any, p: Any, raw_servers: dict[Any, Any], problems: list[str]) -> tuple[str, ...] | None:
@@ -11229,6 +11273,7 @@ class Approvals:
                         "request_id": request_id, "request": ctx["request"], "answer_schema": APPROVAL_ANSWER_SCHEMA}
             if len(message.encode()) > MAX_MESSAGE_BYTES:
                 raise ended("unworkable", f"the message is longer than {MAX_MESSAGE_BYTES // KIB} KiB")
+            prepared["follow_up"] = self._reminders(policy, gate, ctx, now)
             if doc.deliver is not None:
                 prepared["deliver_args"] = deliver_args(doc, name, run_id, input_, prepared, now)
                 ending = self.calls.check_offered(playbook, doc.deliver.server,
@@ -11265,12 +11310,32 @@ class Approvals:
                     "expires_at": now + int(expires.total_seconds() * 1000), "answer_schema": APPROVAL_ANSWER_SCHEMA,
                     "message": f"A call of **{tool}** on the tool server **{server}** (it {kind}) waits for approval."
                                " Approve the call, or reject it."}
+        prepared["follow_up"] = self._reminders(policy, None, {}, now)
         gate = self._gate(server, tool, read_only, arguments, edit, schema)
         if quorum is not None:
             gate["quorum"] = quorum
         run, _ = await self._ask(caller, playbook, new_run_id(), "execute", f"{server}/{tool}", 0, input_text,
                                  sha256_hex(input_text), None, None, prepared, gate, None)
         return run
+
+    @staticmethod
+    def _reminders(policy: ApprovalPolicy | None, gate: ApproveSpec | None, ctx: dict[str, Any],
+                   now: int) -> dict[str, Any] | None:
+        """The reminders of an approval (SPEC section 19; for a quorum, of those who have not voted): the
+        operator's gate's `remind`, else the function's `approve.remind`, its message rendered as the
+        approval's; None without one. Raises RenderError, or the problem of an ending."""
+        if policy is not None:
+            after, text = policy.remind, policy.remind_message or DEFAULT_REMINDER
+        elif gate is not None and gate.remind is not None:
+            after = gate.remind.after
+            text = gate.remind.message.render_text(ctx) if gate.remind.message is not None else DEFAULT_REMINDER
+        else:
+            return None
+        if not after:
+            return None
+        if len(text.encode()) > MAX_MESSAGE_BYTES:
+            raise ended("unworkable", f"approve.remind.message is longer than {MAX_MESSAGE_BYTES // KIB} KiB")
+        return {"remind": {"at": [now + int(span.total_seconds() * 1000) for span in after], "message": text}}
 
     @staticmethod
     def _execute_quorum(approve: Any) -> dict[str, Any] | None:
@@ -11334,6 +11399,7 @@ class Approvals:
         now = self.clock.now_ms()
         limit = self.open_limit
         server = gate["server"]
+        follow_up = prepared.get("follow_up")
         requested = {"server": server, "tool": gate["tool"], "read_only": gate["read_only"],
                      "arguments": self.tools.record(server, gate["proposed"]),
                      "arguments_size": json_size(gate["proposed"]), "arguments_sha256": sha256_hex(dumps(gate["proposed"])),
@@ -11360,7 +11426,8 @@ class Approvals:
                             delivery=DeliveryState.IN_INBOX if deliver is None else DeliveryState.TO_DELIVER,
                             asked_at=now, expires_at=prepared["expires_at"],
                             deliver_args=dumps(prepared["deliver_args"]) if deliver else None,
-                            digest=request_digest(prepared["message"], APPROVAL_ANSWER_SCHEMA, gate["arguments"]))
+                            digest=request_digest(prepared["message"], APPROVAL_ANSWER_SCHEMA, gate["arguments"]),
+                            follow_up=dumps(follow_up) if follow_up else None)
             tx.set_approval(playbook, run_id, dumps({**gate, "asked_by": caller.id, "asked_by_person": caller.person}))
             if "quorum" in gate:                # listing by `to` finds it under each addressee
                 tx.add_addressees(playbook, run_id, [p for p in gate["quorum"]["to"] if p != prepared["party"]])
@@ -11368,8 +11435,11 @@ class Approvals:
                 "delivery": {"server": deliver.server, "tool": deliver.tool} if deliver else None,
                 "to": prepared["party"], "from": prepared["answerer"],
                 "message_size": len(prepared["message"].encode()), "takes_answer": True,
-                "expires_at": fmt_time(prepared["expires_at"])})
+                "expires_at": fmt_time(prepared["expires_at"]),
+                **({"reminds_at": [fmt_time(t) for t in follow_up["remind"]["at"]]} if follow_up else {})})
             tx.set_timer(fx, timer_key("expire", playbook, run_id), prepared["expires_at"])
+            if follow_up:                   # its reminders: for a quorum, of those who have not voted (Reminders)
+                tx.set_timer(fx, timer_key("remind", playbook, run_id), follow_up["remind"]["at"][0])
             if deliver is not None:
                 tx.set_timer(fx, timer_key("attempt", playbook, run_id), now)
             return dict(run_object(tx.run(playbook, run_id)), status=RunStatus.STARTED.value), True
