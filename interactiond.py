@@ -18882,7 +18882,10 @@ def _proposed(form: dict[str, Any], row: Row) -> dict[str, list[str]]:
         return {}
     if call is None:
         return {}
-    return {f"f{i}": [json.dumps(call[1], indent=2, ensure_ascii=False)] for i, fd in enumerate(form["fields"])
+    arguments = call[1]
+    if quorum_people(row):              # several people vote: as the first approval left them
+        arguments = json.loads(row["approval"]).get("arguments", arguments)
+    return {f"f{i}": [json.dumps(arguments, indent=2, ensure_ascii=False)] for i, fd in enumerate(form["fields"])
             if fd["name"] == "arguments" and fd["kind"] == "json"}
 
 

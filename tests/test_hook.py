@@ -458,3 +458,23 @@ async def test_an_operators_function_asks_the_quorum_and_replies_in_the_thread_v
     assert out["hookSpecificOutput"]["permissionDecisionReason"] == "go"
     status, page = await d.call("GET", "/rules")
     assert page["data"] == []
+
+
+async def test_a_later_approvers_link_shows_the_input_as_the_first_approval_left_it(d):
+    import html
+    import re
+    task = await start_hook(d, BASH, "--to", "ana", "--to", "ben", "--need", "2", "--timeout", "60")
+    req = await open_request(d, "ben")
+    edited = {"command": "rm -rf build/tmp"}
+    assert (await answer_as(d, "ana", req["run_id"], {"approved": True, "arguments": edited}))[0] == 200
+    resp = await d.client.get(d.url("/interactions"), headers={"Authorization": f"Bearer {person_token(d.db, 'ben')}"})
+    [mine] = (await resp.json())["data"]
+    link = "/a/" + mine["answer_url"].rsplit("/a/", 1)[1]
+    page = await (await d.client.get(link)).text()
+    [shown] = [t for t in re.findall(r"<textarea[^>]*>(.*?)</textarea>", page, re.S) if "command" in t]
+    assert json.loads(html.unescape(shown)) == edited, shown
+    resp = await d.client.post(link, json={"answer": {"approved": True, "arguments": json.loads(html.unescape(shown))},
+                                           "digest": mine["digest"]})
+    assert resp.status == 200, await resp.text()
+    _, out, _ = await finished(task)
+    assert out["hookSpecificOutput"]["updatedInput"] == edited
