@@ -19863,15 +19863,18 @@ def _hook_ask(args: Any, call: HookCall) -> tuple[str, dict[str, Any] | None, st
     input_ = {k: v for k, v in input_.items() if v is not None}
     if args.to or args.function == APPROVE_TOOL_CALL:
         import getpass
-        input_["to"] = args.to[0] if args.to and len(args.to) == 1 else args.to
-        input_["to"] = input_["to"] or os.environ.get("INTERACTIOND_TO") or getpass.getuser()
-    if args.need is not None or not args.veto or isinstance(input_.get("to"), list):     # a quorum (SPEC section 25)
+        to = args.to or [os.environ.get("INTERACTIOND_TO") or getpass.getuser()]
+        input_["to"] = to[0] if len(to) == 1 else to            # several: a quorum (SPEC section 25)
+    if args.need is not None or not args.veto or isinstance(input_.get("to"), list):
         if not isinstance(input_.get("to"), list):
             raise CliError("--need and --no-veto go with --to given for each of several people")
         people = len(set(input_["to"]))
         if args.need is not None and not 1 <= args.need <= people:
             raise CliError(f"--need is how many of the {people} different people of --to approve: 1 to {people}")
-        input_.update(**({"need": args.need} if args.need is not None else {}), **({} if args.veto else {"veto": False}))
+        if args.need is not None:
+            input_["need"] = args.need
+        if not args.veto:
+            input_["veto"] = False
     began = time.monotonic()
     run_id = "hook-" + secrets.token_hex(12)       # known before the run starts: a stop at any point withdraws it
     path = f"{base}/runs/{run_id}"
