@@ -2703,6 +2703,7 @@ class ApproveSpec:
     also: tuple[Template, ...] = ()     # `to: [a, b, c]`: the other addressees of a quorum
     need: int = 1               # approvals it takes (a quorum's `need`)
     veto: bool = True           # one refusal ends it refused
+    remind: RemindSpec | None = None    # `remind: {after, message}`: those who have not voted (SPEC section 19)
 
 
 #: What an approval takes (SPEC section 20): the verdict, the arguments as the approver leaves them
@@ -3310,7 +3311,9 @@ def _check(r: _Reader, source: str, data: dict[str, Any], body: str, body_line: 
         r.add(("approve",), "approve gates a call of a tool: only a function with call has it")
     if shape is Shape.SYSTEM:
         for key in _NOT_WITH_CALL:
-            if key in data:
+            if key == "remind" and key in data and "approve" in data:
+                r.add((key,), "a function with call reminds the people who approve it in approve.remind")
+            elif key in data:
                 r.add((key,), f"a function with call asks a system, so it has no {key}")
         if "approve" in data:          # the body is the message the approver reads
             approve, deliver, replies = _read_approve(r, data, input_schema)
@@ -3400,7 +3403,7 @@ def _read_approve(r: _Reader, data: dict[str, Any],
     """The approval gate of a call: `to`, `expires`, `edit`, and optionally `deliver` and `replies`
     as an interaction has them (the replies read by APPROVAL_RULE)."""
     path = ("approve",)
-    block = r.mapping(path, data["approve"], ("to", "expires", "edit", "deliver", "replies", "need", "veto"),
+    block = r.mapping(path, data["approve"], ("to", "expires", "edit", "deliver", "replies", "need", "veto", "remind"),
                       ("to", "expires"))
     if block is None:
         return None, None, None
@@ -3429,9 +3432,14 @@ def _read_approve(r: _Reader, data: dict[str, Any],
     if "replies" in block:
         shown = {"replies": block["replies"], "output": True, **({"deliver": block["deliver"]} if "deliver" in block else {})}
         replies = _read_replies(within, shown, deliver, APPROVAL_ANSWER_SCHEMA, APPROVAL_RULE)
+    remind = None
+    if "remind" in block:               # as a function that asks reminds (section 19), of its approval
+        asked = {k: block[k] for k in ("remind", "expires", "deliver", "replies") if k in block}
+        remind = _read_follow_up(within, {**asked, "output": True}, expires, input_schema,
+                                 APPROVAL_ANSWER_SCHEMA).get("remind")
     if to is None or expires is None or edit is None:
         return None, None, None
-    return ApproveSpec(to, expires, edit, also, need, veto), deliver, replies
+    return ApproveSpec(to, expires, edit, also, need, veto, remind), deliver, replies
 
 
 def _read_edit(r: _Reader, path: tuple[Any, ...], value: Any, with_: Any) -> tuple[str, ...] | None:
@@ -3984,6 +3992,8 @@ class ApprovalPolicy:
     also: tuple[str, ...] = ()          # `to: [a, b, c]`: a quorum's other addressees
     need: int = 1
     veto: bool = True
+    remind: tuple[timedelta, ...] = ()  # `remind: {after: [...], message}`: after the request opened
+    remind_message: str | None = None   # None: DEFAULT_REMINDER
 
 
 @dataclass(frozen=True)
@@ -4126,7 +4136,7 @@ def _read_policy(where: str, a: Any, problems: list[str]) -> ApprovalPolicy | No
         problems.append(f"{where}: a mapping with tools, to and expires")
         return None
     count = len(problems)
-    problems += [f"{where}.{k}: unknown key" for k in a if k not in ("tools", "to", "expires", "need", "veto")]
+    problems += [f"{where}.{k}: unknown key" for k in a if k not in ("tools", "to", "expires", "need", "veto", "remind")]
     tools = a.get("tools")
     if not isinstance(tools, list) or not tools or not all(isinstance(t, str) and TOOL_RE.fullmatch(t) for t in tools):
         problems.append(f"{where}.tools: a list of the tool names whose calls wait for approval")
@@ -4152,9 +4162,43 @@ def _read_policy(where: str, a: Any, problems: list[str]) -> ApprovalPolicy | No
             raise ValueError("it lies between PT1M and P30D")
     except ValueError as exc:
         problems.append(f"{where}.expires: an ISO 8601 duration, PT1M to P30D ({exc})")
+    remind, message = _read_policy_remind(where + ".remind", a.get("remind"), expires, problems)
     if len(problems) > count:
         return None
-    return ApprovalPolicy(tuple(tools), listed[0].strip(), expires, tuple(listed[1:]), need, veto)
+    return ApprovalPolicy(tuple(tools), listed[0].strip(), expires, tuple(listed[1:]), need, veto, remind, message)
+
+
+def _read_policy_remind(where: str, r: Any, expires: timedelta,
+                        problems: list[str]) -> tuple[tuple[timedelta, ...], str | None]:
+    """The gate's `remind: {after: [PT1H, PT4H], message: TEXT}` (SPEC section 19): durations from when
+    the request opened, increasing, each before `expires`; the message plain text."""
+    if r is None:
+        return (), None
+    if not isinstance(r, dict) or "after" not in r:
+        problems.append(f"{where}: a mapping with after (a list of durations) and an optional message")
+        return (), None
+    problems += [f"{where}.{k}: unknown key" for k in r if k not in ("after", "message")]
+    listed = r["after"] if isinstance(r["after"], list) else [r["after"]]
+    if not 1 <= len(listed) <= MAX_REMINDERS:
+        problems.append(f"{where}.after: 1 to {MAX_REMINDERS} durations, such as [PT1H, PT4H]")
+    spans: list[timedelta] = []
+    for i, text in enumerate(listed):
+        try:
+            span = parse_duration(text)
+        except ValueError as exc:
+            problems.append(f"{where}.after.{i}: an ISO 8601 duration ({exc})")
+            continue
+        if not EXPIRES_MIN <= span < expires:
+            problems.append(f"{where}.after.{i}: {text} lies between PT1M and expires ({duration_words(expires)}):"
+                            " the request has ended by then")
+        elif spans and span <= spans[-1]:
+            problems.append(f"{where}.after.{i}: {text} does not come after the reminder before it")
+        spans.append(span)
+    message = r.get("message")
+    if message is not None and (not isinstance(message, str) or not message.strip()
+                                or len(message.encode()) > MAX_MESSAGE_BYTES):
+        problems.append(f"{where}.message: a text of at most {MAX_MESSAGE_BYTES // KIB} KiB")
+    return tuple(spans), message
 
 
 def _read_playbook(pb: Any, p: Any, raw_servers: dict[Any, Any], problems: list[str]) -> tuple[str, ...] | None:
@@ -8323,6 +8367,22 @@ def answer_fact(row: Row) -> dict[str, Any]:
     return fact
 
 
+def quorum_vote(row: Row, counted: str) -> tuple[dict[str, Any] | None, bool]:
+    """One person's vote on a quorum approval (`counted`: the person, a deputy's counted as whom they
+    stand for) from the request's row, and whether it was the last one (the vote that decided it)."""
+    votes = json.loads(row["approval"]).get("votes", [])
+    mine = next((v for v in votes if v["counted"] == counted), None)
+    return mine, mine is not None and mine is votes[-1]
+
+
+def vote_row(row: Row, vote: Mapping[str, Any], claimed_for: str | None = None,
+             reply_id: str | None = None) -> dict[str, Any]:
+    """A quorum vote as its fact's row: the request's row with the vote as its answer (answer_fact)."""
+    return {**dict(zip(row.keys(), row)), "answer": dumps(vote["answer"]), "answer_id": vote["answer_id"],
+            "answered_by": vote["by"], "answered_at": vote["at"], "answered_by_name": vote.get("name"),
+            "on_behalf_of": vote.get("on_behalf_of"), "claimed_for": claimed_for, "reply_id": reply_id}
+
+
 def _renders_empty(tree: Any, value: Any) -> bool:
     """Whether a text template of a `with` tree (not a whole expression) rendered to nothing."""
     if isinstance(tree, Template):
@@ -8635,7 +8695,8 @@ def _approve_tool_call_source() -> str:
     text: dict[str, Any] = {"type": "string", "maxLength": 4096}
     front = {
         "description": "Asks a person to approve a coding agent's tool call (built in; `interactiond hook` runs it)",
-        "to": "{{ input.to }}", "expires": "P1D",
+        # `to` may list people: the run then addresses the first (Runs._ask_quorum), not rendered.
+        "to": "{{ input.to | strip }}", "expires": "P1D",
         "input": {"schema": {"type": "object", "required": ["tool", "arguments", "to"], "additionalProperties": False,
                              "properties": {
                                  "tool": {"type": "string", "minLength": 1, "maxLength": 256,
@@ -8644,7 +8705,7 @@ def _approve_tool_call_source() -> str:
                                  "cwd": dict(text, description="The agent's working folder"),
                                  "session": dict(text, maxLength=256, description="The agent's session"),
                                  "event": dict(text, maxLength=64, description="The hook's event: PreToolUse, ..."),
-                                 "to": {"type": "string", "description": "Who approves it"}}}},
+                                 **_ASK_QUORUM}}},
         "output": {"schema": TOOL_APPROVAL_SCHEMA},
     }
     import yaml
@@ -9126,7 +9187,7 @@ class Runs:
                                                        input_text, input_sha, parent=parent)
         else:
             try:
-                quorum = self._ask_quorum(caller, name, input_)
+                quorum = self._ask_quorum(caller, name, input_, doc.output_schema)
                 prepared = self._prepare_request(doc, input_, now, playbook, run_id,
                                                  party=quorum["quorum"]["to"][0] if quorum else None)
                 if quorum is not None:
@@ -9150,7 +9211,8 @@ class Runs:
 
         asks = ending is None and (doc.output_schema is not None or doc.deliver is not None or "email" in prepared)
         # A tool call's approval that a remembered decision of its addressee may decide (section 24).
-        call = tool_call_of(input_, prepared.get("answer_schema", doc.output_schema)) if asks else None
+        call = tool_call_of(input_, prepared.get("answer_schema", doc.output_schema)) \
+            if asks and "approval" not in prepared else None     # a quorum's call: never a rule, always its votes
 
         def change(tx: Tx, fx: Effects) -> tuple[dict[str, Any], bool]:
             run = dict(playbook=playbook, run_id=run_id, type_=type_, name=name, version=version, input_text=input_text,
@@ -9182,18 +9244,24 @@ class Runs:
         return run, fresh
 
     @staticmethod
-    def _ask_quorum(caller: Caller, name: str, input_: Any) -> dict[str, Any] | None:
-        """What an approval `ask` naming several people (`to: [a, b, c]`, `need`, `veto`) carries on its
-        request as Approvals._vote reads it - {quorum, asked_by, asked_by_person}; None for one person.
-        Its problems are `invalid_input` pointers under /input."""
+    def _ask_quorum(caller: Caller, name: str, input_: Any, answer_schema: Any) -> dict[str, Any] | None:
+        """What an approval naming several people (`to: [a, b, c]`, `need`, `veto`) in its input - an
+        approval `ask`, or a coding agent's tool call (approve-tool-call, or a function of its shape) -
+        carries on its request as Approvals._vote reads it: {quorum, asked_by, asked_by_person, and a
+        tool call's `arguments`, as the first approval leaves them}; None for one person. Its problems
+        are `invalid_input` pointers under /input."""
+        call = None
         if ASK_FUNCTIONS.get(name) != "approval":
-            return None
+            if not isinstance(input_, dict) or not isinstance(input_.get("to"), list) \
+                    or (call := tool_call_of(input_, answer_schema)) is None:
+                return None
         quorum, errors = quorum_of(input_, "/input")
         if errors:
             raise ended("invalid_input", "the question's input is not valid", errors=errors)
         if quorum is None:
             return None
-        return {"quorum": quorum, "asked_by": caller.id, "asked_by_person": caller.person}
+        return {"quorum": quorum, "asked_by": caller.id, "asked_by_person": caller.person,
+                **({"arguments": call[1]} if call is not None else {})}
 
     def _prepare_email(self, doc: Any, name: str, input_: Any, prepared: dict[str, Any], now: int) -> None:
         """An emailed request's message (`prepared["email"]`, see email_args): to the address the
@@ -9736,10 +9804,10 @@ class Inbox:
                 first = self._first_response(tx.idempotent_response(idempotency.caller, idempotency.key), idempotency)
                 if first is not None:
                     return first, False
-            if self._answer_state_check(row, answer):
+            if (same := self._answer_state_check(row, answer, who)) is not None:
                 if idempotency is not None:
                     raise Problem("not_open", "the request has ended (answered)", kind=row["status"])
-                return answer_fact(row), False
+                return answer_fact(same), False
             if row["approval"] is not None:
                 self.approvals.may_answer(who, row)
             else:
@@ -9792,20 +9860,32 @@ class Inbox:
                                  reply_sender=reply_sender, by_name=by_name, on_behalf_of=on_behalf_of)
 
     @staticmethod
-    def _answer_state_check(req: Row, answer: Any) -> bool:
-        """True when the request already took this very answer; raises when it takes none."""
+    def _answer_state_check(req: Row, answer: Any, who: Caller) -> Mapping[str, Any] | None:
+        """The row of the fact to give again when the request already took this very answer from `who`
+        (a quorum's: this person's own vote, not another's), None while it is open; raises when it takes
+        none (an ended quorum takes no vote of someone who had not voted)."""
         if req["answer_schema"] is None:
             raise Problem("notification", "a notification takes no answer", kind="notification")
         if req["status"] == RequestStatus.ANSWERED:
+            if req["approval"] is not None and '"quorum"' in req["approval"]:
+                counted = who.on_behalf_of(req) or who.by
+                mine, deciding = quorum_vote(req, counted)
+                if mine is None:
+                    raise Problem("not_open", f"the approval was decided before {counted} voted; it takes no more"
+                                  " votes", kind="answered")
+                if mine["answer"] != answer:
+                    raise Problem("answered", f"{counted} has voted on this approval already; each person votes"
+                                  " once", kind="answered")
+                return req if deciding else vote_row(req, mine)
             if json.loads(req["answer"]) == answer:
-                return True
+                return req
             raise Problem("answered", "the request already took a different answer; a run takes one answer",
                           kind="answered")
         if req["status"] != RequestStatus.OPEN:
             raise Problem("not_open", f"the request has ended ({req['status']})", kind=req["status"])
         if req["delivery_state"] == DeliveryState.CANCELLING.value:
             raise Problem("not_open", "the run is being cancelled", kind="cancelling")
-        return False
+        return None
 
 
 
@@ -10468,7 +10548,7 @@ class Readings:
                 took = self.inbox.record_answer(tx, fx, target, answer, None, f"playbook:{playbook}", now,
                                                 reply_id=m["id"], reply_sender=m["sender"])
             except Problem as exc:                     # a quorum's vote it refuses (a second one, a change)
-                if exc.name not in ("answered", "arguments_changed", "approval_not_yours"):
+                if exc.name not in ("answered", "arguments_changed", "approval_not_yours", "invalid_input"):
                     raise
                 refused += 1
                 self._refuse(tx, fx, target, doc_rule, m["id"], exc.detail, now, tellings,
@@ -10530,7 +10610,8 @@ def _approval_shown(text: str) -> dict[str, Any]:
     for a quorum, whom it asks, how many approvals it takes, and the votes so far."""
     gate = json.loads(text)
     if "server" not in gate:                    # an approval `ask` of several people: no call, its votes
-        return {**gate["quorum"], "votes": _votes_shown(gate)}
+        return {**gate["quorum"], "votes": _votes_shown(gate),      # a coding agent's call: its arguments as they stand
+                **({"arguments": gate["arguments"]} if "arguments" in gate else {})}
     shown = {"server": gate["server"], "tool": gate["tool"], "read_only": gate["read_only"],
              "arguments": gate["arguments"], "edit": gate["edit"]}
     if "quorum" in gate:
@@ -10612,6 +10693,7 @@ class Approvals:
                         "request_id": request_id, "request": ctx["request"], "answer_schema": APPROVAL_ANSWER_SCHEMA}
             if len(message.encode()) > MAX_MESSAGE_BYTES:
                 raise ended("unworkable", f"the message is longer than {MAX_MESSAGE_BYTES // KIB} KiB")
+            prepared["follow_up"] = self._reminders(policy, gate, ctx, now)
             if doc.deliver is not None:
                 prepared["deliver_args"] = deliver_args(doc, name, run_id, input_, prepared, now)
                 ending = self.calls.check_offered(playbook, doc.deliver.server,
@@ -10648,12 +10730,32 @@ class Approvals:
                     "expires_at": now + int(expires.total_seconds() * 1000), "answer_schema": APPROVAL_ANSWER_SCHEMA,
                     "message": f"A call of **{tool}** on the tool server **{server}** (it {kind}) waits for approval."
                                " Approve the call, or reject it."}
+        prepared["follow_up"] = self._reminders(policy, None, {}, now)
         gate = self._gate(server, tool, read_only, arguments, edit, schema)
         if quorum is not None:
             gate["quorum"] = quorum
         run, _ = await self._ask(caller, playbook, new_run_id(), "execute", f"{server}/{tool}", 0, input_text,
                                  sha256_hex(input_text), None, None, prepared, gate, None)
         return run
+
+    @staticmethod
+    def _reminders(policy: ApprovalPolicy | None, gate: ApproveSpec | None, ctx: dict[str, Any],
+                   now: int) -> dict[str, Any] | None:
+        """The reminders of an approval (SPEC section 19; for a quorum, of those who have not voted): the
+        operator's gate's `remind`, else the function's `approve.remind`, its message rendered as the
+        approval's; None without one. Raises RenderError, or the problem of an ending."""
+        if policy is not None:
+            after, text = policy.remind, policy.remind_message or DEFAULT_REMINDER
+        elif gate is not None and gate.remind is not None:
+            after = gate.remind.after
+            text = gate.remind.message.render_text(ctx) if gate.remind.message is not None else DEFAULT_REMINDER
+        else:
+            return None
+        if not after:
+            return None
+        if len(text.encode()) > MAX_MESSAGE_BYTES:
+            raise ended("unworkable", f"approve.remind.message is longer than {MAX_MESSAGE_BYTES // KIB} KiB")
+        return {"remind": {"at": [now + int(span.total_seconds() * 1000) for span in after], "message": text}}
 
     @staticmethod
     def _execute_quorum(approve: Any) -> dict[str, Any] | None:
@@ -10717,6 +10819,7 @@ class Approvals:
         now = self.clock.now_ms()
         limit = self.open_limit
         server = gate["server"]
+        follow_up = prepared.get("follow_up")
         requested = {"server": server, "tool": gate["tool"], "read_only": gate["read_only"],
                      "arguments": self.tools.record(server, gate["proposed"]),
                      "arguments_size": json_size(gate["proposed"]), "arguments_sha256": sha256_hex(dumps(gate["proposed"])),
@@ -10743,7 +10846,8 @@ class Approvals:
                             delivery=DeliveryState.IN_INBOX if deliver is None else DeliveryState.TO_DELIVER,
                             asked_at=now, expires_at=prepared["expires_at"],
                             deliver_args=dumps(prepared["deliver_args"]) if deliver else None,
-                            digest=request_digest(prepared["message"], APPROVAL_ANSWER_SCHEMA, gate["arguments"]))
+                            digest=request_digest(prepared["message"], APPROVAL_ANSWER_SCHEMA, gate["arguments"]),
+                            follow_up=dumps(follow_up) if follow_up else None)
             tx.set_approval(playbook, run_id, dumps({**gate, "asked_by": caller.id, "asked_by_person": caller.person}))
             if "quorum" in gate:                # listing by `to` finds it under each addressee
                 tx.add_addressees(playbook, run_id, [p for p in gate["quorum"]["to"] if p != prepared["party"]])
@@ -10751,8 +10855,11 @@ class Approvals:
                 "delivery": {"server": deliver.server, "tool": deliver.tool} if deliver else None,
                 "to": prepared["party"], "from": prepared["answerer"],
                 "message_size": len(prepared["message"].encode()), "takes_answer": True,
-                "expires_at": fmt_time(prepared["expires_at"])})
+                "expires_at": fmt_time(prepared["expires_at"]),
+                **({"reminds_at": [fmt_time(t) for t in follow_up["remind"]["at"]]} if follow_up else {})})
             tx.set_timer(fx, timer_key("expire", playbook, run_id), prepared["expires_at"])
+            if follow_up:                   # its reminders: for a quorum, of those who have not voted (Reminders)
+                tx.set_timer(fx, timer_key("remind", playbook, run_id), follow_up["remind"]["at"][0])
             if deliver is not None:
                 tx.set_timer(fx, timer_key("attempt", playbook, run_id), now)
             return dict(run_object(tx.run(playbook, run_id)), status=RunStatus.STARTED.value), True
@@ -10803,6 +10910,8 @@ class Approvals:
                 return voted
             if "server" not in gate:        # an approval `ask`: the deciding vote is its answer, the run's output
                 tx.set_approval(playbook, run_id, dumps(voted["gate"]))
+                if voted["decided"] and voted["arguments"] is not None:     # a coding agent's call, as first edited
+                    answer = {**answer, "arguments": voted["arguments"]}
                 return tx.answer_request(fx, row, answer, by=by, now=now, claimed_for=claimed_for, reply_id=reply_id,
                                          by_name=by_name, on_behalf_of=on_behalf_of)
             gate, patch, arguments = voted["gate"], voted["patch"], voted["arguments"]
@@ -10854,15 +10963,23 @@ class Approvals:
         mine = next((v for v in votes if v["counted"] == counted), None)
         if mine is not None:
             if mine["answer"] == answer:                # the same vote again: its fact, no second vote
-                return {**dict(zip(row.keys(), row)), "answer": dumps(answer), "answer_id": mine["answer_id"],
-                        "answered_by": mine["by"], "answered_at": mine["at"], "answered_by_name": mine.get("name"),
-                        "on_behalf_of": mine.get("on_behalf_of"), "claimed_for": claimed_for, "reply_id": reply_id}
+                return vote_row(row, mine, claimed_for, reply_id)
             raise Problem("answered", f"{counted} has voted on this approval already; each person votes once",
                           kind="answered")
         approved = answer.get("approved") is True
         patch: list[dict[str, Any]] = []
         arguments = None
         call = "server" in gate             # a tool call's approval; an approval `ask` has no arguments
+        agents = not call and "arguments" in gate       # a coding agent's tool call: its answer carries them
+        if agents and isinstance(answer.get("remember"), dict):
+            raise ended("invalid_input", "a call asked of several people is decided by their votes each time;"
+                        " a vote is not remembered", errors=[{"pointer": "/answer/remember", "message":
+                        "not for a call several people vote on: a remembered decision is one person's"}])
+        if agents and approved and isinstance(answer.get("arguments"), dict) and answer["arguments"] != gate["arguments"]:
+            if any(v["approved"] for v in votes):       # approve what the first approval left
+                raise Problem("arguments_changed", "an earlier approval set these arguments: approve or refuse them as"
+                              " they are shown now, without changes", extra={"arguments": gate["arguments"]})
+            arguments = answer["arguments"]
         if not call:
             pass
         elif approved and any(v["approved"] for v in votes):      # approve what the first approval left
@@ -10884,6 +11001,9 @@ class Approvals:
         if approved and patch:                  # the first approval's edits stand for the rest
             gate.update(arguments=self.tools.scrub(arguments), proposed=arguments, first_patch=patch)
             tx.set_digest(playbook, run_id, request_digest(row["message"], APPROVAL_ANSWER_SCHEMA, gate["arguments"]))
+        elif agents and arguments is not None:  # the same, for a coding agent's call: what it shows changed
+            gate.update(arguments=arguments, proposed=arguments)
+            tx.set_digest(playbook, run_id, request_digest(row["message"], json.loads(row["answer_schema"]), arguments))
         yes = sum(1 for v in votes if v["approved"])
         left = len([p for p in quorum["to"] if p not in {v["counted"] for v in votes}])
         if (not approved and quorum["veto"]) or yes + left < quorum["need"]:
@@ -18202,7 +18322,10 @@ def _proposed(form: dict[str, Any], row: Row) -> dict[str, list[str]]:
         return {}
     if call is None:
         return {}
-    return {f"f{i}": [json.dumps(call[1], indent=2, ensure_ascii=False)] for i, fd in enumerate(form["fields"])
+    arguments = call[1]
+    if quorum_people(row):              # several people vote: as the first approval left them
+        arguments = json.loads(row["approval"]).get("arguments", arguments)
+    return {f"f{i}": [json.dumps(arguments, indent=2, ensure_ascii=False)] for i, fd in enumerate(form["fields"])
             if fd["name"] == "arguments" and fd["kind"] == "json"}
 
 
@@ -19173,7 +19296,18 @@ def _hook_ask(args: Any, call: HookCall) -> tuple[str, dict[str, Any] | None, st
     input_ = {k: v for k, v in input_.items() if v is not None}
     if args.to or args.function == APPROVE_TOOL_CALL:
         import getpass
-        input_["to"] = args.to or os.environ.get("INTERACTIOND_TO") or getpass.getuser()
+        to = args.to or [os.environ.get("INTERACTIOND_TO") or getpass.getuser()]
+        input_["to"] = to[0] if len(to) == 1 else to            # several: a quorum (SPEC section 25)
+    if args.need is not None or not args.veto or isinstance(input_.get("to"), list):
+        if not isinstance(input_.get("to"), list):
+            raise CliError("--need and --no-veto go with --to given for each of several people")
+        people = len(set(input_["to"]))
+        if args.need is not None and not 1 <= args.need <= people:
+            raise CliError(f"--need is how many of the {people} different people of --to approve: 1 to {people}")
+        if args.need is not None:
+            input_["need"] = args.need
+        if not args.veto:
+            input_["veto"] = False
     began = time.monotonic()
     run_id = "hook-" + secrets.token_hex(12)       # known before the run starts: a stop at any point withdraws it
     path = f"{base}/runs/{run_id}"
@@ -19954,8 +20088,12 @@ def build_parser(argv: list[str] | None = None) -> Any:
     p.add_argument("agent", choices=["claude-code", "generic"],
                    help="claude-code: a PreToolUse or PermissionRequest hook; generic: {tool, arguments, context}"
                         " in, {decision, arguments, note} out")
-    p.add_argument("--to", metavar="NAME", help="who approves (default: INTERACTIOND_TO, else your user name;"
-                                                " a --function may choose its own)")
+    p.add_argument("--to", metavar="NAME", action="append",
+                   help="who approves (default: INTERACTIOND_TO, else your user name; a --function may choose its"
+                        " own); given again, each is asked and --need of them approve")
+    p.add_argument("--need", type=int, metavar="N", help="with several --to: how many approve the call (default 1)")
+    p.add_argument("--no-veto", dest="veto", action="store_false",
+                   help="with several --to: a refusal only fails to approve (by default one refusal denies)")
     p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                    help="how long to wait for the answer, in real seconds (the agent's own hook timeout must be"
                         " longer)")

@@ -346,3 +346,135 @@ def test_a_database_of_an_earlier_version_gains_the_rules(db):
         assert tx.listed_rules(PB, NOW + 4) == []
     finally:
         tx.close()
+
+
+async def test_a_call_several_people_approve_decides_once_the_quorum_is_reached(d):
+    """`--to ana --to ben --to cy --need 2`: each is asked; the first approval's edit stands for the rest;
+    the hook prints its decision only when the second approval is in, with the edited input."""
+    task = await start_hook(d, BASH, "--to", "ana", "--to", "ben", "--to", "cy", "--need", "2", "--timeout", "60")
+    req = await open_request(d, "ben")
+    assert req["addressees"] == ["ana", "ben", "cy"] and req["approval"]["need"] == 2, req
+    assert [r["run_id"] for r in (await d.call("GET", "/interactions?to=cy"))[1]["data"]] == [req["run_id"]]
+    # The hook's own token never votes.
+    status, body = await d.call("POST", f"/runs/{req['run_id']}/answer", {"answer": {"approved": True}}, role="writer")
+    assert status == 403 and body["type"].endswith("/approval_not_yours"), body
+    edited = {"command": "rm -rf build/tmp"}
+    status, fact = await answer_as(d, "ana", req["run_id"], {"approved": True, "arguments": edited, "note": "only tmp"})
+    assert status == 200 and fact["answered_by"] == "ana", fact
+    status, run = await d.call("GET", f"/runs/{req['run_id']}")
+    assert run["status"] == "waiting" and not task.done(), run          # one approval of two: no decision yet
+    [shown] = (await d.call("GET", "/interactions?to=ben"))[1]["data"]
+    assert shown["approval"]["arguments"] == edited and shown["digest"] != req["digest"], shown
+    status, body = await answer_as(d, "ben", req["run_id"], {"approved": True, "arguments": {"command": "rm -rf x"}})
+    assert status == 409 and body["type"].endswith("/arguments_changed"), body
+    status, body = await answer_as(d, "ben", req["run_id"], {"approved": True, "remember": {"for": "P1D", "scope": "tool"}})
+    assert status == 422 and body["errors"][0]["pointer"] == "/answer/remember", body
+    status, fact = await answer_as(d, "ben", req["run_id"], {"approved": True, "note": "fine"})
+    assert status == 200, fact
+    _, out, _ = await finished(task)
+    assert out == {"hookSpecificOutput": {"hookEventName": "PreToolUse", "permissionDecision": "allow",
+                                          "permissionDecisionReason": "fine", "updatedInput": edited}}
+    status, run = await d.call("GET", f"/runs/{req['run_id']}")
+    assert [(v["by"], v["approved"]) for v in run["approval"]["votes"]] == [("ana", True), ("ben", True)], run
+    assert run["output"] == {"approved": True, "note": "fine", "arguments": edited}
+    status, body = await answer_as(d, "cy", req["run_id"], {"approved": True, "note": "fine"})
+    assert status == 409, body
+    status, page = await d.call("GET", "/rules")
+    assert page["data"] == []                                   # nothing remembered
+
+
+async def test_one_refusal_denies_a_quorum_call_and_generic_takes_the_same_options(d):
+    event = {"tool": "shell", "arguments": {"command": "git push --force"}, "context": {"cwd": "/repo"}}
+    task = await start_hook(d, event, "--to", "ana", "--to", "ben", "--need", "2", "--timeout", "60", agent="generic")
+    req = await open_request(d, "ben")
+    status, _ = await answer_as(d, "ben", req["run_id"], {"approved": False, "note": "not --force"})
+    assert status == 200
+    _, out, _ = await finished(task)
+    assert out == {"decision": "deny", "arguments": event["arguments"], "note": "not --force"}
+    # --no-veto: a refusal only fails to approve; need 1 of two, the other's approval decides.
+    task = await start_hook(d, event, "--to", "ana", "--to", "ben", "--no-veto", "--timeout", "60", agent="generic")
+    req = await open_request(d, "ben")
+    assert (await answer_as(d, "ben", req["run_id"], {"approved": False}))[0] == 200
+    assert (await d.call("GET", f"/runs/{req['run_id']}"))[1]["status"] == "waiting" and not task.done()
+    assert (await answer_as(d, "ana", req["run_id"], {"approved": True}))[0] == 200
+    _, out, _ = await finished(task)
+    assert out["decision"] == "allow"
+
+
+async def test_a_remembered_decision_never_decides_a_call_several_people_approve(d):
+    status, body = await answer_for_rule(d, {"approved": True, "remember": {"for": "P1D", "scope": "tool"}})
+    assert status == 200, body
+    _, out, _ = await finished(await start_hook(d, bash("ls"), "--to", "ana", "--timeout", "30"))
+    assert out["hookSpecificOutput"]["permissionDecision"] == "allow"          # ana's rule, for ana alone
+    # Asked of ana and ben, even need 1: the votes decide, not ana's rule.
+    task = await start_hook(d, bash("ls"), "--to", "ana", "--to", "ben", "--timeout", "60")
+    req = await open_request(d, "ben")
+    status, run = await d.call("GET", f"/runs/{req['run_id']}")
+    assert run["status"] == "waiting", run
+    assert (await answer_as(d, "ben", req["run_id"], {"approved": False, "note": "not now"}))[0] == 200
+    _, out, _ = await finished(task)
+    assert out["hookSpecificOutput"]["permissionDecision"] == "deny"
+    status, events = await d.call("GET", f"/runs/{req['run_id']}/events")
+    assert "approval_remembered" not in [e["type"] for e in events["data"]]
+
+
+async def test_a_bad_quorum_is_one_line_and_ask(d):
+    for args, words in ((("--to", "ana", "--to", "ben", "--need", "3"), "--need is how many of the 2 different people"),
+                        (("--to", "ana", "--need", "2"), "--need and --no-veto go with --to"),
+                        (("--to", "ana", "--to", "ana", "--need", "2"), "1 to 1")):
+        _, out, err = await finished(await start_hook(d, BASH, *args, "--timeout", "5"))
+        assert out["hookSpecificOutput"]["permissionDecision"] == "ask", (args, out)
+        assert len(err.strip().splitlines()) == 1 and words in err, (args, err)
+    status, page = await d.call("GET", "/interactions")
+    assert page["data"] == []
+
+
+async def test_an_operators_function_asks_the_quorum_and_replies_in_the_thread_vote(chat_d):
+    """`--function approve-on-phone --to ana --to ben --need 2`: the thread's replies vote as their
+    senders; `approve for 1h` is told it is not remembered; the second approval lets the call through."""
+    d = chat_d
+    sys.path.insert(0, str(ROOT / "examples"))
+    import chat_server
+
+    await d.define("approve-on-phone", (ROOT / "examples" / "approve-on-phone.md").read_text())
+    task = await start_hook(d, BASH, "--function", "approve-on-phone", "--to", "ana", "--to", "ben", "--need", "2",
+                            "--timeout", "60")
+    req = await open_request(d, "ben")
+    await d.advance("PT0S")
+    posted = await until(lambda: chat_server.messages(d.chat, "ana"), 30, "the chat message")
+    chat_server.say(d.chat, "ana", "ana", "approve for 1h prefix looks fine", thread_ts=posted[0]["ts"])
+    await d.advance("PT15S")
+    told = [m["text"] for m in chat_server.messages(d.chat, "ana") if m["user"] == "interactiond" and m["thread_ts"]]
+    assert any("not remembered" in t for t in told), told
+    chat_server.say(d.chat, "ana", "ana", "approve looks fine", thread_ts=posted[0]["ts"])
+    await d.advance("PT15S")
+    status, run = await d.call("GET", f"/runs/{req['run_id']}")
+    assert run["status"] == "waiting" and [v["by"] for v in run["approval"]["votes"]] == ["ana"], run
+    assert not task.done()
+    chat_server.say(d.chat, "ana", "ben", "approve go", thread_ts=posted[0]["ts"])
+    await d.advance("PT1M")
+    _, out, err = await finished(task)
+    assert out["hookSpecificOutput"]["permissionDecision"] == "allow", (out, err)
+    assert out["hookSpecificOutput"]["permissionDecisionReason"] == "go"
+    status, page = await d.call("GET", "/rules")
+    assert page["data"] == []
+
+
+async def test_a_later_approvers_link_shows_the_input_as_the_first_approval_left_it(d):
+    import html
+    import re
+    task = await start_hook(d, BASH, "--to", "ana", "--to", "ben", "--need", "2", "--timeout", "60")
+    req = await open_request(d, "ben")
+    edited = {"command": "rm -rf build/tmp"}
+    assert (await answer_as(d, "ana", req["run_id"], {"approved": True, "arguments": edited}))[0] == 200
+    resp = await d.client.get(d.url("/interactions"), headers={"Authorization": f"Bearer {person_token(d.db, 'ben')}"})
+    [mine] = (await resp.json())["data"]
+    link = "/a/" + mine["answer_url"].rsplit("/a/", 1)[1]
+    page = await (await d.client.get(link)).text()
+    [shown] = [t for t in re.findall(r"<textarea[^>]*>(.*?)</textarea>", page, re.S) if "command" in t]
+    assert json.loads(html.unescape(shown)) == edited, shown
+    resp = await d.client.post(link, json={"answer": {"approved": True, "arguments": json.loads(html.unescape(shown))},
+                                           "digest": mine["digest"]})
+    assert resp.status == 200, await resp.text()
+    _, out, _ = await finished(task)
+    assert out["hookSpecificOutput"]["updatedInput"] == edited

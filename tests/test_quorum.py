@@ -438,3 +438,139 @@ async def test_an_approval_ask_of_two_over_v2_each_responds_once(d):
     status, done = await d.call("POST", f"/runs/{run['run_id']}/wait?timeout=5")
     assert status == 200 and done["output"] == {"approved": True} and \
         [v["by"] for v in done["approval"]["votes"]] == ["ana", "ben"], done
+
+
+async def test_once_a_quorum_has_ended_only_a_voter_s_own_answer_again_is_its_fact(d):
+    """The same answer again by the same person is the same fact; by someone who had not voted, 409 -
+    even when it is the answer that decided it."""
+    run_id = await deploy(d)
+    _, ana = await vote(d, run_id, "ana", {"approved": True, "note": "ok"})
+    _, ben = await vote(d, run_id, "ben", {"approved": True})
+    status, run = await ended(d, run_id)
+    assert status == 200 and run["status"] == "succeeded", run
+    status, problem = await vote(d, run_id, "cy", {"approved": True})               # the deciding answer, by cy
+    assert status == 409 and problem["type"] == "/problems/not_open" and "before cy voted" in problem["detail"], problem
+    assert await vote(d, run_id, "ben", {"approved": True}) == (200, ben)           # the decider's retry
+    assert await vote(d, run_id, "ana", {"approved": True, "note": "ok"}) == (200, ana)  # an earlier voter's
+    status, problem = await vote(d, run_id, "ana", {"approved": True})
+    assert status == 409 and problem["type"] == "/problems/answered", problem
+    assert [v["by"] for v in (await d.call("GET", f"/runs/{run_id}"))[1]["approval"]["votes"]] == ["ana", "ben"]
+    # Vetoed: the refusal again by another is refused; the approver's own vote again is still hers.
+    vetoed = await deploy(d, service="api")
+    _, ana = await vote(d, vetoed, "ana", {"approved": True})
+    _, cy = await vote(d, vetoed, "cy", {"approved": False})
+    assert (await vote(d, vetoed, "ben", {"approved": False}))[0] == 409
+    assert await vote(d, vetoed, "ana", {"approved": True}) == (200, ana)
+    assert await vote(d, vetoed, "cy", {"approved": False}) == (200, cy)
+    # An approval ask, and a deputy's vote counted as the person they stood for.
+    status, run = await ask(d, {"prompt": "Ship?", "to": ["ana", "ben", "cy"], "need": 2})
+    assert status == 202, run
+    assert (await d.call("POST", "/deputies", {"for": "ben", "to": "dan"}))[0] == 201
+    _, ana = await vote(d, run["run_id"], "ana", {"approved": True})
+    _, dan = await vote(d, run["run_id"], "dan", {"approved": True})
+    assert dan["on_behalf_of"] == "ben", dan
+    status, problem = await vote(d, run["run_id"], "cy", {"approved": True})
+    assert status == 409 and problem["type"] == "/problems/not_open", problem
+    assert (await vote(d, run["run_id"], "ben", {"approved": True}))[0] == 200      # counted as dan's vote for him
+    assert await vote(d, run["run_id"], "dan", {"approved": True}) == (200, dan)
+    assert await vote(d, run["run_id"], "ana", {"approved": True}) == (200, ana)
+
+
+REMINDED = DEPLOY.replace("  need: 2\n", "  need: 2\n  remind: {after: [PT30M, PT1H], message: 'Still waiting: {{ input.service }}'}\n")
+
+
+async def test_a_gated_calls_quorum_reminds_only_those_who_have_not_voted(d):
+    run_id = await deploy(d, REMINDED)
+    events = await history(d, run_id)
+    [requested] = [e for e in events if e["type"] == "interaction_requested"]
+    assert len(requested["payload"]["reminds_at"]) == 2, requested
+    assert (await vote(d, run_id, "ana", {"approved": True}))[0] == 200
+    await d.advance("PT30M")
+    [reminded] = [e for e in await history(d, run_id) if e["type"] == "request_reminded"]
+    assert (reminded["payload"]["n"], reminded["payload"]["to"], reminded["payload"]["message"]) == \
+        (1, ["ben", "cy"], "Still waiting: web"), reminded
+    assert (await vote(d, run_id, "cy", {"approved": True}))[0] == 200       # decided: no more reminders
+    status, run = await ended(d, run_id)
+    assert status == 200 and run["status"] == "succeeded", run
+    await d.advance("PT1H")
+    assert len([e for e in await history(d, run_id) if e["type"] == "request_reminded"]) == 1
+
+
+async def test_the_operators_gate_reminds_those_who_have_not_voted(db, tmp_path, aiohttp_client):
+    log = tmp_path / "ops-calls.jsonl"
+    policy = itd.ApprovalPolicy(("restart_service",), "ana", itd.parse_duration("PT1H"), ("ben", "cy"), 2,
+                                remind=(itd.parse_duration("PT20M"), itd.parse_duration("PT40M")))
+    d = await start_daemon(aiohttp_client, db, config=ops_config(log, policy=policy))
+    d.calls_log = log
+    status, run = await d.call("POST", "/tools/ops/restart_service", {"arguments": {"service": "web"}})
+    assert status == 202, run
+    assert (await vote(d, run["run_id"], "ben", {"approved": True}))[0] == 200
+    await d.advance("PT20M")
+    assert (await vote(d, run["run_id"], "ana", {"approved": True}))[0] == 200
+    await d.advance("PT20M")
+    reminders = [e["payload"] for e in await history(d, run["run_id"]) if e["type"] == "request_reminded"]
+    assert [(p["n"], p["to"], p["message"]) for p in reminders] == [
+        (1, ["ana", "cy"], itd.DEFAULT_REMINDER)], reminders          # the second came after the vote ended
+    # A function's own approve.remind gives way to the operator's gate, as its to and expires do.
+    await d.define("deploy", REMINDED)
+    run_id = (await d.run("deploy", {"service": "api"}))[1]["run_id"]
+    await d.advance("PT20M")
+    [reminded] = [e["payload"] for e in await history(d, run_id) if e["type"] == "request_reminded"]
+    assert (reminded["to"], reminded["message"]) == (["ana", "ben", "cy"], itd.DEFAULT_REMINDER), reminded
+    # In the configuration: remind with after and message, checked with its key path.
+    config = {"servers": {"ops": {"command": ["python", "ops.py"], "approve": {
+        "tools": ["restart_service"], "to": ["ana", "ben"], "need": 2, "expires": "PT2H",
+        "remind": {"after": ["PT30M", "PT1H"], "message": "Still waiting"}}}}}
+    path = tmp_path / "c.yaml"
+    path.write_text(itd.dumps(config))
+    loaded = itd.load_config(str(path), environ={}).servers["ops"].approve
+    assert (loaded.remind, loaded.remind_message) == ((itd.parse_duration("PT30M"), itd.parse_duration("PT1H")),
+                                                      "Still waiting")
+    for remind, where in (({"after": ["PT1H", "PT30M"]}, "remind.after.1"), ({"after": ["PT2H"]}, "remind.after.0"),
+                          ({"after": ["soon"]}, "remind.after.0"), ({"after": ["PT1H"], "say": "x"}, "remind.say"),
+                          (["PT1H"], "remind:"), ({"after": ["PT1H"], "message": ""}, "remind.message")):
+        config["servers"]["ops"]["approve"]["remind"] = remind
+        path.write_text(itd.dumps(config))
+        with pytest.raises(itd.ConfigError) as refused:
+            itd.load_config(str(path), environ={})
+        assert f"servers.ops.approve.{where}" in str(refused.value), (remind, refused.value)
+
+
+async def test_a_bad_approve_remind_is_refused_with_its_line(d):
+    for source, field, line in (
+            (REMINDED.replace("[PT30M, PT1H]", "[PT1H, PT30M]"), "approve.remind.after.1", 7),
+            (REMINDED.replace("[PT30M, PT1H]", "[PT30M, PT5H]"), "approve.remind.after.1", 7),
+            (REMINDED.replace("after: [PT30M, PT1H]", "afterwards: [PT30M]"), "approve.remind.afterwards", 7),
+            (REMINDED.replace("Still waiting: {{ input.service }}", "{{ input.nothing }}"), "approve.remind.message", 7)):
+        status, body = await d.call("POST", "/definitions", {"type": "interaction", "name": "bad", "source": source})
+        assert status == 422 and field in [e["field"] for e in body["errors"]], (field, body)
+        assert [e["line"] for e in body["errors"] if e["field"] == field] == [line], body
+    # remind beside approve, at the top: it says where it goes.
+    source = DEPLOY.replace("approve:\n", "remind: {after: [PT1H]}\napprove:\n")
+    status, body = await d.call("POST", "/definitions", {"type": "interaction", "name": "bad", "source": source})
+    assert status == 422 and body["errors"][0]["field"] == "remind" and "approve.remind" in body["errors"][0]["message"]
+    # A delivered approval reminds in its thread: it needs replies.tell.
+    chat = CHAT_RESTART.replace("  expires: PT2H\n", "  expires: PT2H\n  remind: {after: [PT1H]}\n")
+    assert (await d.call("POST", "/definitions", {"type": "interaction", "name": "ok", "source": chat}))[0] in (200, 201)
+    untold = chat.split("    tell:\n")[0] + "input:" + chat.split("\ninput:", 1)[1]
+    status, body = await d.call("POST", "/definitions", {"type": "interaction", "name": "bad", "source": untold})
+    assert status == 422 and "replies.tell" in body["errors"][0]["message"], body
+
+
+async def test_a_delivered_quorum_is_reminded_in_its_thread(db, tmp_path, aiohttp_client):
+    log, chat_db = tmp_path / "ops-calls.jsonl", str(tmp_path / "chat.db")
+    d = await start_daemon(aiohttp_client, db, config=ops_config(log, chat_db=chat_db))
+    d.calls_log = log
+    await d.define("restart", CHAT_RESTART.replace("  to: '{{ input.owner }}'\n", "  to: [ana, ben]\n  need: 2\n"
+                                                   "  remind: {after: [PT1H], message: 'Two of you, please'}\n"))
+    status, run = await d.run("restart", {"service": "web", "owner": "ana"})
+    assert status == 202, run
+    await d.advance("PT0S")
+    [posted] = chat_server.messages(chat_db, "ops")
+    chat_server.say(chat_db, "ops", "ben", "approve fine by me", thread_ts=posted["ts"])
+    await d.advance("PT30S")
+    await d.advance("PT1H")
+    [reminded] = [e["payload"] for e in await history(d, run["run_id"]) if e["type"] == "request_reminded"]
+    assert reminded["to"] == ["ana"] and reminded["in_thread"] is True, reminded
+    told = [m["text"] for m in chat_server.messages(chat_db, "ops") if m["user"] == "interactiond" and m["thread_ts"]]
+    assert told == ["Two of you, please"], told
