@@ -10980,14 +10980,12 @@ class Approvals:
                 raise Problem("arguments_changed", "an earlier approval set these arguments: approve or refuse them as"
                               " they are shown now, without changes", extra={"arguments": gate["arguments"]})
             arguments = answer["arguments"]
-        if not call:
-            pass
-        elif approved and any(v["approved"] for v in votes):      # approve what the first approval left
+        if call and approved and any(v["approved"] for v in votes):     # approve what the first approval left
             if "arguments" in answer and json_patch(gate["arguments"], answer["arguments"]):
                 raise Problem("arguments_changed", "an earlier approval set these arguments: approve or refuse them as"
                               " they are shown now, without changes", extra={"arguments": gate["arguments"]})
             arguments = gate["proposed"]
-        elif approved:
+        elif call and approved:
             patch, arguments = self._approved(gate, answer)
         note = answer.get("note") if call else answer.get("comment")
         vote_id = tx.append_event(fx, playbook, run_id, EventType.APPROVAL_VOTE.value, now, by, {
@@ -11357,12 +11355,13 @@ class Reminders:
     def _escalate(self, tx: Tx, fx: Effects, playbook: str, run_id: str, key: str, now: int) -> None:
         if not tx.take_timer(fx, key, now) or (found := self._open_plan(tx, playbook, run_id)) is None:
             return
-        plan = found[1]["escalate"]
+        req, plan = found[0], found[1]["escalate"]
         row = tx.escalate_request(playbook, run_id, plan["to"])
         if row is None:
             return
+        waiting = not_voted(req)            # a quorum's: escalated for those who have not voted; `to` gets a vote
         tx.append_event(fx, playbook, run_id, "request_escalated", now, "interactiond", {
-            "to": plan["to"], "message": plan["message"],
+            "to": plan["to"], "message": plan["message"], **({"waiting_on": waiting} if waiting else {}),
             **self._queue(tx, fx, row, "escalation", 1, plan["message"], now)})
 
     @staticmethod

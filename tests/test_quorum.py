@@ -479,6 +479,25 @@ async def test_once_a_quorum_has_ended_only_a_voter_s_own_answer_again_is_its_fa
 REMINDED = DEPLOY.replace("  need: 2\n", "  need: 2\n  remind: {after: [PT30M, PT1H], message: 'Still waiting: {{ input.service }}'}\n")
 
 
+async def test_a_quorums_escalation_names_who_has_not_voted_and_its_person_votes_once(d):
+    status, run = await ask(d, {"prompt": "Pay the invoice?", "to": ["ana", "ben", "cy"], "need": 2,
+                                "escalate_to": "boss", "escalate_after": "PT1H", "expires": "PT4H"}, role="writer")
+    assert status == 202, run
+    run_id = run["run_id"]
+    assert (await vote(d, run_id, "ben", {"approved": True}))[0] == 200
+    assert await listed(d, "boss") == []
+    await d.advance("PT1H")
+    [escalated] = [e for e in await history(d, run_id) if e["type"] == "request_escalated"]
+    assert escalated["payload"]["to"] == "boss" and escalated["payload"]["waiting_on"] == ["ana", "cy"], escalated
+    assert await listed(d, "boss") == [run_id]
+    status, fact = await vote(d, run_id, "boss", {"approved": True, "comment": "approved for ana"})
+    assert status == 200 and fact["answered_by"] == "boss", fact
+    status, run = await d.call("POST", f"/runs/{run_id}/wait?timeout=5")
+    assert status == 200 and run["status"] == "succeeded", run
+    assert [(v["by"], v["approved"]) for v in run["approval"]["votes"]] == [("ben", True), ("boss", True)]
+    assert (await vote(d, run_id, "boss", {"approved": False}))[0] == 409
+
+
 async def test_a_gated_calls_quorum_reminds_only_those_who_have_not_voted(d):
     run_id = await deploy(d, REMINDED)
     events = await history(d, run_id)
