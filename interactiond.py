@@ -13394,6 +13394,26 @@ def _str_field(body: dict[str, Any], key: str, *, required: bool = True) -> Any:
     return value
 
 
+def _op(method: str, *names: str, **defaults: Any) -> Callable[..., Any]:
+    """An engine operation as a route and an MCP tool both call it: the engine's `method` with the
+    caller, the playbook and the arguments `names` in order (each left out None, or its default)."""
+    async def call(e: Engine, c: Caller, pb: str, a: Mapping[str, Any], _: Any = None) -> Any:
+        return await getattr(e, method)(c, pb, *(a.get(n, defaults.get(n)) for n in names))
+    return call
+
+
+def _http(op: Callable[..., Any]) -> Callable[[web.Request], Any]:
+    """A route's handler over an operation, whose arguments are the query's and the path's parameters."""
+    async def handler(request: web.Request) -> web.Response:
+        return _json(await op(request.app[engine_key()], _caller(request), _pb(request),
+                              {**request.query, **request.match_info}))
+    return handler
+
+
+async def _list_definitions(e: Engine, c: Caller, pb: str, a: Mapping[str, Any], _: Any = None) -> Any:
+    return {"data": await e.list_definitions(c, pb, a.get("type"))}
+
+
 async def h_healthz(request: web.Request) -> web.Response:
     return _json({"ok": True, "version": __version__})
 
@@ -13404,11 +13424,6 @@ async def h_create_definition(request: web.Request) -> web.Response:
     d, created = await engine.create_definition(_caller(request), _pb(request), body.get("type", "interaction"),
                                                 _str_field(body, "name"), _str_field(body, "source"))
     return _json(d, 201 if created else 200)
-
-
-async def h_list_definitions(request: web.Request) -> web.Response:
-    engine = request.app[engine_key()]
-    return _json({"data": await engine.list_definitions(_caller(request), _pb(request), request.query.get("type"))})
 
 
 def _version_param(request: web.Request) -> int | None:
@@ -13427,12 +13442,6 @@ async def h_get_definition(request: web.Request) -> web.Response:
                                              request.match_info["name"], _version_param(request)))
 
 
-async def h_delete_definition(request: web.Request) -> web.Response:
-    engine = request.app[engine_key()]
-    return _json(await engine.delete_definition(_caller(request), _pb(request), request.match_info["type"],
-                                                request.match_info["name"]))
-
-
 async def h_run_definition(request: web.Request) -> web.Response:
     body = await _json_body(request)
     engine = request.app[engine_key()]
@@ -13440,18 +13449,6 @@ async def h_run_definition(request: web.Request) -> web.Response:
                                              _str_field(body, "name"), body.get("input"),
                                              _str_field(body, "run_id", required=False))
     return _run_response(run, fresh)
-
-
-async def h_list_runs(request: web.Request) -> web.Response:
-    q = request.query
-    engine = request.app[engine_key()]
-    return _json(await engine.list_runs(_caller(request), _pb(request), q.get("status"), q.get("function"),
-                                        q.get("limit"), q.get("cursor")))
-
-
-async def h_get_run(request: web.Request) -> web.Response:
-    engine = request.app[engine_key()]
-    return _json(await engine.get_run(_caller(request), _pb(request), request.match_info["run_id"]))
 
 
 async def h_wait_run(request: web.Request) -> web.Response:
@@ -13494,53 +13491,6 @@ def run_loop(main: Any) -> Any:
     return asyncio.run(main)
 
 
-async def h_cancel_run(request: web.Request) -> web.Response:
-    engine = request.app[engine_key()]
-    return _json(await engine.cancel_run(_caller(request), _pb(request), request.match_info["run_id"]))
-
-
-async def h_list_rules(request: web.Request) -> web.Response:
-    engine = request.app[engine_key()]
-    return _json(await engine.list_rules(_caller(request), _pb(request)))
-
-
-async def h_revoke_rule(request: web.Request) -> web.Response:
-    engine = request.app[engine_key()]
-    return _json(await engine.revoke_rule(_caller(request), _pb(request), request.match_info["rule_id"]))
-
-
-async def h_run_events(request: web.Request) -> web.Response:
-    q = request.query
-    engine = request.app[engine_key()]
-    return _json(await engine.list_run_events(_caller(request), _pb(request), request.match_info["run_id"],
-                                              q.get("limit"), q.get("cursor")))
-
-
-async def h_get_event(request: web.Request) -> web.Response:
-    engine = request.app[engine_key()]
-    return _json(await engine.get_event(_caller(request), _pb(request), request.match_info["event_id"]))
-
-
-async def h_playbook_events(request: web.Request) -> web.Response:
-    q = request.query
-    engine = request.app[engine_key()]
-    return _json(await engine.list_playbook_events(_caller(request), _pb(request), q.get("type"), q.get("limit"),
-                                                   q.get("cursor")))
-
-
-async def h_webhook_deliveries(request: web.Request) -> web.Response:
-    q = request.query
-    engine = request.app[engine_key()]
-    return _json(await engine.list_webhook_deliveries(_caller(request), _pb(request), q.get("limit"), q.get("cursor")))
-
-
-async def h_list_interactions(request: web.Request) -> web.Response:
-    q = request.query
-    engine = request.app[engine_key()]
-    return _json(await engine.list_interactions(_caller(request), _pb(request), q.get("to"), q.get("type"),
-                                                q.get("function"), q.get("limit"), q.get("cursor")))
-
-
 async def h_answer(request: web.Request) -> web.Response:
     body = await _json_body(request)
     if "answer" not in body:
@@ -13549,17 +13499,6 @@ async def h_answer(request: web.Request) -> web.Response:
     fact, _ = await engine.answer_interaction(_caller(request), _pb(request), request.match_info["run_id"],
                                               body["answer"], body.get("claimed_for"), digest=body.get("digest"))
     return _json(fact)
-
-
-async def h_search(request: web.Request) -> web.Response:
-    engine = request.app[engine_key()]
-    return _json(await engine.search(_caller(request), _pb(request), request.query.get("query")))
-
-
-async def h_introspect(request: web.Request) -> web.Response:
-    engine = request.app[engine_key()]
-    m = request.match_info
-    return _json(await engine.introspect(_caller(request), _pb(request), m["server"], m["tool"]))
 
 
 async def h_execute(request: web.Request) -> web.Response:
@@ -13608,15 +13547,6 @@ async def h_create_link(request: web.Request) -> web.Response:
 async def h_add_deputy(request: web.Request) -> web.Response:
     body = await _json_body(request)
     return _json(await request.app[engine_key()].add_deputy(_caller(request), _pb(request), body), 201)
-
-
-async def h_list_deputies(request: web.Request) -> web.Response:
-    return _json(await request.app[engine_key()].list_deputies(_caller(request), _pb(request)))
-
-
-async def h_remove_deputy(request: web.Request) -> web.Response:
-    return _json(await request.app[engine_key()].remove_deputy(_caller(request), _pb(request),
-                                                               request.match_info["deputy_id"]))
 
 
 async def h_problem_page(request: web.Request) -> web.Response:
@@ -13929,6 +13859,14 @@ async def observe_middleware(request: web.Request, handler: Callable[[web.Reques
         REQUEST_ID.reset(reset)
 
 
+def _op_route(method: str, path: str, op: str, summary: str, role: Role = Role.READER, *,
+              query: tuple[str, ...] = (), person: bool = False) -> Route:
+    """A route that is one engine operation (_op): its arguments the path's parameters, then the
+    query's parameters `query`, in order."""
+    names = [n for n in re.findall(r"{(\w+)}", path) if n not in ("org", "playbook")]
+    return Route(method, path, _http(_op(op, *names, *query)), summary, role, query=query, person=person)
+
+
 _DEF_BODY: Final = {"type": "object", "required": ["name", "source"], "properties": {
     "type": {"type": "string", "enum": ["interaction", "workflow"]}, "name": {"type": "string"},
     "source": {"type": "string"}}}
@@ -13955,33 +13893,33 @@ ROUTES: Final[list[Route]] = [
           " (from, until: RFC 3339) is open", Role.OPERATOR, {"type": "object", "required": ["for", "to"], "properties": {
               "for": {"type": "string"}, "to": {"type": "string"}, "from": {"type": ["string", "null"]},
               "until": {"type": ["string", "null"]}}}),
-    Route("GET", PB + "/deputies", h_list_deputies, "The playbook's deputies", Role.OPERATOR),
-    Route("DELETE", PB + "/deputies/{deputy_id}", h_remove_deputy, "Remove a deputy", Role.OPERATOR),
+    _op_route("GET", PB + "/deputies", "list_deputies", "The playbook's deputies", Role.OPERATOR),
+    _op_route("DELETE", PB + "/deputies/{deputy_id}", "remove_deputy", "Remove a deputy", Role.OPERATOR),
     Route("POST", PB + "/definitions", h_create_definition, "create_definition", Role.WRITER, _DEF_BODY),
-    Route("GET", PB + "/definitions", h_list_definitions, "list_definitions", query=("type",)),
+    Route("GET", PB + "/definitions", _http(_list_definitions), "list_definitions", query=("type",)),
     Route("GET", PB + "/definitions/{type}/{name}", h_get_definition, "get_definition", query=("version",)),
-    Route("DELETE", PB + "/definitions/{type}/{name}", h_delete_definition, "delete_definition", Role.WRITER),
+    _op_route("DELETE", PB + "/definitions/{type}/{name}", "delete_definition", "delete_definition", Role.WRITER),
     Route("POST", PB + "/runs", h_run_definition, "run_definition", Role.WRITER, _RUN_BODY),
-    Route("GET", PB + "/runs", h_list_runs, "list runs", query=("status", "function", "limit", "cursor")),
-    Route("GET", PB + "/runs/{run_id}", h_get_run, "get_run"),
-    Route("GET", PB + "/runs/{run_id}/events", h_run_events, "list_run_events", query=("limit", "cursor")),
+    _op_route("GET", PB + "/runs", "list_runs", "list runs", query=("status", "function", "limit", "cursor")),
+    _op_route("GET", PB + "/runs/{run_id}", "get_run", "get_run"),
+    _op_route("GET", PB + "/runs/{run_id}/events", "list_run_events", "list_run_events", query=("limit", "cursor")),
     Route("POST", PB + "/runs/{run_id}/wait", h_wait_run, "wait for a run to end", Role.READER, None,
           ("timeout", "max_wait")),
-    Route("POST", PB + "/runs/{run_id}/cancel", h_cancel_run, "cancel_run", Role.WRITER),
+    _op_route("POST", PB + "/runs/{run_id}/cancel", "cancel_run", "cancel_run", Role.WRITER),
     Route("POST", PB + "/runs/{run_id}/answer", h_answer, "answer_interaction", Role.WRITER, _ANSWER_BODY,
           person=True),
-    Route("GET", PB + "/interactions", h_list_interactions, "list_interactions",
-          query=("to", "type", "function", "limit", "cursor"), person=True),
-    Route("GET", PB + "/rules", h_list_rules, "The remembered decisions of tool calls' approvals that stand now",
-          Role.OPERATOR),
-    Route("POST", PB + "/rules/{rule_id}/revoke", h_revoke_rule, "End a remembered decision: its calls are asked"
-          " again", Role.OPERATOR),
-    Route("GET", PB + "/events", h_playbook_events, "list_playbook_events", query=("type", "limit", "cursor")),
-    Route("GET", PB + "/events/{event_id}", h_get_event, "get_event"),
-    Route("GET", PB + "/webhooks/deliveries", h_webhook_deliveries, "The webhooks' deliveries and their attempts,"
-          " newest first", Role.OPERATOR, query=("limit", "cursor")),
-    Route("GET", PB + "/tools", h_search, "search", query=("query",)),
-    Route("GET", PB + "/tools/{server}/{tool}", h_introspect, "introspect"),
+    _op_route("GET", PB + "/interactions", "list_interactions", "list_interactions",
+              query=("to", "type", "function", "limit", "cursor"), person=True),
+    _op_route("GET", PB + "/rules", "list_rules", "The remembered decisions of tool calls' approvals that stand now",
+              Role.OPERATOR),
+    _op_route("POST", PB + "/rules/{rule_id}/revoke", "revoke_rule", "End a remembered decision: its calls are asked"
+              " again", Role.OPERATOR),
+    _op_route("GET", PB + "/events", "list_playbook_events", "list_playbook_events", query=("type", "limit", "cursor")),
+    _op_route("GET", PB + "/events/{event_id}", "get_event", "get_event"),
+    _op_route("GET", PB + "/webhooks/deliveries", "list_webhook_deliveries", "The webhooks' deliveries and their"
+              " attempts, newest first", Role.OPERATOR, query=("limit", "cursor")),
+    _op_route("GET", PB + "/tools", "search", "search", query=("query",)),
+    _op_route("GET", PB + "/tools/{server}/{tool}", "introspect", "introspect"),
     Route("POST", PB + "/tools/{server}/{tool}", h_execute, "execute", Role.WRITER,
           {"type": "object", "properties": {"arguments": {"type": "object"}, "approve": _APPROVE_BODY}}),
     Route("GET", "/metrics", h_metrics, "The daemon's metrics, in Prometheus text format (operator token, or none"
@@ -14275,18 +14213,6 @@ async def _t_create(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) ->
     return dict(d, created=created)
 
 
-async def _t_get_def(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
-    return await e.get_definition(c, pb, a.get("type", "interaction"), a["name"], a.get("version"))
-
-
-async def _t_list_defs(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
-    return {"data": await e.list_definitions(c, pb, a.get("type"))}
-
-
-async def _t_delete_def(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
-    return await e.delete_definition(c, pb, a.get("type", "interaction"), a["name"])
-
-
 def _run_result(run: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     return run, run["status"] not in (RunStatus.STARTED, RunStatus.WAITING, RunStatus.SUCCEEDED)
 
@@ -14294,10 +14220,6 @@ def _run_result(run: dict[str, Any]) -> tuple[dict[str, Any], bool]:
 async def _t_run(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
     run, _fresh = await e.run_definition(c, pb, a.get("type", "interaction"), a["name"], a.get("input"), a.get("run_id"))
     return _run_result(run)
-
-
-async def _t_get_run(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
-    return await e.get_run(c, pb, a["run_id"])
 
 
 #: What a person's wait_run shows of a run that asks them: its outcome, not its input.
@@ -14332,37 +14254,9 @@ async def _t_wait_run(e: Engine, c: Caller, pb: str, a: dict[str, Any], call: Mc
     return (run, False, " ".join(notes)) if notes else run
 
 
-async def _t_cancel(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
-    return await e.cancel_run(c, pb, a["run_id"])
-
-
-async def _t_get_event(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
-    return await e.get_event(c, pb, a["event_id"])
-
-
-async def _t_run_events(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
-    return await e.list_run_events(c, pb, a["run_id"], a.get("limit"), a.get("cursor"))
-
-
-async def _t_inbox(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
-    return await e.list_interactions(c, pb, a.get("to"), a.get("type"), a.get("function"), a.get("limit"), a.get("cursor"))
-
-
 async def _t_answer(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
     fact, _new = await e.answer_interaction(c, pb, a["run_id"], a["answer"], a.get("claimed_for"))
     return fact
-
-
-async def _t_pb_events(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
-    return await e.list_playbook_events(c, pb, a.get("type"), a.get("limit"), a.get("cursor"))
-
-
-async def _t_search(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
-    return await e.search(c, pb, a.get("query"))
-
-
-async def _t_introspect(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
-    return await e.introspect(c, pb, a["server"], a["tool"])
 
 
 async def _t_execute(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
@@ -14390,13 +14284,14 @@ MCP_TOOLS: Final[list[McpTool]] = [
             "show a person what a function does before running it.",
             {"type": _TYPE_ARG, "name": _p("string", "The definition's name."),
              "version": _p("integer", "A past version; the current one when left out.", minimum=1, maximum=MAX_SQL_INT)},
-            ("name",), _t_get_def, True),
+            ("name",), _op("get_definition", "type", "name", "version", type="interaction"), True),
     McpTool("list_definitions",
             "List the playbook's active definitions (name, type, version, description), including the built-in "
             "ask-approval, ask-text, ask-choice and ask-confirmation functions.",
-            {"type": _TYPE_ARG}, (), _t_list_defs, True),
+            {"type": _TYPE_ARG}, (), _list_definitions, True),
     McpTool("delete_definition", "Deactivate a definition's name; runs that used it keep their version.",
-            {"type": _TYPE_ARG, "name": _p("string", "The definition's name.")}, ("name",), _t_delete_def),
+            {"type": _TYPE_ARG, "name": _p("string", "The definition's name.")}, ("name",),
+            _op("delete_definition", "type", "name", type="interaction")),
     McpTool("run_definition",
             "Run a saved function with an input. A function that asks a person returns at once with status "
             "started and a run_id: call wait_run to wait for the answer. A function that asks a system returns "
@@ -14408,7 +14303,7 @@ MCP_TOOLS: Final[list[McpTool]] = [
                           pattern=RUN_ID_RE.pattern)}, ("name",), _t_run),
     McpTool("get_run",
             "Read a run as it stands: status (started, waiting, or how it ended), kind, output and problem.",
-            {"run_id": _RUN_ID_ARG}, ("run_id",), _t_get_run, True),
+            {"run_id": _RUN_ID_ARG}, ("run_id",), _op("get_run", "run_id"), True),
     McpTool("wait_run",
             "Wait for a run to end. Returns the ended run, or the run as it stands when timeout seconds pass "
             "(then call wait_run again). Progress notifications are sent while it waits, so a person who is slow "
@@ -14422,19 +14317,21 @@ MCP_TOOLS: Final[list[McpTool]] = [
             ("run_id",), _t_wait_run, True, person=True),
     McpTool("cancel_run",
             "Cancel a run that is still waiting: its request leaves the inbox and the run ends rejected, kind "
-            "cancelled. Returns the run.", {"run_id": _RUN_ID_ARG}, ("run_id",), _t_cancel),
+            "cancelled. Returns the run.", {"run_id": _RUN_ID_ARG}, ("run_id",), _op("cancel_run", "run_id")),
     McpTool("get_event", "Read one event of the playbook whole (listings cut payloads to 2 KiB).",
-            {"event_id": _p("string", "The event's id, evt_ followed by a number.")}, ("event_id",), _t_get_event, True),
+            {"event_id": _p("string", "The event's id, evt_ followed by a number.")}, ("event_id",),
+            _op("get_event", "event_id"), True),
     McpTool("list_run_events",
             "A run's history in order: the request, each delivery attempt, the answer, the end.",
-            {"run_id": _RUN_ID_ARG, **_PAGE_ARGS}, ("run_id",), _t_run_events, True),
+            {"run_id": _RUN_ID_ARG, **_PAGE_ARGS}, ("run_id",), _op("list_run_events", "run_id", "limit", "cursor"),
+            True),
     McpTool("list_interactions",
             "List the open requests of the playbook, newest first: who each is for, its message, the answer "
             "schema an answer must match, and when it expires. Use it to find the run_id to answer.",
             {"to": _p("string", "Only requests to this party."),
              "type": _p("string", "Only requests of functions of this type."),
              "function": _p("string", "Only requests of the function of this name."), **_PAGE_ARGS},
-            (), _t_inbox, True, person=True),
+            (), _op("list_interactions", "to", "type", "function", "limit", "cursor"), True, person=True),
     McpTool("answer_interaction",
             "Answer an open request on a person's behalf, in the shape of its answer_schema (list_interactions "
             "shows it). Returns the recorded answer fact. An answer that does not match comes back as an error "
@@ -14444,14 +14341,16 @@ MCP_TOOLS: Final[list[McpTool]] = [
             ("run_id", "answer"), _t_answer, person=True),
     McpTool("list_playbook_events",
             "The playbook's own events: definitions saved, reads of conversations, tellings, execute calls.",
-            {"type": _p("string", "Only events of this type."), **_PAGE_ARGS}, (), _t_pb_events, True),
+            {"type": _p("string", "Only events of this type."), **_PAGE_ARGS}, (),
+            _op("list_playbook_events", "type", "limit", "cursor"), True),
     McpTool("search",
             "List the tool servers this playbook may use, the tools each offers, and which are read-only. Call "
             "it before writing a function that calls or sends through a tool.",
-            {"query": _p("string", "Only tools whose name or description holds this text.")}, (), _t_search, True),
+            {"query": _p("string", "Only tools whose name or description holds this text.")}, (),
+            _op("search", "query"), True),
     McpTool("introspect", "Read one tool's input schema, output schema and annotations.",
             {"server": _p("string", "The server, as search names it."), "tool": _p("string", "The tool's name.")},
-            ("server", "tool"), _t_introspect, True),
+            ("server", "tool"), _op("introspect", "server", "tool"), True),
     McpTool("execute",
             "Call one tool once with the given arguments and return its answer (recorded as a playbook event). "
             "Use it to learn what a tool returns before writing a function's read or sent pointers.",
@@ -17516,7 +17415,6 @@ once: ask for a new one (<code>interactiond link --for NAME</code> makes one), o
 latest start of <code>interactiond serve</code> printed.</p>
 </section>
 """)
-
 
 
 # Web inbox ######################################################################################
