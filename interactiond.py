@@ -13677,6 +13677,21 @@ class Connections:
 
 
 connections_key: Final = functools.partial(state_key, "connections", Connections)
+#: The handler tasks of the open streams (the event stream's, MCP's), cancelled at shutdown.
+streams_key: Final = functools.partial(state_key, "streams", set)
+
+
+def track_streams(app: web.Application) -> None:
+    """Cancel the app's open streams at shutdown (once, whoever mounts one first): an open stream
+    would otherwise hold aiohttp's shutdown for its whole timeout."""
+    if streams_key() in app:
+        return
+    app[streams_key()] = set()
+
+    async def end_streams(app: web.Application) -> None:
+        for task in list(app[streams_key()]):
+            task.cancel()
+    app.on_shutdown.append(end_streams)
 
 
 # -- metrics and request ids ------------------------------------------------------------------------
@@ -14893,8 +14908,8 @@ class McpTasks:
                                                                            exclude_none=True)}}
         return task
 
-    async def read(self, ctx: Any) -> tuple[Caller, str, str, dict[str, Any]]:
-        caller, playbook, run_id = self.locate(ctx, self.params(ctx).get("taskId"))
+    async def read(self, ctx: Any, task_id: Any) -> tuple[Caller, str, str, dict[str, Any]]:
+        caller, playbook, run_id = self.locate(ctx, task_id)
         try:
             return caller, playbook, run_id, await self.task(ctx, caller, playbook, run_id)
         except Problem as exc:
@@ -14905,11 +14920,10 @@ class McpTasks:
     # -- the methods ----------------------------------------------------------------------------------
 
     async def get(self, ctx: Any, params: Any) -> dict[str, Any]:
-        if not _declares_tasks(ctx):
-            if _legacy_tasks(ctx):
-                return await self.legacy_get(ctx)
+        if not _declares_tasks(ctx) and not _legacy_tasks(ctx):
             raise self.missing()
-        return (await self.read(ctx))[3]
+        task = (await self.read(ctx, self.params(ctx).get("taskId")))[3]
+        return task if _declares_tasks(ctx) else self.legacy_shape(task)     # 2025-11-25: that era's shape
 
     async def update(self, ctx: Any, params: Any) -> dict[str, Any]:
         """Responses to the task's question: an accept answers as the person here (an answer that
@@ -14918,7 +14932,7 @@ class McpTasks:
         from mcp import types as mt
         if not _declares_tasks(ctx):
             raise self.missing()
-        caller, playbook, run_id, task = await self.read(ctx)
+        caller, playbook, run_id, task = await self.read(ctx, self.params(ctx).get("taskId"))
         responses = self.params(ctx).get("inputResponses")
         if not isinstance(responses, Mapping):
             raise self.error(INVALID_PARAMS, "inputResponses is an object of responses by key")
@@ -14953,7 +14967,7 @@ class McpTasks:
     async def cancel(self, ctx: Any, params: Any) -> dict[str, Any]:
         if not _declares_tasks(ctx) and not _legacy_tasks(ctx):
             raise self.missing()
-        caller, playbook, run_id, task = await self.read(ctx)
+        caller, playbook, run_id, task = await self.read(ctx, self.params(ctx).get("taskId"))
         try:
             await self.engine.cancel_task(caller, playbook, run_id)
         except Problem as exc:
@@ -15005,7 +15019,7 @@ class McpTasks:
         watched: dict[str, tuple[Caller, str, str]] = {}
         for tid in asked if isinstance(asked, list) else []:
             try:
-                caller, playbook, run_id, _ = await self.read(_With(ctx, {"taskId": tid}))
+                caller, playbook, run_id, _ = await self.read(ctx, tid)
             except Exception:
                 continue                                 # unknown or not theirs: not agreed to
             watched[tid] = (caller, playbook, run_id)
@@ -15044,10 +15058,6 @@ class McpTasks:
         out["ttl"] = task["ttlMs"]
         out["pollInterval"] = task["pollIntervalMs"]
         return out
-
-    async def legacy_get(self, ctx: Any) -> dict[str, Any]:
-        _caller, _playbook, _run_id, task = await self.read(ctx)
-        return self.legacy_shape(task)
 
     async def legacy_result(self, ctx: Any, params: Any) -> dict[str, Any]:
         """`tasks/result` (2025-11-25): the CallToolResult once the run has ended; until then it waits."""
@@ -15096,17 +15106,6 @@ class McpTasks:
             return out
         task = await self.created(ctx, run)
         return {"task": self.legacy_shape(task)} if task is not None else out
-
-
-@dataclass(frozen=True)
-class _With:
-    """A request context with other params (to read a task named in a listen request)."""
-
-    ctx: Any
-    params: Mapping[str, Any]
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.ctx, name)
 
 
 def _notice(method: str, params: dict[str, Any]) -> Any:
@@ -15337,10 +15336,8 @@ def asgi_handler(app: Callable[..., Any], *, grace_s: float = 2.0,
                     await resp.write_eof()
 
         task = asyncio.ensure_future(app(scope, receive, send))
-        streams: set[asyncio.Task[Any]] = request.app[streams_key()]
-        me = asyncio.current_task()
-        if me is not None:
-            streams.add(me)
+        streams, me = request.app[streams_key()], asyncio.current_task()
+        streams.add(me)                     # cancelled at shutdown (track_streams)
         try:
             await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -15351,13 +15348,9 @@ def asgi_handler(app: Callable[..., Any], *, grace_s: float = 2.0,
                 await asyncio.gather(task, return_exceptions=True)
             raise
         finally:
-            if me is not None:
-                streams.discard(me)
+            streams.discard(me)
         return resp if resp is not None else web.Response(status=500)
     return handler
-
-
-streams_key: Final = functools.partial(state_key, "streams", set)
 
 
 @dataclass(eq=False)
@@ -15660,19 +15653,14 @@ def mcp_allowed(listen_hosts: Iterable[str], public_url: str | None) -> tuple[li
 def mount_mcp(app: web.Application, engine: Engine, listen_hosts: Iterable[str] = ()) -> None:
     """Streamable HTTP at /mcp and legacy SSE at /sse (+ /messages/) on the API's port."""
     transports = _McpTransports(engine, *mcp_allowed(listen_hosts, engine.config.public_url))
-    app[streams_key()] = set()
+    track_streams(app)
     app.router.add_route("*", "/mcp", transports.serve_mcp)
     app.router.add_get("/sse", transports.serve_sse)
     app.router.add_post("/messages/", transports.serve_messages)
 
-    async def cancel_streams(app: web.Application) -> None:
-        for t in list(app[streams_key()]):
-            t.cancel()
-
     async def close(app: web.Application) -> None:
         await transports.close()
 
-    app.on_shutdown.append(cancel_streams)
     app.on_cleanup.append(close)
 
 
@@ -16024,9 +16012,8 @@ async def serve_stream(request: web.Request, playbooks: list[str]) -> web.Stream
     engine = request.app[engine_key()]
     after = _last_event_id(request)
     doorbell = engine.subscribe()           # before reading: nothing committed from here on is missed
-    tasks: set[asyncio.Task[Any]] = request.app[sse_tasks_key()]
-    me = asyncio.current_task()
-    tasks.add(me)
+    streams, me = request.app[streams_key()], asyncio.current_task()
+    streams.add(me)                         # cancelled at shutdown (track_streams)
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no"})
     try:
@@ -16060,13 +16047,10 @@ async def serve_stream(request: web.Request, playbooks: list[str]) -> web.Stream
         return resp
     finally:
         engine.unsubscribe(doorbell)
-        tasks.discard(me)
+        streams.discard(me)
 
 
 # -- routes -------------------------------------------------------------------------------------
-
-sse_tasks_key: Final = functools.partial(state_key, "sse_tasks", set)
-
 
 async def h_v2_list(request: web.Request) -> web.Response:
     q = request.query
@@ -16135,12 +16119,7 @@ def mount_typed_api(app: web.Application) -> None:
     from aiohttp import web
     if observe_middleware not in app.middlewares:
         app.middlewares.insert(0, web.middleware(_v2_codes))
-    app[sse_tasks_key()] = set()
-
-    async def end_streams(app: web.Application) -> None:
-        for task in list(app[sse_tasks_key()]):
-            task.cancel()
-    app.on_shutdown.append(end_streams)
+    track_streams(app)
 
 
 # -- the Python client --------------------------------------------------------------------------
