@@ -14593,8 +14593,9 @@ class ElicitationBridge:
         if self.url and req.get("answer_url"):
             message = (f"A question waits for {self.person.person}; its answer takes a form this client cannot"
                        f" show, so it is answered at its page.\n\n{req['message']}")
-            return "url", mt.ElicitRequestURLParams(message=message, url=req["answer_url"],
-                                                    elicitation_id=f"{req['id']}.{secrets.token_hex(4)}")
+            return "url", mt.ElicitRequestURLParams(        # 2026-07-28's wire format has no elicitation id
+                message=message, url=req["answer_url"],
+                elicitation_id=None if self.modern else f"{req['id']}.{secrets.token_hex(4)}")
         return None
 
     async def _took(self, mode: str, result: Any, n: int) -> tuple[Problem | None, str | None]:
@@ -14709,8 +14710,6 @@ class ElicitationBridge:
     def _input_required(self, req: dict[str, Any], n: int, question: tuple[str, Any]) -> Any:
         from mcp import types as mt
         mode, params = question
-        if mode == "url":
-            params = params.model_copy(update={"elicitation_id": None})     # not in this era's wire format
         state = {"run": self.run_id, "playbook": self.playbook, "who": self.person.person, "request": req["id"],
                  "n": n, "mode": mode}
         return mt.InputRequiredResult(input_requests={"answer": mt.ElicitRequest(params=params)},
@@ -14853,12 +14852,7 @@ class McpTasks:
         refused = (Problem("invalid_input", refusals[-1].get("detail") or "the answer does not fit",
                            errors=refusals[-1].get("errors") or None) if refusals else None)
         asked = bridge._question(req, n, refused)
-        if asked is None:
-            return None
-        mode, params = asked
-        if mode == "url" and not _legacy_tasks(ctx):
-            params = params.model_copy(update={"elicitation_id": None})
-        return f"{req['id']}.{n}", mode, params
+        return (f"{req['id']}.{n}", *asked) if asked is not None else None
 
     def call_result(self, caller: Caller, run: dict[str, Any]) -> dict[str, Any]:
         """The CallToolResult a blocking wait_run gives for an ended run."""
@@ -14936,13 +14930,11 @@ class McpTasks:
         responses = self.params(ctx).get("inputResponses")
         if not isinstance(responses, Mapping):
             raise self.error(INVALID_PARAMS, "inputResponses is an object of responses by key")
-        if task["status"] != "input_required":
+        asked = task.get("inputRequests") or {}             # the question outstanding now, if any
+        key = next((k for k in asked if k in responses), None)
+        if key is None:
             return {}
-        view = await self.engine.task_view(caller, playbook, run_id)
-        asked = await self.question(ctx, caller, playbook, run_id, view)
-        if asked is None or asked[0] not in responses:
-            return {}
-        key, mode, _params = asked
+        mode = asked[key]["params"]["mode"]
         try:
             response = mt.ElicitResult.model_validate(responses[key])
         except Exception:
