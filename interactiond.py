@@ -16210,14 +16210,12 @@ class Client:
 
     def _outcome(self, run: dict[str, Any], timeout: float | None) -> dict[str, Any]:
         """Wait for a run to end (for ever, or `timeout` real seconds, then cancel it: Unanswered)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not RunStatus(run["status"]).ended:
-            left = MAX_HTTP_WAIT_S if deadline is None else min(MAX_HTTP_WAIT_S, deadline - time.monotonic())
-            if left <= 0:
-                with contextlib.suppress(ClientError):
-                    self.runs.cancel(run["run_id"])
-                raise Unanswered(run["run_id"], "timed_out", f"no answer within {timeout:g} s; the request is cancelled")
-            run = self.runs.wait(run["run_id"], timeout=left)
+        if not RunStatus(run["status"]).ended:
+            run = self.runs.wait(run["run_id"], timeout=math.inf if timeout is None else timeout)
+        if not RunStatus(run["status"]).ended:
+            with contextlib.suppress(ClientError):
+                self.runs.cancel(run["run_id"])
+            raise Unanswered(run["run_id"], "timed_out", f"no answer within {timeout:g} s; the request is cancelled")
         if run["status"] == RunStatus.SUCCEEDED.value:
             return run
         problem = run.get("problem") or {}
