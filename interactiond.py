@@ -13329,11 +13329,7 @@ class Route:
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:
-    from aiohttp import web
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise Problem("too_large", f"the body is larger than {MAX_BODY_BYTES // MIB} MiB") from None
+    raw = await request.read()          # past client_max_size: api_middleware's 413 problem
     if not raw:
         return {}
     body = body_json(raw)
@@ -15412,6 +15408,8 @@ class McpSessions:
             self.opening.pop(caller.id, None)
 
     def opened(self, caller: Caller, sid: str, close: Callable[[], Any], busy: int) -> McpSession:
+        """The session an opening request opened: that request opens no other (release)."""
+        self.release(caller)
         self.uses += 1
         s = self.by_id[sid] = McpSession(sid, caller.id, self.engine.clock.now_ms(), close, busy, self.uses)
         self.arm()
@@ -15573,7 +15571,6 @@ class _McpTransports:
                     if k.lower() == b"mcp-session-id":
                         new = v.decode("latin-1")
                         opened.append(reg.opened(caller, new, functools.partial(self._end_streamable, new), busy=1))
-                        reg.release(caller)
         try:
             return await handler(request, watch)
         finally:
@@ -15603,7 +15600,6 @@ class _McpTransports:
                 m = _SSE_SESSION_RE.search(chunk)
                 if m:
                     opened.append(reg.opened(caller, m.group(1).decode(), close, busy=0))
-                    reg.release(caller)
             elif chunk.startswith(b"event: message"):
                 reg.touch(opened[0])
         try:
@@ -16057,13 +16053,9 @@ async def h_v2_get(request: web.Request) -> web.Response:
 
 
 async def h_v2_respond(request: web.Request) -> web.Response:
-    from aiohttp import web
     engine, caller = request.app[engine_key()], _caller(request)
     row = await find_interaction(engine, caller, request.match_info["id"])     # 404 before anything else
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise _v2_problem("too_large", f"the body is larger than {MAX_BODY_BYTES // MIB} MiB") from None
+    raw = await request.read()          # past client_max_size: api_middleware's 413 problem
     status, obj, replayed = await respond_interaction(engine, caller, row, request.headers.get("Idempotency-Key"), raw)
     resp = _json(engine.links.shown(dict(obj), row, caller), status)
     if replayed:
