@@ -13947,23 +13947,19 @@ def openapi_spec() -> dict[str, Any]:
     """OpenAPI 3.1, generated from ROUTES."""
     problem = {"$ref": "#/components/schemas/Problem"}
     run = {"$ref": "#/components/schemas/Run"}
+    more = {h_create_definition: ("201", "A new version", {}),         # what a route answers besides 200
+            h_execute: ("202", "A gated call: the run that waits for its approval", run),
+            h_create_link: ("201", "The link: {url, for, playbook, expires_at}", {}),
+            h_add_deputy: ("201", "The deputy: {id, for, to, from, until, open, ...}", {})}
     paths: dict[str, Any] = {}
     for r in ROUTES:
         op: dict[str, Any] = {"summary": r.summary, "operationId": re.sub(r"\W+", "_", f"{r.method}_{r.path}").strip("_"),
                               "responses": {"default": {"description": "A problem",
                                                         "content": {"application/problem+json": {"schema": problem}}},
                                             "200": {"description": "OK", "content": {r.media: {"schema": {}}}}}}
-        if r.handler is h_create_definition:
-            op["responses"]["201"] = {"description": "A new version", "content": {"application/json": {"schema": {}}}}
-        if r.handler is h_execute:
-            op["responses"]["202"] = {"description": "A gated call: the run that waits for its approval",
-                                      "content": {"application/json": {"schema": run}}}
-        if r.handler is h_create_link:
-            op["responses"]["201"] = {"description": "The link: {url, for, playbook, expires_at}",
-                                      "content": {"application/json": {"schema": {}}}}
-        if r.handler is h_add_deputy:
-            op["responses"]["201"] = {"description": "The deputy: {id, for, to, from, until, open, ...}",
-                                      "content": {"application/json": {"schema": {}}}}
+        if r.handler in more:
+            code, text, schema = more[r.handler]
+            op["responses"][code] = {"description": text, "content": {"application/json": {"schema": schema}}}
         if r.handler in (h_run_definition, h_wait_run):
             # The run object whatever its ending, its status telling the ending; a problem alone
             # is about the call itself (SPEC section 6).
@@ -15086,13 +15082,9 @@ class McpTasks:
         """A `tools/call` with `params.task` (2025-11-25): a CreateTaskResult for a run that waits; the
         run is made (or read) by the call itself, which returns at once."""
         out = await call_next(ctx)
-        raw = self.params(ctx)
-        if raw.get("name") not in TASK_TOOLS or not isinstance(out, Mapping):
+        if self.params(ctx).get("name") not in TASK_TOOLS or not isinstance(out, Mapping) or out.get("isError"):
             return out
-        run = out.get("structuredContent")
-        if out.get("isError") or not isinstance(run, Mapping):
-            return out
-        task = await self.created(ctx, run)
+        task = await self.created(ctx, out.get("structuredContent"))
         return {"task": self.legacy_shape(task)} if task is not None else out
 
 
