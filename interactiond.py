@@ -15101,7 +15101,6 @@ def make_mcp_server(engine: Engine, *, caller: Caller | None = None, scoped_play
     operator's token names in the Interactiond-As header, else the configuration's `mcp.as`."""
     from mcp import types as mt
     from mcp.server import Server as _McpServer
-    from mcp.server.extension import compose_tool_call_handler
     tools = {t.name: t for t in MCP_TOOLS}
     schemas = {t.name: _mcp_schema(t, scoped_playbook is not None) for t in MCP_TOOLS}
     validators = {name: compile_schema(s) for name, s in schemas.items()}
@@ -15201,15 +15200,18 @@ def make_mcp_server(engine: Engine, *, caller: Caller | None = None, scoped_play
             return None
 
     tasks = McpTasks(engine, who_calls, home, person_here)
-    extension = _tasks_extension(tasks)
-    server = _McpServer("interactiond", version=__version__, on_list_tools=list_tools,
-                        on_call_tool=compose_tool_call_handler([extension], call_tool),
+
+    async def call_or_task(ctx: Any, params: Any) -> Any:
+        """tools/call, the Tasks extension's interceptor around it (a task for a run that waits)."""
+        return await tasks.intercept(params, ctx, lambda ctx: call_tool(ctx, params))
+    server = _McpServer("interactiond", version=__version__, on_list_tools=list_tools, on_call_tool=call_or_task,
                         on_subscriptions_listen=tasks.listen,
                         instructions="Ask a person (or a system) a question and wait for a validated answer. "
                                      "Start with list_definitions, or use ask for a quick typed question.")
-    server.extensions[extension.identifier] = extension.settings()
-    for binding in extension.methods():
-        server.add_request_handler(binding.method, binding.params_type, binding.handler)
+    server.extensions[TASKS_EXTENSION] = {}             # the extension's methods, both eras'
+    for method, handler in (("tasks/get", tasks.get), ("tasks/update", tasks.update), ("tasks/cancel", tasks.cancel),
+                            ("tasks/result", tasks.legacy_result), ("tasks/list", tasks.legacy_list)):
+        server.add_request_handler(method, mt.RequestParams, handler)
     capabilities = server.get_capabilities
 
     def with_tasks(*a: Any, **kw: Any) -> Any:
@@ -15228,27 +15230,6 @@ def make_mcp_server(engine: Engine, *, caller: Caller | None = None, scoped_play
         return await call_next(ctx)
     server.middleware.append(legacy_tasks)
     return server
-
-
-def _tasks_extension(tasks: McpTasks) -> Any:
-    """The Tasks extension, through the SDK's extension interface: its methods, and the tools/call
-    interceptor that answers with a task."""
-    from mcp import types as mt
-    from mcp.server.extension import Extension, MethodBinding
-
-    class Tasks(Extension):
-        identifier = TASKS_EXTENSION
-
-        def methods(self) -> list[MethodBinding]:
-            return [MethodBinding("tasks/get", mt.RequestParams, tasks.get),
-                    MethodBinding("tasks/update", mt.RequestParams, tasks.update),
-                    MethodBinding("tasks/cancel", mt.RequestParams, tasks.cancel),
-                    MethodBinding("tasks/result", mt.RequestParams, tasks.legacy_result),
-                    MethodBinding("tasks/list", mt.RequestParams, tasks.legacy_list)]
-
-        async def intercept_tool_call(self, params: Any, ctx: Any, call_next: Any) -> Any:
-            return await tasks.intercept(params, ctx, call_next)
-    return Tasks()
 
 
 def asgi_handler(app: Callable[..., Any], *, grace_s: float = 2.0,
