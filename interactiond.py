@@ -14931,9 +14931,7 @@ class McpTasks:
             response = mt.ElicitResult.model_validate(responses[key])
         except Exception:
             raise self.error(INVALID_PARAMS, f"inputResponses.{key} is not an elicitation result") from None
-        bridge = self.bridge(ctx, caller, playbook, run_id)
-        assert bridge is not None
-        person = bridge.person
+        person = replace(caller, person=self.here(ctx, caller))     # who answers, as the question's bridge has it
         if response.action != "accept":
             await self.engine.elicitation_declined(person, playbook, run_id, mode, response.action)
         elif mode == "form":
@@ -15142,6 +15140,9 @@ def make_mcp_server(engine: Engine, *, caller: Caller | None = None, scoped_play
             content.append(mt.TextContent(type="text", text=note))
         return mt.CallToolResult(content=content, structured_content=data, is_error=is_error)
 
+    def home(ctx: Any, who: Caller) -> str:
+        return scoped_playbook or who.playbook or DEFAULT_PLAYBOOK
+
     async def call_tool(ctx: Any, params: Any) -> mt.CallToolResult | mt.InputRequiredResult:
         try:
             tool = tools.get(params.name)
@@ -15159,8 +15160,7 @@ def make_mcp_server(engine: Engine, *, caller: Caller | None = None, scoped_play
                               errors=errors)
             if who is None:
                 raise Problem("unauthorized", "no caller: the HTTP transports need a bearer token")
-            pb = scoped_playbook or args.pop("playbook", None) or who.playbook or DEFAULT_PLAYBOOK
-            pb = engine.playbook(who, pb)
+            pb = engine.playbook(who, args.pop("playbook", None) or home(ctx, who))
 
             began = time.monotonic()
             waits_for: list[str] = []
@@ -15189,9 +15189,6 @@ def make_mcp_server(engine: Engine, *, caller: Caller | None = None, scoped_play
         except Exception:
             log.exception("MCP tool %s failed", getattr(params, "name", "?"))
             return result(Problem("failed", "the daemon failed on this call; its log says why").body(), True)
-
-    def home(ctx: Any, who: Caller) -> str:
-        return scoped_playbook or who.playbook or DEFAULT_PLAYBOOK
 
     def person_here(ctx: Any, who: Caller) -> str | None:
         try:
@@ -15355,14 +15352,12 @@ class McpSessions:
             raise not_found("no MCP session of that id for this token")
         return s
 
-    def count(self, owner: str) -> int:
-        return sum(1 for s in self.by_id.values() if s.owner == owner)
-
     async def admit(self, caller: Caller) -> None:
         """Make room for one more session of `caller` (closing its oldest idle one at the cap)."""
         victim = None
-        if self.count(caller.id) + self.opening.get(caller.id, 0) >= MCP_SESSIONS_PER_TOKEN:
-            idle = [s for s in self.by_id.values() if s.owner == caller.id and s.busy == 0]
+        mine = [s for s in self.by_id.values() if s.owner == caller.id]
+        if len(mine) + self.opening.get(caller.id, 0) >= MCP_SESSIONS_PER_TOKEN:
+            idle = [s for s in mine if s.busy == 0]
             if not idle:
                 raise Problem("unavailable", f"this token has {MCP_SESSIONS_PER_TOKEN} MCP sessions open and each is"
                               " busy; end one (DELETE /mcp) before opening another", kind="too_many_sessions")
@@ -17711,7 +17706,7 @@ async def h_logout(request: web.Request) -> web.Response:
 
 async def h_web_session(request: web.Request) -> web.Response:
     caller, engine = _caller(request), request.app[engine_key()]
-    seen = sorted(pb for pb in engine.playbooks if caller.sees(pb))
+    seen = _visible(engine, caller)
     # A person's page asks for their requests every poll_ms: the event stream is the playbook's.
     stream = caller.person is None and any(getattr(r, "canonical", None) == PB + "/stream"
                                            for r in request.app.router.resources())
