@@ -13448,11 +13448,7 @@ class Route:
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:
-    from aiohttp import web
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise Problem("too_large", f"the body is larger than {MAX_BODY_BYTES // MIB} MiB") from None
+    raw = await request.read()          # past client_max_size: api_middleware's 413 problem
     if not raw:
         return {}
     body = body_json(raw)
@@ -13513,6 +13509,26 @@ def _str_field(body: dict[str, Any], key: str, *, required: bool = True) -> Any:
     return value
 
 
+def _op(method: str, *names: str, **defaults: Any) -> Callable[..., Any]:
+    """An engine operation as a route and an MCP tool both call it: the engine's `method` with the
+    caller, the playbook and the arguments `names` in order (each left out None, or its default)."""
+    async def call(e: Engine, c: Caller, pb: str, a: Mapping[str, Any], _: Any = None) -> Any:
+        return await getattr(e, method)(c, pb, *(a.get(n, defaults.get(n)) for n in names))
+    return call
+
+
+def _http(op: Callable[..., Any]) -> Callable[[web.Request], Any]:
+    """A route's handler over an operation, whose arguments are the query's and the path's parameters."""
+    async def handler(request: web.Request) -> web.Response:
+        return _json(await op(request.app[engine_key()], _caller(request), _pb(request),
+                              {**request.query, **request.match_info}))
+    return handler
+
+
+async def _list_definitions(e: Engine, c: Caller, pb: str, a: Mapping[str, Any], _: Any = None) -> Any:
+    return {"data": await e.list_definitions(c, pb, a.get("type"))}
+
+
 async def h_healthz(request: web.Request) -> web.Response:
     return _json({"ok": True, "version": __version__})
 
@@ -13523,11 +13539,6 @@ async def h_create_definition(request: web.Request) -> web.Response:
     d, created = await engine.create_definition(_caller(request), _pb(request), body.get("type", "interaction"),
                                                 _str_field(body, "name"), _str_field(body, "source"))
     return _json(d, 201 if created else 200)
-
-
-async def h_list_definitions(request: web.Request) -> web.Response:
-    engine = request.app[engine_key()]
-    return _json({"data": await engine.list_definitions(_caller(request), _pb(request), request.query.get("type"))})
 
 
 def _version_param(request: web.Request) -> int | None:
@@ -13546,12 +13557,6 @@ async def h_get_definition(request: web.Request) -> web.Response:
                                              request.match_info["name"], _version_param(request)))
 
 
-async def h_delete_definition(request: web.Request) -> web.Response:
-    engine = request.app[engine_key()]
-    return _json(await engine.delete_definition(_caller(request), _pb(request), request.match_info["type"],
-                                                request.match_info["name"]))
-
-
 async def h_run_definition(request: web.Request) -> web.Response:
     body = await _json_body(request)
     engine = request.app[engine_key()]
@@ -13559,18 +13564,6 @@ async def h_run_definition(request: web.Request) -> web.Response:
                                              _str_field(body, "name"), body.get("input"),
                                              _str_field(body, "run_id", required=False))
     return _run_response(run, fresh)
-
-
-async def h_list_runs(request: web.Request) -> web.Response:
-    q = request.query
-    engine = request.app[engine_key()]
-    return _json(await engine.list_runs(_caller(request), _pb(request), q.get("status"), q.get("function"),
-                                        q.get("limit"), q.get("cursor")))
-
-
-async def h_get_run(request: web.Request) -> web.Response:
-    engine = request.app[engine_key()]
-    return _json(await engine.get_run(_caller(request), _pb(request), request.match_info["run_id"]))
 
 
 async def h_wait_run(request: web.Request) -> web.Response:
@@ -13613,53 +13606,6 @@ def run_loop(main: Any) -> Any:
     return asyncio.run(main)
 
 
-async def h_cancel_run(request: web.Request) -> web.Response:
-    engine = request.app[engine_key()]
-    return _json(await engine.cancel_run(_caller(request), _pb(request), request.match_info["run_id"]))
-
-
-async def h_list_rules(request: web.Request) -> web.Response:
-    engine = request.app[engine_key()]
-    return _json(await engine.list_rules(_caller(request), _pb(request)))
-
-
-async def h_revoke_rule(request: web.Request) -> web.Response:
-    engine = request.app[engine_key()]
-    return _json(await engine.revoke_rule(_caller(request), _pb(request), request.match_info["rule_id"]))
-
-
-async def h_run_events(request: web.Request) -> web.Response:
-    q = request.query
-    engine = request.app[engine_key()]
-    return _json(await engine.list_run_events(_caller(request), _pb(request), request.match_info["run_id"],
-                                              q.get("limit"), q.get("cursor")))
-
-
-async def h_get_event(request: web.Request) -> web.Response:
-    engine = request.app[engine_key()]
-    return _json(await engine.get_event(_caller(request), _pb(request), request.match_info["event_id"]))
-
-
-async def h_playbook_events(request: web.Request) -> web.Response:
-    q = request.query
-    engine = request.app[engine_key()]
-    return _json(await engine.list_playbook_events(_caller(request), _pb(request), q.get("type"), q.get("limit"),
-                                                   q.get("cursor")))
-
-
-async def h_webhook_deliveries(request: web.Request) -> web.Response:
-    q = request.query
-    engine = request.app[engine_key()]
-    return _json(await engine.list_webhook_deliveries(_caller(request), _pb(request), q.get("limit"), q.get("cursor")))
-
-
-async def h_list_interactions(request: web.Request) -> web.Response:
-    q = request.query
-    engine = request.app[engine_key()]
-    return _json(await engine.list_interactions(_caller(request), _pb(request), q.get("to"), q.get("type"),
-                                                q.get("function"), q.get("limit"), q.get("cursor")))
-
-
 async def h_answer(request: web.Request) -> web.Response:
     body = await _json_body(request)
     if "answer" not in body:
@@ -13668,17 +13614,6 @@ async def h_answer(request: web.Request) -> web.Response:
     fact, _ = await engine.answer_interaction(_caller(request), _pb(request), request.match_info["run_id"],
                                               body["answer"], body.get("claimed_for"), digest=body.get("digest"))
     return _json(fact)
-
-
-async def h_search(request: web.Request) -> web.Response:
-    engine = request.app[engine_key()]
-    return _json(await engine.search(_caller(request), _pb(request), request.query.get("query")))
-
-
-async def h_introspect(request: web.Request) -> web.Response:
-    engine = request.app[engine_key()]
-    m = request.match_info
-    return _json(await engine.introspect(_caller(request), _pb(request), m["server"], m["tool"]))
 
 
 async def h_execute(request: web.Request) -> web.Response:
@@ -13727,15 +13662,6 @@ async def h_create_link(request: web.Request) -> web.Response:
 async def h_add_deputy(request: web.Request) -> web.Response:
     body = await _json_body(request)
     return _json(await request.app[engine_key()].add_deputy(_caller(request), _pb(request), body), 201)
-
-
-async def h_list_deputies(request: web.Request) -> web.Response:
-    return _json(await request.app[engine_key()].list_deputies(_caller(request), _pb(request)))
-
-
-async def h_remove_deputy(request: web.Request) -> web.Response:
-    return _json(await request.app[engine_key()].remove_deputy(_caller(request), _pb(request),
-                                                               request.match_info["deputy_id"]))
 
 
 async def h_problem_page(request: web.Request) -> web.Response:
@@ -13866,6 +13792,21 @@ class Connections:
 
 
 connections_key: Final = functools.partial(state_key, "connections", Connections)
+#: The handler tasks of the open streams (the event stream's, MCP's), cancelled at shutdown.
+streams_key: Final = functools.partial(state_key, "streams", set)
+
+
+def track_streams(app: web.Application) -> None:
+    """Cancel the app's open streams at shutdown (once, whoever mounts one first): an open stream
+    would otherwise hold aiohttp's shutdown for its whole timeout."""
+    if streams_key() in app:
+        return
+    app[streams_key()] = set()
+
+    async def end_streams(app: web.Application) -> None:
+        for task in list(app[streams_key()]):
+            task.cancel()
+    app.on_shutdown.append(end_streams)
 
 
 # -- metrics and request ids ------------------------------------------------------------------------
@@ -14048,6 +13989,14 @@ async def observe_middleware(request: web.Request, handler: Callable[[web.Reques
         REQUEST_ID.reset(reset)
 
 
+def _op_route(method: str, path: str, op: str, summary: str, role: Role = Role.READER, *,
+              query: tuple[str, ...] = (), person: bool = False) -> Route:
+    """A route that is one engine operation (_op): its arguments the path's parameters, then the
+    query's parameters `query`, in order."""
+    names = [n for n in re.findall(r"{(\w+)}", path) if n not in ("org", "playbook")]
+    return Route(method, path, _http(_op(op, *names, *query)), summary, role, query=query, person=person)
+
+
 _DEF_BODY: Final = {"type": "object", "required": ["name", "source"], "properties": {
     "type": {"type": "string", "enum": ["interaction", "workflow"]}, "name": {"type": "string"},
     "source": {"type": "string"}}}
@@ -14074,33 +14023,33 @@ ROUTES: Final[list[Route]] = [
           " (from, until: RFC 3339) is open", Role.OPERATOR, {"type": "object", "required": ["for", "to"], "properties": {
               "for": {"type": "string"}, "to": {"type": "string"}, "from": {"type": ["string", "null"]},
               "until": {"type": ["string", "null"]}}}),
-    Route("GET", PB + "/deputies", h_list_deputies, "The playbook's deputies", Role.OPERATOR),
-    Route("DELETE", PB + "/deputies/{deputy_id}", h_remove_deputy, "Remove a deputy", Role.OPERATOR),
+    _op_route("GET", PB + "/deputies", "list_deputies", "The playbook's deputies", Role.OPERATOR),
+    _op_route("DELETE", PB + "/deputies/{deputy_id}", "remove_deputy", "Remove a deputy", Role.OPERATOR),
     Route("POST", PB + "/definitions", h_create_definition, "create_definition", Role.WRITER, _DEF_BODY),
-    Route("GET", PB + "/definitions", h_list_definitions, "list_definitions", query=("type",)),
+    Route("GET", PB + "/definitions", _http(_list_definitions), "list_definitions", query=("type",)),
     Route("GET", PB + "/definitions/{type}/{name}", h_get_definition, "get_definition", query=("version",)),
-    Route("DELETE", PB + "/definitions/{type}/{name}", h_delete_definition, "delete_definition", Role.WRITER),
+    _op_route("DELETE", PB + "/definitions/{type}/{name}", "delete_definition", "delete_definition", Role.WRITER),
     Route("POST", PB + "/runs", h_run_definition, "run_definition", Role.WRITER, _RUN_BODY),
-    Route("GET", PB + "/runs", h_list_runs, "list runs", query=("status", "function", "limit", "cursor")),
-    Route("GET", PB + "/runs/{run_id}", h_get_run, "get_run"),
-    Route("GET", PB + "/runs/{run_id}/events", h_run_events, "list_run_events", query=("limit", "cursor")),
+    _op_route("GET", PB + "/runs", "list_runs", "list runs", query=("status", "function", "limit", "cursor")),
+    _op_route("GET", PB + "/runs/{run_id}", "get_run", "get_run"),
+    _op_route("GET", PB + "/runs/{run_id}/events", "list_run_events", "list_run_events", query=("limit", "cursor")),
     Route("POST", PB + "/runs/{run_id}/wait", h_wait_run, "wait for a run to end", Role.READER, None,
           ("timeout", "max_wait")),
-    Route("POST", PB + "/runs/{run_id}/cancel", h_cancel_run, "cancel_run", Role.WRITER),
+    _op_route("POST", PB + "/runs/{run_id}/cancel", "cancel_run", "cancel_run", Role.WRITER),
     Route("POST", PB + "/runs/{run_id}/answer", h_answer, "answer_interaction", Role.WRITER, _ANSWER_BODY,
           person=True),
-    Route("GET", PB + "/interactions", h_list_interactions, "list_interactions",
-          query=("to", "type", "function", "limit", "cursor"), person=True),
-    Route("GET", PB + "/rules", h_list_rules, "The remembered decisions of tool calls' approvals that stand now",
-          Role.OPERATOR),
-    Route("POST", PB + "/rules/{rule_id}/revoke", h_revoke_rule, "End a remembered decision: its calls are asked"
-          " again", Role.OPERATOR),
-    Route("GET", PB + "/events", h_playbook_events, "list_playbook_events", query=("type", "limit", "cursor")),
-    Route("GET", PB + "/events/{event_id}", h_get_event, "get_event"),
-    Route("GET", PB + "/webhooks/deliveries", h_webhook_deliveries, "The webhooks' deliveries and their attempts,"
-          " newest first", Role.OPERATOR, query=("limit", "cursor")),
-    Route("GET", PB + "/tools", h_search, "search", query=("query",)),
-    Route("GET", PB + "/tools/{server}/{tool}", h_introspect, "introspect"),
+    _op_route("GET", PB + "/interactions", "list_interactions", "list_interactions",
+              query=("to", "type", "function", "limit", "cursor"), person=True),
+    _op_route("GET", PB + "/rules", "list_rules", "The remembered decisions of tool calls' approvals that stand now",
+              Role.OPERATOR),
+    _op_route("POST", PB + "/rules/{rule_id}/revoke", "revoke_rule", "End a remembered decision: its calls are asked"
+              " again", Role.OPERATOR),
+    _op_route("GET", PB + "/events", "list_playbook_events", "list_playbook_events", query=("type", "limit", "cursor")),
+    _op_route("GET", PB + "/events/{event_id}", "get_event", "get_event"),
+    _op_route("GET", PB + "/webhooks/deliveries", "list_webhook_deliveries", "The webhooks' deliveries and their"
+              " attempts, newest first", Role.OPERATOR, query=("limit", "cursor")),
+    _op_route("GET", PB + "/tools", "search", "search", query=("query",)),
+    _op_route("GET", PB + "/tools/{server}/{tool}", "introspect", "introspect"),
     Route("POST", PB + "/tools/{server}/{tool}", h_execute, "execute", Role.WRITER,
           {"type": "object", "properties": {"arguments": {"type": "object"}, "approve": _APPROVE_BODY}}),
     Route("GET", "/metrics", h_metrics, "The daemon's metrics, in Prometheus text format (operator token, or none"
@@ -14117,23 +14066,19 @@ def openapi_spec() -> dict[str, Any]:
     """OpenAPI 3.1, generated from ROUTES."""
     problem = {"$ref": "#/components/schemas/Problem"}
     run = {"$ref": "#/components/schemas/Run"}
+    more = {h_create_definition: ("201", "A new version", {}),         # what a route answers besides 200
+            h_execute: ("202", "A gated call: the run that waits for its approval", run),
+            h_create_link: ("201", "The link: {url, for, playbook, expires_at}", {}),
+            h_add_deputy: ("201", "The deputy: {id, for, to, from, until, open, ...}", {})}
     paths: dict[str, Any] = {}
     for r in ROUTES:
         op: dict[str, Any] = {"summary": r.summary, "operationId": re.sub(r"\W+", "_", f"{r.method}_{r.path}").strip("_"),
                               "responses": {"default": {"description": "A problem",
                                                         "content": {"application/problem+json": {"schema": problem}}},
                                             "200": {"description": "OK", "content": {r.media: {"schema": {}}}}}}
-        if r.handler is h_create_definition:
-            op["responses"]["201"] = {"description": "A new version", "content": {"application/json": {"schema": {}}}}
-        if r.handler is h_execute:
-            op["responses"]["202"] = {"description": "A gated call: the run that waits for its approval",
-                                      "content": {"application/json": {"schema": run}}}
-        if r.handler is h_create_link:
-            op["responses"]["201"] = {"description": "The link: {url, for, playbook, expires_at}",
-                                      "content": {"application/json": {"schema": {}}}}
-        if r.handler is h_add_deputy:
-            op["responses"]["201"] = {"description": "The deputy: {id, for, to, from, until, open, ...}",
-                                      "content": {"application/json": {"schema": {}}}}
+        if r.handler in more:
+            code, text, schema = more[r.handler]
+            op["responses"][code] = {"description": text, "content": {"application/json": {"schema": schema}}}
         if r.handler in (h_run_definition, h_wait_run):
             # The run object whatever its ending, its status telling the ending; a problem alone
             # is about the call itself (SPEC section 6).
@@ -14394,18 +14339,6 @@ async def _t_create(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) ->
     return dict(d, created=created)
 
 
-async def _t_get_def(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
-    return await e.get_definition(c, pb, a.get("type", "interaction"), a["name"], a.get("version"))
-
-
-async def _t_list_defs(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
-    return {"data": await e.list_definitions(c, pb, a.get("type"))}
-
-
-async def _t_delete_def(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
-    return await e.delete_definition(c, pb, a.get("type", "interaction"), a["name"])
-
-
 def _run_result(run: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     return run, run["status"] not in (RunStatus.STARTED, RunStatus.WAITING, RunStatus.SUCCEEDED)
 
@@ -14413,10 +14346,6 @@ def _run_result(run: dict[str, Any]) -> tuple[dict[str, Any], bool]:
 async def _t_run(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
     run, _fresh = await e.run_definition(c, pb, a.get("type", "interaction"), a["name"], a.get("input"), a.get("run_id"))
     return _run_result(run)
-
-
-async def _t_get_run(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
-    return await e.get_run(c, pb, a["run_id"])
 
 
 #: What a person's wait_run shows of a run that asks them: its outcome, not its input.
@@ -14451,37 +14380,9 @@ async def _t_wait_run(e: Engine, c: Caller, pb: str, a: dict[str, Any], call: Mc
     return (run, False, " ".join(notes)) if notes else run
 
 
-async def _t_cancel(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
-    return await e.cancel_run(c, pb, a["run_id"])
-
-
-async def _t_get_event(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
-    return await e.get_event(c, pb, a["event_id"])
-
-
-async def _t_run_events(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
-    return await e.list_run_events(c, pb, a["run_id"], a.get("limit"), a.get("cursor"))
-
-
-async def _t_inbox(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
-    return await e.list_interactions(c, pb, a.get("to"), a.get("type"), a.get("function"), a.get("limit"), a.get("cursor"))
-
-
 async def _t_answer(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
     fact, _new = await e.answer_interaction(c, pb, a["run_id"], a["answer"], a.get("claimed_for"))
     return fact
-
-
-async def _t_pb_events(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
-    return await e.list_playbook_events(c, pb, a.get("type"), a.get("limit"), a.get("cursor"))
-
-
-async def _t_search(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
-    return await e.search(c, pb, a.get("query"))
-
-
-async def _t_introspect(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
-    return await e.introspect(c, pb, a["server"], a["tool"])
 
 
 async def _t_execute(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
@@ -14509,13 +14410,14 @@ MCP_TOOLS: Final[list[McpTool]] = [
             "show a person what a function does before running it.",
             {"type": _TYPE_ARG, "name": _p("string", "The definition's name."),
              "version": _p("integer", "A past version; the current one when left out.", minimum=1, maximum=MAX_SQL_INT)},
-            ("name",), _t_get_def, True),
+            ("name",), _op("get_definition", "type", "name", "version", type="interaction"), True),
     McpTool("list_definitions",
             "List the playbook's active definitions (name, type, version, description), including the built-in "
             "ask-approval, ask-text, ask-choice and ask-confirmation functions.",
-            {"type": _TYPE_ARG}, (), _t_list_defs, True),
+            {"type": _TYPE_ARG}, (), _list_definitions, True),
     McpTool("delete_definition", "Deactivate a definition's name; runs that used it keep their version.",
-            {"type": _TYPE_ARG, "name": _p("string", "The definition's name.")}, ("name",), _t_delete_def),
+            {"type": _TYPE_ARG, "name": _p("string", "The definition's name.")}, ("name",),
+            _op("delete_definition", "type", "name", type="interaction")),
     McpTool("run_definition",
             "Run a saved function with an input. A function that asks a person returns at once with status "
             "started and a run_id: call wait_run to wait for the answer. A function that asks a system returns "
@@ -14527,7 +14429,7 @@ MCP_TOOLS: Final[list[McpTool]] = [
                           pattern=RUN_ID_RE.pattern)}, ("name",), _t_run),
     McpTool("get_run",
             "Read a run as it stands: status (started, waiting, or how it ended), kind, output and problem.",
-            {"run_id": _RUN_ID_ARG}, ("run_id",), _t_get_run, True),
+            {"run_id": _RUN_ID_ARG}, ("run_id",), _op("get_run", "run_id"), True),
     McpTool("wait_run",
             "Wait for a run to end. Returns the ended run, or the run as it stands when timeout seconds pass "
             "(then call wait_run again). Progress notifications are sent while it waits, so a person who is slow "
@@ -14541,19 +14443,21 @@ MCP_TOOLS: Final[list[McpTool]] = [
             ("run_id",), _t_wait_run, True, person=True),
     McpTool("cancel_run",
             "Cancel a run that is still waiting: its request leaves the inbox and the run ends rejected, kind "
-            "cancelled. Returns the run.", {"run_id": _RUN_ID_ARG}, ("run_id",), _t_cancel),
+            "cancelled. Returns the run.", {"run_id": _RUN_ID_ARG}, ("run_id",), _op("cancel_run", "run_id")),
     McpTool("get_event", "Read one event of the playbook whole (listings cut payloads to 2 KiB).",
-            {"event_id": _p("string", "The event's id, evt_ followed by a number.")}, ("event_id",), _t_get_event, True),
+            {"event_id": _p("string", "The event's id, evt_ followed by a number.")}, ("event_id",),
+            _op("get_event", "event_id"), True),
     McpTool("list_run_events",
             "A run's history in order: the request, each delivery attempt, the answer, the end.",
-            {"run_id": _RUN_ID_ARG, **_PAGE_ARGS}, ("run_id",), _t_run_events, True),
+            {"run_id": _RUN_ID_ARG, **_PAGE_ARGS}, ("run_id",), _op("list_run_events", "run_id", "limit", "cursor"),
+            True),
     McpTool("list_interactions",
             "List the open requests of the playbook, newest first: who each is for, its message, the answer "
             "schema an answer must match, and when it expires. Use it to find the run_id to answer.",
             {"to": _p("string", "Only requests to this party."),
              "type": _p("string", "Only requests of functions of this type."),
              "function": _p("string", "Only requests of the function of this name."), **_PAGE_ARGS},
-            (), _t_inbox, True, person=True),
+            (), _op("list_interactions", "to", "type", "function", "limit", "cursor"), True, person=True),
     McpTool("answer_interaction",
             "Answer an open request on a person's behalf, in the shape of its answer_schema (list_interactions "
             "shows it). Returns the recorded answer fact. An answer that does not match comes back as an error "
@@ -14563,14 +14467,16 @@ MCP_TOOLS: Final[list[McpTool]] = [
             ("run_id", "answer"), _t_answer, person=True),
     McpTool("list_playbook_events",
             "The playbook's own events: definitions saved, reads of conversations, tellings, execute calls.",
-            {"type": _p("string", "Only events of this type."), **_PAGE_ARGS}, (), _t_pb_events, True),
+            {"type": _p("string", "Only events of this type."), **_PAGE_ARGS}, (),
+            _op("list_playbook_events", "type", "limit", "cursor"), True),
     McpTool("search",
             "List the tool servers this playbook may use, the tools each offers, and which are read-only. Call "
             "it before writing a function that calls or sends through a tool.",
-            {"query": _p("string", "Only tools whose name or description holds this text.")}, (), _t_search, True),
+            {"query": _p("string", "Only tools whose name or description holds this text.")}, (),
+            _op("search", "query"), True),
     McpTool("introspect", "Read one tool's input schema, output schema and annotations.",
             {"server": _p("string", "The server, as search names it."), "tool": _p("string", "The tool's name.")},
-            ("server", "tool"), _t_introspect, True),
+            ("server", "tool"), _op("introspect", "server", "tool"), True),
     McpTool("execute",
             "Call one tool once with the given arguments and return its answer (recorded as a playbook event). "
             "Use it to learn what a tool returns before writing a function's read or sent pointers.",
@@ -14798,8 +14704,9 @@ class ElicitationBridge:
         if self.url and req.get("answer_url"):
             message = (f"A question waits for {self.person.person}; its answer takes a form this client cannot"
                        f" show, so it is answered at its page.\n\n{req['message']}")
-            return "url", mt.ElicitRequestURLParams(message=message, url=req["answer_url"],
-                                                    elicitation_id=f"{req['id']}.{secrets.token_hex(4)}")
+            return "url", mt.ElicitRequestURLParams(        # 2026-07-28's wire format has no elicitation id
+                message=message, url=req["answer_url"],
+                elicitation_id=None if self.modern else f"{req['id']}.{secrets.token_hex(4)}")
         return None
 
     async def _took(self, mode: str, result: Any, n: int) -> tuple[Problem | None, str | None]:
@@ -14914,8 +14821,6 @@ class ElicitationBridge:
     def _input_required(self, req: dict[str, Any], n: int, question: tuple[str, Any]) -> Any:
         from mcp import types as mt
         mode, params = question
-        if mode == "url":
-            params = params.model_copy(update={"elicitation_id": None})     # not in this era's wire format
         state = {"run": self.run_id, "playbook": self.playbook, "who": self.person.person, "request": req["id"],
                  "n": n, "mode": mode}
         return mt.InputRequiredResult(input_requests={"answer": mt.ElicitRequest(params=params)},
@@ -15058,12 +14963,7 @@ class McpTasks:
         refused = (Problem("invalid_input", refusals[-1].get("detail") or "the answer does not fit",
                            errors=refusals[-1].get("errors") or None) if refusals else None)
         asked = bridge._question(req, n, refused)
-        if asked is None:
-            return None
-        mode, params = asked
-        if mode == "url" and not _legacy_tasks(ctx):
-            params = params.model_copy(update={"elicitation_id": None})
-        return f"{req['id']}.{n}", mode, params
+        return (f"{req['id']}.{n}", *asked) if asked is not None else None
 
     def call_result(self, caller: Caller, run: dict[str, Any]) -> dict[str, Any]:
         """The CallToolResult a blocking wait_run gives for an ended run."""
@@ -15113,8 +15013,8 @@ class McpTasks:
                                                                            exclude_none=True)}}
         return task
 
-    async def read(self, ctx: Any) -> tuple[Caller, str, str, dict[str, Any]]:
-        caller, playbook, run_id = self.locate(ctx, self.params(ctx).get("taskId"))
+    async def read(self, ctx: Any, task_id: Any) -> tuple[Caller, str, str, dict[str, Any]]:
+        caller, playbook, run_id = self.locate(ctx, task_id)
         try:
             return caller, playbook, run_id, await self.task(ctx, caller, playbook, run_id)
         except Problem as exc:
@@ -15125,11 +15025,10 @@ class McpTasks:
     # -- the methods ----------------------------------------------------------------------------------
 
     async def get(self, ctx: Any, params: Any) -> dict[str, Any]:
-        if not _declares_tasks(ctx):
-            if _legacy_tasks(ctx):
-                return await self.legacy_get(ctx)
+        if not _declares_tasks(ctx) and not _legacy_tasks(ctx):
             raise self.missing()
-        return (await self.read(ctx))[3]
+        task = (await self.read(ctx, self.params(ctx).get("taskId")))[3]
+        return task if _declares_tasks(ctx) else self.legacy_shape(task)     # 2025-11-25: that era's shape
 
     async def update(self, ctx: Any, params: Any) -> dict[str, Any]:
         """Responses to the task's question: an accept answers as the person here (an answer that
@@ -15138,24 +15037,20 @@ class McpTasks:
         from mcp import types as mt
         if not _declares_tasks(ctx):
             raise self.missing()
-        caller, playbook, run_id, task = await self.read(ctx)
+        caller, playbook, run_id, task = await self.read(ctx, self.params(ctx).get("taskId"))
         responses = self.params(ctx).get("inputResponses")
         if not isinstance(responses, Mapping):
             raise self.error(INVALID_PARAMS, "inputResponses is an object of responses by key")
-        if task["status"] != "input_required":
+        asked = task.get("inputRequests") or {}             # the question outstanding now, if any
+        key = next((k for k in asked if k in responses), None)
+        if key is None:
             return {}
-        view = await self.engine.task_view(caller, playbook, run_id)
-        asked = await self.question(ctx, caller, playbook, run_id, view)
-        if asked is None or asked[0] not in responses:
-            return {}
-        key, mode, _params = asked
+        mode = asked[key]["params"]["mode"]
         try:
             response = mt.ElicitResult.model_validate(responses[key])
         except Exception:
             raise self.error(INVALID_PARAMS, f"inputResponses.{key} is not an elicitation result") from None
-        bridge = self.bridge(ctx, caller, playbook, run_id)
-        assert bridge is not None
-        person = bridge.person
+        person = replace(caller, person=self.here(ctx, caller))     # who answers, as the question's bridge has it
         if response.action != "accept":
             await self.engine.elicitation_declined(person, playbook, run_id, mode, response.action)
         elif mode == "form":
@@ -15173,7 +15068,7 @@ class McpTasks:
     async def cancel(self, ctx: Any, params: Any) -> dict[str, Any]:
         if not _declares_tasks(ctx) and not _legacy_tasks(ctx):
             raise self.missing()
-        caller, playbook, run_id, task = await self.read(ctx)
+        caller, playbook, run_id, task = await self.read(ctx, self.params(ctx).get("taskId"))
         try:
             await self.engine.cancel_task(caller, playbook, run_id)
         except Problem as exc:
@@ -15225,7 +15120,7 @@ class McpTasks:
         watched: dict[str, tuple[Caller, str, str]] = {}
         for tid in asked if isinstance(asked, list) else []:
             try:
-                caller, playbook, run_id, _ = await self.read(_With(ctx, {"taskId": tid}))
+                caller, playbook, run_id, _ = await self.read(ctx, tid)
             except Exception:
                 continue                                 # unknown or not theirs: not agreed to
             watched[tid] = (caller, playbook, run_id)
@@ -15264,10 +15159,6 @@ class McpTasks:
         out["ttl"] = task["ttlMs"]
         out["pollInterval"] = task["pollIntervalMs"]
         return out
-
-    async def legacy_get(self, ctx: Any) -> dict[str, Any]:
-        _caller, _playbook, _run_id, task = await self.read(ctx)
-        return self.legacy_shape(task)
 
     async def legacy_result(self, ctx: Any, params: Any) -> dict[str, Any]:
         """`tasks/result` (2025-11-25): the CallToolResult once the run has ended; until then it waits."""
@@ -15308,25 +15199,10 @@ class McpTasks:
         """A `tools/call` with `params.task` (2025-11-25): a CreateTaskResult for a run that waits; the
         run is made (or read) by the call itself, which returns at once."""
         out = await call_next(ctx)
-        raw = self.params(ctx)
-        if raw.get("name") not in TASK_TOOLS or not isinstance(out, Mapping):
+        if self.params(ctx).get("name") not in TASK_TOOLS or not isinstance(out, Mapping) or out.get("isError"):
             return out
-        run = out.get("structuredContent")
-        if out.get("isError") or not isinstance(run, Mapping):
-            return out
-        task = await self.created(ctx, run)
+        task = await self.created(ctx, out.get("structuredContent"))
         return {"task": self.legacy_shape(task)} if task is not None else out
-
-
-@dataclass(frozen=True)
-class _With:
-    """A request context with other params (to read a task named in a listen request)."""
-
-    ctx: Any
-    params: Mapping[str, Any]
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.ctx, name)
 
 
 def _notice(method: str, params: dict[str, Any]) -> Any:
@@ -15342,7 +15218,6 @@ def make_mcp_server(engine: Engine, *, caller: Caller | None = None, scoped_play
     operator's token names in the Interactiond-As header, else the configuration's `mcp.as`."""
     from mcp import types as mt
     from mcp.server import Server as _McpServer
-    from mcp.server.extension import compose_tool_call_handler
     tools = {t.name: t for t in MCP_TOOLS}
     schemas = {t.name: _mcp_schema(t, scoped_playbook is not None) for t in MCP_TOOLS}
     validators = {name: compile_schema(s) for name, s in schemas.items()}
@@ -15384,6 +15259,9 @@ def make_mcp_server(engine: Engine, *, caller: Caller | None = None, scoped_play
             content.append(mt.TextContent(type="text", text=note))
         return mt.CallToolResult(content=content, structured_content=data, is_error=is_error)
 
+    def home(ctx: Any, who: Caller) -> str:
+        return scoped_playbook or who.playbook or DEFAULT_PLAYBOOK
+
     async def call_tool(ctx: Any, params: Any) -> mt.CallToolResult | mt.InputRequiredResult:
         try:
             tool = tools.get(params.name)
@@ -15401,8 +15279,7 @@ def make_mcp_server(engine: Engine, *, caller: Caller | None = None, scoped_play
                               errors=errors)
             if who is None:
                 raise Problem("unauthorized", "no caller: the HTTP transports need a bearer token")
-            pb = scoped_playbook or args.pop("playbook", None) or who.playbook or DEFAULT_PLAYBOOK
-            pb = engine.playbook(who, pb)
+            pb = engine.playbook(who, args.pop("playbook", None) or home(ctx, who))
 
             began = time.monotonic()
             waits_for: list[str] = []
@@ -15432,9 +15309,6 @@ def make_mcp_server(engine: Engine, *, caller: Caller | None = None, scoped_play
             log.exception("MCP tool %s failed", getattr(params, "name", "?"))
             return result(Problem("failed", "the daemon failed on this call; its log says why").body(), True)
 
-    def home(ctx: Any, who: Caller) -> str:
-        return scoped_playbook or who.playbook or DEFAULT_PLAYBOOK
-
     def person_here(ctx: Any, who: Caller) -> str | None:
         try:
             return here_of(ctx, who)
@@ -15442,15 +15316,18 @@ def make_mcp_server(engine: Engine, *, caller: Caller | None = None, scoped_play
             return None
 
     tasks = McpTasks(engine, who_calls, home, person_here)
-    extension = _tasks_extension(tasks)
-    server = _McpServer("interactiond", version=__version__, on_list_tools=list_tools,
-                        on_call_tool=compose_tool_call_handler([extension], call_tool),
+
+    async def call_or_task(ctx: Any, params: Any) -> Any:
+        """tools/call, the Tasks extension's interceptor around it (a task for a run that waits)."""
+        return await tasks.intercept(params, ctx, lambda ctx: call_tool(ctx, params))
+    server = _McpServer("interactiond", version=__version__, on_list_tools=list_tools, on_call_tool=call_or_task,
                         on_subscriptions_listen=tasks.listen,
                         instructions="Ask a person (or a system) a question and wait for a validated answer. "
                                      "Start with list_definitions, or use ask for a quick typed question.")
-    server.extensions[extension.identifier] = extension.settings()
-    for binding in extension.methods():
-        server.add_request_handler(binding.method, binding.params_type, binding.handler)
+    server.extensions[TASKS_EXTENSION] = {}             # the extension's methods, both eras'
+    for method, handler in (("tasks/get", tasks.get), ("tasks/update", tasks.update), ("tasks/cancel", tasks.cancel),
+                            ("tasks/result", tasks.legacy_result), ("tasks/list", tasks.legacy_list)):
+        server.add_request_handler(method, mt.RequestParams, handler)
     capabilities = server.get_capabilities
 
     def with_tasks(*a: Any, **kw: Any) -> Any:
@@ -15469,27 +15346,6 @@ def make_mcp_server(engine: Engine, *, caller: Caller | None = None, scoped_play
         return await call_next(ctx)
     server.middleware.append(legacy_tasks)
     return server
-
-
-def _tasks_extension(tasks: McpTasks) -> Any:
-    """The Tasks extension, through the SDK's extension interface: its methods, and the tools/call
-    interceptor that answers with a task."""
-    from mcp import types as mt
-    from mcp.server.extension import Extension, MethodBinding
-
-    class Tasks(Extension):
-        identifier = TASKS_EXTENSION
-
-        def methods(self) -> list[MethodBinding]:
-            return [MethodBinding("tasks/get", mt.RequestParams, tasks.get),
-                    MethodBinding("tasks/update", mt.RequestParams, tasks.update),
-                    MethodBinding("tasks/cancel", mt.RequestParams, tasks.cancel),
-                    MethodBinding("tasks/result", mt.RequestParams, tasks.legacy_result),
-                    MethodBinding("tasks/list", mt.RequestParams, tasks.legacy_list)]
-
-        async def intercept_tool_call(self, params: Any, ctx: Any, call_next: Any) -> Any:
-            return await tasks.intercept(params, ctx, call_next)
-    return Tasks()
 
 
 def asgi_handler(app: Callable[..., Any], *, grace_s: float = 2.0,
@@ -15557,10 +15413,8 @@ def asgi_handler(app: Callable[..., Any], *, grace_s: float = 2.0,
                     await resp.write_eof()
 
         task = asyncio.ensure_future(app(scope, receive, send))
-        streams: set[asyncio.Task[Any]] = request.app[streams_key()]
-        me = asyncio.current_task()
-        if me is not None:
-            streams.add(me)
+        streams, me = request.app[streams_key()], asyncio.current_task()
+        streams.add(me)                     # cancelled at shutdown (track_streams)
         try:
             await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -15571,13 +15425,9 @@ def asgi_handler(app: Callable[..., Any], *, grace_s: float = 2.0,
                 await asyncio.gather(task, return_exceptions=True)
             raise
         finally:
-            if me is not None:
-                streams.discard(me)
+            streams.discard(me)
         return resp if resp is not None else web.Response(status=500)
     return handler
-
-
-streams_key: Final = functools.partial(state_key, "streams", set)
 
 
 @dataclass(eq=False)
@@ -15621,14 +15471,12 @@ class McpSessions:
             raise not_found("no MCP session of that id for this token")
         return s
 
-    def count(self, owner: str) -> int:
-        return sum(1 for s in self.by_id.values() if s.owner == owner)
-
     async def admit(self, caller: Caller) -> None:
         """Make room for one more session of `caller` (closing its oldest idle one at the cap)."""
         victim = None
-        if self.count(caller.id) + self.opening.get(caller.id, 0) >= MCP_SESSIONS_PER_TOKEN:
-            idle = [s for s in self.by_id.values() if s.owner == caller.id and s.busy == 0]
+        mine = [s for s in self.by_id.values() if s.owner == caller.id]
+        if len(mine) + self.opening.get(caller.id, 0) >= MCP_SESSIONS_PER_TOKEN:
+            idle = [s for s in mine if s.busy == 0]
             if not idle:
                 raise Problem("unavailable", f"this token has {MCP_SESSIONS_PER_TOKEN} MCP sessions open and each is"
                               " busy; end one (DELETE /mcp) before opening another", kind="too_many_sessions")
@@ -15647,6 +15495,8 @@ class McpSessions:
             self.opening.pop(caller.id, None)
 
     def opened(self, caller: Caller, sid: str, close: Callable[[], Any], busy: int) -> McpSession:
+        """The session an opening request opened: that request opens no other (release)."""
+        self.release(caller)
         self.uses += 1
         s = self.by_id[sid] = McpSession(sid, caller.id, self.engine.clock.now_ms(), close, busy, self.uses)
         self.arm()
@@ -15808,7 +15658,6 @@ class _McpTransports:
                     if k.lower() == b"mcp-session-id":
                         new = v.decode("latin-1")
                         opened.append(reg.opened(caller, new, functools.partial(self._end_streamable, new), busy=1))
-                        reg.release(caller)
         try:
             return await handler(request, watch)
         finally:
@@ -15838,7 +15687,6 @@ class _McpTransports:
                 m = _SSE_SESSION_RE.search(chunk)
                 if m:
                     opened.append(reg.opened(caller, m.group(1).decode(), close, busy=0))
-                    reg.release(caller)
             elif chunk.startswith(b"event: message"):
                 reg.touch(opened[0])
         try:
@@ -15880,19 +15728,14 @@ def mcp_allowed(listen_hosts: Iterable[str], public_url: str | None) -> tuple[li
 def mount_mcp(app: web.Application, engine: Engine, listen_hosts: Iterable[str] = ()) -> None:
     """Streamable HTTP at /mcp and legacy SSE at /sse (+ /messages/) on the API's port."""
     transports = _McpTransports(engine, *mcp_allowed(listen_hosts, engine.config.public_url))
-    app[streams_key()] = set()
+    track_streams(app)
     app.router.add_route("*", "/mcp", transports.serve_mcp)
     app.router.add_get("/sse", transports.serve_sse)
     app.router.add_post("/messages/", transports.serve_messages)
 
-    async def cancel_streams(app: web.Application) -> None:
-        for t in list(app[streams_key()]):
-            t.cancel()
-
     async def close(app: web.Application) -> None:
         await transports.close()
 
-    app.on_shutdown.append(cancel_streams)
     app.on_cleanup.append(close)
 
 
@@ -16244,9 +16087,8 @@ async def serve_stream(request: web.Request, playbooks: list[str]) -> web.Stream
     engine = request.app[engine_key()]
     after = _last_event_id(request)
     doorbell = engine.subscribe()           # before reading: nothing committed from here on is missed
-    tasks: set[asyncio.Task[Any]] = request.app[sse_tasks_key()]
-    me = asyncio.current_task()
-    tasks.add(me)
+    streams, me = request.app[streams_key()], asyncio.current_task()
+    streams.add(me)                         # cancelled at shutdown (track_streams)
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no"})
     try:
@@ -16280,13 +16122,10 @@ async def serve_stream(request: web.Request, playbooks: list[str]) -> web.Stream
         return resp
     finally:
         engine.unsubscribe(doorbell)
-        tasks.discard(me)
+        streams.discard(me)
 
 
 # -- routes -------------------------------------------------------------------------------------
-
-sse_tasks_key: Final = functools.partial(state_key, "sse_tasks", set)
-
 
 async def h_v2_list(request: web.Request) -> web.Response:
     q = request.query
@@ -16301,13 +16140,9 @@ async def h_v2_get(request: web.Request) -> web.Response:
 
 
 async def h_v2_respond(request: web.Request) -> web.Response:
-    from aiohttp import web
     engine, caller = request.app[engine_key()], _caller(request)
     row = await find_interaction(engine, caller, request.match_info["id"])     # 404 before anything else
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise _v2_problem("too_large", f"the body is larger than {MAX_BODY_BYTES // MIB} MiB") from None
+    raw = await request.read()          # past client_max_size: api_middleware's 413 problem
     status, obj, replayed = await respond_interaction(engine, caller, row, request.headers.get("Idempotency-Key"), raw)
     resp = _json(engine.links.shown(dict(obj), row, caller), status)
     if replayed:
@@ -16355,12 +16190,7 @@ def mount_typed_api(app: web.Application) -> None:
     from aiohttp import web
     if observe_middleware not in app.middlewares:
         app.middlewares.insert(0, web.middleware(_v2_codes))
-    app[sse_tasks_key()] = set()
-
-    async def end_streams(app: web.Application) -> None:
-        for task in list(app[sse_tasks_key()]):
-            task.cancel()
-    app.on_shutdown.append(end_streams)
+    track_streams(app)
 
 
 # -- the Python client --------------------------------------------------------------------------
@@ -16459,14 +16289,12 @@ class Client:
 
     def _outcome(self, run: dict[str, Any], timeout: float | None) -> dict[str, Any]:
         """Wait for a run to end (for ever, or `timeout` real seconds, then cancel it: Unanswered)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not RunStatus(run["status"]).ended:
-            left = MAX_HTTP_WAIT_S if deadline is None else min(MAX_HTTP_WAIT_S, deadline - time.monotonic())
-            if left <= 0:
-                with contextlib.suppress(ClientError):
-                    self.runs.cancel(run["run_id"])
-                raise Unanswered(run["run_id"], "timed_out", f"no answer within {timeout:g} s; the request is cancelled")
-            run = self.runs.wait(run["run_id"], timeout=left)
+        if not RunStatus(run["status"]).ended:
+            run = self.runs.wait(run["run_id"], timeout=math.inf if timeout is None else timeout)
+        if not RunStatus(run["status"]).ended:
+            with contextlib.suppress(ClientError):
+                self.runs.cancel(run["run_id"])
+            raise Unanswered(run["run_id"], "timed_out", f"no answer within {timeout:g} s; the request is cancelled")
         if run["status"] == RunStatus.SUCCEEDED.value:
             return run
         problem = run.get("problem") or {}
@@ -17637,7 +17465,6 @@ latest start of <code>interactiond serve</code> printed.</p>
 """)
 
 
-
 # Web inbox ######################################################################################
 #
 # The page a person answers on, served from the module at `GET /`: one HTML document with its CSS
@@ -17998,7 +17825,7 @@ async def h_logout(request: web.Request) -> web.Response:
 
 async def h_web_session(request: web.Request) -> web.Response:
     caller, engine = _caller(request), request.app[engine_key()]
-    seen = sorted(pb for pb in engine.playbooks if caller.sees(pb))
+    seen = _visible(engine, caller)
     # A person's page asks for their requests every poll_ms: the event stream is the playbook's.
     stream = caller.person is None and any(getattr(r, "canonical", None) == PB + "/stream"
                                            for r in request.app.router.resources())
