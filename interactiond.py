@@ -108,7 +108,7 @@ from typing import TYPE_CHECKING, Any, Callable, Final, Iterable, Iterator, Prot
 # (`inbox`, `get`, `answer`, `runs`, `--version`) starts in a fraction of the time (SPEC section 13):
 # python-liquid in the Templates section's `_liquid()`, jsonschema (`_jsonschema()`), referencing,
 # RE2 and PyYAML in the functions of Documents that need them, aiohttp where the HTTP API makes an
-# app or a response, urllib's HTTP client where a client calls the daemon, and the MCP SDK (with its
+# app or a response, http.client where a client calls the daemon, and the MCP SDK (with its
 # pydantic models, a third of a daemon's memory) at a tool server's session or the first MCP
 # request. The names below are for annotations only.
 if TYPE_CHECKING:
@@ -16269,7 +16269,7 @@ def _code_block(text: str) -> str:
 
 
 class Client:
-    """A small synchronous client of interactiond's HTTP API (urllib only)."""
+    """A small synchronous client of interactiond's HTTP API (the standard library only)."""
 
     def __init__(self, base_url: str, token: str, *, playbook: str = DEFAULT_PLAYBOOK, timeout: float = 75.0,
                  retries: int = 3, backoff: float = 0.25) -> None:
