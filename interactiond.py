@@ -8763,12 +8763,11 @@ class AnswerLinks:
             obj["answer_url"] = url
         return obj
 
-    async def on_run(self, store: Any, caller: Caller, run: dict[str, Any]) -> dict[str, Any]:
-        """A waiting run as get_run shows it: with its open request's `answer_url` for a writer."""
-        if run["status"] == RunStatus.WAITING.value and caller.role.rank >= Role.WRITER.rank and self.key is not None:
-            req = await store.read(lambda tx: tx.request(run["playbook"], run["run_id"]))
-            if req is not None and req["status"] == RequestStatus.OPEN:
-                self.shown(run, req, caller)
+    def on_run(self, caller: Caller, run: dict[str, Any], req: Mapping[str, Any]) -> dict[str, Any]:
+        """A waiting run as get_run shows it: with its open request's (`req`) `answer_url` for a writer."""
+        if run["status"] == RunStatus.WAITING.value and req["status"] == RequestStatus.OPEN \
+                and caller.role.rank >= Role.WRITER.rank and self.key is not None:
+            self.shown(run, req, caller)
         return run
 
 
@@ -9860,10 +9859,16 @@ class Runs:
         return True
 
     async def get_run(self, caller: Caller, playbook: str, run_id: str) -> dict[str, Any]:
-        row = await self.store.read(lambda tx: tx.run(playbook, run_id))
+        """The run, and what its request adds, read with it in one reading: a waiting run's answer link
+        for a writer (AnswerLinks.on_run), a quorum approval's votes (show_votes)."""
+        def look(tx: Tx) -> tuple[Row | None, Row | None]:
+            row = tx.run(playbook, run_id)
+            return row, (tx.request(playbook, run_id) if row is not None else None)
+        row, req = await self.store.read(look)
         if row is None:
             raise not_found(f"no run {run_id} in this playbook")
-        return await self.links.on_run(self.store, caller, run_object(row))
+        run = run_object(row)
+        return show_votes(self.links.on_run(caller, run, req), req) if req is not None else run
 
     async def wait_run(self, caller: Caller, playbook: str, run_id: str, timeout: float,
                        tick: Callable[[float], Any] | None = None) -> dict[str, Any]:
@@ -11128,6 +11133,16 @@ def not_voted(request: Mapping[str, Any]) -> list[str]:
     return [p for p in people if p not in counted]
 
 
+def show_votes(run: dict[str, Any], req: Mapping[str, Any]) -> dict[str, Any]:
+    """A run object with its quorum approval's `approval: {to, need, veto, votes}`, when its request
+    (`req`) is one."""
+    if req["approval"] is not None and '"quorum"' in req["approval"]:
+        gate = json.loads(req["approval"])
+        run["approval"] = {"to": gate["quorum"]["to"], "need": gate["quorum"]["need"],
+                           "veto": gate["quorum"]["veto"], "votes": _votes_shown(gate)}
+    return run
+
+
 def _votes_shown(gate: Mapping[str, Any]) -> list[dict[str, Any]]:
     return [{"by": v["by"], "approved": v["approved"], "note": v["note"], "at": fmt_time(v["at"]),
              **({"on_behalf_of": v["on_behalf_of"]} if v.get("on_behalf_of") else {})} for v in gate.get("votes", [])]
@@ -11475,15 +11490,6 @@ class Approvals:
         return {**dict(zip(row.keys(), row)), "answer": dumps(answer), "answer_id": vote_id, "answered_by": by,
                 "answered_at": now, "answered_by_name": by_name, "on_behalf_of": on_behalf_of,
                 "claimed_for": claimed_for, "reply_id": reply_id}
-
-    async def with_votes(self, run: dict[str, Any]) -> dict[str, Any]:
-        """A run object with its quorum approval's `approval: {need, votes}`, when it has one."""
-        req = await self.store.read(lambda tx: tx.request(run["playbook"], run["run_id"]))
-        if req is not None and req["approval"] is not None and '"quorum"' in req["approval"]:
-            gate = json.loads(req["approval"])
-            run["approval"] = {"to": gate["quorum"]["to"], "need": gate["quorum"]["need"],
-                               "veto": gate["quorum"]["veto"], "votes": _votes_shown(gate)}
-        return run
 
     @staticmethod
     def _approved(gate: dict[str, Any], answer: dict[str, Any]) -> tuple[list[dict[str, Any]], Any]:
@@ -12177,8 +12183,8 @@ class Engine:
         self.get_definition = self.definitions.get_definition
         self.list_definitions = self.definitions.list_definitions
         self.delete_definition = self.definitions.delete_definition
-        self.get_run = self._with_votes(self.runs.get_run)       # a quorum approval's run shows its votes
-        self.wait_run = self._with_votes(self.runs.wait_run)
+        self.get_run = self.runs.get_run
+        self.wait_run = self.runs.wait_run
         self.cancel_run = self.runs.cancel_run
         self.cancel_in = self.runs.cancel_in
         self.list_runs = self.runs.list_runs
@@ -12334,13 +12340,6 @@ class Engine:
 
     def unsubscribe(self, q: asyncio.Queue[dict[str, Any]]) -> None:
         self.bus.unsubscribe(q)
-
-    def _with_votes(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """`fn`, answering a run object, with the votes of its quorum approval (Approvals.with_votes)."""
-        async def call(*args: Any, **kw: Any) -> Any:
-            run = await fn(*args, **kw)
-            return await self.approvals.with_votes(run) if isinstance(run, dict) and "run_id" in run else run
-        return call
 
     async def run_definition(self, caller: Caller, playbook: str, type_: str, name: str, input_: Any = None,
                              run_id: str | None = None, *, parent: str | None = None) -> tuple[dict[str, Any], bool]:
