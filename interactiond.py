@@ -901,8 +901,19 @@ def request_digest(message: str, answer_schema: Any, arguments: Any = None) -> s
     each canonical: the schema's once per schema (every request of a function shares it)."""
     schema = b"null" if answer_schema is None else _canonical_text(
         answer_schema if isinstance(answer_schema, str) else json.dumps(answer_schema))
-    return hashlib.sha256(b'{"answer_schema":' + schema + b',"arguments":' + canonical_json(arguments)
-                          + b',"message":' + canonical_json(message) + b"}").hexdigest()
+    return hashlib.sha256(b'{"answer_schema":' + schema + b',"arguments":'
+                          + (b"null" if arguments is None else canonical_json(arguments))
+                          + b',"message":' + _canonical_str(message) + b"}").hexdigest()
+
+
+def _canonical_str(text: str) -> bytes:
+    """canonical_json of a text, written by the standard library's C encoder: RFC 8785 escapes a
+    string as it does (\\b \\t \\n \\f \\r, \\" and \\\\, any other control as \\u00xx, the rest
+    as it is)."""
+    try:
+        return json.encoder.encode_basestring(text).encode()
+    except UnicodeEncodeError:          # a lone surrogate: refused as canonical_json refuses it
+        return canonical_json(text)
 
 
 @functools.lru_cache(maxsize=512)
