@@ -5348,7 +5348,7 @@ class Tx(Protocol):
                      party: str, answerer: str, message: str, answer_schema: str | None, server: str | None,
                      tool: str | None, delivery: DeliveryState, asked_at: int, expires_at: int,
                      deliver_args: str | None, notified: bool = False, follow_up: str | None = None,
-                     digest: str | None = None) -> None: ...
+                     digest: str | None = None) -> int | None: ...
     def request(self, playbook: str, run_id: str) -> Row | None: ...
     def close_request(self, fx: Effects, playbook: str, run_id: str, ending: Ending) -> Row | None: ...
     def record_answer(self, fx: Effects, req: Row, answer: Any, *, by: str, now: int,
@@ -5807,13 +5807,14 @@ class SqlTx:
                      party: str, answerer: str, message: str, answer_schema: str | None, server: str | None,
                      tool: str | None, delivery: DeliveryState, asked_at: int, expires_at: int,
                      deliver_args: str | None, notified: bool = False, follow_up: str | None = None,
-                     digest: str | None = None) -> None:
+                     digest: str | None = None) -> int | None:
         """Insert a run's request: open, and the started run waits for it (guarded, else `conflict`); or,
         `notified`, a notification the inbox shows at once, which leaves the run as it is. `follow_up`
         is its plan of reminders, escalation and default answer (JSON), if it has one. `digest` binds
         what it shows (request_digest; of its message and answer schema when not given).
 
-        The caller appends the event that records it next."""
+        The caller appends the event that records it next, with the run_seq returned: counted in the
+        run's UPDATE (None where that event counts itself: a notification's, or on a server)."""
         status = RequestStatus.NOTIFIED if notified else RequestStatus.OPEN
         if digest is None:
             digest = request_digest(message, answer_schema)
@@ -5821,9 +5822,15 @@ class SqlTx:
             request_id, playbook, run_id, type_, name, version, party, answerer, message, answer_schema,
             playbook, type_, name, version, server, tool,
             status.value, 0 if notified else 1, delivery.value, asked_at, expires_at, deliver_args, follow_up, digest))
-        if not notified:
-            self.guard(_RUN_WAITS_SQL, (playbook, run_id),
-                       Problem("conflict", "the run is not waiting to open a request"))
+        return None if notified else self._run_waits(playbook, run_id)
+
+    def _run_waits(self, playbook: str, run_id: str) -> int | None:
+        """The started run waits for the request it opened (guarded, else `conflict`), counting the event
+        that records it: that event's run_seq."""
+        waiting = self.conn.execute(_RUN_WAITS_COUNTED_SQL, (playbook, run_id)).fetchone()
+        if waiting is None:
+            raise Problem("conflict", "the run is not waiting to open a request")
+        return waiting[0]
 
     def cancel_delivery(self, playbook: str, run_id: str) -> bool:
         """Mark the attempt in flight of a run's request as cancelling (guarded); False if none is in flight."""
@@ -6616,10 +6623,11 @@ _END_RUN_SQL: Final = (
     "UPDATE runs SET status = ?, kind = ?, output = ?, problem = ?, ended_at = ?, settled_by = ?,"
     f" events = events + ? WHERE playbook = ? AND run_id = ? AND status IN ({_LIVE_SQL}) RETURNING parent, events")
 
-#: A started run waits for the request it opened (guarded).
+#: A started run waits for the request it opened (guarded); the second counts the event that records it.
 _RUN_WAITS_SQL: Final = (
     f"UPDATE runs SET status = '{RunStatus.WAITING.value}' WHERE playbook = ? AND run_id = ?"
     f" AND status = '{RunStatus.STARTED.value}'")
+_RUN_WAITS_COUNTED_SQL: Final = _RUN_WAITS_SQL.replace(" WHERE", ", events = events + 1 WHERE") + " RETURNING events"
 
 #: An attempt begins: guarded by the deliveries that may begin one (DELIVERY_TRANSITIONS) and the attempts left.
 _BEGIN_ATTEMPT_SQL: Final = (
@@ -7428,6 +7436,11 @@ class PostgresTx(SqlTx):
             cursor = self.conn.raw.cursor()
             cursor.execute(_pg_sql(sql), params, prepare=True)
             self._guards.append((cursor, problem))
+
+    def _run_waits(self, playbook: str, run_id: str) -> int | None:
+        """Its guard checked at the change's end, as every guard's: the event that follows counts itself."""
+        self.guard(_RUN_WAITS_SQL, (playbook, run_id), Problem("conflict", "the run is not waiting to open a request"))
+        return None
 
     def _insert_event(self, playbook: str, run_id: str | None, run_seq: int | None, values: tuple[Any, ...]) -> int:
         conn = self.conn
@@ -9840,17 +9853,18 @@ class Runs:
         deliver = doc.deliver
         emailed = prepared.get("email")                  # sent by email: attempted as a delivery is
         inbox_note = notification and deliver is None and emailed is None
-        tx.open_request(request_id=prepared["request_id"], playbook=playbook, run_id=run_id, type_=type_, name=name,
-                        version=version, party=prepared["party"], answerer=prepared["answerer"],
-                        message=prepared["message"],
-                        answer_schema=dumps(answer_schema) if answer_schema is not None else None,
-                        server=deliver.server if deliver else EMAIL_SERVER if emailed else None,
-                        tool=deliver.tool if deliver else emailed["to"] if emailed else None,
-                        delivery=DeliveryState.IN_INBOX if deliver is None and not emailed else DeliveryState.TO_DELIVER,
-                        asked_at=now, expires_at=prepared["expires_at"],
-                        deliver_args=dumps(prepared["deliver_args"]) if deliver else
-                        dumps({"email": emailed}) if emailed else None, notified=inbox_note,
-                        follow_up=dumps(prepared["follow_up"]) if prepared.get("follow_up") else None)
+        seq = tx.open_request(request_id=prepared["request_id"], playbook=playbook, run_id=run_id, type_=type_,
+                              name=name, version=version, party=prepared["party"], answerer=prepared["answerer"],
+                              message=prepared["message"],
+                              answer_schema=dumps(answer_schema) if answer_schema is not None else None,
+                              server=deliver.server if deliver else EMAIL_SERVER if emailed else None,
+                              tool=deliver.tool if deliver else emailed["to"] if emailed else None,
+                              delivery=DeliveryState.IN_INBOX if deliver is None and not emailed
+                              else DeliveryState.TO_DELIVER,
+                              asked_at=now, expires_at=prepared["expires_at"],
+                              deliver_args=dumps(prepared["deliver_args"]) if deliver else
+                              dumps({"email": emailed}) if emailed else None, notified=inbox_note,
+                              follow_up=dumps(prepared["follow_up"]) if prepared.get("follow_up") else None)
         if "approval" in prepared:          # an approval `ask` of several people: each votes (Approvals._vote)
             tx.set_approval(playbook, run_id, dumps(prepared["approval"]))
             tx.add_addressees(playbook, run_id, prepared["approval"]["quorum"]["to"][1:])
@@ -9859,7 +9873,8 @@ class Runs:
             {"email": emailed["to"]} if emailed else None,
             "to": prepared["party"], "from": prepared["answerer"],
             "message_size": len(prepared["message"].encode()), "takes_answer": not notification,
-            "expires_at": fmt_time(prepared["expires_at"]), **Reminders.requested(prepared.get("follow_up"))})
+            "expires_at": fmt_time(prepared["expires_at"]), **Reminders.requested(prepared.get("follow_up"))},
+            run_seq=seq)
         if inbox_note:
             end(tx, fx, playbook, run_id, "succeeded", now=now, by=by, output={})
             return False
@@ -11342,14 +11357,15 @@ class Approvals:
                 end(tx, fx, playbook, run_id, ending_, now=now, by=caller.id)
                 return run_object(tx.run(playbook, run_id)), True
             tx.append_event(fx, playbook, run_id, "approval_requested", now, caller.id, requested)
-            tx.open_request(request_id=prepared["request_id"], playbook=playbook, run_id=run_id, type_=type_, name=name,
-                            version=version, party=prepared["party"], answerer=prepared["answerer"],
-                            message=prepared["message"], answer_schema=dumps(APPROVAL_ANSWER_SCHEMA),
-                            server=deliver.server if deliver else None, tool=deliver.tool if deliver else None,
-                            delivery=DeliveryState.IN_INBOX if deliver is None else DeliveryState.TO_DELIVER,
-                            asked_at=now, expires_at=prepared["expires_at"],
-                            deliver_args=dumps(prepared["deliver_args"]) if deliver else None,
-                            digest=request_digest(prepared["message"], APPROVAL_ANSWER_SCHEMA, gate["arguments"]))
+            seq = tx.open_request(
+                request_id=prepared["request_id"], playbook=playbook, run_id=run_id, type_=type_, name=name,
+                version=version, party=prepared["party"], answerer=prepared["answerer"],
+                message=prepared["message"], answer_schema=dumps(APPROVAL_ANSWER_SCHEMA),
+                server=deliver.server if deliver else None, tool=deliver.tool if deliver else None,
+                delivery=DeliveryState.IN_INBOX if deliver is None else DeliveryState.TO_DELIVER,
+                asked_at=now, expires_at=prepared["expires_at"],
+                deliver_args=dumps(prepared["deliver_args"]) if deliver else None,
+                digest=request_digest(prepared["message"], APPROVAL_ANSWER_SCHEMA, gate["arguments"]))
             tx.set_approval(playbook, run_id, dumps({**gate, "asked_by": caller.id, "asked_by_person": caller.person}))
             if "quorum" in gate:                # listing by `to` finds it under each addressee
                 tx.add_addressees(playbook, run_id, [p for p in gate["quorum"]["to"] if p != prepared["party"]])
@@ -11357,7 +11373,7 @@ class Approvals:
                 "delivery": {"server": deliver.server, "tool": deliver.tool} if deliver else None,
                 "to": prepared["party"], "from": prepared["answerer"],
                 "message_size": len(prepared["message"].encode()), "takes_answer": True,
-                "expires_at": fmt_time(prepared["expires_at"])})
+                "expires_at": fmt_time(prepared["expires_at"])}, run_seq=seq)
             tx.set_timer(fx, timer_key("expire", playbook, run_id), prepared["expires_at"])
             if deliver is not None:
                 tx.set_timer(fx, timer_key("attempt", playbook, run_id), now)
