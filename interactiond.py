@@ -10272,19 +10272,24 @@ class Inbox:
                                 cursor: str | None = None) -> dict[str, Any]:
         n = check_limit(limit)
         before = decode_cursor(cursor)[0] if cursor else None
-        caller = await self.deputized(caller, playbook)
-        to = caller.inbox_to(to)
-        also = caller.stands_for if caller.person is not None and to == caller.person else ()
-        rows = await self.store.read(lambda tx: tx.open_requests(playbook, to=to, type_=type_, name=function,
-                                                                 before=before, limit=n + 1, also=also))
+        now = self.clock.now_ms()
+
+        def look(tx: Tx) -> tuple[Caller, list[Row]]:         # whom a deputy stands for, in the same reading
+            who = self.stands(tx, caller, playbook, now)
+            to_ = who.inbox_to(to)
+            also = who.stands_for if who.person is not None and to_ == who.person else ()
+            return who, tx.open_requests(playbook, to=to_, type_=type_, name=function, before=before, limit=n + 1,
+                                         also=also)
+        caller, rows = await self.store.read(look)
         return _page([self.links.shown(request_object(r), r, caller) for r in rows[:n]], rows, n,
                      lambda: [rows[n - 1]["seq"]])
 
     async def request_for(self, caller: Caller, playbook: str, run_id: str) -> dict[str, Any] | None:
         """A run's own request as `caller` may see it - {id, status, to, message, answer_schema, and
         answer_url while open} - or None when the run asks nobody, or asks someone else of a person."""
-        caller = await self.deputized(caller, playbook)
         row = await self.store.read(lambda tx: tx.request(playbook, run_id))
+        if row is not None and not caller.addressed(row):     # whom a deputy stands for: read only then
+            caller = await self.deputized(caller, playbook)
         if row is None or not caller.addressed(row):
             return None
         obj = {"id": row["id"], "status": row["status"], "to": row["party"], "message": row["message"],
@@ -10428,7 +10433,14 @@ class Inbox:
         if caller.person is None:
             return caller
         now = self.clock.now_ms()
-        stands = await self.store.read(lambda tx: tx.standing_for(playbook, caller.person, now))
+        return await self.store.read(lambda tx: self.stands(tx, caller, playbook, now))
+
+    @staticmethod
+    def stands(tx: Tx, caller: Caller, playbook: str, now: int) -> Caller:
+        """deputized, inside a reading or a change."""
+        if caller.person is None:
+            return caller
+        stands = tx.standing_for(playbook, caller.person, now)
         return replace(caller, stands_for=tuple(stands)) if stands else caller
 
     def deputy_object(self, row: Row) -> dict[str, Any]:
@@ -16567,7 +16579,7 @@ async def find_interaction(engine: Engine, caller: Caller, ident: str) -> Row:
     if INTERACTION_ID_RE.fullmatch(ident):
         row = await engine.store.read(lambda tx: tx.interaction(ident))
     if row is None or row["playbook"] not in engine.playbooks or not caller.sees(row["playbook"]) \
-            or not (await engine.deputized(caller, row["playbook"])).addressed(row):
+            or not (caller.addressed(row) or (await engine.deputized(caller, row["playbook"])).addressed(row)):
         raise _v2_problem("not_found", "The interaction does not exist or is not visible to this token.")
     return row
 
