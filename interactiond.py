@@ -18545,9 +18545,10 @@ async def h_web_answer(request: web.Request) -> web.Response:
 
 async def h_web_counts(request: web.Request) -> web.Response:
     playbook, engine = _pb(request), request.app[engine_key()]
-    caller = await engine.deputized(_caller(request), playbook)       # a deputy counts whom they stand for too
-    counted, total = await engine.store.read(lambda tx: (tx.open_counts_by_party(playbook),
-                                                         tx.open_request_counts().get(playbook, 0)))
+    caller, now = _caller(request), engine.clock.now_ms()
+    caller, counted, total = await engine.store.read(lambda tx: (     # a deputy counts whom they stand for too
+        engine.inbox.stands(tx, caller, playbook, now), tx.open_counts_by_party(playbook),
+        tx.open_request_counts().get(playbook, 0)))
     rows = [r for r in counted if caller.addressed(r)]
     # A quorum approval counts under each of its addressees, and once in the whole.
     return _json({"total": total if caller.person is None else sum(r["n"] for r in rows),
