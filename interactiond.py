@@ -919,8 +919,19 @@ def request_digest(message: str, answer_schema: Any, arguments: Any = None) -> s
     each canonical: the schema's once per schema (every request of a function shares it)."""
     schema = b"null" if answer_schema is None else _canonical_text(
         answer_schema if isinstance(answer_schema, str) else json.dumps(answer_schema))
-    return hashlib.sha256(b'{"answer_schema":' + schema + b',"arguments":' + canonical_json(arguments)
-                          + b',"message":' + canonical_json(message) + b"}").hexdigest()
+    return hashlib.sha256(b'{"answer_schema":' + schema + b',"arguments":'
+                          + (b"null" if arguments is None else canonical_json(arguments))
+                          + b',"message":' + _canonical_str(message) + b"}").hexdigest()
+
+
+def _canonical_str(text: str) -> bytes:
+    """canonical_json of a text, written by the standard library's C encoder: RFC 8785 escapes a
+    string as it does (\\b \\t \\n \\f \\r, \\" and \\\\, any other control as \\u00xx, the rest
+    as it is)."""
+    try:
+        return json.encoder.encode_basestring(text).encode()
+    except UnicodeEncodeError:          # a lone surrogate: refused as canonical_json refuses it
+        return canonical_json(text)
 
 
 @functools.lru_cache(maxsize=512)
@@ -5127,7 +5138,7 @@ class Tx(Protocol):
                      party: str, answerer: str, message: str, answer_schema: str | None, server: str | None,
                      tool: str | None, delivery: DeliveryState, asked_at: int, expires_at: int,
                      deliver_args: str | None, notified: bool = False, follow_up: str | None = None,
-                     digest: str | None = None) -> None: ...
+                     digest: str | None = None) -> int | None: ...
     def request(self, playbook: str, run_id: str) -> Row | None: ...
     def close_request(self, fx: Effects, playbook: str, run_id: str, ending: Ending) -> Row | None: ...
     def record_answer(self, fx: Effects, req: Row, answer: Any, *, by: str, now: int,
@@ -5586,13 +5597,14 @@ class SqlTx:
                      party: str, answerer: str, message: str, answer_schema: str | None, server: str | None,
                      tool: str | None, delivery: DeliveryState, asked_at: int, expires_at: int,
                      deliver_args: str | None, notified: bool = False, follow_up: str | None = None,
-                     digest: str | None = None) -> None:
+                     digest: str | None = None) -> int | None:
         """Insert a run's request: open, and the started run waits for it (guarded, else `conflict`); or,
         `notified`, a notification the inbox shows at once, which leaves the run as it is. `follow_up`
         is its plan of reminders, escalation and default answer (JSON), if it has one. `digest` binds
         what it shows (request_digest; of its message and answer schema when not given).
 
-        The caller appends the event that records it next."""
+        The caller appends the event that records it next, with the run_seq returned: counted in the
+        run's UPDATE (None where that event counts itself: a notification's, or on a server)."""
         status = RequestStatus.NOTIFIED if notified else RequestStatus.OPEN
         if digest is None:
             digest = request_digest(message, answer_schema)
@@ -5600,9 +5612,15 @@ class SqlTx:
             request_id, playbook, run_id, type_, name, version, party, answerer, message, answer_schema,
             playbook, type_, name, version, server, tool,
             status.value, 0 if notified else 1, delivery.value, asked_at, expires_at, deliver_args, follow_up, digest))
-        if not notified:
-            self.guard(_RUN_WAITS_SQL, (playbook, run_id),
-                       Problem("conflict", "the run is not waiting to open a request"))
+        return None if notified else self._run_waits(playbook, run_id)
+
+    def _run_waits(self, playbook: str, run_id: str) -> int | None:
+        """The started run waits for the request it opened (guarded, else `conflict`), counting the event
+        that records it: that event's run_seq."""
+        waiting = self.conn.execute(_RUN_WAITS_COUNTED_SQL, (playbook, run_id)).fetchone()
+        if waiting is None:
+            raise Problem("conflict", "the run is not waiting to open a request")
+        return waiting[0]
 
     def cancel_delivery(self, playbook: str, run_id: str) -> bool:
         """Mark the attempt in flight of a run's request as cancelling (guarded); False if none is in flight."""
@@ -6395,10 +6413,11 @@ _END_RUN_SQL: Final = (
     "UPDATE runs SET status = ?, kind = ?, output = ?, problem = ?, ended_at = ?, settled_by = ?,"
     f" events = events + ? WHERE playbook = ? AND run_id = ? AND status IN ({_LIVE_SQL}) RETURNING parent, events")
 
-#: A started run waits for the request it opened (guarded).
+#: A started run waits for the request it opened (guarded); the second counts the event that records it.
 _RUN_WAITS_SQL: Final = (
     f"UPDATE runs SET status = '{RunStatus.WAITING.value}' WHERE playbook = ? AND run_id = ?"
     f" AND status = '{RunStatus.STARTED.value}'")
+_RUN_WAITS_COUNTED_SQL: Final = _RUN_WAITS_SQL.replace(" WHERE", ", events = events + 1 WHERE") + " RETURNING events"
 
 #: An attempt begins: guarded by the deliveries that may begin one (DELIVERY_TRANSITIONS) and the attempts left.
 _BEGIN_ATTEMPT_SQL: Final = (
@@ -6881,6 +6900,11 @@ class PostgresTx(SqlTx):
             cursor = self.conn.raw.cursor()
             cursor.execute(_pg_sql(sql), params, prepare=True)
             self._guards.append((cursor, problem))
+
+    def _run_waits(self, playbook: str, run_id: str) -> int | None:
+        """Its guard checked at the change's end, as every guard's: the event that follows counts itself."""
+        self.guard(_RUN_WAITS_SQL, (playbook, run_id), Problem("conflict", "the run is not waiting to open a request"))
+        return None
 
     def _insert_event(self, playbook: str, run_id: str | None, run_seq: int | None, values: tuple[Any, ...]) -> int:
         conn = self.conn
@@ -8227,12 +8251,11 @@ class AnswerLinks:
             obj["answer_url"] = url
         return obj
 
-    async def on_run(self, store: Any, caller: Caller, run: dict[str, Any]) -> dict[str, Any]:
-        """A waiting run as get_run shows it: with its open request's `answer_url` for a writer."""
-        if run["status"] == RunStatus.WAITING.value and caller.role.rank >= Role.WRITER.rank and self.key is not None:
-            req = await store.read(lambda tx: tx.request(run["playbook"], run["run_id"]))
-            if req is not None and req["status"] == RequestStatus.OPEN:
-                self.shown(run, req, caller)
+    def on_run(self, caller: Caller, run: dict[str, Any], req: Mapping[str, Any]) -> dict[str, Any]:
+        """A waiting run as get_run shows it: with its open request's (`req`) `answer_url` for a writer."""
+        if run["status"] == RunStatus.WAITING.value and req["status"] == RequestStatus.OPEN \
+                and caller.role.rank >= Role.WRITER.rank and self.key is not None:
+            self.shown(run, req, caller)
         return run
 
 
@@ -9318,17 +9341,18 @@ class Runs:
         deliver = doc.deliver
         emailed = prepared.get("email")                  # sent by email: attempted as a delivery is
         inbox_note = notification and deliver is None and emailed is None
-        tx.open_request(request_id=prepared["request_id"], playbook=playbook, run_id=run_id, type_=type_, name=name,
-                        version=version, party=prepared["party"], answerer=prepared["answerer"],
-                        message=prepared["message"],
-                        answer_schema=dumps(answer_schema) if answer_schema is not None else None,
-                        server=deliver.server if deliver else EMAIL_SERVER if emailed else None,
-                        tool=deliver.tool if deliver else emailed["to"] if emailed else None,
-                        delivery=DeliveryState.IN_INBOX if deliver is None and not emailed else DeliveryState.TO_DELIVER,
-                        asked_at=now, expires_at=prepared["expires_at"],
-                        deliver_args=dumps(prepared["deliver_args"]) if deliver else
-                        dumps({"email": emailed}) if emailed else None, notified=inbox_note,
-                        follow_up=dumps(prepared["follow_up"]) if prepared.get("follow_up") else None)
+        seq = tx.open_request(request_id=prepared["request_id"], playbook=playbook, run_id=run_id, type_=type_,
+                              name=name, version=version, party=prepared["party"], answerer=prepared["answerer"],
+                              message=prepared["message"],
+                              answer_schema=dumps(answer_schema) if answer_schema is not None else None,
+                              server=deliver.server if deliver else EMAIL_SERVER if emailed else None,
+                              tool=deliver.tool if deliver else emailed["to"] if emailed else None,
+                              delivery=DeliveryState.IN_INBOX if deliver is None and not emailed
+                              else DeliveryState.TO_DELIVER,
+                              asked_at=now, expires_at=prepared["expires_at"],
+                              deliver_args=dumps(prepared["deliver_args"]) if deliver else
+                              dumps({"email": emailed}) if emailed else None, notified=inbox_note,
+                              follow_up=dumps(prepared["follow_up"]) if prepared.get("follow_up") else None)
         if "approval" in prepared:          # an approval `ask` of several people: each votes (Approvals._vote)
             tx.set_approval(playbook, run_id, dumps(prepared["approval"]))
             tx.add_addressees(playbook, run_id, prepared["approval"]["quorum"]["to"][1:])
@@ -9337,7 +9361,8 @@ class Runs:
             {"email": emailed["to"]} if emailed else None,
             "to": prepared["party"], "from": prepared["answerer"],
             "message_size": len(prepared["message"].encode()), "takes_answer": not notification,
-            "expires_at": fmt_time(prepared["expires_at"]), **Reminders.requested(prepared.get("follow_up"))})
+            "expires_at": fmt_time(prepared["expires_at"]), **Reminders.requested(prepared.get("follow_up"))},
+            run_seq=seq)
         if inbox_note:
             end(tx, fx, playbook, run_id, "succeeded", now=now, by=by, output={})
             return False
@@ -9348,10 +9373,16 @@ class Runs:
         return True
 
     async def get_run(self, caller: Caller, playbook: str, run_id: str) -> dict[str, Any]:
-        row = await self.store.read(lambda tx: tx.run(playbook, run_id))
+        """The run, and what its request adds, read with it in one reading: a waiting run's answer link
+        for a writer (AnswerLinks.on_run), a quorum approval's votes (show_votes)."""
+        def look(tx: Tx) -> tuple[Row | None, Row | None]:
+            row = tx.run(playbook, run_id)
+            return row, (tx.request(playbook, run_id) if row is not None else None)
+        row, req = await self.store.read(look)
         if row is None:
             raise not_found(f"no run {run_id} in this playbook")
-        return await self.links.on_run(self.store, caller, run_object(row))
+        run = run_object(row)
+        return show_votes(self.links.on_run(caller, run, req), req) if req is not None else run
 
     async def wait_run(self, caller: Caller, playbook: str, run_id: str, timeout: float,
                        tick: Callable[[float], Any] | None = None) -> dict[str, Any]:
@@ -9729,19 +9760,24 @@ class Inbox:
                                 cursor: str | None = None) -> dict[str, Any]:
         n = check_limit(limit)
         before = decode_cursor(cursor)[0] if cursor else None
-        caller = await self.deputized(caller, playbook)
-        to = caller.inbox_to(to)
-        also = caller.stands_for if caller.person is not None and to == caller.person else ()
-        rows = await self.store.read(lambda tx: tx.open_requests(playbook, to=to, type_=type_, name=function,
-                                                                 before=before, limit=n + 1, also=also))
+        now = self.clock.now_ms()
+
+        def look(tx: Tx) -> tuple[Caller, list[Row]]:         # whom a deputy stands for, in the same reading
+            who = self.stands(tx, caller, playbook, now)
+            to_ = who.inbox_to(to)
+            also = who.stands_for if who.person is not None and to_ == who.person else ()
+            return who, tx.open_requests(playbook, to=to_, type_=type_, name=function, before=before, limit=n + 1,
+                                         also=also)
+        caller, rows = await self.store.read(look)
         return _page([self.links.shown(request_object(r), r, caller) for r in rows[:n]], rows, n,
                      lambda: [rows[n - 1]["seq"]])
 
     async def request_for(self, caller: Caller, playbook: str, run_id: str) -> dict[str, Any] | None:
         """A run's own request as `caller` may see it - {id, status, to, message, answer_schema, and
         answer_url while open} - or None when the run asks nobody, or asks someone else of a person."""
-        caller = await self.deputized(caller, playbook)
         row = await self.store.read(lambda tx: tx.request(playbook, run_id))
+        if row is not None and not caller.addressed(row):     # whom a deputy stands for: read only then
+            caller = await self.deputized(caller, playbook)
         if row is None or not caller.addressed(row):
             return None
         obj = {"id": row["id"], "status": row["status"], "to": row["party"], "message": row["message"],
@@ -9897,7 +9933,14 @@ class Inbox:
         if caller.person is None:
             return caller
         now = self.clock.now_ms()
-        stands = await self.store.read(lambda tx: tx.standing_for(playbook, caller.person, now))
+        return await self.store.read(lambda tx: self.stands(tx, caller, playbook, now))
+
+    @staticmethod
+    def stands(tx: Tx, caller: Caller, playbook: str, now: int) -> Caller:
+        """deputized, inside a reading or a change."""
+        if caller.person is None:
+            return caller
+        stands = tx.standing_for(playbook, caller.person, now)
         return replace(caller, stands_for=tuple(stands)) if stands else caller
 
     def deputy_object(self, row: Row) -> dict[str, Any]:
@@ -10629,6 +10672,16 @@ def not_voted(request: Mapping[str, Any]) -> list[str]:
     return [p for p in people if p not in counted]
 
 
+def show_votes(run: dict[str, Any], req: Mapping[str, Any]) -> dict[str, Any]:
+    """A run object with its quorum approval's `approval: {to, need, veto, votes}`, when its request
+    (`req`) is one."""
+    if req["approval"] is not None and '"quorum"' in req["approval"]:
+        gate = json.loads(req["approval"])
+        run["approval"] = {"to": gate["quorum"]["to"], "need": gate["quorum"]["need"],
+                           "veto": gate["quorum"]["veto"], "votes": _votes_shown(gate)}
+    return run
+
+
 def _votes_shown(gate: Mapping[str, Any]) -> list[dict[str, Any]]:
     return [{"by": v["by"], "approved": v["approved"], "note": v["note"], "at": fmt_time(v["at"]),
              **({"on_behalf_of": v["on_behalf_of"]} if v.get("on_behalf_of") else {})} for v in gate.get("votes", [])]
@@ -10839,15 +10892,16 @@ class Approvals:
                 end(tx, fx, playbook, run_id, ending_, now=now, by=caller.id)
                 return run_object(tx.run(playbook, run_id)), True
             tx.append_event(fx, playbook, run_id, "approval_requested", now, caller.id, requested)
-            tx.open_request(request_id=prepared["request_id"], playbook=playbook, run_id=run_id, type_=type_, name=name,
-                            version=version, party=prepared["party"], answerer=prepared["answerer"],
-                            message=prepared["message"], answer_schema=dumps(APPROVAL_ANSWER_SCHEMA),
-                            server=deliver.server if deliver else None, tool=deliver.tool if deliver else None,
-                            delivery=DeliveryState.IN_INBOX if deliver is None else DeliveryState.TO_DELIVER,
-                            asked_at=now, expires_at=prepared["expires_at"],
-                            deliver_args=dumps(prepared["deliver_args"]) if deliver else None,
-                            digest=request_digest(prepared["message"], APPROVAL_ANSWER_SCHEMA, gate["arguments"]),
-                            follow_up=dumps(follow_up) if follow_up else None)
+            seq = tx.open_request(
+                request_id=prepared["request_id"], playbook=playbook, run_id=run_id, type_=type_, name=name,
+                version=version, party=prepared["party"], answerer=prepared["answerer"],
+                message=prepared["message"], answer_schema=dumps(APPROVAL_ANSWER_SCHEMA),
+                server=deliver.server if deliver else None, tool=deliver.tool if deliver else None,
+                delivery=DeliveryState.IN_INBOX if deliver is None else DeliveryState.TO_DELIVER,
+                asked_at=now, expires_at=prepared["expires_at"],
+                deliver_args=dumps(prepared["deliver_args"]) if deliver else None,
+                digest=request_digest(prepared["message"], APPROVAL_ANSWER_SCHEMA, gate["arguments"]),
+                follow_up=dumps(follow_up) if follow_up else None)
             tx.set_approval(playbook, run_id, dumps({**gate, "asked_by": caller.id, "asked_by_person": caller.person}))
             if "quorum" in gate:                # listing by `to` finds it under each addressee
                 tx.add_addressees(playbook, run_id, [p for p in gate["quorum"]["to"] if p != prepared["party"]])
@@ -10856,7 +10910,7 @@ class Approvals:
                 "to": prepared["party"], "from": prepared["answerer"],
                 "message_size": len(prepared["message"].encode()), "takes_answer": True,
                 "expires_at": fmt_time(prepared["expires_at"]),
-                **({"reminds_at": [fmt_time(t) for t in follow_up["remind"]["at"]]} if follow_up else {})})
+                **({"reminds_at": [fmt_time(t) for t in follow_up["remind"]["at"]]} if follow_up else {})}, run_seq=seq)
             tx.set_timer(fx, timer_key("expire", playbook, run_id), prepared["expires_at"])
             if follow_up:                   # its reminders: for a quorum, of those who have not voted (Reminders)
                 tx.set_timer(fx, timer_key("remind", playbook, run_id), follow_up["remind"]["at"][0])
@@ -11013,15 +11067,6 @@ class Approvals:
         return {**dict(zip(row.keys(), row)), "answer": dumps(answer), "answer_id": vote_id, "answered_by": by,
                 "answered_at": now, "answered_by_name": by_name, "on_behalf_of": on_behalf_of,
                 "claimed_for": claimed_for, "reply_id": reply_id}
-
-    async def with_votes(self, run: dict[str, Any]) -> dict[str, Any]:
-        """A run object with its quorum approval's `approval: {need, votes}`, when it has one."""
-        req = await self.store.read(lambda tx: tx.request(run["playbook"], run["run_id"]))
-        if req is not None and req["approval"] is not None and '"quorum"' in req["approval"]:
-            gate = json.loads(req["approval"])
-            run["approval"] = {"to": gate["quorum"]["to"], "need": gate["quorum"]["need"],
-                               "veto": gate["quorum"]["veto"], "votes": _votes_shown(gate)}
-        return run
 
     @staticmethod
     def _approved(gate: dict[str, Any], answer: dict[str, Any]) -> tuple[list[dict[str, Any]], Any]:
@@ -11716,8 +11761,8 @@ class Engine:
         self.get_definition = self.definitions.get_definition
         self.list_definitions = self.definitions.list_definitions
         self.delete_definition = self.definitions.delete_definition
-        self.get_run = self._with_votes(self.runs.get_run)       # a quorum approval's run shows its votes
-        self.wait_run = self._with_votes(self.runs.wait_run)
+        self.get_run = self.runs.get_run
+        self.wait_run = self.runs.wait_run
         self.cancel_run = self.runs.cancel_run
         self.cancel_in = self.runs.cancel_in
         self.list_runs = self.runs.list_runs
@@ -11873,13 +11918,6 @@ class Engine:
 
     def unsubscribe(self, q: asyncio.Queue[dict[str, Any]]) -> None:
         self.bus.unsubscribe(q)
-
-    def _with_votes(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """`fn`, answering a run object, with the votes of its quorum approval (Approvals.with_votes)."""
-        async def call(*args: Any, **kw: Any) -> Any:
-            run = await fn(*args, **kw)
-            return await self.approvals.with_votes(run) if isinstance(run, dict) and "run_id" in run else run
-        return call
 
     async def run_definition(self, caller: Caller, playbook: str, type_: str, name: str, input_: Any = None,
                              run_id: str | None = None, *, parent: str | None = None) -> tuple[dict[str, Any], bool]:
@@ -15926,7 +15964,7 @@ async def find_interaction(engine: Engine, caller: Caller, ident: str) -> Row:
     if INTERACTION_ID_RE.fullmatch(ident):
         row = await engine.store.read(lambda tx: tx.interaction(ident))
     if row is None or row["playbook"] not in engine.playbooks or not caller.sees(row["playbook"]) \
-            or not (await engine.deputized(caller, row["playbook"])).addressed(row):
+            or not (caller.addressed(row) or (await engine.deputized(caller, row["playbook"])).addressed(row)):
         raise _v2_problem("not_found", "The interaction does not exist or is not visible to this token.")
     return row
 
@@ -17893,9 +17931,10 @@ async def h_web_answer(request: web.Request) -> web.Response:
 
 async def h_web_counts(request: web.Request) -> web.Response:
     playbook, engine = _pb(request), request.app[engine_key()]
-    caller = await engine.deputized(_caller(request), playbook)       # a deputy counts whom they stand for too
-    counted, total = await engine.store.read(lambda tx: (tx.open_counts_by_party(playbook),
-                                                         tx.open_request_counts().get(playbook, 0)))
+    caller, now = _caller(request), engine.clock.now_ms()
+    caller, counted, total = await engine.store.read(lambda tx: (     # a deputy counts whom they stand for too
+        engine.inbox.stands(tx, caller, playbook, now), tx.open_counts_by_party(playbook),
+        tx.open_request_counts().get(playbook, 0)))
     rows = [r for r in counted if caller.addressed(r)]
     # A quorum approval counts under each of its addressees, and once in the whole.
     return _json({"total": total if caller.person is None else sum(r["n"] for r in rows),

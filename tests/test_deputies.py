@@ -33,6 +33,14 @@ async def listed(d, role: str, **query) -> list[str]:
     return [r["run_id"] for r in page["data"]]
 
 
+async def counts(d, role: str) -> tuple[int, list[dict]]:
+    """The inbox page's counts as `role` sees them: (total, by addressee)."""
+    resp = await d.client.get("/web/orgs/local/playbooks/default/counts", headers=d.auth(role))
+    assert resp.status == 200, await resp.text()
+    body = await resp.json()
+    return body["total"], body["to"]
+
+
 async def test_the_operator_adds_lists_and_removes_deputies_and_bad_ones_are_refused(d):
     status, dep = await d.call("POST", DEPUTIES, {"for": "ana", "to": "ben", "from": "2026-12-01T00:00:00Z",
                                                   "until": "2099-12-02T00:00:00+01:00"})
@@ -68,11 +76,12 @@ async def test_while_the_window_is_open_the_deputy_sees_and_answers_as_themselve
                                                   "until": _plus(now, hours=25)})
     assert status == 201 and dep["open"] is False
     ben = who(d, "ben")
-    assert await listed(d, ben) == []
+    assert await listed(d, ben) == [] and await counts(d, ben) == (0, [])
     assert (await d.call("POST", "/runs/for-ana/answer", {"answer": {"text": "yes"}}, role=ben))[0] == 404
     await d.advance("PT1H")
     assert (await d.call("GET", DEPUTIES))[1]["data"][0]["open"] is True
     assert await listed(d, ben) == ["for-ana"]                       # ana's, not cy's
+    assert await counts(d, ben) == (1, [{"to": "ana", "count": 1}])   # the page's counts too
     assert await listed(d, ben, to="ana") == ["for-ana"]
     assert await listed(d, "operator", to="ben") == []              # the request stays ana's
     assert (await d.call("GET", "/interactions?to=cy", role=ben))[0] == 404

@@ -135,6 +135,16 @@ async def test_an_edited_approval_digests_the_edited_arguments(d):
     assert events["approval_answered"]["arguments_digest"] == edited == events["tool_call_started"]["arguments_digest"]
 
 
+def test_a_message_of_any_characters_digests_as_rfc8785_writes_it():
+    schema = '{"type":"object","properties":{"b":{"type":"number","maximum":1.0},"a":{"enum":["x"]}}}'
+    for message in ("", "plain", 'quotes " and \\ backslash', "".join(map(chr, range(32))) + "\x7f",
+                    "é € 😀 \u2028 \u2029 \ufeff", "line\r\nnext\ttab\b\f"):
+        assert itd.request_digest(message, schema) == jcs_sha({"message": message, "answer_schema": json.loads(schema),
+                                                               "arguments": None}), repr(message)
+    with pytest.raises(ValueError):                 # a lone surrogate is no UTF-8: refused, as rfc8785 refuses it
+        itd.request_digest("half \ud800 a pair", schema)
+
+
 def test_a_file_of_version_7_gains_the_digests_of_its_open_requests(tmp_path):
     db = str(tmp_path / "old.db")
     tx = itd.open_sync(db)

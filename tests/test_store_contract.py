@@ -34,14 +34,16 @@ def _run_with_request(tx, run_id: str, *, deliver: bool = False, notified: bool 
                   input_sha="x", parent=None, now=NOW, by="tok_1")
     if not notified:
         assert tx.take_request_slot(PB, 10)
-    tx.open_request(request_id=f"int_{run_id}", playbook=PB, run_id=run_id, type_="interaction", name="approve",
-                    version=1, party="ann", answerer="ann", message="ok?",
-                    answer_schema=None if notified else '{"type":"object"}',
-                    server="chat" if deliver else None, tool="send" if deliver else None,
-                    delivery=itd.DeliveryState.TO_DELIVER if deliver else itd.DeliveryState.IN_INBOX,
-                    asked_at=NOW, expires_at=NOW + 60_000, deliver_args="{}" if deliver else None, notified=notified)
+    seq = tx.open_request(request_id=f"int_{run_id}", playbook=PB, run_id=run_id, type_="interaction",
+                          name="approve", version=1, party="ann", answerer="ann", message="ok?",
+                          answer_schema=None if notified else '{"type":"object"}',
+                          server="chat" if deliver else None, tool="send" if deliver else None,
+                          delivery=itd.DeliveryState.TO_DELIVER if deliver else itd.DeliveryState.IN_INBOX,
+                          asked_at=NOW, expires_at=NOW + 60_000, deliver_args="{}" if deliver else None,
+                          notified=notified)
     fx = itd.Effects()
-    tx.append_event(fx, PB, run_id, "interaction_requested", NOW, "tok_1", {})      # as the engine does next
+    # as the engine does next: run_seq as the run's waiting counted it (None: the event counts itself)
+    tx.append_event(fx, PB, run_id, "interaction_requested", NOW, "tok_1", {}, run_seq=seq)
     tx.set_timer(fx, itd.timer_key("expire", PB, run_id), NOW + 60_000)
 
 
