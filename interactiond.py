@@ -72,6 +72,7 @@ import base64
 import concurrent.futures
 import contextlib
 import contextvars
+import copy
 import enum
 import fcntl
 import functools
@@ -2831,6 +2832,11 @@ class DocumentError(Exception):
         more = f" (and {len(self.problems) - 1} more)" if len(self.problems) > 1 else ""
         super().__init__(f"line {first['line']}: {first['message']}{more}")
 
+    @classmethod
+    def at(cls, line: int, message: str) -> DocumentError:
+        """A document refused whole, for one problem on `line`."""
+        return cls([{"line": line, "field": "", "message": message}])
+
 
 # Reading the front matter with lines.
 
@@ -2934,6 +2940,7 @@ _ALIAS_TAG: Final = "!alias"
 _NO_ANCHORS: Final = "anchors and aliases (&name, *name) are not allowed"
 _COLLECTION_TAGS: Final = (_YAML_TAG + "map", _YAML_TAG + "seq")
 _FRONT_OFFSET: Final = 2   # YAML's 0-based line 0 is the source's line 2, below the opening ---
+_WORKFLOW_OFFSET: Final = 1   # a workflow document is YAML from its first line
 
 
 @dataclass(frozen=True, slots=True)
@@ -2961,15 +2968,30 @@ def _scalar(node: Any) -> Any:
 
 
 class _Reader:
-    """The problems of one document, and the lines its fields were written on."""
+    """The problems of one document, and the lines its fields were written on.
 
-    def __init__(self) -> None:
+    `offset` is the source's line of YAML's line 0; `prefix` is where a reader made by `within`
+    reports its fields and looks up their lines.
+    """
+
+    def __init__(self, offset: int = _FRONT_OFFSET) -> None:
         self.where: dict[tuple[Any, ...], _Where] = {}
         self.problems: list[dict[str, Any]] = []
         self.markup = MarkupBudget()        # what the document's templates may still hold
         self.room = {"schema objects": MAX_SCHEMA_OBJECTS}   # what its JSON Schemas may still hold
+        self.offset = offset
+        self.prefix: tuple[Any, ...] = ()
+
+    def within(self, prefix: tuple[Any, ...]) -> _Reader:
+        """A reader of a block nested under `prefix` (`approve`), sharing this one's problems and
+        lines: the block readers written for the top level (`_read_deliver`, `_read_replies`)
+        report their fields and lines below it."""
+        inner = copy.copy(self)
+        inner.prefix = self.prefix + prefix
+        return inner
 
     def line(self, path: tuple[Any, ...]) -> int:
+        path = self.prefix + path
         while path:
             if path in self.where:
                 return self.where[path].line
@@ -2977,11 +2999,20 @@ class _Reader:
         return 1
 
     def text_line(self, path: tuple[Any, ...]) -> int:
-        found = self.where.get(path)
+        found = self.where.get(self.prefix + path)
         return found.text_line if found else self.line(path)
 
     def add(self, path: tuple[Any, ...], message: str, line: int | None = None) -> None:
-        self.problems.append({"line": line or self.line(path), "field": ".".join(map(str, path)), "message": message})
+        self.problems.append({"line": line or self.line(path), "field": ".".join(map(str, self.prefix + path)),
+                              "message": message})
+
+    def node_line(self, node: Any) -> int:
+        return node.start_mark.line + self.offset
+
+    def node_text_line(self, node: Any) -> int:
+        import yaml
+        block = isinstance(node, yaml.ScalarNode) and node.style in ("|", ">")
+        return self.node_line(node) + (1 if block else 0)
 
     # Composing.
 
@@ -2989,34 +3020,34 @@ class _Reader:
         """Plain data from a YAML node, noting each field's line; problems are collected."""
         import yaml
         if getattr(node, "anchored", False):
-            self.add(path, _NO_ANCHORS, line=node.start_mark.line + _FRONT_OFFSET)
+            self.add(path, _NO_ANCHORS, line=self.node_line(node))
         if isinstance(node, (yaml.MappingNode, yaml.SequenceNode)) and node.tag not in _COLLECTION_TAGS:
-            self.add(path, f"the YAML tag {node.tag!r} is not allowed", line=node.start_mark.line + _FRONT_OFFSET)
+            self.add(path, f"the YAML tag {node.tag!r} is not allowed", line=self.node_line(node))
             return None
         if isinstance(node, yaml.MappingNode):
             out: dict[str, Any] = {}
             for key_node, value_node in node.value:
                 if not isinstance(key_node, yaml.ScalarNode):
-                    self.add(path, "a key is a plain text", line=key_node.start_mark.line + _FRONT_OFFSET)
+                    self.add(path, "a key is a plain text", line=self.node_line(key_node))
                     continue
                 key = key_node.value
                 if key in out:
                     self.add(path + (key,), f"{key!r} is written twice (first on line {self.line(path + (key,))})",
-                             line=key_node.start_mark.line + _FRONT_OFFSET)
+                             line=self.node_line(key_node))
                     continue
-                self.where[path + (key,)] = _Where(key_node.start_mark.line + _FRONT_OFFSET, _text_line(value_node))
+                self.where[path + (key,)] = _Where(self.node_line(key_node), self.node_text_line(value_node))
                 out[key] = self.construct(value_node, path + (key,))
             return out
         if isinstance(node, yaml.SequenceNode):
             items = []
             for i, item in enumerate(node.value):
-                self.where[path + (i,)] = _Where(item.start_mark.line + _FRONT_OFFSET, _text_line(item))
+                self.where[path + (i,)] = _Where(self.node_line(item), self.node_text_line(item))
                 items.append(self.construct(item, path + (i,)))
             return items
         try:
             return _scalar(node)
         except ValueError as exc:
-            self.add(path, str(exc), line=node.start_mark.line + _FRONT_OFFSET)
+            self.add(path, str(exc), line=self.node_line(node))
             return None
 
     # Typed fields.
@@ -3129,25 +3160,6 @@ class _Reader:
         return value
 
 
-class _Within(_Reader):
-    """A reader of a block nested under `prefix` (`approve`): the block readers written for the top
-    level (`_read_deliver`, `_read_replies`) report their fields and lines below it."""
-
-    def __init__(self, outer: _Reader, prefix: tuple[Any, ...]) -> None:
-        self.where, self.problems, self.prefix = outer.where, outer.problems, prefix
-        self.markup, self.room = outer.markup, outer.room
-
-    def line(self, path: tuple[Any, ...]) -> int:
-        return super().line(self.prefix + path)
-
-    def text_line(self, path: tuple[Any, ...]) -> int:
-        return super().text_line(self.prefix + path)
-
-    def add(self, path: tuple[Any, ...], message: str, line: int | None = None) -> None:
-        self.problems.append({"line": line or self.line(path), "field": ".".join(map(str, self.prefix + path)),
-                              "message": message})
-
-
 def _objects_in(value: Any) -> int:
     """The mappings within `value`, itself included."""
     count, stack = 0, [value]
@@ -3159,12 +3171,6 @@ def _objects_in(value: Any) -> int:
         elif isinstance(item, list):
             stack.extend(item)
     return count
-
-
-def _text_line(node: Any) -> int:
-    import yaml
-    block = isinstance(node, yaml.ScalarNode) and node.style in ("|", ">")
-    return node.start_mark.line + _FRONT_OFFSET + (1 if block else 0)
 
 
 def _templates_in(tree: Any) -> Iterable[Template]:
@@ -3182,41 +3188,42 @@ def _split_source(source: str) -> tuple[str, str, int]:
     """The front matter, the body, and the line the body starts on."""
     lines = source.replace("\r\n", "\n").replace("\r", "\n").removeprefix("\ufeff").split("\n")
     if lines[0].rstrip() != "---":
-        raise DocumentError([{"line": 1, "field": "", "message":
-                              "a function document starts with a line of three dashes (---), then its YAML "
-                              "front matter, another --- line, and the message"}])
+        raise DocumentError.at(1, "a function document starts with a line of three dashes (---), then its YAML "
+                                  "front matter, another --- line, and the message")
     close = next((i for i in range(1, len(lines)) if lines[i].rstrip() == "---"), None)
     if close is None:
-        raise DocumentError([{"line": len(lines), "field": "",
-                              "message": "the front matter never ends: close it with a line of three dashes (---)"}])
+        raise DocumentError.at(len(lines), "the front matter never ends: close it with a line of three dashes (---)")
     body = lines[close + 1:]
     blank = next((i for i, line in enumerate(body) if line.strip()), 0)
     return "\n".join(lines[1:close]), "\n".join(body[blank:]).rstrip(), close + 2 + blank
 
 
-def _compose(r: _Reader, text: str) -> dict[str, Any]:
+def _compose(r: _Reader, text: str, what: str, shape: str, empty: bool = False) -> dict[str, Any]:
+    """The data of a YAML text (front matter or a workflow document); `r` learns every field's line.
+
+    `what` names the text where it is not valid YAML, `shape` says what it is where it is not a
+    mapping; an empty text is an empty mapping where `empty` allows one.
+    """
     import yaml
     loader = None
     try:
         loader = _front_matter_loader()(text)
         node = loader.get_single_node()
     except _TooLarge as exc:
-        raise DocumentError([{"line": exc.problem_mark.line + _FRONT_OFFSET, "field": "", "message": exc.problem}]) from None
+        raise DocumentError.at(exc.problem_mark.line + r.offset, exc.problem) from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
-        line = mark.line + _FRONT_OFFSET if mark else 1
-        raise DocumentError([{"line": line, "field": "", "message": f"the front matter is not valid YAML: {exc.problem}"}])
+        raise DocumentError.at(mark.line + r.offset if mark else 1, f"{what} is not valid YAML: {exc.problem}") from None
     except yaml.YAMLError as exc:
-        line = text.count("\n", 0, getattr(exc, "position", 0)) + _FRONT_OFFSET
-        raise DocumentError([{"line": line, "field": "", "message": f"the front matter is not valid YAML: {exc}"}])
+        line = text.count("\n", 0, getattr(exc, "position", 0)) + r.offset
+        raise DocumentError.at(line, f"{what} is not valid YAML: {exc}") from None
     finally:
         if loader is not None:
             loader.dispose()
-    if node is None:
+    if node is None and empty:
         return {}
     if not isinstance(node, yaml.MappingNode):
-        raise DocumentError([{"line": node.start_mark.line + _FRONT_OFFSET, "field": "",
-                              "message": "the front matter is a mapping of fields, such as description: ..."}])
+        raise DocumentError.at(r.node_line(node) if node is not None else 1, shape)
     return r.construct(node, ())
 
 
@@ -3281,18 +3288,26 @@ async def check_off_loop(check: Callable[..., Any], *args: Any) -> Any:
 
 def parse_function(source: str) -> FunctionDoc:
     """Check and compile a function document; DocumentError lists every problem."""
-    if not isinstance(source, str):
-        raise DocumentError([{"line": 1, "field": "", "message": "a function document is text"}])
-    r = _Reader()
-    try:
+    def read(r: _Reader) -> FunctionDoc | None:
         front, body, body_line = _split_source(source)
-        data = _compose(r, front)
-        doc = _check(r, source, data, body, body_line)
+        data = _compose(r, front, "the front matter", "the front matter is a mapping of fields, such as description: ...",
+                        empty=True)
+        return _check(r, source, data, body, body_line)
+    doc = _read_document(source, "a function document is text", _Reader(), read)
+    return replace(doc, overview=overview(doc))
+
+
+def _read_document(source: Any, not_text: str, r: _Reader, read: Callable[[_Reader], Any]) -> Any:
+    """What `read(r)` makes of a document's `source`; DocumentError lists every problem `r` collected."""
+    if not isinstance(source, str):
+        raise DocumentError.at(1, not_text)
+    try:
+        doc = read(r)
     except RecursionError:
-        raise DocumentError([{"line": 1, "field": "", "message": "the document nests too deeply"}]) from None
+        raise DocumentError.at(1, "the document nests too deeply") from None
     if r.problems or doc is None:
         raise DocumentError(r.problems or [{"line": 1, "field": "", "message": "invalid document"}])
-    return replace(doc, overview=overview(doc))
+    return doc
 
 
 def _check(r: _Reader, source: str, data: dict[str, Any], body: str, body_line: int) -> FunctionDoc | None:
@@ -3423,7 +3438,7 @@ def _read_approve(r: _Reader, data: dict[str, Any],
                           "PT1M to P30D (1 minute to 30 days)") if "expires" in block else None)
     with_ = data["call"].get("with") if isinstance(data.get("call"), dict) else None
     edit = _read_edit(r, path + ("edit",), block.get("edit", []), with_)
-    within = _Within(r, path)
+    within = r.within(path)
     deliver = _read_deliver(within, block["deliver"], input_schema) if "deliver" in block else None
     replies = None
     if "replies" in block:
@@ -12203,48 +12218,12 @@ def parse_workflow(source: str, name: str | None = None) -> WorkflowDoc:
 
     `name`, when given, is the definition's name, which `document.name` must equal.
     """
-    if not isinstance(source, str):
-        raise DocumentError([{"line": 1, "field": "", "message": "a workflow document is YAML text"}])
-    r = _Reader()
-    try:
-        data = _compose_workflow(r, source)
-        doc = _WorkflowReader(r, name).read(data)
-    except RecursionError:
-        raise DocumentError([{"line": 1, "field": "", "message": "the document nests too deeply"}]) from None
-    if r.problems or doc is None:
-        raise DocumentError(r.problems or [{"line": 1, "field": "", "message": "invalid workflow document"}])
+    def read(r: _Reader) -> WorkflowDoc | None:
+        text = source.replace("\r\n", "\n").replace("\r", "\n").removeprefix("\ufeff")
+        data = _compose(r, text, "the document", "a workflow document is a YAML mapping of document, input, do and output")
+        return _WorkflowReader(r, name).read(data)
+    doc = _read_document(source, "a workflow document is YAML text", _Reader(_WORKFLOW_OFFSET), read)
     return replace(doc, overview=workflow_overview(doc))
-
-
-def _compose_workflow(r: _Reader, source: str) -> dict[str, Any]:
-    """The document's data; `r` learns every field's line. Same loader as the front matter."""
-    import yaml
-    text = source.replace("\r\n", "\n").replace("\r", "\n").removeprefix("\ufeff")
-    loader = None
-    try:
-        loader = _front_matter_loader()(text)
-        node = loader.get_single_node()
-    except _TooLarge as exc:
-        raise DocumentError([{"line": exc.problem_mark.line + 1, "field": "", "message": exc.problem}]) from None
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        raise DocumentError([{"line": mark.line + 1 if mark else 1, "field": "",
-                              "message": f"the document is not valid YAML: {exc.problem}"}]) from None
-    except yaml.YAMLError as exc:
-        raise DocumentError([{"line": 1, "field": "", "message": f"the document is not valid YAML: {exc}"}]) from None
-    finally:
-        if loader is not None:
-            loader.dispose()
-    if not isinstance(node, yaml.MappingNode):
-        raise DocumentError([{"line": node.start_mark.line + 1 if node is not None else 1, "field": "",
-                              "message": "a workflow document is a YAML mapping of document, input, do and output"}])
-    data = r.construct(node, ())
-    # The reader counts lines as for front matter (below a --- line); a workflow starts on line 1.
-    shift = _FRONT_OFFSET - 1
-    r.where = {k: _Where(w.line - shift, w.text_line - shift) for k, w in r.where.items()}
-    for p in r.problems:
-        p["line"] = max(1, p["line"] - shift)
-    return data
 
 
 class _WorkflowReader:
