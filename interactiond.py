@@ -811,6 +811,30 @@ def pointer_join(parts: Iterable[Any]) -> str:
     return "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in parts)
 
 
+def json_nodes(value: Any) -> Iterator[tuple[Any, tuple[Any, ...]]]:
+    """Every value within `value`, itself first, with its path, in the order it is written.
+
+    Walks without recursion; an object or a list is yielded before what it holds.
+    """
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(value, ())]
+    while stack:
+        v, path = stack.pop()
+        yield v, path
+        if isinstance(v, dict):
+            stack.extend((c, path + (k,)) for k, c in reversed(list(v.items())))
+        elif isinstance(v, list):
+            stack.extend((c, path + (i,)) for i, c in reversed(list(enumerate(v))))
+
+
+def map_leaves(tree: Any, leaf: Callable[[tuple[Any, ...], Any], Any], path: tuple[Any, ...] = ()) -> Any:
+    """`tree`, its objects and lists copied, each other value in it replaced by `leaf(its path, it)`."""
+    if isinstance(tree, dict):
+        return {k: map_leaves(v, leaf, path + (k,)) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [map_leaves(v, leaf, path + (i,)) for i, v in enumerate(tree)]
+    return leaf(path, tree)
+
+
 _MISSING: Final = object()
 
 
@@ -959,45 +983,28 @@ def json_flaw(value: Any, limit: int = MAX_JSON_DEPTH) -> JsonRefused | None:
     """What makes a parsed value one the daemon cannot keep as JSON, or None.
 
     NaN or an infinity (a JSON number has neither), a lone surrogate in a text or a name (not
-    Unicode, so not storable as UTF-8), or nesting deeper than `limit`. Walks without recursion.
+    Unicode, so not storable as UTF-8), or nesting deeper than `limit`: the first in the value.
     """
-    stack: list[tuple[Any, tuple[Any, ...]]] = [(value, ())]
-    while stack:
-        v, path = stack.pop()
+    for v, path in json_nodes(value):
         if isinstance(v, float) and not math.isfinite(v):
             return JsonRefused(f"{v} is not a JSON number", pointer_join(path))
         if isinstance(v, str) and not _is_unicode(v):
             return JsonRefused("a text holds a lone surrogate (\\ud800-\\udfff), which is not Unicode", pointer_join(path))
-        if isinstance(v, (dict, list)):
-            if len(path) >= limit:
-                return JsonRefused(f"the value nests deeper than {limit} levels", pointer_join(path))
-            if isinstance(v, dict):
-                for k, c in v.items():
-                    if isinstance(k, str) and not _is_unicode(k):
-                        return JsonRefused("a name holds a lone surrogate (\\ud800-\\udfff), which is not Unicode",
-                                           pointer_join(path))
-                    stack.append((c, path + (k,)))
-            else:
-                stack.extend((c, path + (i,)) for i, c in enumerate(v))
+        if isinstance(v, (dict, list)) and len(path) >= limit:
+            return JsonRefused(f"the value nests deeper than {limit} levels", pointer_join(path))
+        if isinstance(v, dict) and not all(_is_unicode(k) for k in v if isinstance(k, str)):
+            return JsonRefused("a name holds a lone surrogate (\\ud800-\\udfff), which is not Unicode", pointer_join(path))
     return None
 
 
 def nul_pointer(value: Any, base: str = "") -> str | None:
     """The JSON pointer (under `base`) of the first text or name in `value` that holds a NUL
     character (U+0000), or None. PostgreSQL keeps no NUL in a text, so neither backend keeps one:
-    a value that holds one is refused where it enters. Walks without recursion."""
-    stack: list[tuple[Any, tuple[Any, ...]]] = [(value, ())]
-    while stack:
-        v, path = stack.pop()
-        if isinstance(v, str):
-            if "\x00" in v:
-                return base + pointer_join(path)
-        elif isinstance(v, dict):
-            if any(isinstance(k, str) and "\x00" in k for k in v):
-                return base + pointer_join(path)            # the object whose name holds it
-            stack.extend((c, path + (k,)) for k, c in reversed(list(v.items())))
-        elif isinstance(v, list):
-            stack.extend((c, path + (i,)) for i, c in reversed(list(enumerate(v))))
+    a value that holds one is refused where it enters."""
+    for v, path in json_nodes(value):
+        if (isinstance(v, str) and "\x00" in v
+                or isinstance(v, dict) and any(isinstance(k, str) and "\x00" in k for k in v)):  # a name: its object
+            return base + pointer_join(path)
     return None
 
 
@@ -1856,13 +1863,7 @@ class Template:
 
 def render_args(tree: Any, ctx: Mapping[str, Any]) -> Any:
     """Render a `with` tree: its templates as `Template.render` does, anything else as written."""
-    if isinstance(tree, Template):
-        return tree.render(ctx)
-    if isinstance(tree, dict):
-        return {k: render_args(v, ctx) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [render_args(v, ctx) for v in tree]
-    return tree
+    return map_leaves(tree, lambda _, v: v.render(ctx) if isinstance(v, Template) else v)
 
 
 def base_context(now_ms: int, **extra: Any) -> dict[str, Any]:
@@ -3110,7 +3111,7 @@ class _Reader:
         room = self.room["schema objects"]
         if room < 0:                    # refused already: the document is
             return None
-        room = self.room["schema objects"] = room - _objects_in(value)
+        room = self.room["schema objects"] = room - sum(isinstance(v, dict) for v, _ in json_nodes(value))
         if room < 0:
             self.add(path, f"the document's JSON Schemas hold more than {MAX_SCHEMA_OBJECTS} objects together")
             return None
@@ -3135,10 +3136,11 @@ class _Reader:
             self.add(path, "is the tool's arguments: a mapping of names to values")
             return None
         before = len(self.problems)
-        tree = self._tree(path, value, place, input_schema)
+        tree = map_leaves(value, lambda at, v: self.template(at, v, place, input_schema) if isinstance(v, str) else v,
+                          path)
         if len(self.problems) > before:
             return None
-        templates = list(_templates_in(tree))
+        templates = [t for t, _ in json_nodes(tree) if isinstance(t, Template)]
         if all(t.roots <= {"today", "now"} for t in templates):
             try:
                 size = json_size(render_args(tree, base_context(0)))
@@ -3149,39 +3151,6 @@ class _Reader:
                 self.add(path, f"the arguments take {size} bytes as JSON, past {MAX_ARGUMENTS_BYTES // KIB} KiB")
                 return None
         return tree
-
-    def _tree(self, path: tuple[Any, ...], value: Any, place: Place, input_schema: Any) -> Any:
-        if isinstance(value, str):
-            return self.template(path, value, place, input_schema)
-        if isinstance(value, dict):
-            return {k: self._tree(path + (k,), v, place, input_schema) for k, v in value.items()}
-        if isinstance(value, list):
-            return [self._tree(path + (i,), v, place, input_schema) for i, v in enumerate(value)]
-        return value
-
-
-def _objects_in(value: Any) -> int:
-    """The mappings within `value`, itself included."""
-    count, stack = 0, [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, dict):
-            count += 1
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return count
-
-
-def _templates_in(tree: Any) -> Iterable[Template]:
-    if isinstance(tree, Template):
-        yield tree
-    elif isinstance(tree, dict):
-        for v in tree.values():
-            yield from _templates_in(v)
-    elif isinstance(tree, list):
-        for v in tree:
-            yield from _templates_in(v)
 
 
 def _split_source(source: str) -> tuple[str, str, int]:
@@ -3406,7 +3375,7 @@ def _read_call(r: _Reader, value: Any, input_schema: Any) -> CallSpec | None:
     read = r.pointer(("call", "read"), block["read"], empty=False) if "read" in block else None
     if server is None or tool is None or with_ is None or ("read" in block and read is None):
         return None
-    reads_input = any("input" in t.roots for t in _templates_in(with_))
+    reads_input = any(isinstance(t, Template) and "input" in t.roots for t, _ in json_nodes(with_))
     return CallSpec(server, tool, with_, read, reads_input)
 
 
@@ -12370,19 +12339,15 @@ class _WorkflowReader:
 
     def tree(self, path: tuple[Any, ...], value: Any, names: tuple[str, ...]) -> Any:
         """A value whose texts of the form `${ ... }` are expressions."""
-        if isinstance(value, str):
-            text = value.strip()
+        def leaf(at: tuple[Any, ...], value: Any) -> Any:
+            text = value.strip() if isinstance(value, str) else ""
             if text.startswith("${") and text.endswith("}"):
-                return self.compile(path, text[2:-1], names)
-            if "${" in value:
-                self.r.add(path, "a runtime expression is a whole value, '${ ... }'; to build a text use jq's"
-                           " interpolation, such as '${ \"Hello \\(.name)\" }'", line=self.r.text_line(path))
+                return self.compile(at, text[2:-1], names)
+            if "${" in text:
+                self.r.add(at, "a runtime expression is a whole value, '${ ... }'; to build a text use jq's"
+                           " interpolation, such as '${ \"Hello \\(.name)\" }'", line=self.r.text_line(at))
             return value
-        if isinstance(value, dict):
-            return {k: self.tree(path + (k,), v, names) for k, v in value.items()}
-        if isinstance(value, list):
-            return [self.tree(path + (i,), v, names) for i, v in enumerate(value)]
-        return value
+        return map_leaves(value, leaf, path)
 
     def task_list(self, path: tuple[Any, ...], value: Any, names: tuple[str, ...]) -> str:
         r = self.r
