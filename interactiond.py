@@ -2248,6 +2248,24 @@ def _compiled_schema(text: str) -> Any:
     return validator
 
 
+#: Keywords whose value is one schema, a mapping of names to schemas, or a list of schemas.
+_SUBSCHEMA_ONE: Final = frozenset({
+    "additionalProperties", "additionalItems", "not", "if", "then", "else", "contains", "propertyNames",
+    "unevaluatedItems", "unevaluatedProperties", "contentSchema", "items"})
+_SUBSCHEMA_MAP: Final = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas",
+                                   "dependencies"})
+_SUBSCHEMA_LIST: Final = frozenset({"allOf", "anyOf", "oneOf", "prefixItems", "items"})
+
+
+def _subschemas(key: str, value: Any) -> list[tuple[tuple[Any, ...], Any]]:
+    """The schemas in keyword `key` of a schema, whose value is `value`, each with its path from the keyword."""
+    if key in _SUBSCHEMA_MAP and isinstance(value, dict):
+        return [((key, k), v) for k, v in value.items()]
+    if key in _SUBSCHEMA_LIST and isinstance(value, list):
+        return [((key, i), v) for i, v in enumerate(value)]
+    return [((key,), value)] if key in _SUBSCHEMA_ONE else []
+
+
 # The compiled check. jsonschema walks a schema in Python (10-40 us an answer); jsonschema-rs
 # compiles it to Rust (well under 1 us). schema_errors asks the compiled check first, and only an
 # instance it refuses goes through jsonschema, which words the errors (so their pointers and words
@@ -2267,8 +2285,8 @@ _FAST_KEYWORDS: Final = frozenset({
     "type", "enum", "const", "required", "minLength", "maxLength", "minimum", "maximum", "exclusiveMinimum",
     "exclusiveMaximum", "minItems", "maxItems", "uniqueItems", "minProperties", "maxProperties",
     "title", "description", "default", "examples", "deprecated", "readOnly", "writeOnly", "$comment"})
-_FAST_SUBSCHEMA: Final = frozenset({"items", "additionalProperties", "not", "contains", "propertyNames"})
-_FAST_SUBSCHEMAS: Final = frozenset({"anyOf", "allOf", "oneOf", "prefixItems"})
+_FAST_SUBSCHEMAS: Final = frozenset({"properties", "items", "additionalProperties", "not", "contains", "propertyNames",
+                                     "anyOf", "allOf", "oneOf", "prefixItems"})
 
 #: id(jsonschema validator) -> (that validator, its compiled check); the validator is held, so its id
 #: is not reused while the entry stands.
@@ -2276,23 +2294,11 @@ _FAST_CHECKS: Final[OrderedDict[int, tuple[Any, Callable[[Any], bool]]]] = Order
 
 
 def _fast_keywords_only(node: Any) -> bool:
-    if isinstance(node, bool):
-        return True
+    """Whether a (valid) schema is made only of _FAST_KEYWORDS and subschemas of _FAST_SUBSCHEMAS."""
     if not isinstance(node, dict):
-        return False
-    for key, value in node.items():
-        if key == "properties":
-            if not isinstance(value, dict) or not all(_fast_keywords_only(v) for v in value.values()):
-                return False
-        elif key in _FAST_SUBSCHEMA:
-            if not _fast_keywords_only(value):
-                return False
-        elif key in _FAST_SUBSCHEMAS:
-            if not isinstance(value, list) or not all(_fast_keywords_only(v) for v in value):
-                return False
-        elif key not in _FAST_KEYWORDS:
-            return False
-    return True
+        return isinstance(node, bool)
+    return all(key in _FAST_KEYWORDS or key in _FAST_SUBSCHEMAS
+               and all(_fast_keywords_only(sub) for _, sub in _subschemas(key, value)) for key, value in node.items())
 
 
 def _fast_check(schema: Any) -> Callable[[Any], bool] | None:
@@ -2432,15 +2438,6 @@ def _unheld_reference(schema: Any, cls: Any) -> tuple[tuple[Any, ...], str] | No
 # beside `properties` instead of under it, or YAML's flow mapping split at a comma
 # (`{type: string, description: What to change, if anything}` holds the keyword "if anything").
 
-#: Keywords whose value is one schema, a mapping of names to schemas, or a list of schemas.
-_SUBSCHEMA_ONE: Final = frozenset({
-    "additionalProperties", "additionalItems", "not", "if", "then", "else", "contains", "propertyNames",
-    "unevaluatedItems", "unevaluatedProperties", "contentSchema", "items"})
-_SUBSCHEMA_MAP: Final = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas",
-                                   "dependencies"})
-_SUBSCHEMA_LIST: Final = frozenset({"allOf", "anyOf", "oneOf", "prefixItems", "items"})
-
-
 @functools.lru_cache(maxsize=8)
 def _dialect_keywords(cls: Any) -> frozenset[str]:
     """Every keyword of a dialect: its meta-schema's properties (and its vocabularies') and its validators."""
@@ -2487,14 +2484,7 @@ def _unknown_keyword(node: Any, known: frozenset[str], path: tuple[Any, ...]) ->
             return path + (key,), why
         before = (key, value)
     for key, value in node.items():
-        subs: list[tuple[Any, Any]] = []
-        if key in _SUBSCHEMA_MAP and isinstance(value, dict):
-            subs = [((key, k), v) for k, v in value.items()]
-        elif key in _SUBSCHEMA_LIST and isinstance(value, list):
-            subs = [((key, i), v) for i, v in enumerate(value)]
-        elif key in _SUBSCHEMA_ONE:
-            subs = [((key,), value)]
-        for where, sub in subs:
+        for where, sub in _subschemas(key, value):
             found = _unknown_keyword(sub, known, path + where)
             if found:
                 return found
