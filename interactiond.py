@@ -3082,8 +3082,8 @@ class _Reader:
             return None
         return value
 
-    def duration(self, path: tuple[Any, ...], value: Any, low: timedelta, high: timedelta,
-                 bounds: str) -> timedelta | None:
+    def duration(self, path: tuple[Any, ...], value: Any, low: timedelta = EXPIRES_MIN, high: timedelta = EXPIRES_MAX,
+                 bounds: str = "PT1M to P30D (1 minute to 30 days)") -> timedelta | None:
         try:
             span = parse_duration(value)
         except ValueError as exc:
@@ -3305,7 +3305,7 @@ def _check(r: _Reader, source: str, data: dict[str, Any], body: str, body_line: 
         if "from" in data:
             from_ = r.template(("from",), data["from"], PLACES["party"], input_schema)
         if "expires" in data:
-            expires = r.duration(("expires",), data["expires"], EXPIRES_MIN, EXPIRES_MAX, "PT1M to P30D (1 minute to 30 days)")
+            expires = r.duration(("expires",), data["expires"])
         if body.strip():
             message = r.template(("body",), body, PLACES["message"], input_schema, line=body_line)
         else:
@@ -3393,8 +3393,7 @@ def _read_approve(r: _Reader, data: dict[str, Any],
         r.add(path + ("need",), f"is how many of the {1 + len(also)} people in `to` must approve: 1 to {1 + len(also)}")
     if not isinstance(veto, bool):
         r.add(path + ("veto",), "is true (one refusal refuses the call) or false (refusals only fail to approve)")
-    expires = (r.duration(path + ("expires",), block["expires"], EXPIRES_MIN, EXPIRES_MAX,
-                          "PT1M to P30D (1 minute to 30 days)") if "expires" in block else None)
+    expires = r.duration(path + ("expires",), block["expires"]) if "expires" in block else None
     with_ = data["call"].get("with") if isinstance(data.get("call"), dict) else None
     edit = _read_edit(r, path + ("edit",), block.get("edit", []), with_)
     within = r.within(path)
@@ -3508,7 +3507,6 @@ def _read_follow_up(r: _Reader, data: dict[str, Any], expires: timedelta | None,
     """`remind`, `escalate` and `on_expiry` of a function that asks a person, checked: FunctionDoc's
     fields of the same names, for those the document writes."""
     out: dict[str, Any] = {}
-    bounds = "PT1M to P30D (1 minute to 30 days)"
 
     def before_expiry(path: tuple[Any, ...], span: timedelta | None, text: Any) -> timedelta | None:
         if span is not None and expires is not None and span >= expires:
@@ -3535,7 +3533,7 @@ def _read_follow_up(r: _Reader, data: dict[str, Any], expires: timedelta | None,
                 r.add(path, f"a request is reminded at most {MAX_REMINDERS} times, not {len(listed)}")
             for i, text in enumerate(listed):
                 at = path + (i,) if isinstance(block["after"], list) else path
-                span = before_expiry(at, r.duration(at, text, EXPIRES_MIN, EXPIRES_MAX, bounds), text)
+                span = before_expiry(at, r.duration(at, text), text)
                 earlier = next((s for s in reversed(spans) if s is not None), None)
                 if span is not None and earlier is not None and span <= earlier:
                     r.add(at, f"{text} does not come after the reminder before it: list the durations in increasing order")
@@ -3548,8 +3546,7 @@ def _read_follow_up(r: _Reader, data: dict[str, Any], expires: timedelta | None,
     if "escalate" in data:
         block = r.mapping(("escalate",), data["escalate"], ("after", "to", "message"), ("after", "to"))
         if block is not None:
-            after = (before_expiry(("escalate", "after"), r.duration(("escalate", "after"), block["after"], EXPIRES_MIN,
-                                                                       EXPIRES_MAX, bounds), block["after"])
+            after = (before_expiry(("escalate", "after"), r.duration(("escalate", "after"), block["after"]), block["after"])
                      if "after" in block else None)
             to = r.template(("escalate", "to"), block["to"], PLACES["party"], input_schema) if "to" in block else None
             message = (r.template(("escalate", "message"), block["message"], PLACES["message"], input_schema)
