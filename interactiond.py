@@ -2354,8 +2354,14 @@ def schema_errors(validator: Any, instance: Any, prefix: str = "") -> list[dict[
     return sorted(out, key=lambda e: e["pointer"])
 
 
+#: Set while a document saved before is read again from the store (a run of its version): the rules
+#: that only refuse a new document stand aside, so a definition an older version accepted still runs.
+READING_SAVED: Final[contextvars.ContextVar[bool]] = contextvars.ContextVar("reading_saved", default=False)
+
+
 def _schema_problem(schema: Any) -> tuple[tuple[Any, ...], str] | None:
-    """Why `schema` cannot be used, as (where within it, message), or None."""
+    """Why `schema` cannot be used, as (where within it, message), or None. A new document's schema
+    (not READING_SAVED) is also refused for a keyword its dialect does not know."""
     jsonschema = _jsonschema()
     validators = jsonschema.validators
     if isinstance(schema, dict) and "$schema" in schema and (
@@ -2383,7 +2389,8 @@ def _schema_problem(schema: Any) -> tuple[tuple[Any, ...], str] | None:
         if key == "$id" and isinstance(value, str) and _remote(value):
             return path + (key,), (f"{value!r} is a base outside the daemon, and references are never fetched; "
                                    "leave out this $id and refer within the schema by #/$defs/...")
-    return _unheld_reference(schema, cls)
+    return _unheld_reference(schema, cls) or (None if READING_SAVED.get() else
+                                              _unknown_keyword(schema, _dialect_keywords(cls), ()))
 
 
 def _remote(uri: str) -> bool:
@@ -2449,18 +2456,6 @@ def _dialect_keywords(cls: Any) -> frozenset[str]:
         if isinstance(part, dict) and isinstance(part.get("$ref"), str):
             keys |= set(resolver.lookup(part["$ref"]).contents.get("properties", {}))
     return frozenset(keys)
-
-
-#: Set while a document saved before is read again from the store (a run of its version): the rules
-#: that only refuse a new document stand aside, so a definition an older version accepted still runs.
-READING_SAVED: Final[contextvars.ContextVar[bool]] = contextvars.ContextVar("reading_saved", default=False)
-
-
-def _schema_keyword_problem(schema: Any) -> tuple[tuple[Any, ...], str] | None:
-    """The first keyword of a (valid) schema that its dialect does not know, as (where, why), or None."""
-    jsonschema = _jsonschema()
-    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-    return _unknown_keyword(schema, _dialect_keywords(cls), ())
 
 
 def _unknown_keyword(node: Any, known: frozenset[str], path: tuple[Any, ...]) -> tuple[tuple[Any, ...], str] | None:
@@ -3105,7 +3100,7 @@ class _Reader:
         if room < 0:
             self.add(path, f"the document's JSON Schemas hold more than {MAX_SCHEMA_OBJECTS} objects together")
             return None
-        problem = _schema_problem(value) or (None if READING_SAVED.get() else _schema_keyword_problem(value))
+        problem = _schema_problem(value)
         if problem:
             self.add(path + problem[0], problem[1])
             return None
