@@ -3229,15 +3229,12 @@ class _CollectorPaused:
 _COLLECTOR_PAUSED: Final = _CollectorPaused()
 
 
-def _check_paused(check: Callable[..., Any], *args: Any) -> Any:
-    with _COLLECTOR_PAUSED:
-        return check(*args)
-
-
 async def check_off_loop(check: Callable[..., Any], *args: Any) -> Any:
     """`check(*args)` (such as parse_function) in a document-checking thread, awaited."""
-    return await asyncio.get_running_loop().run_in_executor(
-        _DOCUMENT_CHECKS, functools.partial(_check_paused, check, *args))
+    def paused() -> Any:
+        with _COLLECTOR_PAUSED:
+            return check(*args)
+    return await asyncio.get_running_loop().run_in_executor(_DOCUMENT_CHECKS, paused)
 
 
 def parse_function(source: str) -> FunctionDoc:
