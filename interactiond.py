@@ -12818,10 +12818,9 @@ class _Walk:
                 frame.update(child=new_run_id(), fn=[call.type, call.name], child_input=await self.jq.fill(call.input, input_, scope))
                 started["run"] = {"type": call.type, "name": call.name, "run_id": frame["child"]}
                 self.stack.append(frame)
-            elif task.kind == "try":
-                frame.update(phase="try", attempt=1)
-                self.stack += [frame, {"list": task.lists[0], "i": 0, "data": input_}]
-            else:
+            else:                                           # try and do: their list, under their frame
+                if task.kind == "try":
+                    frame.update(phase="try", attempt=1)
                 self.stack += [frame, {"list": task.lists[0], "i": 0, "data": input_}]
         except ExprError as exc:
             await self._expr_failed(task, task.kind, exc)
@@ -12990,8 +12989,7 @@ class Workflows:
     async def close(self) -> None:
         await self.jq.close()
 
-    def parse(self, source: str, name: str | None = None) -> WorkflowDoc:
-        return parse_workflow(source, name)
+    parse = staticmethod(parse_workflow)
 
     async def on_timer(self, playbook: str, ref: str) -> None:
         await self.drive(playbook, ref)
@@ -13092,7 +13090,7 @@ class Workflows:
         if RunStatus(run["status"]).ended:
             # Ended meanwhile (cancelled while a child was being started): leave nothing behind.
             if timer_due is not None or (child is not None and not RunStatus(child["status"]).ended):
-                await engine.store.write(lambda tx, fx: self._tidy(tx, fx, run, key))
+                await engine.store.write(lambda tx, fx: self._tidy(tx, fx, run, engine.clock.now_ms(), "interactiond"))
             return False
         now = engine.clock.now_ms()
         doc = await self._doc(run)
@@ -13181,18 +13179,15 @@ class Workflows:
 
     def cancel_in(self, tx: Tx, fx: Effects, run: Row, now: int, by: str) -> None:
         """cancel_run of a live workflow: its open child is cancelled and it ends cancelled, together."""
-        stack = json.loads(run["state"])["stack"] if run["state"] else []
-        for fr in stack:
+        self._tidy(tx, fx, run, now, by)
+        end_cancelled(tx, fx, run["playbook"], run["run_id"], now=now, by=by)
+
+    def _tidy(self, tx: Tx, fx: Effects, run: Row, now: int, by: str) -> None:
+        """Leave nothing of a run that ends or has ended behind: its open child cancelled, its timer dropped."""
+        for fr in json.loads(run["state"])["stack"] if run["state"] else []:
             if "child" in fr:
                 self._cancel_child(tx, fx, run["playbook"], fr["child"], now, by)
-        end_cancelled(tx, fx, run["playbook"], run["run_id"], now=now, by=by)
         tx.drop_timer(fx, timer_key("workflow", run["playbook"], run["run_id"]))
-
-    def _tidy(self, tx: Tx, fx: Effects, run: Row, key: str) -> None:
-        stack = json.loads(run["state"])["stack"] if run["state"] else []
-        if stack and "child" in stack[-1]:
-            self._cancel_child(tx, fx, run["playbook"], stack[-1]["child"], self.engine.clock.now_ms(), "interactiond")
-        tx.drop_timer(fx, key)
 
 
 RUN_KINDS["workflow"] = Workflows
