@@ -3248,7 +3248,7 @@ def parse_function(source: str) -> FunctionDoc:
     return replace(doc, overview=overview(doc))
 
 
-def _read_document(source: Any, not_text: str, r: _Reader, read: Callable[[_Reader], Any]) -> Any:
+def _read_document(source: Any, not_text: str, r: _Reader, read: Callable[[Any], Any]) -> Any:
     """What `read(r)` makes of a document's `source`; DocumentError lists every problem `r` collected."""
     if not isinstance(source, str):
         raise DocumentError.at(1, not_text)
@@ -12166,41 +12166,43 @@ def parse_workflow(source: str, name: str | None = None) -> WorkflowDoc:
 
     `name`, when given, is the definition's name, which `document.name` must equal.
     """
-    def read(r: _Reader) -> WorkflowDoc | None:
+    def read(r: _WorkflowReader) -> WorkflowDoc | None:
         text = source.replace("\r\n", "\n").replace("\r", "\n").removeprefix("\ufeff")
         data = _compose(r, text, "the document", "a workflow document is a YAML mapping of document, input, do and output")
-        return _WorkflowReader(r, name).read(data)
-    doc = _read_document(source, "a workflow document is YAML text", _Reader(_WORKFLOW_OFFSET), read)
+        return r.read(data)
+    doc = _read_document(source, "a workflow document is YAML text", _WorkflowReader(name), read)
     return replace(doc, overview=workflow_overview(doc))
 
 
-class _WorkflowReader:
-    """The save-time rules of a workflow document, over the data `_Reader` composed."""
+class _WorkflowReader(_Reader):
+    """The reader of a workflow document: the lines and problems of any document, and its save-time rules.
 
-    def __init__(self, r: _Reader, name: str | None) -> None:
-        self.r = r
-        self.name = name
+    `saved_as`, when given, is the definition's name, which `document.name` must equal.
+    """
+
+    def __init__(self, saved_as: str | None) -> None:
+        super().__init__(_WORKFLOW_OFFSET)
+        self.saved_as = saved_as
         self.tasks: dict[str, WfTask] = {}
         self.lists: dict[str, tuple[WfTask, ...]] = {}
         self.calls: list[tuple[str, str, int, str]] = []
         self.expressions = [0, 0]       # expressions and their characters so far (past the bounds none compiles)
 
     def read(self, data: dict[str, Any]) -> WorkflowDoc | None:
-        r = self.r
         for key in data:
             if key not in _WF_KEYS:
-                r.add((key,), f"{key!r} is not part of the workflows interactiond runs (their keys: {', '.join(_WF_KEYS)})")
+                self.add((key,), f"{key!r} is not part of the workflows interactiond runs (their keys: {', '.join(_WF_KEYS)})")
         for key in ("document", "do"):
             if key not in data:
-                r.add((key,), f"a workflow needs {key!r}", line=1)
+                self.add((key,), f"a workflow needs {key!r}", line=1)
         document = self.document(data.get("document")) if "document" in data else {}
         input_schema, input_from = self.input(data["input"]) if "input" in data else (None, None)
         output_as = None
-        if "output" in data and r.mapping(("output",), data["output"], ("as",)) is not None and "as" in data["output"]:
+        if "output" in data and self.mapping(("output",), data["output"], ("as",)) is not None and "as" in data["output"]:
             output_as = self.tree(("output", "as"), data["output"]["as"], _EXPR_VARS)
         if "do" in data:
             self.task_list(("do",), data["do"], _EXPR_VARS)
-        if r.problems:
+        if self.problems:
             return None
         return WorkflowDoc(name=document["name"], document=document,
                            description=document.get("summary") or document.get("title"),
@@ -12210,80 +12212,79 @@ class _WorkflowReader:
     # -- the parts ------------------------------------------------------------------------------
 
     def document(self, value: Any) -> dict[str, Any]:
-        r, path = self.r, ("document",)
-        doc = r.mapping(path, value, ("dsl", "namespace", "name", "version", "title", "summary", "tags", "metadata"),
+        path = ("document",)
+        doc = self.mapping(path, value, ("dsl", "namespace", "name", "version", "title", "summary", "tags", "metadata"),
                         required=("dsl", "namespace", "name", "version"))
         if doc is None:
             return {}
         if "dsl" in doc and not (isinstance(doc["dsl"], str) and _DSL_RE.fullmatch(doc["dsl"])):
-            r.add(path + ("dsl",), f"{doc['dsl']!r} is not a DSL version interactiond reads: write '1.0.x', such as '1.0.3'")
+            self.add(path + ("dsl",), f"{doc['dsl']!r} is not a DSL version interactiond reads: write '1.0.x', such as '1.0.3'")
         if "namespace" in doc and not (isinstance(doc["namespace"], str) and _NAMESPACE_RE.fullmatch(doc["namespace"])):
-            r.add(path + ("namespace",), "is lowercase letters and digits, single hyphens between them, at most 63")
+            self.add(path + ("namespace",), "is lowercase letters and digits, single hyphens between them, at most 63")
         if "name" in doc:
             got = doc["name"]
             if not isinstance(got, str) or not FUNCTION_NAME_RE.fullmatch(got):
-                r.add(path + ("name",), "is the workflow's name: 1 to 128 lowercase letters, digits, hyphens and underscores")
-            elif self.name is not None and got != self.name:
-                r.add(path + ("name",), f"is {got!r}, but the definition is saved as {self.name!r}; the two must be equal")
+                self.add(path + ("name",), "is the workflow's name: 1 to 128 lowercase letters, digits, hyphens and underscores")
+            elif self.saved_as is not None and got != self.saved_as:
+                self.add(path + ("name",), f"is {got!r}, but the definition is saved as {self.saved_as!r}; the two must be equal")
         for key in ("version", "title", "summary"):
             if key in doc and (not isinstance(doc[key], str) or not doc[key].strip()):
-                r.add(path + (key,), "is a text (quote a version such as '1.0.0')")
+                self.add(path + (key,), "is a text (quote a version such as '1.0.0')")
         if "tags" in doc and not (isinstance(doc["tags"], dict) and all(isinstance(v, str) for v in doc["tags"].values())):
-            r.add(path + ("tags",), "is a mapping of names to texts")
+            self.add(path + ("tags",), "is a mapping of names to texts")
         if "metadata" in doc and not isinstance(doc["metadata"], dict):
-            r.add(path + ("metadata",), "is a mapping")
+            self.add(path + ("metadata",), "is a mapping")
         return doc
 
     def input(self, value: Any) -> tuple[Any, Any]:
-        r, path = self.r, ("input",)
-        inp = r.mapping(path, value, ("schema", "from"))
+        path = ("input",)
+        inp = self.mapping(path, value, ("schema", "from"))
         if inp is None:
             return None, None
         schema = None
         if "schema" in inp:
-            block = r.mapping(path + ("schema",), inp["schema"], ("format", "document"), required=("document",))
+            block = self.mapping(path + ("schema",), inp["schema"], ("format", "document"), required=("document",))
             if block is not None:
                 if block.get("format", "json") != "json":
-                    r.add(path + ("schema", "format"), "is json, the only schema format interactiond reads")
+                    self.add(path + ("schema", "format"), "is json, the only schema format interactiond reads")
                 if "document" in block:
-                    schema = r.schema(path + ("schema", "document"), block["document"])
+                    schema = self.schema(path + ("schema", "document"), block["document"])
         from_ = self.tree(path + ("from",), inp["from"], _EXPR_VARS) if "from" in inp else None
         return schema, from_
 
-    def duration(self, path: tuple[Any, ...], value: Any, low: timedelta, high: timedelta) -> int | None:
+    def span_ms(self, path: tuple[Any, ...], value: Any, low: timedelta, high: timedelta) -> int | None:
         """An ISO 8601 text or the DSL's {days, hours, minutes, seconds, milliseconds}, as ms."""
-        r = self.r
         if isinstance(value, dict):
             units = {"days": 86_400_000, "hours": 3_600_000, "minutes": 60_000, "seconds": 1000, "milliseconds": 1}
             ms = 0
             for key, n in value.items():
                 if key not in units:
-                    r.add(path + (key,), f"{key!r} is not a unit of a duration ({', '.join(units)})")
+                    self.add(path + (key,), f"{key!r} is not a unit of a duration ({', '.join(units)})")
                     return None
                 if isinstance(n, bool) or not isinstance(n, (int, float)) or n < 0:
-                    r.add(path + (key,), "is a number of zero or more")
+                    self.add(path + (key,), "is a number of zero or more")
                     return None
                 ms += int(n * units[key])
             try:
                 span = timedelta(milliseconds=ms)
             except OverflowError:
-                r.add(path, f"is longer than any duration the daemon keeps (at most {timedelta.max.days} days)")
+                self.add(path, f"is longer than any duration the daemon keeps (at most {timedelta.max.days} days)")
                 return None
         else:
             try:
                 span = parse_duration(value)
             except ValueError as exc:
-                r.add(path, str(exc))
+                self.add(path, str(exc))
                 return None
         if not low <= span <= high:
-            r.add(path, f"is {duration_words(span)}; it lies between {duration_words(low)} and {duration_words(high)}")
+            self.add(path, f"is {duration_words(span)}; it lies between {duration_words(low)} and {duration_words(high)}")
             return None
         return int(span.total_seconds() * 1000)
 
     def expr(self, path: tuple[Any, ...], value: Any, names: tuple[str, ...]) -> Expr | None:
         """A field that is an expression whole (if, when, exceptWhen): `${ ... }` or bare jq."""
         if not isinstance(value, str) or not value.strip():
-            self.r.add(path, "is a runtime expression, such as '${ .approved == true }'")
+            self.add(path, "is a runtime expression, such as '${ .approved == true }'")
             return None
         text = value.strip()
         if text.startswith("${") and text.endswith("}"):
@@ -12292,27 +12293,27 @@ class _WorkflowReader:
 
     def compile(self, path: tuple[Any, ...], text: str, names: tuple[str, ...]) -> Expr | None:
         if not text.strip():
-            self.r.add(path, "the runtime expression is empty")
+            self.add(path, "the runtime expression is empty")
             return None
         if len(text) > MAX_EXPRESSION_CHARS:
-            self.r.add(path, f"the runtime expression is longer than {MAX_EXPRESSION_CHARS} characters",
-                       line=self.r.text_line(path))
+            self.add(path, f"the runtime expression is longer than {MAX_EXPRESSION_CHARS} characters",
+                       line=self.text_line(path))
             return None
         count, chars = self.expressions
         if count > MAX_DOCUMENT_EXPRESSIONS or chars > MAX_DOCUMENT_EXPRESSION_CHARS:
             return None                 # refused already: the document is
         count, chars = self.expressions = [count + 1, chars + len(text)]
         if count > MAX_DOCUMENT_EXPRESSIONS or chars > MAX_DOCUMENT_EXPRESSION_CHARS:
-            self.r.add(path, f"the workflow holds more than {MAX_DOCUMENT_EXPRESSIONS} runtime expressions"
+            self.add(path, f"the workflow holds more than {MAX_DOCUMENT_EXPRESSIONS} runtime expressions"
                        if count > MAX_DOCUMENT_EXPRESSIONS else
                        f"the workflow's runtime expressions take more than {MAX_DOCUMENT_EXPRESSION_CHARS // KIB} KiB",
-                       line=self.r.text_line(path))
+                       line=self.text_line(path))
             return None
         try:
             _jq_program(text, names)
         except ExprError as exc:
-            self.r.add(path, f"the expression does not compile: {exc} (it may read {', '.join('$' + n for n in names)})",
-                       line=self.r.text_line(path))
+            self.add(path, f"the expression does not compile: {exc} (it may read {', '.join('$' + n for n in names)})",
+                       line=self.text_line(path))
             return None
         return Expr(text, names)
 
@@ -12323,17 +12324,16 @@ class _WorkflowReader:
             if text.startswith("${") and text.endswith("}"):
                 return self.compile(at, text[2:-1], names)
             if "${" in text:
-                self.r.add(at, "a runtime expression is a whole value, '${ ... }'; to build a text use jq's"
-                           " interpolation, such as '${ \"Hello \\(.name)\" }'", line=self.r.text_line(at))
+                self.add(at, "a runtime expression is a whole value, '${ ... }'; to build a text use jq's"
+                           " interpolation, such as '${ \"Hello \\(.name)\" }'", line=self.text_line(at))
             return value
         return map_leaves(value, leaf, path)
 
     def task_list(self, path: tuple[Any, ...], value: Any, names: tuple[str, ...]) -> str:
-        r = self.r
         ref = pointer_join(path)
         self.lists[ref] = ()
         if not isinstance(value, list) or not value:
-            r.add(path, "is a list of named tasks, such as - ask: {call: run_definition, with: {...}}")
+            self.add(path, "is a list of named tasks, such as - ask: {call: run_definition, with: {...}}")
             return ref
         tasks: list[WfTask] = []
         seen: dict[str, int] = {}
@@ -12341,14 +12341,14 @@ class _WorkflowReader:
         for i, item in enumerate(value):
             at = path + (i,)
             if not isinstance(item, dict) or len(item) != 1:
-                r.add(at, "is one named task: a mapping with a single key, the task's name")
+                self.add(at, "is one named task: a mapping with a single key, the task's name")
                 continue
             (tname, body), = item.items()
             if not _TASK_NAME_RE.fullmatch(tname):
-                r.add(at, f"{tname!r} is not a task name: 1 to 64 letters, digits, underscores, dots and hyphens")
+                self.add(at, f"{tname!r} is not a task name: 1 to 64 letters, digits, underscores, dots and hyphens")
                 continue
             if tname in seen:
-                r.add(at, f"a task named {tname!r} is already on line {r.line(path + (seen[tname],))}; names are unique in a list")
+                self.add(at, f"a task named {tname!r} is already on line {self.line(path + (seen[tname],))}; names are unique in a list")
                 continue
             seen[tname] = i
             task = self.task(at + (tname,), tname, body, names, jumps)
@@ -12356,42 +12356,41 @@ class _WorkflowReader:
                 tasks.append(task)
         for jpath, target in jumps:
             if not isinstance(target, str) or (target not in _FLOW and target not in seen):
-                r.add(jpath, f"{target!r} is neither continue, exit, end nor the name of a task of this list"
+                self.add(jpath, f"{target!r} is neither continue, exit, end nor the name of a task of this list"
                       f" ({', '.join(seen) or 'none'})")
         self.lists[ref] = tuple(tasks)
         return ref
 
     def task(self, path: tuple[Any, ...], name: str, body: Any, names: tuple[str, ...],
              jumps: list[tuple[tuple[Any, ...], Any]]) -> WfTask | None:
-        r = self.r
         if not isinstance(body, dict):
-            r.add(path, "is a task: a mapping such as {set: {...}} or {call: run_definition, with: {...}}")
+            self.add(path, "is a task: a mapping such as {set: {...}} or {call: run_definition, with: {...}}")
             return None
         for key in body:
             if key in _DSL_ONLY_TASKS:
-                r.add(path + (key,), f"{key} is a task of the DSL that interactiond does not run;"
+                self.add(path + (key,), f"{key} is a task of the DSL that interactiond does not run;"
                       f" it runs {', '.join(_TASK_KINDS)}")
         kinds = [k for k in _TASK_KINDS if k in body]
         if len(kinds) != 1:
             if not any(k in body for k in _DSL_ONLY_TASKS):
-                r.add(path, f"holds {' and '.join(kinds)}; a task does one thing" if kinds else
+                self.add(path, f"holds {' and '.join(kinds)}; a task does one thing" if kinds else
                       f"does nothing: a task is one of {', '.join(_TASK_KINDS)}")
             return None
         kind = kinds[0]
         allowed = _TASK_COMMON + _TASK_KEYS.get(kind, (kind,))
         for key in body:
             if key not in allowed and key not in _DSL_ONLY_TASKS and key not in _TASK_KINDS:
-                r.add(path + (key,), f"{key!r} is not a key of a {kind} task (its keys: {', '.join(allowed)})")
+                self.add(path + (key,), f"{key!r} is not a key of a {kind} task (its keys: {', '.join(allowed)})")
         ref = pointer_join(path)
         common: dict[str, Any] = {}
         if "if" in body:
             common["if_"] = self.expr(path + ("if",), body["if"], names)
         for key, attr in (("input", "from"), ("output", "as"), ("export", "as")):
-            if key in body and r.mapping(path + (key,), body[key], (attr,)) is not None and attr in body[key]:
+            if key in body and self.mapping(path + (key,), body[key], (attr,)) is not None and attr in body[key]:
                 common[f"{key}_{attr}" if key != "input" else "input_from"] = self.tree(path + (key, attr), body[key][attr], names)
-        if "timeout" in body and r.mapping(path + ("timeout",), body["timeout"], ("after",), required=("after",)):
+        if "timeout" in body and self.mapping(path + ("timeout",), body["timeout"], ("after",), required=("after",)):
             if "after" in body["timeout"]:
-                common["timeout_ms"] = self.duration(path + ("timeout", "after"), body["timeout"]["after"],
+                common["timeout_ms"] = self.span_ms(path + ("timeout", "after"), body["timeout"]["after"],
                                                      timedelta(seconds=1), WORKFLOW_TIMEOUT_MAX)
         if "then" in body:
             jumps.append((path + ("then",), body["then"]))
@@ -12402,19 +12401,19 @@ class _WorkflowReader:
             return self._task(name, ref, kind, common, body=self.call(path, spec, body.get("with"), names))
         if kind == "set":
             if not isinstance(spec, (dict, str)):
-                r.add(at, "is the data to set: a mapping, or a runtime expression '${ ... }'")
+                self.add(at, "is the data to set: a mapping, or a runtime expression '${ ... }'")
             return self._task(name, ref, kind, common, body=self.tree(at, spec, names))
         if kind == "switch":
             return self._task(name, ref, kind, common, body=self.switch(at, spec, names, jumps))
         if kind == "wait":
-            return self._task(name, ref, kind, common, body=self.duration(at, spec, timedelta(0), WORKFLOW_WAIT_MAX))
+            return self._task(name, ref, kind, common, body=self.span_ms(at, spec, timedelta(0), WORKFLOW_WAIT_MAX))
         if kind == "raise":
             return self._task(name, ref, kind, common, body=self.raise_(at, spec, names))
         if kind == "do":
             return self._task(name, ref, kind, common, lists=(self.task_list(at, spec, names),))
         try_ref = self.task_list(at, spec, names)
         if "catch" not in body:
-            r.add(path, "a try needs its catch: which errors it takes, and what then")
+            self.add(path, "a try needs its catch: which errors it takes, and what then")
             return None
         return self._task(name, ref, kind, common, lists=(try_ref,), catch=self.catch(path + ("catch",), body["catch"], names))
 
@@ -12424,41 +12423,39 @@ class _WorkflowReader:
         return task
 
     def call(self, path: tuple[Any, ...], call: Any, with_: Any, names: tuple[str, ...]) -> WfCall | None:
-        r = self.r
         if call != "run_definition":
-            r.add(path + ("call",), f"calls {call!r}; interactiond runs call: run_definition, with a function or"
+            self.add(path + ("call",), f"calls {call!r}; interactiond runs call: run_definition, with a function or"
                   " workflow of this playbook (http, grpc, openapi and asyncapi calls are not run)")
             return None
-        w = r.mapping(path + ("with",), with_, ("type", "name", "input"), required=("name",))
+        w = self.mapping(path + ("with",), with_, ("type", "name", "input"), required=("name",))
         if w is None:
             return None
         type_ = w.get("type", "interaction")
         if type_ not in ("interaction", "workflow"):
-            r.add(path + ("with", "type"), f"{type_!r} is not a definition type: interaction or workflow")
+            self.add(path + ("with", "type"), f"{type_!r} is not a definition type: interaction or workflow")
             return None
         fn = w.get("name")
         if not isinstance(fn, str) or not FUNCTION_NAME_RE.fullmatch(fn):
-            r.add(path + ("with", "name"), "is the name of a definition of this playbook, written out (not an expression):"
+            self.add(path + ("with", "name"), "is the name of a definition of this playbook, written out (not an expression):"
                   " 1 to 128 lowercase letters, digits, hyphens and underscores")
             return None
-        self.calls.append((type_, fn, r.line(path + ("with", "name")), ".".join(map(str, path + ("with", "name")))))
+        self.calls.append((type_, fn, self.line(path + ("with", "name")), ".".join(map(str, path + ("with", "name")))))
         return WfCall(type_, fn, self.tree(path + ("with", "input"), w.get("input", {}), names))
 
     def switch(self, path: tuple[Any, ...], spec: Any, names: tuple[str, ...],
                jumps: list[tuple[tuple[Any, ...], Any]]) -> tuple[WfCase, ...]:
-        r = self.r
         if not isinstance(spec, list) or not spec:
-            r.add(path, "is a list of named cases, such as - approved: {when: '${ .approved }', then: publish}")
+            self.add(path, "is a list of named cases, such as - approved: {when: '${ .approved }', then: publish}")
             return ()
         cases = []
         defaults = 0
         for i, item in enumerate(spec):
             at = path + (i,)
             if not isinstance(item, dict) or len(item) != 1:
-                r.add(at, "is one named case: a mapping with a single key, the case's name")
+                self.add(at, "is one named case: a mapping with a single key, the case's name")
                 continue
             (cname, case), = item.items()
-            c = r.mapping(at + (cname,), case, ("when", "then"), required=("then",))
+            c = self.mapping(at + (cname,), case, ("when", "then"), required=("then",))
             if c is None or "then" not in c:
                 continue
             when = self.expr(at + (cname, "when"), c["when"], names) if "when" in c else None
@@ -12466,50 +12463,48 @@ class _WorkflowReader:
             jumps.append((at + (cname, "then"), c["then"]))
             cases.append(WfCase(str(cname), when, c["then"] if isinstance(c["then"], str) else "continue"))
         if defaults > 1:
-            r.add(path, "has more than one default case (a case without when)")
+            self.add(path, "has more than one default case (a case without when)")
         return tuple(cases)
 
     def raise_(self, path: tuple[Any, ...], spec: Any, names: tuple[str, ...]) -> dict[str, Any] | None:
-        r = self.r
-        block = r.mapping(path, spec, ("error",), required=("error",))
+        block = self.mapping(path, spec, ("error",), required=("error",))
         if block is None or "error" not in block:
             return None
         at = path + ("error",)
-        err = r.mapping(at, block["error"], ("type", "status", "title", "detail", "kind", "instance"),
+        err = self.mapping(at, block["error"], ("type", "status", "title", "detail", "kind", "instance"),
                         required=("type", "status"))
         if err is None:
             return None
         if "type" in err and (not isinstance(err["type"], str) or not err["type"].strip() or "${" in err["type"]):
-            r.add(at + ("type",), "is the error's type, a URI such as https://serverlessworkflow.io/spec/1.0.0/errors/validation")
+            self.add(at + ("type",), "is the error's type, a URI such as https://serverlessworkflow.io/spec/1.0.0/errors/validation")
         status = err.get("status")
         if "status" in err and (isinstance(status, bool) or not isinstance(status, int) or not 100 <= status <= 599):
-            r.add(at + ("status",), "is an HTTP status, 100 to 599")
+            self.add(at + ("status",), "is an HTTP status, 100 to 599")
         for key in ("kind", "instance"):
             if key in err and not isinstance(err[key], str):
-                r.add(at + (key,), "is a text")
+                self.add(at + (key,), "is a text")
         return {k: (self.tree(at + (k,), v, names) if k in ("title", "detail") else v) for k, v in err.items()}
 
     def catch(self, path: tuple[Any, ...], spec: Any, names: tuple[str, ...]) -> WfCatch | None:
-        r = self.r
-        c = r.mapping(path, spec, ("errors", "as", "when", "exceptWhen", "retry", "do"))
+        c = self.mapping(path, spec, ("errors", "as", "when", "exceptWhen", "retry", "do"))
         if c is None:
             return None
         with_: dict[str, Any] = {}
         if "errors" in c:
-            errors = r.mapping(path + ("errors",), c["errors"], ("with",))
+            errors = self.mapping(path + ("errors",), c["errors"], ("with",))
             if errors is not None and "with" in errors:
                 at = path + ("errors", "with")
-                w = r.mapping(at, errors["with"], ("type", "status", "kind", "instance"))
+                w = self.mapping(at, errors["with"], ("type", "status", "kind", "instance"))
                 for key, v in (w or {}).items():
                     if key == "status" and (isinstance(v, bool) or not isinstance(v, int)):
-                        r.add(at + (key,), "is an HTTP status such as 503")
+                        self.add(at + (key,), "is an HTTP status such as 503")
                     elif key != "status" and (not isinstance(v, str) or not v.strip()):
-                        r.add(at + (key,), "is a text")
+                        self.add(at + (key,), "is a text")
                     else:
                         with_[key] = v
         as_ = c.get("as", "error")
         if not isinstance(as_, str) or not _JQ_VAR_RE.fullmatch(as_) or as_ in _EXPR_VARS or as_ == "ENV":
-            r.add(path + ("as",), f"is the name of the variable the error is kept in, such as error; not one of"
+            self.add(path + ("as",), f"is the name of the variable the error is kept in, such as error; not one of"
                   f" {', '.join(_EXPR_VARS)}")
             as_ = "error"
         inner = tuple(dict.fromkeys(names + (as_,)))
@@ -12518,43 +12513,42 @@ class _WorkflowReader:
         retry = self.retry(path + ("retry",), c["retry"]) if "retry" in c else None
         do = self.task_list(path + ("do",), c["do"], inner) if "do" in c else None
         if "retry" in c and "do" in c:
-            r.add(path + ("do",), "a catch with retry re-raises the error once its attempts are used up, so its do"
+            self.add(path + ("do",), "a catch with retry re-raises the error once its attempts are used up, so its do"
                   " would never run; handle the error in an enclosing try instead")
         return WfCatch(with_, as_, when, except_when, retry, do)
 
     def retry(self, path: tuple[Any, ...], spec: Any) -> WfRetry | None:
-        r = self.r
         if isinstance(spec, str):
-            r.add(path, "is a retry policy written out (interactiond has no use.retries to name one from)")
+            self.add(path, "is a retry policy written out (interactiond has no use.retries to name one from)")
             return None
-        block = r.mapping(path, spec, ("delay", "backoff", "limit"))
+        block = self.mapping(path, spec, ("delay", "backoff", "limit"))
         if block is None:
             return None
-        delay = self.duration(path + ("delay",), block["delay"], timedelta(0), WORKFLOW_WAIT_MAX) if "delay" in block else 0
+        delay = self.span_ms(path + ("delay",), block["delay"], timedelta(0), WORKFLOW_WAIT_MAX) if "delay" in block else 0
         backoff = "constant"
         if "backoff" in block:
-            b = r.mapping(path + ("backoff",), block["backoff"], ("constant", "linear", "exponential"))
+            b = self.mapping(path + ("backoff",), block["backoff"], ("constant", "linear", "exponential"))
             if b is not None:
                 if len(b) != 1:
-                    r.add(path + ("backoff",), "names one of constant, linear and exponential, such as {exponential: {}}")
+                    self.add(path + ("backoff",), "names one of constant, linear and exponential, such as {exponential: {}}")
                 else:
                     backoff = next(iter(b))
         count = limit = None
-        lim = r.mapping(path + ("limit",), block.get("limit"), ("attempt", "duration")) if "limit" in block else None
+        lim = self.mapping(path + ("limit",), block.get("limit"), ("attempt", "duration")) if "limit" in block else None
         if lim is not None:
             if "attempt" in lim:
-                att = r.mapping(path + ("limit", "attempt"), lim["attempt"], ("count",), required=("count",))
+                att = self.mapping(path + ("limit", "attempt"), lim["attempt"], ("count",), required=("count",))
                 n = (att or {}).get("count")
                 if att is not None and "count" in att:
                     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= WORKFLOW_MAX_ATTEMPTS:
-                        r.add(path + ("limit", "attempt", "count"),
+                        self.add(path + ("limit", "attempt", "count"),
                               f"is the number of attempts in all, the first included: 1 to {WORKFLOW_MAX_ATTEMPTS}")
                     else:
                         count = n
             if "duration" in lim:
-                limit = self.duration(path + ("limit", "duration"), lim["duration"], timedelta(seconds=1), WORKFLOW_TIMEOUT_MAX)
-        if count is None and limit is None and not any(p["field"].startswith(".".join(map(str, path))) for p in r.problems):
-            r.add(path, "needs limit.attempt.count or limit.duration, so the retries end")
+                limit = self.span_ms(path + ("limit", "duration"), lim["duration"], timedelta(seconds=1), WORKFLOW_TIMEOUT_MAX)
+        if count is None and limit is None and not any(p["field"].startswith(".".join(map(str, path))) for p in self.problems):
+            self.add(path, "needs limit.attempt.count or limit.duration, so the retries end")
         if delay is None:
             return None
         return WfRetry(delay, backoff, count, limit)
