@@ -13060,9 +13060,6 @@ class Workflows:
                 with contextlib.suppress(Exception):
                     await self.engine.store.release(lease)
 
-    async def _doc(self, run: Row) -> WorkflowDoc:
-        return (await self.engine.document(run["playbook"], "workflow", run["name"], run["version"]))[1]
-
     async def _step(self, playbook: str, run_id: str) -> bool:
         """One transition, written; True when there is more to do at once."""
         engine = self.engine
@@ -13087,7 +13084,7 @@ class Workflows:
                 await engine.store.write(lambda tx, fx: self._tidy(tx, fx, run, engine.clock.now_ms(), "interactiond"))
             return False
         now = engine.clock.now_ms()
-        doc = await self._doc(run)
+        _, doc = await engine.document(playbook, "workflow", run["name"], run["version"])
         state = json.loads(run["state"])
         failed = self._start_errors.get((playbook, run_id))
         top = state["stack"][-1] if state["stack"] else {}
@@ -13151,16 +13148,12 @@ class Workflows:
         except Problem as exc:
             body = exc.body()
             if exc.name == "not_found":
-                body["detail"] = (f"task {self._task_name(fr)!r} runs the {type_} {name!r}, which does not exist in this"
-                                  " playbook (or was deleted); save it, then run the workflow again")
+                body["detail"] = (f"task {pointer_parse(fr['task'])[-1]!r} runs the {type_} {name!r}, which does not"
+                                  " exist in this playbook (or was deleted); save it, then run the workflow again")
             self._start_errors[(playbook, run_id)] = (fr["child"], body)
         except Exception:
             log.exception("starting a child run of workflow run %s failed", run_id)
             self._start_errors[(playbook, run_id)] = (fr["child"], Problem("failed", "the child run could not be started").body())
-
-    @staticmethod
-    def _task_name(fr: dict[str, Any]) -> str:
-        return pointer_parse(fr["task"])[-1]
 
     # -- cancelling -----------------------------------------------------------------------------
 
