@@ -821,9 +821,9 @@ def json_nodes(value: Any) -> Iterator[tuple[Any, tuple[Any, ...]]]:
         v, path = stack.pop()
         yield v, path
         if isinstance(v, dict):
-            stack.extend((c, path + (k,)) for k, c in reversed(list(v.items())))
+            stack.extend((c, path + (k,)) for k, c in reversed(v.items()))
         elif isinstance(v, list):
-            stack.extend((c, path + (i,)) for i, c in reversed(list(enumerate(v))))
+            stack.extend((v[i], path + (i,)) for i in range(len(v) - 1, -1, -1))
 
 
 def map_leaves(tree: Any, leaf: Callable[[tuple[Any, ...], Any], Any], path: tuple[Any, ...] = ()) -> Any:
