@@ -1003,8 +1003,8 @@ def nul_pointer(value: Any, base: str = "") -> str | None:
     a value that holds one is refused where it enters."""
     for v, path in json_nodes(value):
         if (isinstance(v, str) and "\x00" in v
-                or isinstance(v, dict) and any(isinstance(k, str) and "\x00" in k for k in v)):  # a name: its object
-            return base + pointer_join(path)
+                or isinstance(v, dict) and any(isinstance(k, str) and "\x00" in k for k in v)):
+            return base + pointer_join(path)            # a text, or the object whose name holds it
     return None
 
 
