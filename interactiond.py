@@ -72,6 +72,7 @@ import base64
 import concurrent.futures
 import contextlib
 import contextvars
+import copy
 import enum
 import fcntl
 import functools
@@ -810,6 +811,30 @@ def pointer_join(parts: Iterable[Any]) -> str:
     return "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in parts)
 
 
+def json_nodes(value: Any) -> Iterator[tuple[Any, tuple[Any, ...]]]:
+    """Every value within `value`, itself first, with its path, in the order it is written.
+
+    Walks without recursion; an object or a list is yielded before what it holds.
+    """
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(value, ())]
+    while stack:
+        v, path = stack.pop()
+        yield v, path
+        if isinstance(v, dict):
+            stack.extend((c, path + (k,)) for k, c in reversed(v.items()))
+        elif isinstance(v, list):
+            stack.extend((v[i], path + (i,)) for i in range(len(v) - 1, -1, -1))
+
+
+def map_leaves(tree: Any, leaf: Callable[[tuple[Any, ...], Any], Any], path: tuple[Any, ...] = ()) -> Any:
+    """`tree`, its objects and lists copied, each other value in it replaced by `leaf(its path, it)`."""
+    if isinstance(tree, dict):
+        return {k: map_leaves(v, leaf, path + (k,)) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [map_leaves(v, leaf, path + (i,)) for i, v in enumerate(tree)]
+    return leaf(path, tree)
+
+
 _MISSING: Final = object()
 
 
@@ -969,45 +994,28 @@ def json_flaw(value: Any, limit: int = MAX_JSON_DEPTH) -> JsonRefused | None:
     """What makes a parsed value one the daemon cannot keep as JSON, or None.
 
     NaN or an infinity (a JSON number has neither), a lone surrogate in a text or a name (not
-    Unicode, so not storable as UTF-8), or nesting deeper than `limit`. Walks without recursion.
+    Unicode, so not storable as UTF-8), or nesting deeper than `limit`: the first in the value.
     """
-    stack: list[tuple[Any, tuple[Any, ...]]] = [(value, ())]
-    while stack:
-        v, path = stack.pop()
+    for v, path in json_nodes(value):
         if isinstance(v, float) and not math.isfinite(v):
             return JsonRefused(f"{v} is not a JSON number", pointer_join(path))
         if isinstance(v, str) and not _is_unicode(v):
             return JsonRefused("a text holds a lone surrogate (\\ud800-\\udfff), which is not Unicode", pointer_join(path))
-        if isinstance(v, (dict, list)):
-            if len(path) >= limit:
-                return JsonRefused(f"the value nests deeper than {limit} levels", pointer_join(path))
-            if isinstance(v, dict):
-                for k, c in v.items():
-                    if isinstance(k, str) and not _is_unicode(k):
-                        return JsonRefused("a name holds a lone surrogate (\\ud800-\\udfff), which is not Unicode",
-                                           pointer_join(path))
-                    stack.append((c, path + (k,)))
-            else:
-                stack.extend((c, path + (i,)) for i, c in enumerate(v))
+        if isinstance(v, (dict, list)) and len(path) >= limit:
+            return JsonRefused(f"the value nests deeper than {limit} levels", pointer_join(path))
+        if isinstance(v, dict) and not all(_is_unicode(k) for k in v if isinstance(k, str)):
+            return JsonRefused("a name holds a lone surrogate (\\ud800-\\udfff), which is not Unicode", pointer_join(path))
     return None
 
 
 def nul_pointer(value: Any, base: str = "") -> str | None:
     """The JSON pointer (under `base`) of the first text or name in `value` that holds a NUL
     character (U+0000), or None. PostgreSQL keeps no NUL in a text, so neither backend keeps one:
-    a value that holds one is refused where it enters. Walks without recursion."""
-    stack: list[tuple[Any, tuple[Any, ...]]] = [(value, ())]
-    while stack:
-        v, path = stack.pop()
-        if isinstance(v, str):
-            if "\x00" in v:
-                return base + pointer_join(path)
-        elif isinstance(v, dict):
-            if any(isinstance(k, str) and "\x00" in k for k in v):
-                return base + pointer_join(path)            # the object whose name holds it
-            stack.extend((c, path + (k,)) for k, c in reversed(list(v.items())))
-        elif isinstance(v, list):
-            stack.extend((c, path + (i,)) for i, c in reversed(list(enumerate(v))))
+    a value that holds one is refused where it enters."""
+    for v, path in json_nodes(value):
+        if (isinstance(v, str) and "\x00" in v
+                or isinstance(v, dict) and any(isinstance(k, str) and "\x00" in k for k in v)):
+            return base + pointer_join(path)            # a text, or the object whose name holds it
     return None
 
 
@@ -1866,13 +1874,7 @@ class Template:
 
 def render_args(tree: Any, ctx: Mapping[str, Any]) -> Any:
     """Render a `with` tree: its templates as `Template.render` does, anything else as written."""
-    if isinstance(tree, Template):
-        return tree.render(ctx)
-    if isinstance(tree, dict):
-        return {k: render_args(v, ctx) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [render_args(v, ctx) for v in tree]
-    return tree
+    return map_leaves(tree, lambda _, v: v.render(ctx) if isinstance(v, Template) else v)
 
 
 def base_context(now_ms: int, **extra: Any) -> dict[str, Any]:
@@ -2257,6 +2259,24 @@ def _compiled_schema(text: str) -> Any:
     return validator
 
 
+#: Keywords whose value is one schema, a mapping of names to schemas, or a list of schemas.
+_SUBSCHEMA_ONE: Final = frozenset({
+    "additionalProperties", "additionalItems", "not", "if", "then", "else", "contains", "propertyNames",
+    "unevaluatedItems", "unevaluatedProperties", "contentSchema", "items"})
+_SUBSCHEMA_MAP: Final = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas",
+                                   "dependencies"})
+_SUBSCHEMA_LIST: Final = frozenset({"allOf", "anyOf", "oneOf", "prefixItems", "items"})
+
+
+def _subschemas(key: str, value: Any) -> list[tuple[tuple[Any, ...], Any]]:
+    """The schemas in keyword `key` of a schema, whose value is `value`, each with its path from the keyword."""
+    if key in _SUBSCHEMA_MAP and isinstance(value, dict):
+        return [((key, k), v) for k, v in value.items()]
+    if key in _SUBSCHEMA_LIST and isinstance(value, list):
+        return [((key, i), v) for i, v in enumerate(value)]
+    return [((key,), value)] if key in _SUBSCHEMA_ONE else []
+
+
 # The compiled check. jsonschema walks a schema in Python (10-40 us an answer); jsonschema-rs
 # compiles it to Rust (well under 1 us). schema_errors asks the compiled check first, and only an
 # instance it refuses goes through jsonschema, which words the errors (so their pointers and words
@@ -2276,8 +2296,8 @@ _FAST_KEYWORDS: Final = frozenset({
     "type", "enum", "const", "required", "minLength", "maxLength", "minimum", "maximum", "exclusiveMinimum",
     "exclusiveMaximum", "minItems", "maxItems", "uniqueItems", "minProperties", "maxProperties",
     "title", "description", "default", "examples", "deprecated", "readOnly", "writeOnly", "$comment"})
-_FAST_SUBSCHEMA: Final = frozenset({"items", "additionalProperties", "not", "contains", "propertyNames"})
-_FAST_SUBSCHEMAS: Final = frozenset({"anyOf", "allOf", "oneOf", "prefixItems"})
+_FAST_SUBSCHEMAS: Final = frozenset({"properties", "items", "additionalProperties", "not", "contains", "propertyNames",
+                                     "anyOf", "allOf", "oneOf", "prefixItems"})
 
 #: id(jsonschema validator) -> (that validator, its compiled check); the validator is held, so its id
 #: is not reused while the entry stands.
@@ -2285,23 +2305,11 @@ _FAST_CHECKS: Final[OrderedDict[int, tuple[Any, Callable[[Any], bool]]]] = Order
 
 
 def _fast_keywords_only(node: Any) -> bool:
-    if isinstance(node, bool):
-        return True
+    """Whether a (valid) schema is made only of _FAST_KEYWORDS and subschemas of _FAST_SUBSCHEMAS."""
     if not isinstance(node, dict):
-        return False
-    for key, value in node.items():
-        if key == "properties":
-            if not isinstance(value, dict) or not all(_fast_keywords_only(v) for v in value.values()):
-                return False
-        elif key in _FAST_SUBSCHEMA:
-            if not _fast_keywords_only(value):
-                return False
-        elif key in _FAST_SUBSCHEMAS:
-            if not isinstance(value, list) or not all(_fast_keywords_only(v) for v in value):
-                return False
-        elif key not in _FAST_KEYWORDS:
-            return False
-    return True
+        return isinstance(node, bool)
+    return all(key in _FAST_KEYWORDS or key in _FAST_SUBSCHEMAS
+               and all(_fast_keywords_only(sub) for _, sub in _subschemas(key, value)) for key, value in node.items())
 
 
 def _fast_check(schema: Any) -> Callable[[Any], bool] | None:
@@ -2357,8 +2365,14 @@ def schema_errors(validator: Any, instance: Any, prefix: str = "") -> list[dict[
     return sorted(out, key=lambda e: e["pointer"])
 
 
+#: Set while a document saved before is read again from the store (a run of its version): the rules
+#: that only refuse a new document stand aside, so a definition an older version accepted still runs.
+READING_SAVED: Final[contextvars.ContextVar[bool]] = contextvars.ContextVar("reading_saved", default=False)
+
+
 def _schema_problem(schema: Any) -> tuple[tuple[Any, ...], str] | None:
-    """Why `schema` cannot be used, as (where within it, message), or None."""
+    """Why `schema` cannot be used, as (where within it, message), or None. A new document's schema
+    (not READING_SAVED) is also refused for a keyword its dialect does not know."""
     jsonschema = _jsonschema()
     validators = jsonschema.validators
     if isinstance(schema, dict) and "$schema" in schema and (
@@ -2386,7 +2400,8 @@ def _schema_problem(schema: Any) -> tuple[tuple[Any, ...], str] | None:
         if key == "$id" and isinstance(value, str) and _remote(value):
             return path + (key,), (f"{value!r} is a base outside the daemon, and references are never fetched; "
                                    "leave out this $id and refer within the schema by #/$defs/...")
-    return _unheld_reference(schema, cls)
+    return _unheld_reference(schema, cls) or (None if READING_SAVED.get() else
+                                              _unknown_keyword(schema, _dialect_keywords(cls), ()))
 
 
 def _remote(uri: str) -> bool:
@@ -2441,15 +2456,6 @@ def _unheld_reference(schema: Any, cls: Any) -> tuple[tuple[Any, ...], str] | No
 # beside `properties` instead of under it, or YAML's flow mapping split at a comma
 # (`{type: string, description: What to change, if anything}` holds the keyword "if anything").
 
-#: Keywords whose value is one schema, a mapping of names to schemas, or a list of schemas.
-_SUBSCHEMA_ONE: Final = frozenset({
-    "additionalProperties", "additionalItems", "not", "if", "then", "else", "contains", "propertyNames",
-    "unevaluatedItems", "unevaluatedProperties", "contentSchema", "items"})
-_SUBSCHEMA_MAP: Final = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas",
-                                   "dependencies"})
-_SUBSCHEMA_LIST: Final = frozenset({"allOf", "anyOf", "oneOf", "prefixItems", "items"})
-
-
 @functools.lru_cache(maxsize=8)
 def _dialect_keywords(cls: Any) -> frozenset[str]:
     """Every keyword of a dialect: its meta-schema's properties (and its vocabularies') and its validators."""
@@ -2461,18 +2467,6 @@ def _dialect_keywords(cls: Any) -> frozenset[str]:
         if isinstance(part, dict) and isinstance(part.get("$ref"), str):
             keys |= set(resolver.lookup(part["$ref"]).contents.get("properties", {}))
     return frozenset(keys)
-
-
-#: Set while a document saved before is read again from the store (a run of its version): the rules
-#: that only refuse a new document stand aside, so a definition an older version accepted still runs.
-READING_SAVED: Final[contextvars.ContextVar[bool]] = contextvars.ContextVar("reading_saved", default=False)
-
-
-def _schema_keyword_problem(schema: Any) -> tuple[tuple[Any, ...], str] | None:
-    """The first keyword of a (valid) schema that its dialect does not know, as (where, why), or None."""
-    jsonschema = _jsonschema()
-    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-    return _unknown_keyword(schema, _dialect_keywords(cls), ())
 
 
 def _unknown_keyword(node: Any, known: frozenset[str], path: tuple[Any, ...]) -> tuple[tuple[Any, ...], str] | None:
@@ -2496,14 +2490,7 @@ def _unknown_keyword(node: Any, known: frozenset[str], path: tuple[Any, ...]) ->
             return path + (key,), why
         before = (key, value)
     for key, value in node.items():
-        subs: list[tuple[Any, Any]] = []
-        if key in _SUBSCHEMA_MAP and isinstance(value, dict):
-            subs = [((key, k), v) for k, v in value.items()]
-        elif key in _SUBSCHEMA_LIST and isinstance(value, list):
-            subs = [((key, i), v) for i, v in enumerate(value)]
-        elif key in _SUBSCHEMA_ONE:
-            subs = [((key,), value)]
-        for where, sub in subs:
+        for where, sub in _subschemas(key, value):
             found = _unknown_keyword(sub, known, path + where)
             if found:
                 return found
@@ -2843,6 +2830,11 @@ class DocumentError(Exception):
         more = f" (and {len(self.problems) - 1} more)" if len(self.problems) > 1 else ""
         super().__init__(f"line {first['line']}: {first['message']}{more}")
 
+    @classmethod
+    def at(cls, line: int, message: str) -> DocumentError:
+        """A document refused whole, for one problem on `line`."""
+        return cls([{"line": line, "field": "", "message": message}])
+
 
 # Reading the front matter with lines.
 
@@ -2946,6 +2938,7 @@ _ALIAS_TAG: Final = "!alias"
 _NO_ANCHORS: Final = "anchors and aliases (&name, *name) are not allowed"
 _COLLECTION_TAGS: Final = (_YAML_TAG + "map", _YAML_TAG + "seq")
 _FRONT_OFFSET: Final = 2   # YAML's 0-based line 0 is the source's line 2, below the opening ---
+_WORKFLOW_OFFSET: Final = 1   # a workflow document is YAML from its first line
 
 
 @dataclass(frozen=True, slots=True)
@@ -2973,15 +2966,30 @@ def _scalar(node: Any) -> Any:
 
 
 class _Reader:
-    """The problems of one document, and the lines its fields were written on."""
+    """The problems of one document, and the lines its fields were written on.
 
-    def __init__(self) -> None:
+    `offset` is the source's line of YAML's line 0; `prefix` is where a reader made by `within`
+    reports its fields and looks up their lines.
+    """
+
+    def __init__(self, offset: int = _FRONT_OFFSET) -> None:
         self.where: dict[tuple[Any, ...], _Where] = {}
         self.problems: list[dict[str, Any]] = []
         self.markup = MarkupBudget()        # what the document's templates may still hold
         self.room = {"schema objects": MAX_SCHEMA_OBJECTS}   # what its JSON Schemas may still hold
+        self.offset = offset
+        self.prefix: tuple[Any, ...] = ()
+
+    def within(self, prefix: tuple[Any, ...]) -> _Reader:
+        """A reader of a block nested under `prefix` (`approve`), sharing this one's problems and
+        lines: the block readers written for the top level (`_read_deliver`, `_read_replies`)
+        report their fields and lines below it."""
+        inner = copy.copy(self)
+        inner.prefix = self.prefix + prefix
+        return inner
 
     def line(self, path: tuple[Any, ...]) -> int:
+        path = self.prefix + path
         while path:
             if path in self.where:
                 return self.where[path].line
@@ -2989,11 +2997,20 @@ class _Reader:
         return 1
 
     def text_line(self, path: tuple[Any, ...]) -> int:
-        found = self.where.get(path)
+        found = self.where.get(self.prefix + path)
         return found.text_line if found else self.line(path)
 
     def add(self, path: tuple[Any, ...], message: str, line: int | None = None) -> None:
-        self.problems.append({"line": line or self.line(path), "field": ".".join(map(str, path)), "message": message})
+        self.problems.append({"line": line or self.line(path), "field": ".".join(map(str, self.prefix + path)),
+                              "message": message})
+
+    def node_line(self, node: Any) -> int:
+        return node.start_mark.line + self.offset
+
+    def node_text_line(self, node: Any) -> int:
+        import yaml
+        block = isinstance(node, yaml.ScalarNode) and node.style in ("|", ">")
+        return self.node_line(node) + (1 if block else 0)
 
     # Composing.
 
@@ -3001,34 +3018,34 @@ class _Reader:
         """Plain data from a YAML node, noting each field's line; problems are collected."""
         import yaml
         if getattr(node, "anchored", False):
-            self.add(path, _NO_ANCHORS, line=node.start_mark.line + _FRONT_OFFSET)
+            self.add(path, _NO_ANCHORS, line=self.node_line(node))
         if isinstance(node, (yaml.MappingNode, yaml.SequenceNode)) and node.tag not in _COLLECTION_TAGS:
-            self.add(path, f"the YAML tag {node.tag!r} is not allowed", line=node.start_mark.line + _FRONT_OFFSET)
+            self.add(path, f"the YAML tag {node.tag!r} is not allowed", line=self.node_line(node))
             return None
         if isinstance(node, yaml.MappingNode):
             out: dict[str, Any] = {}
             for key_node, value_node in node.value:
                 if not isinstance(key_node, yaml.ScalarNode):
-                    self.add(path, "a key is a plain text", line=key_node.start_mark.line + _FRONT_OFFSET)
+                    self.add(path, "a key is a plain text", line=self.node_line(key_node))
                     continue
                 key = key_node.value
                 if key in out:
                     self.add(path + (key,), f"{key!r} is written twice (first on line {self.line(path + (key,))})",
-                             line=key_node.start_mark.line + _FRONT_OFFSET)
+                             line=self.node_line(key_node))
                     continue
-                self.where[path + (key,)] = _Where(key_node.start_mark.line + _FRONT_OFFSET, _text_line(value_node))
+                self.where[path + (key,)] = _Where(self.node_line(key_node), self.node_text_line(value_node))
                 out[key] = self.construct(value_node, path + (key,))
             return out
         if isinstance(node, yaml.SequenceNode):
             items = []
             for i, item in enumerate(node.value):
-                self.where[path + (i,)] = _Where(item.start_mark.line + _FRONT_OFFSET, _text_line(item))
+                self.where[path + (i,)] = _Where(self.node_line(item), self.node_text_line(item))
                 items.append(self.construct(item, path + (i,)))
             return items
         try:
             return _scalar(node)
         except ValueError as exc:
-            self.add(path, str(exc), line=node.start_mark.line + _FRONT_OFFSET)
+            self.add(path, str(exc), line=self.node_line(node))
             return None
 
     # Typed fields.
@@ -3072,8 +3089,8 @@ class _Reader:
             return None
         return value
 
-    def duration(self, path: tuple[Any, ...], value: Any, low: timedelta, high: timedelta,
-                 bounds: str) -> timedelta | None:
+    def duration(self, path: tuple[Any, ...], value: Any, low: timedelta = EXPIRES_MIN, high: timedelta = EXPIRES_MAX,
+                 bounds: str = "PT1M to P30D (1 minute to 30 days)") -> timedelta | None:
         try:
             span = parse_duration(value)
         except ValueError as exc:
@@ -3091,11 +3108,11 @@ class _Reader:
         room = self.room["schema objects"]
         if room < 0:                    # refused already: the document is
             return None
-        room = self.room["schema objects"] = room - _objects_in(value)
+        room = self.room["schema objects"] = room - sum(isinstance(v, dict) for v, _ in json_nodes(value))
         if room < 0:
             self.add(path, f"the document's JSON Schemas hold more than {MAX_SCHEMA_OBJECTS} objects together")
             return None
-        problem = _schema_problem(value) or (None if READING_SAVED.get() else _schema_keyword_problem(value))
+        problem = _schema_problem(value)
         if problem:
             self.add(path + problem[0], problem[1])
             return None
@@ -3116,10 +3133,11 @@ class _Reader:
             self.add(path, "is the tool's arguments: a mapping of names to values")
             return None
         before = len(self.problems)
-        tree = self._tree(path, value, place, input_schema)
+        tree = map_leaves(value, lambda at, v: self.template(at, v, place, input_schema) if isinstance(v, str) else v,
+                          path)
         if len(self.problems) > before:
             return None
-        templates = list(_templates_in(tree))
+        templates = [t for t, _ in json_nodes(tree) if isinstance(t, Template)]
         if all(t.roots <= {"today", "now"} for t in templates):
             try:
                 size = json_size(render_args(tree, base_context(0)))
@@ -3131,104 +3149,47 @@ class _Reader:
                 return None
         return tree
 
-    def _tree(self, path: tuple[Any, ...], value: Any, place: Place, input_schema: Any) -> Any:
-        if isinstance(value, str):
-            return self.template(path, value, place, input_schema)
-        if isinstance(value, dict):
-            return {k: self._tree(path + (k,), v, place, input_schema) for k, v in value.items()}
-        if isinstance(value, list):
-            return [self._tree(path + (i,), v, place, input_schema) for i, v in enumerate(value)]
-        return value
-
-
-class _Within(_Reader):
-    """A reader of a block nested under `prefix` (`approve`): the block readers written for the top
-    level (`_read_deliver`, `_read_replies`) report their fields and lines below it."""
-
-    def __init__(self, outer: _Reader, prefix: tuple[Any, ...]) -> None:
-        self.where, self.problems, self.prefix = outer.where, outer.problems, prefix
-        self.markup, self.room = outer.markup, outer.room
-
-    def line(self, path: tuple[Any, ...]) -> int:
-        return super().line(self.prefix + path)
-
-    def text_line(self, path: tuple[Any, ...]) -> int:
-        return super().text_line(self.prefix + path)
-
-    def add(self, path: tuple[Any, ...], message: str, line: int | None = None) -> None:
-        self.problems.append({"line": line or self.line(path), "field": ".".join(map(str, self.prefix + path)),
-                              "message": message})
-
-
-def _objects_in(value: Any) -> int:
-    """The mappings within `value`, itself included."""
-    count, stack = 0, [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, dict):
-            count += 1
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return count
-
-
-def _text_line(node: Any) -> int:
-    import yaml
-    block = isinstance(node, yaml.ScalarNode) and node.style in ("|", ">")
-    return node.start_mark.line + _FRONT_OFFSET + (1 if block else 0)
-
-
-def _templates_in(tree: Any) -> Iterable[Template]:
-    if isinstance(tree, Template):
-        yield tree
-    elif isinstance(tree, dict):
-        for v in tree.values():
-            yield from _templates_in(v)
-    elif isinstance(tree, list):
-        for v in tree:
-            yield from _templates_in(v)
-
 
 def _split_source(source: str) -> tuple[str, str, int]:
     """The front matter, the body, and the line the body starts on."""
     lines = source.replace("\r\n", "\n").replace("\r", "\n").removeprefix("\ufeff").split("\n")
     if lines[0].rstrip() != "---":
-        raise DocumentError([{"line": 1, "field": "", "message":
-                              "a function document starts with a line of three dashes (---), then its YAML "
-                              "front matter, another --- line, and the message"}])
+        raise DocumentError.at(1, "a function document starts with a line of three dashes (---), then its YAML "
+                                  "front matter, another --- line, and the message")
     close = next((i for i in range(1, len(lines)) if lines[i].rstrip() == "---"), None)
     if close is None:
-        raise DocumentError([{"line": len(lines), "field": "",
-                              "message": "the front matter never ends: close it with a line of three dashes (---)"}])
+        raise DocumentError.at(len(lines), "the front matter never ends: close it with a line of three dashes (---)")
     body = lines[close + 1:]
     blank = next((i for i, line in enumerate(body) if line.strip()), 0)
     return "\n".join(lines[1:close]), "\n".join(body[blank:]).rstrip(), close + 2 + blank
 
 
-def _compose(r: _Reader, text: str) -> dict[str, Any]:
+def _compose(r: _Reader, text: str, what: str, shape: str, empty: bool = False) -> dict[str, Any]:
+    """The data of a YAML text (front matter or a workflow document); `r` learns every field's line.
+
+    `what` names the text where it is not valid YAML, `shape` says what it is where it is not a
+    mapping; an empty text is an empty mapping where `empty` allows one.
+    """
     import yaml
     loader = None
     try:
         loader = _front_matter_loader()(text)
         node = loader.get_single_node()
     except _TooLarge as exc:
-        raise DocumentError([{"line": exc.problem_mark.line + _FRONT_OFFSET, "field": "", "message": exc.problem}]) from None
+        raise DocumentError.at(exc.problem_mark.line + r.offset, exc.problem) from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
-        line = mark.line + _FRONT_OFFSET if mark else 1
-        raise DocumentError([{"line": line, "field": "", "message": f"the front matter is not valid YAML: {exc.problem}"}])
+        raise DocumentError.at(mark.line + r.offset if mark else 1, f"{what} is not valid YAML: {exc.problem}") from None
     except yaml.YAMLError as exc:
-        line = text.count("\n", 0, getattr(exc, "position", 0)) + _FRONT_OFFSET
-        raise DocumentError([{"line": line, "field": "", "message": f"the front matter is not valid YAML: {exc}"}])
+        line = text.count("\n", 0, getattr(exc, "position", 0)) + r.offset
+        raise DocumentError.at(line, f"{what} is not valid YAML: {exc}") from None
     finally:
         if loader is not None:
             loader.dispose()
-    if node is None:
+    if node is None and empty:
         return {}
     if not isinstance(node, yaml.MappingNode):
-        raise DocumentError([{"line": node.start_mark.line + _FRONT_OFFSET, "field": "",
-                              "message": "the front matter is a mapping of fields, such as description: ..."}])
+        raise DocumentError.at(r.node_line(node) if node is not None else 1, shape)
     return r.construct(node, ())
 
 
@@ -3280,31 +3241,36 @@ class _CollectorPaused:
 _COLLECTOR_PAUSED: Final = _CollectorPaused()
 
 
-def _check_paused(check: Callable[..., Any], *args: Any) -> Any:
-    with _COLLECTOR_PAUSED:
-        return check(*args)
-
-
 async def check_off_loop(check: Callable[..., Any], *args: Any) -> Any:
     """`check(*args)` (such as parse_function) in a document-checking thread, awaited."""
-    return await asyncio.get_running_loop().run_in_executor(
-        _DOCUMENT_CHECKS, functools.partial(_check_paused, check, *args))
+    def paused() -> Any:
+        with _COLLECTOR_PAUSED:
+            return check(*args)
+    return await asyncio.get_running_loop().run_in_executor(_DOCUMENT_CHECKS, paused)
 
 
 def parse_function(source: str) -> FunctionDoc:
     """Check and compile a function document; DocumentError lists every problem."""
-    if not isinstance(source, str):
-        raise DocumentError([{"line": 1, "field": "", "message": "a function document is text"}])
-    r = _Reader()
-    try:
+    def read(r: _Reader) -> FunctionDoc | None:
         front, body, body_line = _split_source(source)
-        data = _compose(r, front)
-        doc = _check(r, source, data, body, body_line)
+        data = _compose(r, front, "the front matter", "the front matter is a mapping of fields, such as description: ...",
+                        empty=True)
+        return _check(r, source, data, body, body_line)
+    doc = _read_document(source, "a function document is text", _Reader(), read)
+    return replace(doc, overview=overview(doc))
+
+
+def _read_document(source: Any, not_text: str, r: _Reader, read: Callable[[Any], Any]) -> Any:
+    """What `read(r)` makes of a document's `source`; DocumentError lists every problem `r` collected."""
+    if not isinstance(source, str):
+        raise DocumentError.at(1, not_text)
+    try:
+        doc = read(r)
     except RecursionError:
-        raise DocumentError([{"line": 1, "field": "", "message": "the document nests too deeply"}]) from None
+        raise DocumentError.at(1, "the document nests too deeply") from None
     if r.problems or doc is None:
         raise DocumentError(r.problems or [{"line": 1, "field": "", "message": "invalid document"}])
-    return replace(doc, overview=overview(doc))
+    return doc
 
 
 def _check(r: _Reader, source: str, data: dict[str, Any], body: str, body_line: int) -> FunctionDoc | None:
@@ -3345,7 +3311,7 @@ def _check(r: _Reader, source: str, data: dict[str, Any], body: str, body_line: 
         if "from" in data:
             from_ = r.template(("from",), data["from"], PLACES["party"], input_schema)
         if "expires" in data:
-            expires = r.duration(("expires",), data["expires"], EXPIRES_MIN, EXPIRES_MAX, "PT1M to P30D (1 minute to 30 days)")
+            expires = r.duration(("expires",), data["expires"])
         if body.strip():
             message = r.template(("body",), body, PLACES["message"], input_schema, line=body_line)
         else:
@@ -3405,7 +3371,7 @@ def _read_call(r: _Reader, value: Any, input_schema: Any) -> CallSpec | None:
     read = r.pointer(("call", "read"), block["read"], empty=False) if "read" in block else None
     if server is None or tool is None or with_ is None or ("read" in block and read is None):
         return None
-    reads_input = any("input" in t.roots for t in _templates_in(with_))
+    reads_input = any(isinstance(t, Template) and "input" in t.roots for t, _ in json_nodes(with_))
     return CallSpec(server, tool, with_, read, reads_input)
 
 
@@ -3433,11 +3399,10 @@ def _read_approve(r: _Reader, data: dict[str, Any],
         r.add(path + ("need",), f"is how many of the {1 + len(also)} people in `to` must approve: 1 to {1 + len(also)}")
     if not isinstance(veto, bool):
         r.add(path + ("veto",), "is true (one refusal refuses the call) or false (refusals only fail to approve)")
-    expires = (r.duration(path + ("expires",), block["expires"], EXPIRES_MIN, EXPIRES_MAX,
-                          "PT1M to P30D (1 minute to 30 days)") if "expires" in block else None)
+    expires = r.duration(path + ("expires",), block["expires"]) if "expires" in block else None
     with_ = data["call"].get("with") if isinstance(data.get("call"), dict) else None
     edit = _read_edit(r, path + ("edit",), block.get("edit", []), with_)
-    within = _Within(r, path)
+    within = r.within(path)
     deliver = _read_deliver(within, block["deliver"], input_schema) if "deliver" in block else None
     replies = None
     if "replies" in block:
@@ -3553,7 +3518,6 @@ def _read_follow_up(r: _Reader, data: dict[str, Any], expires: timedelta | None,
     """`remind`, `escalate` and `on_expiry` of a function that asks a person, checked: FunctionDoc's
     fields of the same names, for those the document writes."""
     out: dict[str, Any] = {}
-    bounds = "PT1M to P30D (1 minute to 30 days)"
 
     def before_expiry(path: tuple[Any, ...], span: timedelta | None, text: Any) -> timedelta | None:
         if span is not None and expires is not None and span >= expires:
@@ -3580,7 +3544,7 @@ def _read_follow_up(r: _Reader, data: dict[str, Any], expires: timedelta | None,
                 r.add(path, f"a request is reminded at most {MAX_REMINDERS} times, not {len(listed)}")
             for i, text in enumerate(listed):
                 at = path + (i,) if isinstance(block["after"], list) else path
-                span = before_expiry(at, r.duration(at, text, EXPIRES_MIN, EXPIRES_MAX, bounds), text)
+                span = before_expiry(at, r.duration(at, text), text)
                 earlier = next((s for s in reversed(spans) if s is not None), None)
                 if span is not None and earlier is not None and span <= earlier:
                     r.add(at, f"{text} does not come after the reminder before it: list the durations in increasing order")
@@ -3593,8 +3557,7 @@ def _read_follow_up(r: _Reader, data: dict[str, Any], expires: timedelta | None,
     if "escalate" in data:
         block = r.mapping(("escalate",), data["escalate"], ("after", "to", "message"), ("after", "to"))
         if block is not None:
-            after = (before_expiry(("escalate", "after"), r.duration(("escalate", "after"), block["after"], EXPIRES_MIN,
-                                                                       EXPIRES_MAX, bounds), block["after"])
+            after = (before_expiry(("escalate", "after"), r.duration(("escalate", "after"), block["after"]), block["after"])
                      if "after" in block else None)
             to = r.template(("escalate", "to"), block["to"], PLACES["party"], input_schema) if "to" in block else None
             message = (r.template(("escalate", "message"), block["message"], PLACES["message"], input_schema)
@@ -12360,77 +12323,43 @@ def parse_workflow(source: str, name: str | None = None) -> WorkflowDoc:
 
     `name`, when given, is the definition's name, which `document.name` must equal.
     """
-    if not isinstance(source, str):
-        raise DocumentError([{"line": 1, "field": "", "message": "a workflow document is YAML text"}])
-    r = _Reader()
-    try:
-        data = _compose_workflow(r, source)
-        doc = _WorkflowReader(r, name).read(data)
-    except RecursionError:
-        raise DocumentError([{"line": 1, "field": "", "message": "the document nests too deeply"}]) from None
-    if r.problems or doc is None:
-        raise DocumentError(r.problems or [{"line": 1, "field": "", "message": "invalid workflow document"}])
+    def read(r: _WorkflowReader) -> WorkflowDoc | None:
+        text = source.replace("\r\n", "\n").replace("\r", "\n").removeprefix("\ufeff")
+        data = _compose(r, text, "the document", "a workflow document is a YAML mapping of document, input, do and output")
+        return r.read(data)
+    doc = _read_document(source, "a workflow document is YAML text", _WorkflowReader(name), read)
     return replace(doc, overview=workflow_overview(doc))
 
 
-def _compose_workflow(r: _Reader, source: str) -> dict[str, Any]:
-    """The document's data; `r` learns every field's line. Same loader as the front matter."""
-    import yaml
-    text = source.replace("\r\n", "\n").replace("\r", "\n").removeprefix("\ufeff")
-    loader = None
-    try:
-        loader = _front_matter_loader()(text)
-        node = loader.get_single_node()
-    except _TooLarge as exc:
-        raise DocumentError([{"line": exc.problem_mark.line + 1, "field": "", "message": exc.problem}]) from None
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        raise DocumentError([{"line": mark.line + 1 if mark else 1, "field": "",
-                              "message": f"the document is not valid YAML: {exc.problem}"}]) from None
-    except yaml.YAMLError as exc:
-        raise DocumentError([{"line": 1, "field": "", "message": f"the document is not valid YAML: {exc}"}]) from None
-    finally:
-        if loader is not None:
-            loader.dispose()
-    if not isinstance(node, yaml.MappingNode):
-        raise DocumentError([{"line": node.start_mark.line + 1 if node is not None else 1, "field": "",
-                              "message": "a workflow document is a YAML mapping of document, input, do and output"}])
-    data = r.construct(node, ())
-    # The reader counts lines as for front matter (below a --- line); a workflow starts on line 1.
-    shift = _FRONT_OFFSET - 1
-    r.where = {k: _Where(w.line - shift, w.text_line - shift) for k, w in r.where.items()}
-    for p in r.problems:
-        p["line"] = max(1, p["line"] - shift)
-    return data
+class _WorkflowReader(_Reader):
+    """The reader of a workflow document: the lines and problems of any document, and its save-time rules.
 
+    `saved_as`, when given, is the definition's name, which `document.name` must equal.
+    """
 
-class _WorkflowReader:
-    """The save-time rules of a workflow document, over the data `_Reader` composed."""
-
-    def __init__(self, r: _Reader, name: str | None) -> None:
-        self.r = r
-        self.name = name
+    def __init__(self, saved_as: str | None) -> None:
+        super().__init__(_WORKFLOW_OFFSET)
+        self.saved_as = saved_as
         self.tasks: dict[str, WfTask] = {}
         self.lists: dict[str, tuple[WfTask, ...]] = {}
         self.calls: list[tuple[str, str, int, str]] = []
         self.expressions = [0, 0]       # expressions and their characters so far (past the bounds none compiles)
 
     def read(self, data: dict[str, Any]) -> WorkflowDoc | None:
-        r = self.r
         for key in data:
             if key not in _WF_KEYS:
-                r.add((key,), f"{key!r} is not part of the workflows interactiond runs (their keys: {', '.join(_WF_KEYS)})")
+                self.add((key,), f"{key!r} is not part of the workflows interactiond runs (their keys: {', '.join(_WF_KEYS)})")
         for key in ("document", "do"):
             if key not in data:
-                r.add((key,), f"a workflow needs {key!r}", line=1)
+                self.add((key,), f"a workflow needs {key!r}", line=1)
         document = self.document(data.get("document")) if "document" in data else {}
         input_schema, input_from = self.input(data["input"]) if "input" in data else (None, None)
         output_as = None
-        if "output" in data and r.mapping(("output",), data["output"], ("as",)) is not None and "as" in data["output"]:
+        if "output" in data and self.mapping(("output",), data["output"], ("as",)) is not None and "as" in data["output"]:
             output_as = self.tree(("output", "as"), data["output"]["as"], _EXPR_VARS)
         if "do" in data:
             self.task_list(("do",), data["do"], _EXPR_VARS)
-        if r.problems:
+        if self.problems:
             return None
         return WorkflowDoc(name=document["name"], document=document,
                            description=document.get("summary") or document.get("title"),
@@ -12440,80 +12369,79 @@ class _WorkflowReader:
     # -- the parts ------------------------------------------------------------------------------
 
     def document(self, value: Any) -> dict[str, Any]:
-        r, path = self.r, ("document",)
-        doc = r.mapping(path, value, ("dsl", "namespace", "name", "version", "title", "summary", "tags", "metadata"),
+        path = ("document",)
+        doc = self.mapping(path, value, ("dsl", "namespace", "name", "version", "title", "summary", "tags", "metadata"),
                         required=("dsl", "namespace", "name", "version"))
         if doc is None:
             return {}
         if "dsl" in doc and not (isinstance(doc["dsl"], str) and _DSL_RE.fullmatch(doc["dsl"])):
-            r.add(path + ("dsl",), f"{doc['dsl']!r} is not a DSL version interactiond reads: write '1.0.x', such as '1.0.3'")
+            self.add(path + ("dsl",), f"{doc['dsl']!r} is not a DSL version interactiond reads: write '1.0.x', such as '1.0.3'")
         if "namespace" in doc and not (isinstance(doc["namespace"], str) and _NAMESPACE_RE.fullmatch(doc["namespace"])):
-            r.add(path + ("namespace",), "is lowercase letters and digits, single hyphens between them, at most 63")
+            self.add(path + ("namespace",), "is lowercase letters and digits, single hyphens between them, at most 63")
         if "name" in doc:
             got = doc["name"]
             if not isinstance(got, str) or not FUNCTION_NAME_RE.fullmatch(got):
-                r.add(path + ("name",), "is the workflow's name: 1 to 128 lowercase letters, digits, hyphens and underscores")
-            elif self.name is not None and got != self.name:
-                r.add(path + ("name",), f"is {got!r}, but the definition is saved as {self.name!r}; the two must be equal")
+                self.add(path + ("name",), "is the workflow's name: 1 to 128 lowercase letters, digits, hyphens and underscores")
+            elif self.saved_as is not None and got != self.saved_as:
+                self.add(path + ("name",), f"is {got!r}, but the definition is saved as {self.saved_as!r}; the two must be equal")
         for key in ("version", "title", "summary"):
             if key in doc and (not isinstance(doc[key], str) or not doc[key].strip()):
-                r.add(path + (key,), "is a text (quote a version such as '1.0.0')")
+                self.add(path + (key,), "is a text (quote a version such as '1.0.0')")
         if "tags" in doc and not (isinstance(doc["tags"], dict) and all(isinstance(v, str) for v in doc["tags"].values())):
-            r.add(path + ("tags",), "is a mapping of names to texts")
+            self.add(path + ("tags",), "is a mapping of names to texts")
         if "metadata" in doc and not isinstance(doc["metadata"], dict):
-            r.add(path + ("metadata",), "is a mapping")
+            self.add(path + ("metadata",), "is a mapping")
         return doc
 
     def input(self, value: Any) -> tuple[Any, Any]:
-        r, path = self.r, ("input",)
-        inp = r.mapping(path, value, ("schema", "from"))
+        path = ("input",)
+        inp = self.mapping(path, value, ("schema", "from"))
         if inp is None:
             return None, None
         schema = None
         if "schema" in inp:
-            block = r.mapping(path + ("schema",), inp["schema"], ("format", "document"), required=("document",))
+            block = self.mapping(path + ("schema",), inp["schema"], ("format", "document"), required=("document",))
             if block is not None:
                 if block.get("format", "json") != "json":
-                    r.add(path + ("schema", "format"), "is json, the only schema format interactiond reads")
+                    self.add(path + ("schema", "format"), "is json, the only schema format interactiond reads")
                 if "document" in block:
-                    schema = r.schema(path + ("schema", "document"), block["document"])
+                    schema = self.schema(path + ("schema", "document"), block["document"])
         from_ = self.tree(path + ("from",), inp["from"], _EXPR_VARS) if "from" in inp else None
         return schema, from_
 
-    def duration(self, path: tuple[Any, ...], value: Any, low: timedelta, high: timedelta) -> int | None:
+    def span_ms(self, path: tuple[Any, ...], value: Any, low: timedelta, high: timedelta) -> int | None:
         """An ISO 8601 text or the DSL's {days, hours, minutes, seconds, milliseconds}, as ms."""
-        r = self.r
         if isinstance(value, dict):
             units = {"days": 86_400_000, "hours": 3_600_000, "minutes": 60_000, "seconds": 1000, "milliseconds": 1}
             ms = 0
             for key, n in value.items():
                 if key not in units:
-                    r.add(path + (key,), f"{key!r} is not a unit of a duration ({', '.join(units)})")
+                    self.add(path + (key,), f"{key!r} is not a unit of a duration ({', '.join(units)})")
                     return None
                 if isinstance(n, bool) or not isinstance(n, (int, float)) or n < 0:
-                    r.add(path + (key,), "is a number of zero or more")
+                    self.add(path + (key,), "is a number of zero or more")
                     return None
                 ms += int(n * units[key])
             try:
                 span = timedelta(milliseconds=ms)
             except OverflowError:
-                r.add(path, f"is longer than any duration the daemon keeps (at most {timedelta.max.days} days)")
+                self.add(path, f"is longer than any duration the daemon keeps (at most {timedelta.max.days} days)")
                 return None
         else:
             try:
                 span = parse_duration(value)
             except ValueError as exc:
-                r.add(path, str(exc))
+                self.add(path, str(exc))
                 return None
         if not low <= span <= high:
-            r.add(path, f"is {duration_words(span)}; it lies between {duration_words(low)} and {duration_words(high)}")
+            self.add(path, f"is {duration_words(span)}; it lies between {duration_words(low)} and {duration_words(high)}")
             return None
         return int(span.total_seconds() * 1000)
 
     def expr(self, path: tuple[Any, ...], value: Any, names: tuple[str, ...]) -> Expr | None:
         """A field that is an expression whole (if, when, exceptWhen): `${ ... }` or bare jq."""
         if not isinstance(value, str) or not value.strip():
-            self.r.add(path, "is a runtime expression, such as '${ .approved == true }'")
+            self.add(path, "is a runtime expression, such as '${ .approved == true }'")
             return None
         text = value.strip()
         if text.startswith("${") and text.endswith("}"):
@@ -12522,52 +12450,47 @@ class _WorkflowReader:
 
     def compile(self, path: tuple[Any, ...], text: str, names: tuple[str, ...]) -> Expr | None:
         if not text.strip():
-            self.r.add(path, "the runtime expression is empty")
+            self.add(path, "the runtime expression is empty")
             return None
         if len(text) > MAX_EXPRESSION_CHARS:
-            self.r.add(path, f"the runtime expression is longer than {MAX_EXPRESSION_CHARS} characters",
-                       line=self.r.text_line(path))
+            self.add(path, f"the runtime expression is longer than {MAX_EXPRESSION_CHARS} characters",
+                       line=self.text_line(path))
             return None
         count, chars = self.expressions
         if count > MAX_DOCUMENT_EXPRESSIONS or chars > MAX_DOCUMENT_EXPRESSION_CHARS:
             return None                 # refused already: the document is
         count, chars = self.expressions = [count + 1, chars + len(text)]
         if count > MAX_DOCUMENT_EXPRESSIONS or chars > MAX_DOCUMENT_EXPRESSION_CHARS:
-            self.r.add(path, f"the workflow holds more than {MAX_DOCUMENT_EXPRESSIONS} runtime expressions"
+            self.add(path, f"the workflow holds more than {MAX_DOCUMENT_EXPRESSIONS} runtime expressions"
                        if count > MAX_DOCUMENT_EXPRESSIONS else
                        f"the workflow's runtime expressions take more than {MAX_DOCUMENT_EXPRESSION_CHARS // KIB} KiB",
-                       line=self.r.text_line(path))
+                       line=self.text_line(path))
             return None
         try:
             _jq_program(text, names)
         except ExprError as exc:
-            self.r.add(path, f"the expression does not compile: {exc} (it may read {', '.join('$' + n for n in names)})",
-                       line=self.r.text_line(path))
+            self.add(path, f"the expression does not compile: {exc} (it may read {', '.join('$' + n for n in names)})",
+                       line=self.text_line(path))
             return None
         return Expr(text, names)
 
     def tree(self, path: tuple[Any, ...], value: Any, names: tuple[str, ...]) -> Any:
         """A value whose texts of the form `${ ... }` are expressions."""
-        if isinstance(value, str):
-            text = value.strip()
+        def leaf(at: tuple[Any, ...], value: Any) -> Any:
+            text = value.strip() if isinstance(value, str) else ""
             if text.startswith("${") and text.endswith("}"):
-                return self.compile(path, text[2:-1], names)
-            if "${" in value:
-                self.r.add(path, "a runtime expression is a whole value, '${ ... }'; to build a text use jq's"
-                           " interpolation, such as '${ \"Hello \\(.name)\" }'", line=self.r.text_line(path))
+                return self.compile(at, text[2:-1], names)
+            if "${" in text:
+                self.add(at, "a runtime expression is a whole value, '${ ... }'; to build a text use jq's"
+                           " interpolation, such as '${ \"Hello \\(.name)\" }'", line=self.text_line(at))
             return value
-        if isinstance(value, dict):
-            return {k: self.tree(path + (k,), v, names) for k, v in value.items()}
-        if isinstance(value, list):
-            return [self.tree(path + (i,), v, names) for i, v in enumerate(value)]
-        return value
+        return map_leaves(value, leaf, path)
 
     def task_list(self, path: tuple[Any, ...], value: Any, names: tuple[str, ...]) -> str:
-        r = self.r
         ref = pointer_join(path)
         self.lists[ref] = ()
         if not isinstance(value, list) or not value:
-            r.add(path, "is a list of named tasks, such as - ask: {call: run_definition, with: {...}}")
+            self.add(path, "is a list of named tasks, such as - ask: {call: run_definition, with: {...}}")
             return ref
         tasks: list[WfTask] = []
         seen: dict[str, int] = {}
@@ -12575,14 +12498,14 @@ class _WorkflowReader:
         for i, item in enumerate(value):
             at = path + (i,)
             if not isinstance(item, dict) or len(item) != 1:
-                r.add(at, "is one named task: a mapping with a single key, the task's name")
+                self.add(at, "is one named task: a mapping with a single key, the task's name")
                 continue
             (tname, body), = item.items()
             if not _TASK_NAME_RE.fullmatch(tname):
-                r.add(at, f"{tname!r} is not a task name: 1 to 64 letters, digits, underscores, dots and hyphens")
+                self.add(at, f"{tname!r} is not a task name: 1 to 64 letters, digits, underscores, dots and hyphens")
                 continue
             if tname in seen:
-                r.add(at, f"a task named {tname!r} is already on line {r.line(path + (seen[tname],))}; names are unique in a list")
+                self.add(at, f"a task named {tname!r} is already on line {self.line(path + (seen[tname],))}; names are unique in a list")
                 continue
             seen[tname] = i
             task = self.task(at + (tname,), tname, body, names, jumps)
@@ -12590,42 +12513,41 @@ class _WorkflowReader:
                 tasks.append(task)
         for jpath, target in jumps:
             if not isinstance(target, str) or (target not in _FLOW and target not in seen):
-                r.add(jpath, f"{target!r} is neither continue, exit, end nor the name of a task of this list"
+                self.add(jpath, f"{target!r} is neither continue, exit, end nor the name of a task of this list"
                       f" ({', '.join(seen) or 'none'})")
         self.lists[ref] = tuple(tasks)
         return ref
 
     def task(self, path: tuple[Any, ...], name: str, body: Any, names: tuple[str, ...],
              jumps: list[tuple[tuple[Any, ...], Any]]) -> WfTask | None:
-        r = self.r
         if not isinstance(body, dict):
-            r.add(path, "is a task: a mapping such as {set: {...}} or {call: run_definition, with: {...}}")
+            self.add(path, "is a task: a mapping such as {set: {...}} or {call: run_definition, with: {...}}")
             return None
         for key in body:
             if key in _DSL_ONLY_TASKS:
-                r.add(path + (key,), f"{key} is a task of the DSL that interactiond does not run;"
+                self.add(path + (key,), f"{key} is a task of the DSL that interactiond does not run;"
                       f" it runs {', '.join(_TASK_KINDS)}")
         kinds = [k for k in _TASK_KINDS if k in body]
         if len(kinds) != 1:
             if not any(k in body for k in _DSL_ONLY_TASKS):
-                r.add(path, f"holds {' and '.join(kinds)}; a task does one thing" if kinds else
+                self.add(path, f"holds {' and '.join(kinds)}; a task does one thing" if kinds else
                       f"does nothing: a task is one of {', '.join(_TASK_KINDS)}")
             return None
         kind = kinds[0]
         allowed = _TASK_COMMON + _TASK_KEYS.get(kind, (kind,))
         for key in body:
             if key not in allowed and key not in _DSL_ONLY_TASKS and key not in _TASK_KINDS:
-                r.add(path + (key,), f"{key!r} is not a key of a {kind} task (its keys: {', '.join(allowed)})")
+                self.add(path + (key,), f"{key!r} is not a key of a {kind} task (its keys: {', '.join(allowed)})")
         ref = pointer_join(path)
         common: dict[str, Any] = {}
         if "if" in body:
             common["if_"] = self.expr(path + ("if",), body["if"], names)
         for key, attr in (("input", "from"), ("output", "as"), ("export", "as")):
-            if key in body and r.mapping(path + (key,), body[key], (attr,)) is not None and attr in body[key]:
+            if key in body and self.mapping(path + (key,), body[key], (attr,)) is not None and attr in body[key]:
                 common[f"{key}_{attr}" if key != "input" else "input_from"] = self.tree(path + (key, attr), body[key][attr], names)
-        if "timeout" in body and r.mapping(path + ("timeout",), body["timeout"], ("after",), required=("after",)):
+        if "timeout" in body and self.mapping(path + ("timeout",), body["timeout"], ("after",), required=("after",)):
             if "after" in body["timeout"]:
-                common["timeout_ms"] = self.duration(path + ("timeout", "after"), body["timeout"]["after"],
+                common["timeout_ms"] = self.span_ms(path + ("timeout", "after"), body["timeout"]["after"],
                                                      timedelta(seconds=1), WORKFLOW_TIMEOUT_MAX)
         if "then" in body:
             jumps.append((path + ("then",), body["then"]))
@@ -12636,19 +12558,19 @@ class _WorkflowReader:
             return self._task(name, ref, kind, common, body=self.call(path, spec, body.get("with"), names))
         if kind == "set":
             if not isinstance(spec, (dict, str)):
-                r.add(at, "is the data to set: a mapping, or a runtime expression '${ ... }'")
+                self.add(at, "is the data to set: a mapping, or a runtime expression '${ ... }'")
             return self._task(name, ref, kind, common, body=self.tree(at, spec, names))
         if kind == "switch":
             return self._task(name, ref, kind, common, body=self.switch(at, spec, names, jumps))
         if kind == "wait":
-            return self._task(name, ref, kind, common, body=self.duration(at, spec, timedelta(0), WORKFLOW_WAIT_MAX))
+            return self._task(name, ref, kind, common, body=self.span_ms(at, spec, timedelta(0), WORKFLOW_WAIT_MAX))
         if kind == "raise":
             return self._task(name, ref, kind, common, body=self.raise_(at, spec, names))
         if kind == "do":
             return self._task(name, ref, kind, common, lists=(self.task_list(at, spec, names),))
         try_ref = self.task_list(at, spec, names)
         if "catch" not in body:
-            r.add(path, "a try needs its catch: which errors it takes, and what then")
+            self.add(path, "a try needs its catch: which errors it takes, and what then")
             return None
         return self._task(name, ref, kind, common, lists=(try_ref,), catch=self.catch(path + ("catch",), body["catch"], names))
 
@@ -12658,41 +12580,39 @@ class _WorkflowReader:
         return task
 
     def call(self, path: tuple[Any, ...], call: Any, with_: Any, names: tuple[str, ...]) -> WfCall | None:
-        r = self.r
         if call != "run_definition":
-            r.add(path + ("call",), f"calls {call!r}; interactiond runs call: run_definition, with a function or"
+            self.add(path + ("call",), f"calls {call!r}; interactiond runs call: run_definition, with a function or"
                   " workflow of this playbook (http, grpc, openapi and asyncapi calls are not run)")
             return None
-        w = r.mapping(path + ("with",), with_, ("type", "name", "input"), required=("name",))
+        w = self.mapping(path + ("with",), with_, ("type", "name", "input"), required=("name",))
         if w is None:
             return None
         type_ = w.get("type", "interaction")
         if type_ not in ("interaction", "workflow"):
-            r.add(path + ("with", "type"), f"{type_!r} is not a definition type: interaction or workflow")
+            self.add(path + ("with", "type"), f"{type_!r} is not a definition type: interaction or workflow")
             return None
         fn = w.get("name")
         if not isinstance(fn, str) or not FUNCTION_NAME_RE.fullmatch(fn):
-            r.add(path + ("with", "name"), "is the name of a definition of this playbook, written out (not an expression):"
+            self.add(path + ("with", "name"), "is the name of a definition of this playbook, written out (not an expression):"
                   " 1 to 128 lowercase letters, digits, hyphens and underscores")
             return None
-        self.calls.append((type_, fn, r.line(path + ("with", "name")), ".".join(map(str, path + ("with", "name")))))
+        self.calls.append((type_, fn, self.line(path + ("with", "name")), ".".join(map(str, path + ("with", "name")))))
         return WfCall(type_, fn, self.tree(path + ("with", "input"), w.get("input", {}), names))
 
     def switch(self, path: tuple[Any, ...], spec: Any, names: tuple[str, ...],
                jumps: list[tuple[tuple[Any, ...], Any]]) -> tuple[WfCase, ...]:
-        r = self.r
         if not isinstance(spec, list) or not spec:
-            r.add(path, "is a list of named cases, such as - approved: {when: '${ .approved }', then: publish}")
+            self.add(path, "is a list of named cases, such as - approved: {when: '${ .approved }', then: publish}")
             return ()
         cases = []
         defaults = 0
         for i, item in enumerate(spec):
             at = path + (i,)
             if not isinstance(item, dict) or len(item) != 1:
-                r.add(at, "is one named case: a mapping with a single key, the case's name")
+                self.add(at, "is one named case: a mapping with a single key, the case's name")
                 continue
             (cname, case), = item.items()
-            c = r.mapping(at + (cname,), case, ("when", "then"), required=("then",))
+            c = self.mapping(at + (cname,), case, ("when", "then"), required=("then",))
             if c is None or "then" not in c:
                 continue
             when = self.expr(at + (cname, "when"), c["when"], names) if "when" in c else None
@@ -12700,50 +12620,48 @@ class _WorkflowReader:
             jumps.append((at + (cname, "then"), c["then"]))
             cases.append(WfCase(str(cname), when, c["then"] if isinstance(c["then"], str) else "continue"))
         if defaults > 1:
-            r.add(path, "has more than one default case (a case without when)")
+            self.add(path, "has more than one default case (a case without when)")
         return tuple(cases)
 
     def raise_(self, path: tuple[Any, ...], spec: Any, names: tuple[str, ...]) -> dict[str, Any] | None:
-        r = self.r
-        block = r.mapping(path, spec, ("error",), required=("error",))
+        block = self.mapping(path, spec, ("error",), required=("error",))
         if block is None or "error" not in block:
             return None
         at = path + ("error",)
-        err = r.mapping(at, block["error"], ("type", "status", "title", "detail", "kind", "instance"),
+        err = self.mapping(at, block["error"], ("type", "status", "title", "detail", "kind", "instance"),
                         required=("type", "status"))
         if err is None:
             return None
         if "type" in err and (not isinstance(err["type"], str) or not err["type"].strip() or "${" in err["type"]):
-            r.add(at + ("type",), "is the error's type, a URI such as https://serverlessworkflow.io/spec/1.0.0/errors/validation")
+            self.add(at + ("type",), "is the error's type, a URI such as https://serverlessworkflow.io/spec/1.0.0/errors/validation")
         status = err.get("status")
         if "status" in err and (isinstance(status, bool) or not isinstance(status, int) or not 100 <= status <= 599):
-            r.add(at + ("status",), "is an HTTP status, 100 to 599")
+            self.add(at + ("status",), "is an HTTP status, 100 to 599")
         for key in ("kind", "instance"):
             if key in err and not isinstance(err[key], str):
-                r.add(at + (key,), "is a text")
+                self.add(at + (key,), "is a text")
         return {k: (self.tree(at + (k,), v, names) if k in ("title", "detail") else v) for k, v in err.items()}
 
     def catch(self, path: tuple[Any, ...], spec: Any, names: tuple[str, ...]) -> WfCatch | None:
-        r = self.r
-        c = r.mapping(path, spec, ("errors", "as", "when", "exceptWhen", "retry", "do"))
+        c = self.mapping(path, spec, ("errors", "as", "when", "exceptWhen", "retry", "do"))
         if c is None:
             return None
         with_: dict[str, Any] = {}
         if "errors" in c:
-            errors = r.mapping(path + ("errors",), c["errors"], ("with",))
+            errors = self.mapping(path + ("errors",), c["errors"], ("with",))
             if errors is not None and "with" in errors:
                 at = path + ("errors", "with")
-                w = r.mapping(at, errors["with"], ("type", "status", "kind", "instance"))
+                w = self.mapping(at, errors["with"], ("type", "status", "kind", "instance"))
                 for key, v in (w or {}).items():
                     if key == "status" and (isinstance(v, bool) or not isinstance(v, int)):
-                        r.add(at + (key,), "is an HTTP status such as 503")
+                        self.add(at + (key,), "is an HTTP status such as 503")
                     elif key != "status" and (not isinstance(v, str) or not v.strip()):
-                        r.add(at + (key,), "is a text")
+                        self.add(at + (key,), "is a text")
                     else:
                         with_[key] = v
         as_ = c.get("as", "error")
         if not isinstance(as_, str) or not _JQ_VAR_RE.fullmatch(as_) or as_ in _EXPR_VARS or as_ == "ENV":
-            r.add(path + ("as",), f"is the name of the variable the error is kept in, such as error; not one of"
+            self.add(path + ("as",), f"is the name of the variable the error is kept in, such as error; not one of"
                   f" {', '.join(_EXPR_VARS)}")
             as_ = "error"
         inner = tuple(dict.fromkeys(names + (as_,)))
@@ -12752,43 +12670,42 @@ class _WorkflowReader:
         retry = self.retry(path + ("retry",), c["retry"]) if "retry" in c else None
         do = self.task_list(path + ("do",), c["do"], inner) if "do" in c else None
         if "retry" in c and "do" in c:
-            r.add(path + ("do",), "a catch with retry re-raises the error once its attempts are used up, so its do"
+            self.add(path + ("do",), "a catch with retry re-raises the error once its attempts are used up, so its do"
                   " would never run; handle the error in an enclosing try instead")
         return WfCatch(with_, as_, when, except_when, retry, do)
 
     def retry(self, path: tuple[Any, ...], spec: Any) -> WfRetry | None:
-        r = self.r
         if isinstance(spec, str):
-            r.add(path, "is a retry policy written out (interactiond has no use.retries to name one from)")
+            self.add(path, "is a retry policy written out (interactiond has no use.retries to name one from)")
             return None
-        block = r.mapping(path, spec, ("delay", "backoff", "limit"))
+        block = self.mapping(path, spec, ("delay", "backoff", "limit"))
         if block is None:
             return None
-        delay = self.duration(path + ("delay",), block["delay"], timedelta(0), WORKFLOW_WAIT_MAX) if "delay" in block else 0
+        delay = self.span_ms(path + ("delay",), block["delay"], timedelta(0), WORKFLOW_WAIT_MAX) if "delay" in block else 0
         backoff = "constant"
         if "backoff" in block:
-            b = r.mapping(path + ("backoff",), block["backoff"], ("constant", "linear", "exponential"))
+            b = self.mapping(path + ("backoff",), block["backoff"], ("constant", "linear", "exponential"))
             if b is not None:
                 if len(b) != 1:
-                    r.add(path + ("backoff",), "names one of constant, linear and exponential, such as {exponential: {}}")
+                    self.add(path + ("backoff",), "names one of constant, linear and exponential, such as {exponential: {}}")
                 else:
                     backoff = next(iter(b))
         count = limit = None
-        lim = r.mapping(path + ("limit",), block.get("limit"), ("attempt", "duration")) if "limit" in block else None
+        lim = self.mapping(path + ("limit",), block.get("limit"), ("attempt", "duration")) if "limit" in block else None
         if lim is not None:
             if "attempt" in lim:
-                att = r.mapping(path + ("limit", "attempt"), lim["attempt"], ("count",), required=("count",))
+                att = self.mapping(path + ("limit", "attempt"), lim["attempt"], ("count",), required=("count",))
                 n = (att or {}).get("count")
                 if att is not None and "count" in att:
                     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= WORKFLOW_MAX_ATTEMPTS:
-                        r.add(path + ("limit", "attempt", "count"),
+                        self.add(path + ("limit", "attempt", "count"),
                               f"is the number of attempts in all, the first included: 1 to {WORKFLOW_MAX_ATTEMPTS}")
                     else:
                         count = n
             if "duration" in lim:
-                limit = self.duration(path + ("limit", "duration"), lim["duration"], timedelta(seconds=1), WORKFLOW_TIMEOUT_MAX)
-        if count is None and limit is None and not any(p["field"].startswith(".".join(map(str, path))) for p in r.problems):
-            r.add(path, "needs limit.attempt.count or limit.duration, so the retries end")
+                limit = self.span_ms(path + ("limit", "duration"), lim["duration"], timedelta(seconds=1), WORKFLOW_TIMEOUT_MAX)
+        if count is None and limit is None and not any(p["field"].startswith(".".join(map(str, path))) for p in self.problems):
+            self.add(path, "needs limit.attempt.count or limit.duration, so the retries end")
         if delay is None:
             return None
         return WfRetry(delay, backoff, count, limit)
@@ -13052,10 +12969,9 @@ class _Walk:
                 frame.update(child=new_run_id(), fn=[call.type, call.name], child_input=await self.jq.fill(call.input, input_, scope))
                 started["run"] = {"type": call.type, "name": call.name, "run_id": frame["child"]}
                 self.stack.append(frame)
-            elif task.kind == "try":
-                frame.update(phase="try", attempt=1)
-                self.stack += [frame, {"list": task.lists[0], "i": 0, "data": input_}]
-            else:
+            else:                                           # try and do: their list, under their frame
+                if task.kind == "try":
+                    frame.update(phase="try", attempt=1)
                 self.stack += [frame, {"list": task.lists[0], "i": 0, "data": input_}]
         except ExprError as exc:
             await self._expr_failed(task, task.kind, exc)
@@ -13224,8 +13140,7 @@ class Workflows:
     async def close(self) -> None:
         await self.jq.close()
 
-    def parse(self, source: str, name: str | None = None) -> WorkflowDoc:
-        return parse_workflow(source, name)
+    parse = staticmethod(parse_workflow)
 
     async def on_timer(self, playbook: str, ref: str) -> None:
         await self.drive(playbook, ref)
@@ -13302,9 +13217,6 @@ class Workflows:
                 with contextlib.suppress(Exception):
                     await self.engine.store.release(lease)
 
-    async def _doc(self, run: Row) -> WorkflowDoc:
-        return (await self.engine.document(run["playbook"], "workflow", run["name"], run["version"]))[1]
-
     async def _step(self, playbook: str, run_id: str) -> bool:
         """One transition, written; True when there is more to do at once."""
         engine = self.engine
@@ -13326,10 +13238,10 @@ class Workflows:
         if RunStatus(run["status"]).ended:
             # Ended meanwhile (cancelled while a child was being started): leave nothing behind.
             if timer_due is not None or (child is not None and not RunStatus(child["status"]).ended):
-                await engine.store.write(lambda tx, fx: self._tidy(tx, fx, run, key))
+                await engine.store.write(lambda tx, fx: self._tidy(tx, fx, run, engine.clock.now_ms(), "interactiond"))
             return False
         now = engine.clock.now_ms()
-        doc = await self._doc(run)
+        _, doc = await engine.document(playbook, "workflow", run["name"], run["version"])
         state = json.loads(run["state"])
         failed = self._start_errors.get((playbook, run_id))
         top = state["stack"][-1] if state["stack"] else {}
@@ -13393,16 +13305,12 @@ class Workflows:
         except Problem as exc:
             body = exc.body()
             if exc.name == "not_found":
-                body["detail"] = (f"task {self._task_name(fr)!r} runs the {type_} {name!r}, which does not exist in this"
-                                  " playbook (or was deleted); save it, then run the workflow again")
+                body["detail"] = (f"task {pointer_parse(fr['task'])[-1]!r} runs the {type_} {name!r}, which does not"
+                                  " exist in this playbook (or was deleted); save it, then run the workflow again")
             self._start_errors[(playbook, run_id)] = (fr["child"], body)
         except Exception:
             log.exception("starting a child run of workflow run %s failed", run_id)
             self._start_errors[(playbook, run_id)] = (fr["child"], Problem("failed", "the child run could not be started").body())
-
-    @staticmethod
-    def _task_name(fr: dict[str, Any]) -> str:
-        return pointer_parse(fr["task"])[-1]
 
     # -- cancelling -----------------------------------------------------------------------------
 
@@ -13415,18 +13323,15 @@ class Workflows:
 
     def cancel_in(self, tx: Tx, fx: Effects, run: Row, now: int, by: str) -> None:
         """cancel_run of a live workflow: its open child is cancelled and it ends cancelled, together."""
-        stack = json.loads(run["state"])["stack"] if run["state"] else []
-        for fr in stack:
+        self._tidy(tx, fx, run, now, by)
+        end_cancelled(tx, fx, run["playbook"], run["run_id"], now=now, by=by)
+
+    def _tidy(self, tx: Tx, fx: Effects, run: Row, now: int, by: str) -> None:
+        """Leave nothing of a run that ends or has ended behind: its open child cancelled, its timer dropped."""
+        for fr in json.loads(run["state"])["stack"] if run["state"] else []:
             if "child" in fr:
                 self._cancel_child(tx, fx, run["playbook"], fr["child"], now, by)
-        end_cancelled(tx, fx, run["playbook"], run["run_id"], now=now, by=by)
         tx.drop_timer(fx, timer_key("workflow", run["playbook"], run["run_id"]))
-
-    def _tidy(self, tx: Tx, fx: Effects, run: Row, key: str) -> None:
-        stack = json.loads(run["state"])["stack"] if run["state"] else []
-        if stack and "child" in stack[-1]:
-            self._cancel_child(tx, fx, run["playbook"], stack[-1]["child"], self.engine.clock.now_ms(), "interactiond")
-        tx.drop_timer(fx, key)
 
 
 RUN_KINDS["workflow"] = Workflows
