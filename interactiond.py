@@ -16902,7 +16902,10 @@ function formEl(req, form, n) {
   f.append(formErr);
   f.addEventListener("submit", (ev) => {
     ev.preventDefault();
-    submitAnswer(req, form, f, fields, formErr, ev.submitter);
+    if (form.mode === "choice" && !(ev.submitter && ev.submitter.dataset.index !== undefined)) return;
+    // The page's own answer route: answer_interaction's rules, its errors in a person's words.
+    sendAnswer(req, f, fields, formErr, `/web${base().slice(3)}/runs/${enc(req.run_id)}/answer`,
+               collect(form, fields, ev.submitter));
   });
   return f;
 }
@@ -16967,25 +16970,27 @@ function approvalEl(req, n) {
     formErr);
   f.addEventListener("submit", (ev) => {
     ev.preventDefault();
-    if (ev.submitter && ev.submitter.value) submitApproval(req, f, fields, formErr, ev.submitter.value === "approve");
+    if (!ev.submitter || !ev.submitter.value) return;
+    sendAnswer(req, f, fields, formErr, `${base()}/runs/${enc(req.run_id)}/answer`,
+               collectApproval(req, fields, ev.submitter.value === "approve"));
   });
   return f;
 }
 
-async function submitApproval(req, f, fields, formErr, approved) {
-  clearErrors(fields, formErr);
-  const answer = {approved}, args = JSON.parse(JSON.stringify(req.approval.arguments));
-  let first = null, edited = false;
+// What an approval sends: approved or not, the arguments as changed (when approved) and the note.
+function collectApproval(req, fields, approved) {
+  const answer = {approved}, args = JSON.parse(JSON.stringify(req.approval.arguments)), bad = [];
+  let edited = false;
   for (const x of fields) {
     const {arg, kind} = x.fd;
     if (arg === undefined) continue;
     let v = x.control.value;
     if (kind === "boolean") v = v === "true";
     else if (kind === "number") {
-      if (v.trim() === "" || Number.isNaN(Number(v))) { first = first || placeError(fields, formErr, `/answer${x.fd.pointer}`, "Write a number."); continue; }
+      if (v.trim() === "" || Number.isNaN(Number(v))) { bad.push([x.fd.pointer, "Write a number."]); continue; }
       v = Number(v);
     } else if (kind === "json") {
-      try { v = JSON.parse(v); } catch (e) { first = first || placeError(fields, formErr, `/answer${x.fd.pointer}`, `Not JSON: ${e.message}`); continue; }
+      try { v = JSON.parse(v); } catch (e) { bad.push([x.fd.pointer, `Not JSON: ${e.message}`]); continue; }
     }
     edited = true;
     if (arg === "") { Object.keys(args).forEach(k => delete args[k]); Object.assign(args, v); continue; }
@@ -16994,24 +16999,10 @@ async function submitApproval(req, f, fields, formErr, approved) {
     for (const p of parts.slice(0, -1)) cur = cur[p];
     cur[parts[parts.length - 1]] = v;
   }
-  if (first) { first.control.focus(); return; }
   if (approved && edited) answer.arguments = args;
   const note = fields.find(x => x.fd.pointer === "/note").control.value.trim();
   if (note) answer.note = note;
-  const buttons = [...f.querySelectorAll("button:not([hidden])")];
-  buttons.forEach(b => { b.disabled = true; });
-  f.setAttribute("aria-busy", "true");
-  // The digest of what this card shows goes back with the answer: if the request changed meanwhile,
-  // the daemon refuses it (409 digest_mismatch) rather than take it for what it shows now.
-  const r = await api("POST", `${base()}/runs/${enc(req.run_id)}/answer`, {answer, digest: req.digest});
-  f.removeAttribute("aria-busy");
-  buttons.forEach(b => { b.disabled = false; });
-  if (r.ok) return answered(req);
-  const errors = r.body && Array.isArray(r.body.errors) ? r.body.errors : [];
-  for (const e of errors) first = placeError(fields, formErr, e.pointer, e.message) || first;
-  if (!errors.length) formErr.textContent = problemText(r.body);
-  if (first) first.control.focus();
-  if ([404, 409, 410].includes(r.status)) refresh();
+  return {answer, bad};
 }
 
 function fieldEl(fd, key, fields) {
@@ -17104,12 +17095,12 @@ function placeError(fields, formErr, pointer, message) {
   return best;
 }
 
-async function submitAnswer(req, form, f, fields, formErr, submitter) {
-  if (form.mode === "choice" && !(submitter && submitter.dataset.index !== undefined)) return;
+// Sends a card's answer. An error found here, or one the daemon returns at an /answer/... pointer,
+// lands at its field; an answered card leaves the inbox.
+async function sendAnswer(req, f, fields, formErr, path, {answer, bad}) {
   clearErrors(fields, formErr);
-  const {answer, bad} = collect(form, fields, submitter);
-  let first = null;
   if (bad.length) {
+    let first = null;
     for (const [p, m] of bad) first = first || placeError(fields, formErr, `/answer${p}`, m);
     (first ? first.control : f).focus();
     return;
@@ -17117,13 +17108,14 @@ async function submitAnswer(req, form, f, fields, formErr, submitter) {
   const buttons = [...f.querySelectorAll("button:not([hidden])")];
   buttons.forEach(b => { b.disabled = true; });
   f.setAttribute("aria-busy", "true");
-  // The page's own answer route: answer_interaction's rules, its errors in a person's words.
-  const r = await api("POST", `/web${base().slice(3)}/runs/${enc(req.run_id)}/answer`, {answer, digest: req.digest});
+  // The digest of what this card shows goes back with the answer: if the request changed meanwhile,
+  // the daemon refuses it (409 digest_mismatch) rather than take it for what it shows now.
+  const r = await api("POST", path, {answer, digest: req.digest});
   f.removeAttribute("aria-busy");
   buttons.forEach(b => { b.disabled = false; });
   if (r.ok) return answered(req);
   const errors = r.body && Array.isArray(r.body.errors) ? r.body.errors : [];
-  for (const e of errors) first = placeError(fields, formErr, e.pointer, e.message) || first;
+  for (const e of errors) placeError(fields, formErr, e.pointer, e.message);
   if (!errors.length) formErr.textContent = problemText(r.body);
   const invalid = f.querySelector("[aria-invalid=true]");
   if (invalid) (invalid.matches("input, textarea") ? invalid : invalid.querySelector("input, button") || invalid).focus();
