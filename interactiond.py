@@ -16917,14 +16917,15 @@ function approvalEl(req, n) {
   const f = h("form", {class: "answer approval", novalidate: true, "aria-label": `Approve: ${req.name}`});
   const formErr = h("p", {class: "err", id: `fe-${n}`, "aria-live": "polite"});
   const esc = (k) => String(k).replace(/~/g, "~0").replace(/\//g, "~1");
-  const walk = (value, ptr) => {
+  const walk = (value, keys) => {
+    const ptr = keys.map(k => `/${esc(k)}`).join("");
     if (value && typeof value === "object" && a.edit.some(e => e.startsWith(ptr + "/"))) {
-      for (const [k, v] of Object.entries(value)) walk(v, `${ptr}/${esc(k)}`);
-    } else rows.push([ptr, value]);
+      for (const [k, v] of Object.entries(value)) walk(v, [...keys, k]);
+    } else rows.push([ptr, keys, value]);
   };
-  walk(a.arguments, "");
-  const body = rows.map(([ptr, value], i) => {
-    const id = `ap-${n}-${i}`, name = ptr.slice(1).replace(/~1/g, "/").replace(/~0/g, "~") || "(all)";
+  walk(a.arguments, []);
+  const body = rows.map(([ptr, keys, value], i) => {
+    const id = `ap-${n}-${i}`, name = keys.join("/") || "(all)";
     if (!a.edit.includes(ptr)) {
       return h("tr", {}, h("th", {scope: "row"}, h("code", {}, name)),
         h("td", {}, typeof value === "string" ? value : JSON.stringify(value)));
@@ -16947,13 +16948,11 @@ function approvalEl(req, n) {
         JSON.stringify(value === undefined ? null : value, null, 2));
     }
     const cell = h("td", {}, control, err);
-    fields.push({fd: {pointer: `/arguments${ptr}`, arg: ptr, kind}, err, control, box: cell});
+    fields.push({fd: {pointer: `/arguments${ptr}`, keys: ["arguments", ...keys], kind}, err, control, box: cell});
     return h("tr", {}, h("th", {scope: "row"}, h("label", {for: id}, h("code", {}, name), " (may change)")), cell);
   });
-  const noteId = `ap-${n}-note`, noteErr = h("p", {class: "err", id: `${noteId}-err`});
-  const note = h("textarea", {id: noteId, rows: 2, maxlength: 2000, "aria-describedby": `${noteId}-err`});
-  const noteBox = h("div", {class: "field"}, h("label", {for: noteId}, "Note (optional)"), note, noteErr);
-  fields.push({fd: {pointer: "/note"}, err: noteErr, control: note, box: noteBox});
+  const noteBox = fieldEl({kind: "text", note: true, name: "note", pointer: "/note", label: "Note", maxLength: 2000},
+                          `${n}-note`, fields);
   // The first submit button is a form's default: a disabled one keeps Enter in a field from deciding.
   f.append(h("button", {type: "submit", disabled: true, hidden: true, tabindex: "-1", "aria-hidden": "true"}));
   f.append(
@@ -16979,11 +16978,11 @@ function approvalEl(req, n) {
 
 // What an approval sends: approved or not, the arguments as changed (when approved) and the note.
 function collectApproval(req, fields, approved) {
-  const answer = {approved}, args = JSON.parse(JSON.stringify(req.approval.arguments)), bad = [];
+  const answer = {approved}, edits = {arguments: structuredClone(req.approval.arguments)}, bad = [];
   let edited = false;
   for (const x of fields) {
-    const {arg, kind} = x.fd;
-    if (arg === undefined) continue;
+    const {keys, kind} = x.fd;
+    if (!keys) continue;
     let v = x.control.value;
     if (kind === "boolean") v = v === "true";
     else if (kind === "number") {
@@ -16993,13 +16992,11 @@ function collectApproval(req, fields, approved) {
       try { v = JSON.parse(v); } catch (e) { bad.push([x.fd.pointer, `Not JSON: ${e.message}`]); continue; }
     }
     edited = true;
-    if (arg === "") { Object.keys(args).forEach(k => delete args[k]); Object.assign(args, v); continue; }
-    const parts = arg.split("/").slice(1).map(p => p.replace(/~1/g, "/").replace(/~0/g, "~"));
-    let cur = args;
-    for (const p of parts.slice(0, -1)) cur = cur[p];
-    cur[parts[parts.length - 1]] = v;
+    let cur = edits;
+    for (const k of keys.slice(0, -1)) cur = cur[k];
+    cur[keys[keys.length - 1]] = v;
   }
-  if (approved && edited) answer.arguments = args;
+  if (approved && edited) answer.arguments = edits.arguments;
   const note = fields.find(x => x.fd.pointer === "/note").control.value.trim();
   if (note) answer.note = note;
   return {answer, bad};
@@ -17066,13 +17063,9 @@ function collect(form, fields, submitter) {
   return {answer: hasRoot ? root : answer, bad};
 }
 
-function clearErrors(fields, formErr) {
-  formErr.textContent = "";
-  for (const x of fields) {
-    x.err.textContent = "";
-    x.box.querySelectorAll("[aria-invalid]").forEach(el => el.removeAttribute("aria-invalid"));
-    x.box.removeAttribute("aria-invalid");
-  }
+function clearErrors(f) {
+  f.querySelectorAll(".err").forEach(el => { el.textContent = ""; });
+  f.querySelectorAll("[aria-invalid]").forEach(el => el.removeAttribute("aria-invalid"));
 }
 
 // An error lands at the field whose pointer is the longest prefix of the error's pointer.
@@ -17098,7 +17091,7 @@ function placeError(fields, formErr, pointer, message) {
 // Sends a card's answer. An error found here, or one the daemon returns at an /answer/... pointer,
 // lands at its field; an answered card leaves the inbox.
 async function sendAnswer(req, f, fields, formErr, path, {answer, bad}) {
-  clearErrors(fields, formErr);
+  clearErrors(f);
   if (bad.length) {
     let first = null;
     for (const [p, m] of bad) first = first || placeError(fields, formErr, `/answer${p}`, m);
