@@ -16794,16 +16794,16 @@ function showCounts(c) {
 
 async function showList(page, pb) {
   const want = page.data.filter(r => !S.gone.has(r.run_id));
-  const ids = new Set(want.map(r => r.run_id));
+  const wanted = new Map(want.map(r => [r.run_id, r]));
   let left = 0;
-  for (const [id, it] of S.items) {
-    if (!ids.has(id)) { it.el.remove(); S.items.delete(id); left += 1; }
-  }
   // A request that shows something else now (a quorum's first approver changed the arguments) is
   // drawn again: the card always shows, and answers, what its digest binds.
-  for (const x of want) {
-    const it = S.items.get(x.run_id);
-    if (it && it.req.digest !== x.digest) { it.el.remove(); S.items.delete(x.run_id); }
+  for (const [id, it] of S.items) {
+    const x = wanted.get(id);
+    if (x && it.req.digest === x.digest) continue;
+    it.el.remove();
+    S.items.delete(id);
+    if (!x) left += 1;
   }
   const fresh = want.filter(r => !S.items.has(r.run_id));
   if (fresh.length) {
@@ -17203,26 +17203,21 @@ async function runEvents(id) {
 }
 
 function eventEl(e) {
-  const pid = `ev-${++S.seq}`;
+  const pid = `ev-${++S.seq}`, by = e.payload?.answered_by_name || e.by;
   const text = e.truncated ? `${e.preview}… (${e.size} bytes)` : JSON.stringify(e.payload);
   const whole = h("pre", {id: pid, hidden: true});
   const btn = h("button", {type: "button", class: "event", "aria-expanded": "false", "aria-controls": pid},
-    absTime(e.at), h("strong", {}, e.type), e.by || (e.payload && e.payload.answered_by_name)
-      ? h("span", {class: "muted"}, `by ${(e.payload && e.payload.answered_by_name) || e.by}`) : null,
+    absTime(e.at), h("strong", {}, e.type), by ? h("span", {class: "muted"}, `by ${by}`) : null,
     h("span", {class: "preview"}, text.length > 240 ? `${text.slice(0, 240)}…` : text));
   btn.addEventListener("click", async () => {
-    if (btn.getAttribute("aria-expanded") === "true") {
-      btn.setAttribute("aria-expanded", "false");
-      whole.hidden = true;
-      return;
-    }
-    if (!whole.dataset.loaded) {
+    const open = whole.hidden;
+    if (open && !whole.dataset.loaded) {
       const r = await api("GET", `${base()}/events/${enc(e.id)}`);
       whole.textContent = r.ok ? JSON.stringify(r.body, null, 2) : problemText(r.body);
       if (r.ok) whole.dataset.loaded = "1";
     }
-    btn.setAttribute("aria-expanded", "true");
-    whole.hidden = false;
+    btn.setAttribute("aria-expanded", String(open));
+    whole.hidden = !open;
   });
   return h("li", {"data-event-id": e.id}, btn, whole);
 }
