@@ -16877,16 +16877,19 @@ function nudgedWords(req) {
   return req.reminded ? ` · reminded ${req.reminded} time${req.reminded === 1 ? "" : "s"}` : "";
 }
 
+// A card's form, its fields and its place for problems at no field (appended last). Where buttons
+// decide (a choice, Approve or Reject), a disabled first submit button, the form's default, keeps
+// Enter in a field from deciding.
+function cardForm(attrs, n, buttonsDecide) {
+  const f = h("form", {novalidate: true, ...attrs}, buttonsDecide
+    ? h("button", {type: "submit", disabled: true, hidden: true, tabindex: "-1", "aria-hidden": "true"}) : null);
+  return [f, [], h("p", {class: "err", id: `fe-${n}`, "aria-live": "polite"})];
+}
+
 function formEl(req, form, n) {
-  const f = h("form", {class: "answer", novalidate: true, "aria-label": `Answer: ${req.name}`});
-  const fields = [];
-  const formErr = h("p", {class: "err", id: `fe-${n}`, "aria-live": "polite"});
+  const [f, fields, formErr] = cardForm({class: "answer", "aria-label": `Answer: ${req.name}`}, n, form.mode === "choice");
   const notes = form.mode === "choice" ? form.fields.filter(fd => fd.note) : [];
   const others = form.fields.filter(fd => !notes.includes(fd));
-  if (form.mode === "choice") {
-    // The first submit button is a form's default: a disabled one keeps Enter from picking a choice.
-    f.append(h("button", {type: "submit", disabled: true, hidden: true, tabindex: "-1", "aria-hidden": "true"}));
-  }
   others.forEach((fd, i) => f.append(fieldEl(fd, `${n}-${i}`, fields)));
   if (form.mode === "choice") {
     const c = form.choice, gid = `c-${n}`;
@@ -16913,9 +16916,8 @@ function formEl(req, form, n) {
 // An approval of a tool call: its arguments as a table, the ones the approver may change as fields,
 // then Approve or Reject with an optional note. Errors come back at /answer/arguments/... pointers.
 function approvalEl(req, n) {
-  const a = req.approval, fields = [], rows = [];
-  const f = h("form", {class: "answer approval", novalidate: true, "aria-label": `Approve: ${req.name}`});
-  const formErr = h("p", {class: "err", id: `fe-${n}`, "aria-live": "polite"});
+  const a = req.approval, rows = [];
+  const [f, fields, formErr] = cardForm({class: "answer approval", "aria-label": `Approve: ${req.name}`}, n, true);
   const esc = (k) => String(k).replace(/~/g, "~0").replace(/\//g, "~1");
   const walk = (value, keys) => {
     const ptr = keys.map(k => `/${esc(k)}`).join("");
@@ -16953,8 +16955,6 @@ function approvalEl(req, n) {
   });
   const noteBox = fieldEl({kind: "text", note: true, name: "note", pointer: "/note", label: "Note", maxLength: 2000},
                           `${n}-note`, fields);
-  // The first submit button is a form's default: a disabled one keeps Enter in a field from deciding.
-  f.append(h("button", {type: "submit", disabled: true, hidden: true, tabindex: "-1", "aria-hidden": "true"}));
   f.append(
     h("p", {class: "meta"}, "Calls ", h("strong", {}, a.tool), " on ", h("strong", {}, a.server), " · ",
       a.read_only ? "read-only" : "may change something"),
@@ -17080,39 +17080,35 @@ function placeError(fields, formErr, pointer, message) {
   }
   if (!best) {
     formErr.textContent = [formErr.textContent, message].filter(Boolean).join(" ");
-    return null;
+    return;
   }
   best.err.textContent = [best.err.textContent, message].filter(Boolean).join(" ");
   const target = best.choice || best.box.tagName === "FIELDSET" ? best.box : best.control;
   target.setAttribute("aria-invalid", "true");
-  return best;
 }
 
 // Sends a card's answer. An error found here, or one the daemon returns at an /answer/... pointer,
 // lands at its field; an answered card leaves the inbox.
 async function sendAnswer(req, f, fields, formErr, path, {answer, bad}) {
   clearErrors(f);
-  if (bad.length) {
-    let first = null;
-    for (const [p, m] of bad) first = first || placeError(fields, formErr, `/answer${p}`, m);
-    (first ? first.control : f).focus();
-    return;
+  let errors = bad.map(([p, message]) => ({pointer: `/answer${p}`, message})), r = null;
+  if (!errors.length) {
+    const buttons = [...f.querySelectorAll("button:not([hidden])")];
+    buttons.forEach(b => { b.disabled = true; });
+    f.setAttribute("aria-busy", "true");
+    // The digest of what this card shows goes back with the answer: if the request changed meanwhile,
+    // the daemon refuses it (409 digest_mismatch) rather than take it for what it shows now.
+    r = await api("POST", path, {answer, digest: req.digest});
+    f.removeAttribute("aria-busy");
+    buttons.forEach(b => { b.disabled = false; });
+    if (r.ok) return answered(req);
+    errors = r.body && Array.isArray(r.body.errors) ? r.body.errors : [];
+    if (!errors.length) formErr.textContent = problemText(r.body);
   }
-  const buttons = [...f.querySelectorAll("button:not([hidden])")];
-  buttons.forEach(b => { b.disabled = true; });
-  f.setAttribute("aria-busy", "true");
-  // The digest of what this card shows goes back with the answer: if the request changed meanwhile,
-  // the daemon refuses it (409 digest_mismatch) rather than take it for what it shows now.
-  const r = await api("POST", path, {answer, digest: req.digest});
-  f.removeAttribute("aria-busy");
-  buttons.forEach(b => { b.disabled = false; });
-  if (r.ok) return answered(req);
-  const errors = r.body && Array.isArray(r.body.errors) ? r.body.errors : [];
   for (const e of errors) placeError(fields, formErr, e.pointer, e.message);
-  if (!errors.length) formErr.textContent = problemText(r.body);
   const invalid = f.querySelector("[aria-invalid=true]");
   if (invalid) (invalid.matches("input, textarea") ? invalid : invalid.querySelector("input, button") || invalid).focus();
-  if ([404, 409, 410].includes(r.status)) refresh();
+  if (r && [404, 409, 410].includes(r.status)) refresh();
 }
 
 function answered(req) {
