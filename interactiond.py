@@ -16551,11 +16551,8 @@ ol.requests, ol.timeline { list-style: none; padding: 0; margin: 0; }
   margin-bottom: 1rem; }
 .to { font-weight: 400; color: var(--muted); font-size: .95rem; }
 .meta { margin: .25rem 0 .5rem; font-size: .875rem; color: var(--muted); }
-.msg { overflow-wrap: anywhere; }
-.digest code { overflow-wrap: anywhere; }
-.msg pre { overflow-x: auto; }
+.msg, .digest code { overflow-wrap: anywhere; }
 .msg img { max-width: 100%; }
-.msg table { border-collapse: collapse; }
 .msg th, .msg td { border: 1px solid var(--line); padding: .2rem .4rem; }
 label, legend { font-weight: 600; }
 .field { display: flex; flex-direction: column; margin: .6rem 0; }
@@ -16595,7 +16592,7 @@ table { border-collapse: collapse; width: 100%; }
 th, td { text-align: left; padding: .35rem .5rem; border-bottom: 1px solid var(--line); }
 @media (max-width: 40rem) { main { padding: .75rem; } .ctl { margin-left: 0; } .choice button { flex: 1 1 auto; }
   input[type=number] { width: 100%; } .opt { display: flex; margin-right: 0; }
-  pre, .msg pre { white-space: pre-wrap; overflow-wrap: anywhere; overflow-x: visible; }
+  pre { white-space: pre-wrap; overflow-wrap: anywhere; overflow-x: visible; }
   .ctl select { max-width: 100%; } header.top { padding: .5rem .75rem; } }
 """
 
