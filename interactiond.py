@@ -16606,17 +16606,15 @@ const STREAM_EVENTS = ["interaction.created", "interaction.answered", "interacti
                        "interaction.reminded", "interaction.escalated", "interaction.voted", "run.ended"];
 const FORCE_POLL = new URLSearchParams(location.search).get("live") === "poll";   // for proxies that break SSE
 
+// What an element holds: lists flattened, null, undefined and false left out (append makes text of the rest).
+const present = (kids) => kids.flat(Infinity).filter(kid => kid !== null && kid !== undefined && kid !== false);
+
 function h(tag, attrs, ...kids) {
   const el = document.createElement(tag);
   for (const [k, v] of Object.entries(attrs || {})) {
-    if (v === false || v === null || v === undefined) continue;
-    if (k === "text") el.textContent = v;
-    else if (k === "class") el.className = v;
-    else el.setAttribute(k, v === true ? "" : String(v));
+    if (v !== false && v !== null && v !== undefined) el.setAttribute(k, v === true ? "" : String(v));
   }
-  for (const kid of kids.flat(Infinity)) {
-    if (kid !== null && kid !== undefined && kid !== false) el.append(kid instanceof Node ? kid : String(kid));
-  }
+  el.append(...present(kids));
   return el;
 }
 
@@ -16735,10 +16733,9 @@ function startLive() {
   if (S.session.stream && window.EventSource && !FORCE_POLL) {
     const es = new EventSource(`${base()}/stream`);
     S.es = es;
-    const kick = () => refresh();
     es.onopen = () => { $("#live").textContent = "Live: event stream"; refresh(); };
-    es.onmessage = kick;
-    for (const t of STREAM_EVENTS) es.addEventListener(t, kick);
+    es.onmessage = refresh;
+    for (const t of STREAM_EVENTS) es.addEventListener(t, refresh);
     es.onerror = () => { if (es.readyState === EventSource.CLOSED && S.es === es) { S.es = null; poll(); } };
     S.timer = setInterval(refresh, 10000);      // a backstop: the stream tells no notification's arrival
   } else {
@@ -17145,7 +17142,7 @@ function route(focus) {
 function page(title, ...parts) {
   document.title = `${title} · interactiond`;
   const h1 = h("h1", {tabindex: "-1"}, title);
-  $("#page").replaceChildren(h1, ...parts.flat().filter(x => x !== null && x !== undefined && x !== false));
+  $("#page").replaceChildren(h1, ...present(parts));
   return h1;
 }
 
@@ -17220,7 +17217,7 @@ const RUN_STATUSES = ["started", "waiting", "succeeded", "invalid_input", "confl
 S.runs = {status: "", fn: ""};
 
 async function showRuns() {
-  const h1 = page("Runs", h("p", {class: "muted"}, "Loading…"));
+  page("Runs", h("p", {class: "muted"}, "Loading…"));
   const [r, defs] = await Promise.all([runsPage(null), api("GET", `${base()}/definitions`)]);
   if (!r.ok) return page("Runs", h("p", {class: "err"}, problemText(r.body)));
   const status = h("select", {id: "run-status"}, h("option", {value: ""}, "any status"),
@@ -17256,10 +17253,10 @@ async function showRuns() {
   const refilter = () => { S.runs = {status: status.value, fn: fn.value}; route(false); };
   status.addEventListener("change", refilter);
   fn.addEventListener("change", refilter);
-  page("Runs", h("div", {class: "bar"}, h("label", {for: "run-status"}, "Status"), status,
+  const h1 = page("Runs", h("div", {class: "bar"}, h("label", {for: "run-status"}, "Status"), status,
     h("label", {for: "run-function"}, "Function"), fn), table, none, more);
   add(r);
-  return $("#page h1") || h1;
+  return h1;
 }
 
 function runsPage(cursor) {
