@@ -16593,7 +16593,7 @@ th, td { text-align: left; padding: .35rem .5rem; border-bottom: 1px solid var(-
 @media (max-width: 40rem) { main { padding: .75rem; } .ctl { margin-left: 0; } .choice button { flex: 1 1 auto; }
   input[type=number] { width: 100%; } .opt { display: flex; margin-right: 0; }
   pre { white-space: pre-wrap; overflow-wrap: anywhere; overflow-x: visible; }
-  .ctl select { max-width: 100%; } header.top { padding: .5rem .75rem; } }
+  header.top { padding: .5rem .75rem; } }
 """
 
 _INBOX_JS: Final = r"""
@@ -16685,7 +16685,7 @@ async function boot() {
   if (!S.pb) return say("This sign-in sees no playbook.");
   // A person sees the requests addressed to them, and nothing else: no runs, definitions or filter.
   const person = r.body.person;
-  $("#who").textContent = person ? `Signed in as ${person}` : `Signed in as ${r.body.role}`;
+  $("#who").textContent = `Signed in as ${person || r.body.role}`;
   $("#who").title = r.body.caller;
   const sel = $("#pb");
   sel.replaceChildren(...r.body.playbooks.map(pb => h("option", {value: pb}, pb)));
