@@ -16926,23 +16926,13 @@ function approvalEl(req, n) {
       return h("tr", {}, h("th", {scope: "row"}, h("code", {}, name)),
         h("td", {}, typeof value === "string" ? value : JSON.stringify(value)));
     }
-    const err = h("p", {class: "err", id: `${id}-err`});
-    let control, kind;
-    if (typeof value === "boolean") {
-      kind = "boolean";
-      control = h("select", {id, "aria-describedby": `${id}-err`},
-        h("option", {value: "true", selected: value}, "true"), h("option", {value: "false", selected: !value}, "false"));
-    } else if (typeof value === "number") {
-      kind = "number";
-      control = h("input", {id, type: "number", step: "any", value: String(value), "aria-describedby": `${id}-err`});
-    } else if (typeof value === "string") {
-      kind = "text";
-      control = h("input", {id, type: "text", value, "aria-describedby": `${id}-err`});
-    } else {
-      kind = "json";
-      control = h("textarea", {id, rows: 3, class: "json", spellcheck: "false", "aria-describedby": `${id}-err`},
-        JSON.stringify(value === undefined ? null : value, null, 2));
-    }
+    const err = h("p", {class: "err", id: `${id}-err`}), attrs = {id, "aria-describedby": `${id}-err`};
+    const kind = {boolean: "boolean", number: "number", string: "text"}[typeof value] || "json";
+    const control = kind === "boolean" ? h("select", attrs,
+        h("option", {value: "true", selected: value}, "true"), h("option", {value: "false", selected: !value}, "false"))
+      : kind === "number" ? h("input", {...attrs, type: "number", step: "any", value: String(value)})
+      : kind === "text" ? h("input", {...attrs, type: "text", value})
+      : h("textarea", {...attrs, rows: 3, class: "json", spellcheck: "false"}, JSON.stringify(value ?? null, null, 2));
     const cell = h("td", {}, control, err);
     fields.push({fd: {pointer: `/arguments${ptr}`, keys: ["arguments", ...keys], kind}, err, control, box: cell});
     return h("tr", {}, h("th", {scope: "row"}, h("label", {for: id}, h("code", {}, name), " (may change)")), cell);
