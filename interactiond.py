@@ -17001,17 +17001,11 @@ function fieldEl(fd, key, fields) {
     fields.push({fd, err, control: box.querySelector("input"), box});
     return h("div", {class: "field"}, box, hint, err);
   }
-  let control;
-  if (fd.kind === "number") {
-    control = h("input", {id, name: fd.name, type: "number", inputmode: fd.integer ? "numeric" : "decimal",
-                          step: fd.integer ? "1" : "any", min: fd.min, max: fd.max, "aria-describedby": describedBy});
-  } else if (fd.kind === "text") {
-    control = h("textarea", {id, name: fd.name, rows: fd.note ? 2 : 3, maxlength: fd.maxLength, minlength: fd.minLength,
-                             "aria-describedby": describedBy});
-  } else {
-    control = h("textarea", {id, name: fd.name, rows: 6, class: "json", spellcheck: "false",
-                             "aria-describedby": describedBy}, fd.example || "");
-  }
+  const attrs = {id, name: fd.name, "aria-describedby": describedBy};
+  const control = fd.kind === "number" ? h("input", {...attrs, type: "number", inputmode: fd.integer ? "numeric" : "decimal",
+                                                     step: fd.integer ? "1" : "any", min: fd.min, max: fd.max})
+    : fd.kind === "text" ? h("textarea", {...attrs, rows: fd.note ? 2 : 3, maxlength: fd.maxLength, minlength: fd.minLength})
+    : h("textarea", {...attrs, rows: 6, class: "json", spellcheck: "false"}, fd.example || "");
   const box = h("div", {class: "field"}, h("label", {for: id}, label), control, hint, err);
   fields.push({fd, err, control, box});
   return box;
