@@ -16494,11 +16494,8 @@ ol.requests, ol.timeline { list-style: none; padding: 0; margin: 0; }
   margin-bottom: 1rem; }
 .to { font-weight: 400; color: var(--muted); font-size: .95rem; }
 .meta { margin: .25rem 0 .5rem; font-size: .875rem; color: var(--muted); }
-.msg { overflow-wrap: anywhere; }
-.digest code { overflow-wrap: anywhere; }
-.msg pre { overflow-x: auto; }
+.msg, .digest code { overflow-wrap: anywhere; }
 .msg img { max-width: 100%; }
-.msg table { border-collapse: collapse; }
 .msg th, .msg td { border: 1px solid var(--line); padding: .2rem .4rem; }
 label, legend { font-weight: 600; }
 .field { display: flex; flex-direction: column; margin: .6rem 0; }
@@ -16538,8 +16535,8 @@ table { border-collapse: collapse; width: 100%; }
 th, td { text-align: left; padding: .35rem .5rem; border-bottom: 1px solid var(--line); }
 @media (max-width: 40rem) { main { padding: .75rem; } .ctl { margin-left: 0; } .choice button { flex: 1 1 auto; }
   input[type=number] { width: 100%; } .opt { display: flex; margin-right: 0; }
-  pre, .msg pre { white-space: pre-wrap; overflow-wrap: anywhere; overflow-x: visible; }
-  .ctl select { max-width: 100%; } header.top { padding: .5rem .75rem; } }
+  pre { white-space: pre-wrap; overflow-wrap: anywhere; overflow-x: visible; }
+  header.top { padding: .5rem .75rem; } }
 """
 
 _INBOX_JS: Final = r"""
@@ -16552,17 +16549,15 @@ const STREAM_EVENTS = ["interaction.created", "interaction.answered", "interacti
                        "interaction.reminded", "interaction.escalated", "interaction.voted", "run.ended"];
 const FORCE_POLL = new URLSearchParams(location.search).get("live") === "poll";   // for proxies that break SSE
 
+// What an element holds: lists flattened, null, undefined and false left out (append makes text of the rest).
+const present = (kids) => kids.flat(Infinity).filter(kid => kid !== null && kid !== undefined && kid !== false);
+
 function h(tag, attrs, ...kids) {
   const el = document.createElement(tag);
   for (const [k, v] of Object.entries(attrs || {})) {
-    if (v === false || v === null || v === undefined) continue;
-    if (k === "text") el.textContent = v;
-    else if (k === "class") el.className = v;
-    else el.setAttribute(k, v === true ? "" : String(v));
+    if (v !== false && v !== null && v !== undefined) el.setAttribute(k, v === true ? "" : String(v));
   }
-  for (const kid of kids.flat(Infinity)) {
-    if (kid !== null && kid !== undefined && kid !== false) el.append(kid instanceof Node ? kid : String(kid));
-  }
+  el.append(...present(kids));
   return el;
 }
 
@@ -16633,7 +16628,7 @@ async function boot() {
   if (!S.pb) return say("This sign-in sees no playbook.");
   // A person sees the requests addressed to them, and nothing else: no runs, definitions or filter.
   const person = r.body.person;
-  $("#who").textContent = person ? `Signed in as ${person}` : `Signed in as ${r.body.role}`;
+  $("#who").textContent = `Signed in as ${person || r.body.role}`;
   $("#who").title = r.body.caller;
   const sel = $("#pb");
   sel.replaceChildren(...r.body.playbooks.map(pb => h("option", {value: pb}, pb)));
@@ -16681,10 +16676,9 @@ function startLive() {
   if (S.session.stream && window.EventSource && !FORCE_POLL) {
     const es = new EventSource(`${base()}/stream`);
     S.es = es;
-    const kick = () => refresh();
     es.onopen = () => { $("#live").textContent = "Live: event stream"; refresh(); };
-    es.onmessage = kick;
-    for (const t of STREAM_EVENTS) es.addEventListener(t, kick);
+    es.onmessage = refresh;
+    for (const t of STREAM_EVENTS) es.addEventListener(t, refresh);
     es.onerror = () => { if (es.readyState === EventSource.CLOSED && S.es === es) { S.es = null; poll(); } };
     S.timer = setInterval(refresh, 10000);      // a backstop: the stream tells no notification's arrival
   } else {
@@ -16737,16 +16731,16 @@ function showCounts(c) {
 
 async function showList(page, pb) {
   const want = page.data.filter(r => !S.gone.has(r.run_id));
-  const ids = new Set(want.map(r => r.run_id));
+  const wanted = new Map(want.map(r => [r.run_id, r]));
   let left = 0;
-  for (const [id, it] of S.items) {
-    if (!ids.has(id)) { it.el.remove(); S.items.delete(id); left += 1; }
-  }
   // A request that shows something else now (a quorum's first approver changed the arguments) is
   // drawn again: the card always shows, and answers, what its digest binds.
-  for (const x of want) {
-    const it = S.items.get(x.run_id);
-    if (it && it.req.digest !== x.digest) { it.el.remove(); S.items.delete(x.run_id); }
+  for (const [id, it] of S.items) {
+    const x = wanted.get(id);
+    if (x && it.req.digest === x.digest) continue;
+    it.el.remove();
+    S.items.delete(id);
+    if (!x) left += 1;
   }
   const fresh = want.filter(r => !S.items.has(r.run_id));
   if (fresh.length) {
@@ -16820,16 +16814,19 @@ function nudgedWords(req) {
   return req.reminded ? ` · reminded ${req.reminded} time${req.reminded === 1 ? "" : "s"}` : "";
 }
 
+// A card's form, its fields and its place for problems at no field (appended last). Where buttons
+// decide (a choice, Approve or Reject), a disabled first submit button, the form's default, keeps
+// Enter in a field from deciding.
+function cardForm(attrs, n, buttonsDecide) {
+  const f = h("form", {novalidate: true, ...attrs}, buttonsDecide
+    ? h("button", {type: "submit", disabled: true, hidden: true, tabindex: "-1", "aria-hidden": "true"}) : null);
+  return [f, [], h("p", {class: "err", id: `fe-${n}`, "aria-live": "polite"})];
+}
+
 function formEl(req, form, n) {
-  const f = h("form", {class: "answer", novalidate: true, "aria-label": `Answer: ${req.name}`});
-  const fields = [];
-  const formErr = h("p", {class: "err", id: `fe-${n}`, "aria-live": "polite"});
+  const [f, fields, formErr] = cardForm({class: "answer", "aria-label": `Answer: ${req.name}`}, n, form.mode === "choice");
   const notes = form.mode === "choice" ? form.fields.filter(fd => fd.note) : [];
   const others = form.fields.filter(fd => !notes.includes(fd));
-  if (form.mode === "choice") {
-    // The first submit button is a form's default: a disabled one keeps Enter from picking a choice.
-    f.append(h("button", {type: "submit", disabled: true, hidden: true, tabindex: "-1", "aria-hidden": "true"}));
-  }
   others.forEach((fd, i) => f.append(fieldEl(fd, `${n}-${i}`, fields)));
   if (form.mode === "choice") {
     const c = form.choice, gid = `c-${n}`;
@@ -16845,7 +16842,10 @@ function formEl(req, form, n) {
   f.append(formErr);
   f.addEventListener("submit", (ev) => {
     ev.preventDefault();
-    submitAnswer(req, form, f, fields, formErr, ev.submitter);
+    if (form.mode === "choice" && !(ev.submitter && ev.submitter.dataset.index !== undefined)) return;
+    // The page's own answer route: answer_interaction's rules, its errors in a person's words.
+    sendAnswer(req, f, fields, formErr, `/web${base().slice(3)}/runs/${enc(req.run_id)}/answer`,
+               collect(form, fields, ev.submitter));
   });
   return f;
 }
@@ -16853,49 +16853,35 @@ function formEl(req, form, n) {
 // An approval of a tool call: its arguments as a table, the ones the approver may change as fields,
 // then Approve or Reject with an optional note. Errors come back at /answer/arguments/... pointers.
 function approvalEl(req, n) {
-  const a = req.approval, fields = [], rows = [];
-  const f = h("form", {class: "answer approval", novalidate: true, "aria-label": `Approve: ${req.name}`});
-  const formErr = h("p", {class: "err", id: `fe-${n}`, "aria-live": "polite"});
+  const a = req.approval, rows = [];
+  const [f, fields, formErr] = cardForm({class: "answer approval", "aria-label": `Approve: ${req.name}`}, n, true);
   const esc = (k) => String(k).replace(/~/g, "~0").replace(/\//g, "~1");
-  const walk = (value, ptr) => {
+  const walk = (value, keys) => {
+    const ptr = keys.map(k => `/${esc(k)}`).join("");
     if (value && typeof value === "object" && a.edit.some(e => e.startsWith(ptr + "/"))) {
-      for (const [k, v] of Object.entries(value)) walk(v, `${ptr}/${esc(k)}`);
-    } else rows.push([ptr, value]);
+      for (const [k, v] of Object.entries(value)) walk(v, [...keys, k]);
+    } else rows.push([ptr, keys, value]);
   };
-  walk(a.arguments, "");
-  const body = rows.map(([ptr, value], i) => {
-    const id = `ap-${n}-${i}`, name = ptr.slice(1).replace(/~1/g, "/").replace(/~0/g, "~") || "(all)";
+  walk(a.arguments, []);
+  const body = rows.map(([ptr, keys, value], i) => {
+    const id = `ap-${n}-${i}`, name = keys.join("/") || "(all)";
     if (!a.edit.includes(ptr)) {
       return h("tr", {}, h("th", {scope: "row"}, h("code", {}, name)),
         h("td", {}, typeof value === "string" ? value : JSON.stringify(value)));
     }
-    const err = h("p", {class: "err", id: `${id}-err`});
-    let control, kind;
-    if (typeof value === "boolean") {
-      kind = "boolean";
-      control = h("select", {id, "aria-describedby": `${id}-err`},
-        h("option", {value: "true", selected: value}, "true"), h("option", {value: "false", selected: !value}, "false"));
-    } else if (typeof value === "number") {
-      kind = "number";
-      control = h("input", {id, type: "number", step: "any", value: String(value), "aria-describedby": `${id}-err`});
-    } else if (typeof value === "string") {
-      kind = "text";
-      control = h("input", {id, type: "text", value, "aria-describedby": `${id}-err`});
-    } else {
-      kind = "json";
-      control = h("textarea", {id, rows: 3, class: "json", spellcheck: "false", "aria-describedby": `${id}-err`},
-        JSON.stringify(value === undefined ? null : value, null, 2));
-    }
+    const err = h("p", {class: "err", id: `${id}-err`}), attrs = {id, "aria-describedby": `${id}-err`};
+    const kind = {boolean: "boolean", number: "number", string: "text"}[typeof value] || "json";
+    const control = kind === "boolean" ? h("select", attrs,
+        h("option", {value: "true", selected: value}, "true"), h("option", {value: "false", selected: !value}, "false"))
+      : kind === "number" ? h("input", {...attrs, type: "number", step: "any", value: String(value)})
+      : kind === "text" ? h("input", {...attrs, type: "text", value})
+      : h("textarea", {...attrs, rows: 3, class: "json", spellcheck: "false"}, JSON.stringify(value ?? null, null, 2));
     const cell = h("td", {}, control, err);
-    fields.push({fd: {pointer: `/arguments${ptr}`, arg: ptr, kind}, err, control, box: cell});
+    fields.push({fd: {pointer: `/arguments${ptr}`, keys: ["arguments", ...keys], kind}, err, control, box: cell});
     return h("tr", {}, h("th", {scope: "row"}, h("label", {for: id}, h("code", {}, name), " (may change)")), cell);
   });
-  const noteId = `ap-${n}-note`, noteErr = h("p", {class: "err", id: `${noteId}-err`});
-  const note = h("textarea", {id: noteId, rows: 2, maxlength: 2000, "aria-describedby": `${noteId}-err`});
-  const noteBox = h("div", {class: "field"}, h("label", {for: noteId}, "Note (optional)"), note, noteErr);
-  fields.push({fd: {pointer: "/note"}, err: noteErr, control: note, box: noteBox});
-  // The first submit button is a form's default: a disabled one keeps Enter in a field from deciding.
-  f.append(h("button", {type: "submit", disabled: true, hidden: true, tabindex: "-1", "aria-hidden": "true"}));
+  const noteBox = fieldEl({kind: "text", note: true, name: "note", pointer: "/note", label: "Note", maxLength: 2000},
+                          `${n}-note`, fields);
   f.append(
     h("p", {class: "meta"}, "Calls ", h("strong", {}, a.tool), " on ", h("strong", {}, a.server), " · ",
       a.read_only ? "read-only" : "may change something"),
@@ -16910,51 +16896,37 @@ function approvalEl(req, n) {
     formErr);
   f.addEventListener("submit", (ev) => {
     ev.preventDefault();
-    if (ev.submitter && ev.submitter.value) submitApproval(req, f, fields, formErr, ev.submitter.value === "approve");
+    if (!ev.submitter || !ev.submitter.value) return;
+    sendAnswer(req, f, fields, formErr, `${base()}/runs/${enc(req.run_id)}/answer`,
+               collectApproval(req, fields, ev.submitter.value === "approve"));
   });
   return f;
 }
 
-async function submitApproval(req, f, fields, formErr, approved) {
-  clearErrors(fields, formErr);
-  const answer = {approved}, args = JSON.parse(JSON.stringify(req.approval.arguments));
-  let first = null, edited = false;
+// What an approval sends: approved or not, the arguments as changed (when approved) and the note.
+function collectApproval(req, fields, approved) {
+  const answer = {approved}, edits = {arguments: structuredClone(req.approval.arguments)}, bad = [];
+  let edited = false;
   for (const x of fields) {
-    const {arg, kind} = x.fd;
-    if (arg === undefined) continue;
+    const {keys, kind} = x.fd;
+    if (!keys) continue;
     let v = x.control.value;
     if (kind === "boolean") v = v === "true";
     else if (kind === "number") {
-      if (v.trim() === "" || Number.isNaN(Number(v))) { first = first || placeError(fields, formErr, `/answer${x.fd.pointer}`, "Write a number."); continue; }
+      if (v.trim() === "" || Number.isNaN(Number(v))) { bad.push([x.fd.pointer, "Write a number."]); continue; }
       v = Number(v);
     } else if (kind === "json") {
-      try { v = JSON.parse(v); } catch (e) { first = first || placeError(fields, formErr, `/answer${x.fd.pointer}`, `Not JSON: ${e.message}`); continue; }
+      try { v = JSON.parse(v); } catch (e) { bad.push([x.fd.pointer, `Not JSON: ${e.message}`]); continue; }
     }
     edited = true;
-    if (arg === "") { Object.keys(args).forEach(k => delete args[k]); Object.assign(args, v); continue; }
-    const parts = arg.split("/").slice(1).map(p => p.replace(/~1/g, "/").replace(/~0/g, "~"));
-    let cur = args;
-    for (const p of parts.slice(0, -1)) cur = cur[p];
-    cur[parts[parts.length - 1]] = v;
+    let cur = edits;
+    for (const k of keys.slice(0, -1)) cur = cur[k];
+    cur[keys[keys.length - 1]] = v;
   }
-  if (first) { first.control.focus(); return; }
-  if (approved && edited) answer.arguments = args;
+  if (approved && edited) answer.arguments = edits.arguments;
   const note = fields.find(x => x.fd.pointer === "/note").control.value.trim();
   if (note) answer.note = note;
-  const buttons = [...f.querySelectorAll("button:not([hidden])")];
-  buttons.forEach(b => { b.disabled = true; });
-  f.setAttribute("aria-busy", "true");
-  // The digest of what this card shows goes back with the answer: if the request changed meanwhile,
-  // the daemon refuses it (409 digest_mismatch) rather than take it for what it shows now.
-  const r = await api("POST", `${base()}/runs/${enc(req.run_id)}/answer`, {answer, digest: req.digest});
-  f.removeAttribute("aria-busy");
-  buttons.forEach(b => { b.disabled = false; });
-  if (r.ok) return answered(req);
-  const errors = r.body && Array.isArray(r.body.errors) ? r.body.errors : [];
-  for (const e of errors) first = placeError(fields, formErr, e.pointer, e.message) || first;
-  if (!errors.length) formErr.textContent = problemText(r.body);
-  if (first) first.control.focus();
-  if ([404, 409, 410].includes(r.status)) refresh();
+  return {answer, bad};
 }
 
 function fieldEl(fd, key, fields) {
@@ -16972,17 +16944,11 @@ function fieldEl(fd, key, fields) {
     fields.push({fd, err, control: box.querySelector("input"), box});
     return h("div", {class: "field"}, box, hint, err);
   }
-  let control;
-  if (fd.kind === "number") {
-    control = h("input", {id, name: fd.name, type: "number", inputmode: fd.integer ? "numeric" : "decimal",
-                          step: fd.integer ? "1" : "any", min: fd.min, max: fd.max, "aria-describedby": describedBy});
-  } else if (fd.kind === "text") {
-    control = h("textarea", {id, name: fd.name, rows: fd.note ? 2 : 3, maxlength: fd.maxLength, minlength: fd.minLength,
-                             "aria-describedby": describedBy});
-  } else {
-    control = h("textarea", {id, name: fd.name, rows: 6, class: "json", spellcheck: "false",
-                             "aria-describedby": describedBy}, fd.example || "");
-  }
+  const attrs = {id, name: fd.name, "aria-describedby": describedBy};
+  const control = fd.kind === "number" ? h("input", {...attrs, type: "number", inputmode: fd.integer ? "numeric" : "decimal",
+                                                     step: fd.integer ? "1" : "any", min: fd.min, max: fd.max})
+    : fd.kind === "text" ? h("textarea", {...attrs, rows: fd.note ? 2 : 3, maxlength: fd.maxLength, minlength: fd.minLength})
+    : h("textarea", {...attrs, rows: 6, class: "json", spellcheck: "false"}, fd.example || "");
   const box = h("div", {class: "field"}, h("label", {for: id}, label), control, hint, err);
   fields.push({fd, err, control, box});
   return box;
@@ -17018,13 +16984,9 @@ function collect(form, fields, submitter) {
   return {answer: hasRoot ? root : answer, bad};
 }
 
-function clearErrors(fields, formErr) {
-  formErr.textContent = "";
-  for (const x of fields) {
-    x.err.textContent = "";
-    x.box.querySelectorAll("[aria-invalid]").forEach(el => el.removeAttribute("aria-invalid"));
-    x.box.removeAttribute("aria-invalid");
-  }
+function clearErrors(f) {
+  f.querySelectorAll(".err").forEach(el => { el.textContent = ""; });
+  f.querySelectorAll("[aria-invalid]").forEach(el => el.removeAttribute("aria-invalid"));
 }
 
 // An error lands at the field whose pointer is the longest prefix of the error's pointer.
@@ -17039,38 +17001,35 @@ function placeError(fields, formErr, pointer, message) {
   }
   if (!best) {
     formErr.textContent = [formErr.textContent, message].filter(Boolean).join(" ");
-    return null;
+    return;
   }
   best.err.textContent = [best.err.textContent, message].filter(Boolean).join(" ");
   const target = best.choice || best.box.tagName === "FIELDSET" ? best.box : best.control;
   target.setAttribute("aria-invalid", "true");
-  return best;
 }
 
-async function submitAnswer(req, form, f, fields, formErr, submitter) {
-  if (form.mode === "choice" && !(submitter && submitter.dataset.index !== undefined)) return;
-  clearErrors(fields, formErr);
-  const {answer, bad} = collect(form, fields, submitter);
-  let first = null;
-  if (bad.length) {
-    for (const [p, m] of bad) first = first || placeError(fields, formErr, `/answer${p}`, m);
-    (first ? first.control : f).focus();
-    return;
+// Sends a card's answer. An error found here, or one the daemon returns at an /answer/... pointer,
+// lands at its field; an answered card leaves the inbox.
+async function sendAnswer(req, f, fields, formErr, path, {answer, bad}) {
+  clearErrors(f);
+  let errors = bad.map(([p, message]) => ({pointer: `/answer${p}`, message})), r = null;
+  if (!errors.length) {
+    const buttons = [...f.querySelectorAll("button:not([hidden])")];
+    buttons.forEach(b => { b.disabled = true; });
+    f.setAttribute("aria-busy", "true");
+    // The digest of what this card shows goes back with the answer: if the request changed meanwhile,
+    // the daemon refuses it (409 digest_mismatch) rather than take it for what it shows now.
+    r = await api("POST", path, {answer, digest: req.digest});
+    f.removeAttribute("aria-busy");
+    buttons.forEach(b => { b.disabled = false; });
+    if (r.ok) return answered(req);
+    errors = r.body && Array.isArray(r.body.errors) ? r.body.errors : [];
+    if (!errors.length) formErr.textContent = problemText(r.body);
   }
-  const buttons = [...f.querySelectorAll("button:not([hidden])")];
-  buttons.forEach(b => { b.disabled = true; });
-  f.setAttribute("aria-busy", "true");
-  // The page's own answer route: answer_interaction's rules, its errors in a person's words.
-  const r = await api("POST", `/web${base().slice(3)}/runs/${enc(req.run_id)}/answer`, {answer, digest: req.digest});
-  f.removeAttribute("aria-busy");
-  buttons.forEach(b => { b.disabled = false; });
-  if (r.ok) return answered(req);
-  const errors = r.body && Array.isArray(r.body.errors) ? r.body.errors : [];
-  for (const e of errors) first = placeError(fields, formErr, e.pointer, e.message) || first;
-  if (!errors.length) formErr.textContent = problemText(r.body);
+  for (const e of errors) placeError(fields, formErr, e.pointer, e.message);
   const invalid = f.querySelector("[aria-invalid=true]");
   if (invalid) (invalid.matches("input, textarea") ? invalid : invalid.querySelector("input, button") || invalid).focus();
-  if ([404, 409, 410].includes(r.status)) refresh();
+  if (r && [404, 409, 410].includes(r.status)) refresh();
 }
 
 function answered(req) {
@@ -17110,7 +17069,7 @@ function route(focus) {
 function page(title, ...parts) {
   document.title = `${title} · interactiond`;
   const h1 = h("h1", {tabindex: "-1"}, title);
-  $("#page").replaceChildren(h1, ...parts.flat().filter(x => x !== null && x !== undefined && x !== false));
+  $("#page").replaceChildren(h1, ...present(parts));
   return h1;
 }
 
@@ -17161,26 +17120,21 @@ async function runEvents(id) {
 }
 
 function eventEl(e) {
-  const pid = `ev-${++S.seq}`;
+  const pid = `ev-${++S.seq}`, by = e.payload?.answered_by_name || e.by;
   const text = e.truncated ? `${e.preview}… (${e.size} bytes)` : JSON.stringify(e.payload);
   const whole = h("pre", {id: pid, hidden: true});
   const btn = h("button", {type: "button", class: "event", "aria-expanded": "false", "aria-controls": pid},
-    absTime(e.at), h("strong", {}, e.type), e.by || (e.payload && e.payload.answered_by_name)
-      ? h("span", {class: "muted"}, `by ${(e.payload && e.payload.answered_by_name) || e.by}`) : null,
+    absTime(e.at), h("strong", {}, e.type), by ? h("span", {class: "muted"}, `by ${by}`) : null,
     h("span", {class: "preview"}, text.length > 240 ? `${text.slice(0, 240)}…` : text));
   btn.addEventListener("click", async () => {
-    if (btn.getAttribute("aria-expanded") === "true") {
-      btn.setAttribute("aria-expanded", "false");
-      whole.hidden = true;
-      return;
-    }
-    if (!whole.dataset.loaded) {
+    const open = whole.hidden;
+    if (open && !whole.dataset.loaded) {
       const r = await api("GET", `${base()}/events/${enc(e.id)}`);
       whole.textContent = r.ok ? JSON.stringify(r.body, null, 2) : problemText(r.body);
       if (r.ok) whole.dataset.loaded = "1";
     }
-    btn.setAttribute("aria-expanded", "true");
-    whole.hidden = false;
+    btn.setAttribute("aria-expanded", String(open));
+    whole.hidden = !open;
   });
   return h("li", {"data-event-id": e.id}, btn, whole);
 }
@@ -17190,7 +17144,7 @@ const RUN_STATUSES = ["started", "waiting", "succeeded", "invalid_input", "confl
 S.runs = {status: "", fn: ""};
 
 async function showRuns() {
-  const h1 = page("Runs", h("p", {class: "muted"}, "Loading…"));
+  page("Runs", h("p", {class: "muted"}, "Loading…"));
   const [r, defs] = await Promise.all([runsPage(null), api("GET", `${base()}/definitions`)]);
   if (!r.ok) return page("Runs", h("p", {class: "err"}, problemText(r.body)));
   const status = h("select", {id: "run-status"}, h("option", {value: ""}, "any status"),
@@ -17226,10 +17180,10 @@ async function showRuns() {
   const refilter = () => { S.runs = {status: status.value, fn: fn.value}; route(false); };
   status.addEventListener("change", refilter);
   fn.addEventListener("change", refilter);
-  page("Runs", h("div", {class: "bar"}, h("label", {for: "run-status"}, "Status"), status,
+  const h1 = page("Runs", h("div", {class: "bar"}, h("label", {for: "run-status"}, "Status"), status,
     h("label", {for: "run-function"}, "Function"), fn), table, none, more);
   add(r);
-  return $("#page h1") || h1;
+  return h1;
 }
 
 function runsPage(cursor) {
