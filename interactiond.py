@@ -18768,6 +18768,30 @@ def call_daemon(d: DaemonAddress, method: str, path: str, body: Any = None,
         raise unreachable from None
 
 
+def call_ok(d: DaemonAddress, method: str, path: str, body: Any = None) -> Any:
+    """call_daemon's answer, or a CliError with the daemon's problem in one line."""
+    status, out, _ = call_daemon(d, method, path, body)
+    if status >= 400:
+        raise CliError(problem_line(status, out))
+    return out
+
+
+def playbook_daemon(args: Any, db: str, config: Config) -> tuple[DaemonAddress, str]:
+    """A playbook's command: the daemon to call and the API path of --playbook (a usage error when it
+    is not ORG/NAME)."""
+    if not PLAYBOOK_RE.fullmatch(args.playbook):
+        raise CliError(f"--playbook is ORG/NAME in lowercase letters, digits and hyphens, not {args.playbook!r}",
+                       EXIT_USAGE)
+    org, _, name = args.playbook.partition("/")
+    return daemon_address(args, db, config), f"/v1/orgs/{org}/playbooks/{name}"
+
+
+def document_problem(path: str, problem: Mapping[str, Any]) -> str:
+    """A document's problem as `check` prints it: FILE:LINE: field: message."""
+    field = f"{problem['field']}: " if problem.get("field") else ""
+    return f"{path}:{problem.get('line')}: {field}{problem.get('message')}"
+
+
 def problem_line(status: int, body: Any) -> str:
     """A problem object as one line: its title and detail, then each error's place and message."""
     if not isinstance(body, dict):
@@ -18933,9 +18957,7 @@ def _json_argument(text: str, what: str, example: str) -> Any:
 
 
 def _cli_client(args: Any, db: str, config: Config) -> int:
-    if not PLAYBOOK_RE.fullmatch(args.playbook):
-        raise CliError(f"--playbook is ORG/NAME in lowercase letters, digits and hyphens, not {args.playbook!r}",
-                       EXIT_USAGE)
+    d, base = playbook_daemon(args, db, config)
     if args.cmd == "define":                # the file first: its problems need no daemon to be told
         try:
             source = Path(args.file).read_text(encoding="utf-8")
@@ -18946,21 +18968,17 @@ def _cli_client(args: Any, db: str, config: Config) -> int:
             (parse_workflow if type_ == "workflow" else parse_function)(source)
         except DocumentError as exc:
             for p in exc.problems:                  # as `check` prints them, and as the daemon's refusal below
-                print(f"{args.file}:{p['line']}: {p['field'] + ': ' if p['field'] else ''}{p['message']}",
-                      file=sys.stderr)
+                print(document_problem(args.file, p), file=sys.stderr)
             return EXIT_REFUSED
-    d = daemon_address(args, db, config)
-    org, _, name = args.playbook.partition("/")
-    base = f"/v1/orgs/{org}/playbooks/{name}"
     cmd = args.cmd
     rid = urllib.parse.quote(getattr(args, "run_id", "") or "", safe="")
+    listing: tuple[list[str], Callable[[dict[str, Any]], list[str]], str] | None = None
     if cmd == "define":
         status, out, _ = call_daemon(d, "POST", f"{base}/definitions",
                                      {"type": type_, "name": args.name or Path(args.file).stem, "source": source})
         if status == 422 and isinstance(out, dict) and any("line" in e for e in out.get("errors") or []):
             for e in out["errors"]:                 # a document's problems, each with its line, as `check` prints them
-                print(f"{args.file}:{e.get('line')}: {e['field'] + ': ' if e.get('field') else ''}{e.get('message')}",
-                      file=sys.stderr)
+                print(document_problem(args.file, e), file=sys.stderr)
             return EXIT_REFUSED
     elif cmd == "run":
         input_ = _json_argument(args.input, "--input", """'{"owner": "ana"}'""")
@@ -18980,33 +18998,29 @@ def _cli_client(args: Any, db: str, config: Config) -> int:
     elif cmd == "inbox":
         status, out, _ = call_daemon(d, "GET", f"{base}/interactions", query={
             "to": args.to, "function": args.function, "limit": args.limit, "cursor": args.cursor})
-        if status < 400:
-            _print_list(args, out, ["RUN", "TO", "FUNCTION", "ASKED", "EXPIRES", "DELIVERY", "MESSAGE"], lambda r: [
-                r["run_id"], _cell(r.get("to"), 24), r["name"], _when(r.get("asked_at")), _when(r.get("expires_at")),
-                r.get("delivery_state") or "", _cell(r.get("message"))], "no open requests")
-            return 0
+        listing = (["RUN", "TO", "FUNCTION", "ASKED", "EXPIRES", "DELIVERY", "MESSAGE"], lambda r: [
+            r["run_id"], _cell(r.get("to"), 24), r["name"], _when(r.get("asked_at")), _when(r.get("expires_at")),
+            r.get("delivery_state") or "", _cell(r.get("message"))], "no open requests")
     elif cmd == "runs":
         status, out, _ = call_daemon(d, "GET", f"{base}/runs", query={
             "status": args.status, "function": args.function, "limit": args.limit, "cursor": args.cursor})
-        if status < 400:
-            _print_list(args, out, ["RUN", "FUNCTION", "STATUS", "CREATED", "ENDED"], lambda r: [
-                r["run_id"], f"{r['name']} v{r['version']}" + (" (workflow)" if r["type"] == "workflow" else ""),
-                r["status"] + (f"/{r['kind']}" if r.get("kind") else ""), _when(r.get("created_at")),
-                _when(r.get("ended_at"))], "no runs")
+        listing = (["RUN", "FUNCTION", "STATUS", "CREATED", "ENDED"], lambda r: [
+            r["run_id"], f"{r['name']} v{r['version']}" + (" (workflow)" if r["type"] == "workflow" else ""),
+            r["status"] + (f"/{r['kind']}" if r.get("kind") else ""), _when(r.get("created_at")),
+            _when(r.get("ended_at"))], "no runs")
+    elif args.name:                                 # definitions NAME
+        status, out, _ = call_daemon(d, "GET", f"{base}/definitions/{args.type or 'interaction'}/"
+                                               f"{urllib.parse.quote(args.name, safe='')}")
+        if status < 400 and not args.json and sys.stdout.isatty():
+            print(out["overview"])
             return 0
     else:                                           # definitions
-        if args.name:
-            status, out, _ = call_daemon(d, "GET", f"{base}/definitions/{args.type or 'interaction'}/"
-                                                   f"{urllib.parse.quote(args.name, safe='')}")
-            if status < 400 and not args.json and sys.stdout.isatty():
-                print(out["overview"])
-                return 0
-        else:
-            status, out, _ = call_daemon(d, "GET", f"{base}/definitions", query={"type": args.type})
-            if status < 400:
-                _print_list(args, out, ["TYPE", "NAME", "VERSION", "DESCRIPTION"], lambda r: [
-                    r["type"], r["name"], str(r["version"]), _cell(r.get("description"), 72)], "no definitions")
-                return 0
+        status, out, _ = call_daemon(d, "GET", f"{base}/definitions", query={"type": args.type})
+        listing = (["TYPE", "NAME", "VERSION", "DESCRIPTION"], lambda r: [
+            r["type"], r["name"], str(r["version"]), _cell(r.get("description"), 72)], "no definitions")
+    if listing is not None and status < 400:
+        _print_list(args, out, *listing)
+        return 0
     if _is_run(out):                                # run, get, cancel: the run, whatever its status
         _print_json(out)
         if cmd == "get" and (said := _answered_line(d, base, out)) is not None:
@@ -19219,46 +19233,28 @@ def _cli_hook(args: Any) -> int:
 
 def _cli_rules(args: Any, db: str, config: Config) -> int:
     """`rules list` and `rules revoke ID`: the remembered decisions of a playbook."""
-    if not PLAYBOOK_RE.fullmatch(args.playbook):
-        raise CliError(f"--playbook is ORG/NAME in lowercase letters, digits and hyphens, not {args.playbook!r}",
-                       EXIT_USAGE)
-    d = daemon_address(args, db, config)
-    org, _, name = args.playbook.partition("/")
-    base = f"/v1/orgs/{org}/playbooks/{name}/rules"
+    d, base = playbook_daemon(args, db, config)
     if args.rules_cmd == "revoke":
-        status, out, _ = call_daemon(d, "POST", f"{base}/{urllib.parse.quote(args.id, safe='')}/revoke")
+        _print_json(call_ok(d, "POST", f"{base}/rules/{urllib.parse.quote(args.id, safe='')}/revoke"))
     else:
-        status, out, _ = call_daemon(d, "GET", base)
-    if status >= 400:
-        raise CliError(problem_line(status, out))
-    if args.rules_cmd == "list" and not args.json and sys.stdout.isatty():
-        rows = out.get("data") or []
-        print(render_table(["RULE", "TO", "TOOL", "SCOPE", "DECIDES", "UNTIL"], [[
+        header = ["RULE", "TO", "TOOL", "SCOPE", "DECIDES", "UNTIL"]
+        _print_list(args, call_ok(d, "GET", f"{base}/rules"), header, lambda r: [
             r["id"], _cell(r.get("to"), 24), _cell(r.get("tool"), 32), r["scope"] + (f" {r['match']}" if r.get("match") else ""),
-            "allow" if r.get("approved") else "deny", _when(r.get("expires_at"))] for r in rows])
-              if rows else "no remembered decisions")
-        return 0
-    _print_json(out)
+            "allow" if r.get("approved") else "deny", _when(r.get("expires_at"))], "no remembered decisions")
     return 0
 
 
 def _cli_deputy(args: Any, db: str, config: Config) -> int:
     """`deputy add|list|remove`: the running daemon's deputies (their windows are on its clock)."""
-    if not PLAYBOOK_RE.fullmatch(args.playbook):
-        raise CliError(f"--playbook is ORG/NAME in lowercase letters, digits and hyphens, not {args.playbook!r}",
-                       EXIT_USAGE)
-    org, _, name = args.playbook.partition("/")
-    path = f"/v1/orgs/{org}/playbooks/{name}/deputies"
-    d = daemon_address(args, db, config)
+    d, path = playbook_daemon(args, db, config)
+    path += "/deputies"
     if args.deputy_cmd == "add":
         body = {"for": args.for_, "to": args.to, "from": args.from_, "until": args.until}
-        status, out, _ = call_daemon(d, "POST", path, {k: v for k, v in body.items() if v is not None})
+        out = call_ok(d, "POST", path, {k: v for k, v in body.items() if v is not None})
     elif args.deputy_cmd == "remove":
-        status, out, _ = call_daemon(d, "DELETE", f"{path}/{urllib.parse.quote(args.id, safe='')}")
+        out = call_ok(d, "DELETE", f"{path}/{urllib.parse.quote(args.id, safe='')}")
     else:
-        status, out, _ = call_daemon(d, "GET", path)
-    if status >= 400:
-        raise CliError(problem_line(status, out))
+        out = call_ok(d, "GET", path)
 
     def line(dep: dict[str, Any]) -> str:
         window = f"from {dep['from'] or 'its making'} until {dep['until'] or 'removed'}"
@@ -19278,9 +19274,7 @@ def _cli_deputy(args: Any, db: str, config: Config) -> int:
 def _cli_link(args: Any, db: str, config: Config) -> int:
     """`link`: a one-time sign-in link, made by the running daemon (its clock, its public_url), else
     written straight to the database when no daemon answers."""
-    if not PLAYBOOK_RE.fullmatch(args.playbook):
-        raise CliError(f"--playbook is ORG/NAME in lowercase letters, digits and hyphens, not {args.playbook!r}",
-                       EXIT_USAGE)
+    d, base = playbook_daemon(args, db, config)
     try:
         person = person_name(args.for_) if args.for_ is not None else None
         lasts = parse_duration(args.expires)
@@ -19288,21 +19282,14 @@ def _cli_link(args: Any, db: str, config: Config) -> int:
             raise ValueError(f"--expires is from PT1M to P{LOGIN_LINK_MAX.days}D")
     except ValueError as exc:
         raise CliError(str(exc), EXIT_USAGE) from None
-    d = daemon_address(args, db, config)
-    org, _, name = args.playbook.partition("/")
-    body = {"for": person, "expires": args.expires}
     url: str | None = None
     if args.url or _beside(db, ".url").exists():
         try:
-            status, out, _ = call_daemon(d, "POST", f"/v1/orgs/{org}/playbooks/{name}/links", body)
+            out = call_ok(d, "POST", f"{base}/links", {"for": person, "expires": args.expires})
+            url, expires_at = out["url"], out["expires_at"]
         except CliError as exc:
             if args.url or exc.code != EXIT_UNREACHABLE:
-                raise
-            status, out = 0, None               # a daemon that stopped: the database itself
-        if status >= 400:
-            raise CliError(problem_line(status, out))
-        if status:
-            url, expires_at = out["url"], out["expires_at"]
+                raise                           # else a daemon that stopped: the database itself
     if url is None:
         if args.playbook not in config.playbooks:
             raise CliError(f"no playbook {args.playbook} in the configuration", EXIT_USAGE)
@@ -19322,7 +19309,8 @@ def _cli_link(args: Any, db: str, config: Config) -> int:
     return 0
 
 
-def _cli_token(args: Any, db: str) -> int:
+def _cli_token(args: Any, db: str, config: Config) -> int:
+    """`token create|list|revoke`, on the database itself."""
     tx = open_sync(db)
     try:
         if args.token_cmd == "create":
@@ -19620,8 +19608,7 @@ def check_files(paths: list[str], out: Any = None) -> int:
             try:
                 (parse_workflow if kind == "workflow" else parse_function)(source)
             except DocumentError as exc:
-                problems = [f"{path}:{p['line']}: {p['field'] + ': ' if p['field'] else ''}{p['message']}"
-                            for p in exc.problems]
+                problems = [document_problem(str(path), p) for p in exc.problems]
         for line in problems:
             print(line, file=out)
         if problems:
@@ -20018,16 +20005,9 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_USAGE
         # The database: --db, else INTERACTIOND_DB, else the configuration's `database:` (default ./interactiond.db).
         db = args.db or os.environ.get("INTERACTIOND_DB") or config.database
-        if args.cmd == "token":
-            return _cli_token(args, db)
-        if args.cmd == "link":
-            return _cli_link(args, db, config)
-        if args.cmd == "rules":
-            return _cli_rules(args, db, config)
-        if args.cmd == "deputy":
-            return _cli_deputy(args, db, config)
-        if args.cmd in CLIENT_COMMANDS:
-            return _cli_client(args, db, config)
+        clients = {"token": _cli_token, "link": _cli_link, "rules": _cli_rules, "deputy": _cli_deputy}
+        if args.cmd in clients or args.cmd in CLIENT_COMMANDS:
+            return clients.get(args.cmd, _cli_client)(args, db, config)
         if args.cmd == "stdio":
             return run_loop(_stdio(args, config))
         code = run_loop(_serve(args, config))
