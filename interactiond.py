@@ -7553,17 +7553,14 @@ def leaf_errors(exc: BaseException) -> list[BaseException]:
     return [exc]
 
 
-def _retry_after_ms(exc: BaseException) -> int | None:
-    """A 429/503 answer's Retry-After (seconds or an HTTP date), in milliseconds."""
-    for leaf in leaf_errors(exc):
-        response = getattr(leaf, "response", None)
-        value = response.headers.get("retry-after") if response is not None else None
-        if value:
-            if value.strip().isdigit():
-                return int(value.strip()) * 1000
-            with contextlib.suppress(Exception):
-                from email.utils import parsedate_to_datetime
-                return max(0, int(parsedate_to_datetime(value).timestamp() * 1000) - WALL.now_ms())
+def retry_after_ms(response: Any) -> int | None:
+    """A 429/503 answer's Retry-After (seconds or an HTTP date), in milliseconds; None without one."""
+    value = (response.headers.get("retry-after") or "").strip() if response is not None else ""
+    if re.fullmatch(r"\d+(\.\d+)?", value):
+        return int(float(value) * 1000)
+    with contextlib.suppress(Exception):
+        from email.utils import parsedate_to_datetime
+        return max(0, int(parsedate_to_datetime(value).timestamp() * 1000) - WALL.now_ms())
     return None
 
 
@@ -7581,8 +7578,8 @@ def classify_failure(exc: BaseException, *, sent: bool) -> ToolFailure:
             return ToolFailure("timed_out", "the server did not respond in time", sent=sent)
     leaf = leaves[0] if leaves else exc
     text = leaf.message if isinstance(leaf, MCPError) else (str(leaf) or type(leaf).__name__)
-    return ToolFailure("server_failure", f"the server failed: {text}"[:500], sent=sent,
-                       retry_after_ms=_retry_after_ms(exc))
+    retry = next((ms for leaf in leaves if (ms := retry_after_ms(getattr(leaf, "response", None))) is not None), None)
+    return ToolFailure("server_failure", f"the server failed: {text}"[:500], sent=sent, retry_after_ms=retry)
 
 
 def _is_connection_error(exc: BaseException) -> bool:
@@ -7596,13 +7593,9 @@ def _is_connection_error(exc: BaseException) -> bool:
     return False
 
 
-def result_meta(result: Any) -> dict[str, Any]:
-    return dict(result.meta or {}) if getattr(result, "meta", None) else {}
-
-
 def result_retry_after(result: Any) -> int | None:
     """The wait a tool's error result asks for: `retry_after_ms` in its _meta or structured content."""
-    retry = result_meta(result).get("retry_after_ms")
+    retry = (getattr(result, "meta", None) or {}).get("retry_after_ms")
     if retry is None and isinstance(result.structured_content, dict):
         retry = result.structured_content.get("retry_after_ms")
     return int(retry) if isinstance(retry, (int, float)) and not isinstance(retry, bool) and retry >= 0 else None
@@ -7710,7 +7703,7 @@ class ToolSession:
             tools, cursor = {}, None
             while True:
                 page = await asyncio.wait_for(client.list_tools(cursor=cursor), LIST_TIMEOUT_S)
-                tools.update({t.name: t for t in map(self._listed, page.tools)})
+                tools.update({t.name: t for t in (self._scrubbed(t, self.scrub.values) for t in page.tools)})
                 cursor = page.next_cursor
                 if not cursor:
                     break
@@ -7735,20 +7728,15 @@ class ToolSession:
     async def _note_retry_after(self, response: Any) -> None:
         """The SDK turns a 429/503 into a bare error; keep the Retry-After it came with."""
         if response.status_code in (429, 503):
-            value = response.headers.get("retry-after", "").strip()
-            self._retry_after_ms = int(float(value) * 1000) if re.fullmatch(r"\d+(\.\d+)?", value) else None
+            self._retry_after_ms = retry_after_ms(response)
 
-    def _listed(self, tool: Any) -> Any:
-        """A listed tool, its description and schemas scrubbed by value (a schema's keys are its own)."""
-        wire = tool.model_dump(mode="json", by_alias=True, exclude_none=True)
-        clean = self.scrub.values(wire)
-        return tool if clean == wire else type(tool).model_validate(clean)
-
-    def _received(self, result: Any) -> Any:
-        """A tool's result, scrubbed in every part before anything reads it (see Scrubber.result)."""
-        wire = result_wire(result)
-        clean = self.scrub.result(wire)
-        return result if clean == wire else type(result).model_validate(clean)
+    @staticmethod
+    def _scrubbed(model: Any, scrub: Callable[[Any], Any]) -> Any:
+        """A listed tool (scrubbed by value: a schema's keys are its own) or a tool's result (scrubbed
+        in every part before anything reads it, see Scrubber.result), as received."""
+        wire = result_wire(model)
+        clean = scrub(wire)
+        return model if clean == wire else type(model).model_validate(clean)
 
     def _failure(self, exc: BaseException, *, sent: bool) -> ToolFailure:
         failure = classify_failure(exc, sent=sent)
@@ -7775,7 +7763,7 @@ class ToolSession:
             if _is_connection_error(exc):
                 await self.close()
             raise self._failure(exc, sent=True) from None
-        return self._received(result)
+        return self._scrubbed(result, self.scrub.result)
 
     async def close(self) -> None:
         self._client = None
@@ -7845,12 +7833,9 @@ def _escaped_forms(secret: str) -> str:
         return "".join(f"[{h}{h.upper()}]" if h.isalpha() else h for h in f"{n:04x}")
 
     def one(c: str) -> str:
-        code = ord(c)
-        if code > 0xFFFF:
-            hi, lo = 0xD800 + ((code - 0x10000) >> 10), 0xDC00 + ((code - 0x10000) & 0x3FF)
-            forms = [re.escape(c), rf"\\u{hex4(hi)}\\u{hex4(lo)}"]
-        else:
-            forms = [re.escape(c), rf"\\u{hex4(code)}"]
+        units = c.encode("utf-16-be", "surrogatepass")    # one code unit, or a surrogate pair past the BMP
+        forms = [re.escape(c), "".join(rf"\\u{hex4(int.from_bytes(units[i:i + 2], 'big'))}"
+                                       for i in range(0, len(units), 2))]
         if c in _SHORT_ESCAPES:
             forms.append(re.escape(_SHORT_ESCAPES[c]))
         return "(?:" + "|".join(forms) + ")"
@@ -7875,25 +7860,19 @@ class Scrubber:
 
     def values(self, value: Any) -> Any:
         """Scrubbed by value only, keys included: for answers and tool listings, whose keys are the schema's."""
-        if isinstance(value, str):
-            return self.text(value)
-        if isinstance(value, list):
-            return [self.values(v) for v in value]
-        if isinstance(value, dict):
-            return {(self.text(k) if isinstance(k, str) else k): self.values(v) for k, v in value.items()}
-        return value
+        return self(value, keyed=False)
 
-    def __call__(self, value: Any, under: bool = False) -> Any:
-        """Scrubbed by value, and every string or number under a secret-named key replaced whole."""
+    def __call__(self, value: Any, under: bool = False, keyed: bool = True) -> Any:
+        """Scrubbed by value, and (`keyed`) every string or number under a secret-named key replaced whole."""
         if isinstance(value, str):
             return SCRUBBED if under else self.text(value)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return SCRUBBED if under else value
         if isinstance(value, list):
-            return [self(v, under) for v in value]
+            return [self(v, under, keyed) for v in value]
         if isinstance(value, dict):
             return {(self.text(k) if isinstance(k, str) else k):
-                    self(v, under or (isinstance(k, str) and secret_key(k))) for k, v in value.items()}
+                    self(v, under or (keyed and isinstance(k, str) and secret_key(k)), keyed) for k, v in value.items()}
         return value
 
     def result(self, wire: dict[str, Any]) -> dict[str, Any]:
