@@ -4079,12 +4079,21 @@ class ConfigError(Exception):
         super().__init__("; ".join(problems))
 
 
-def _config_mapping(raw: dict[str, Any], key: str, what: str, problems: list[str]) -> dict[Any, Any]:
+def _config_mapping(raw: dict[str, Any], key: str, what: str, problems: list[str],
+                    known: tuple[str, ...] | None = None) -> dict[Any, Any]:
+    """A top-level mapping of the configuration ({} when left out); its keys outside `known` are unknown."""
     value = raw.get(key) or {}
     if not isinstance(value, dict):
         problems.append(f"{key}: {what}")
         return {}
+    problems += [f"{key}.{k}: unknown key" for k in value if known is not None and k not in known]
     return value
+
+
+def _is_party(value: Any) -> bool:
+    """A person as requests name them: a text, not blank, without control characters, short enough."""
+    return (isinstance(value, str) and bool(value.strip()) and not has_control_char(value)
+            and len(value.encode()) <= MAX_PARTY_BYTES)
 
 
 def _read_server(name: Any, s: Any, problems: list[str]) -> ServerConfig | None:
@@ -4144,12 +4153,9 @@ def _read_policy(where: str, a: Any, problems: list[str]) -> ApprovalPolicy | No
     listed = list(dict.fromkeys(t.strip() for t in to if isinstance(t, str))) if isinstance(to, list) else [to]
     if isinstance(to, list) and (not 1 <= len(to) <= MAX_QUORUM or len(listed) != len(to)):
         problems.append(f"{where}.to: a quorum lists 1 to {MAX_QUORUM} different people")
-    for person in listed:
-        if not isinstance(person, str) or not person.strip() or has_control_char(person) \
-                or len(person.encode()) > MAX_PARTY_BYTES:
-            problems.append(f"{where}.to: the person who approves (or a list of them), as requests name them"
-                            f" (at most {MAX_PARTY_BYTES} bytes)")
-            break
+    if not all(map(_is_party, listed)):
+        problems.append(f"{where}.to: the person who approves (or a list of them), as requests name them"
+                        f" (at most {MAX_PARTY_BYTES} bytes)")
     need, veto = a.get("need", 1), a.get("veto", True)
     if isinstance(need, bool) or not isinstance(need, int) or not 1 <= need <= max(len(listed), 1):
         problems.append(f"{where}.need: how many of the people in to must approve, 1 to {len(listed)}")
@@ -4337,18 +4343,12 @@ def load_config(path: str | None, environ: dict[str, str] | None = None) -> Conf
     if not isinstance(raw, dict):
         raise ConfigError(["(top): the configuration is a mapping of keys such as listen, servers, playbooks"])
     problems += [f"{k}: unknown key (known: {', '.join(sorted(CONFIG_KEYS))})" for k in raw if k not in CONFIG_KEYS]
-    listen = raw.get("listen") or {}
-    host, port = "127.0.0.1", 8765
-    if not isinstance(listen, dict):
-        problems.append("listen: a mapping with host and port")
-    else:
-        problems += [f"listen.{k}: unknown key" for k in listen if k not in {"host", "port"}]
-        host = listen.get("host", host)
-        port = listen.get("port", port)
-        if not isinstance(host, str) or not host:
-            problems.append("listen.host: a host name or address")
-        if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
-            problems.append("listen.port: a port number from 0 to 65535")
+    listen = _config_mapping(raw, "listen", "a mapping with host and port", problems, ("host", "port"))
+    host, port = listen.get("host", "127.0.0.1"), listen.get("port", 8765)
+    if not isinstance(host, str) or not host:
+        problems.append("listen.host: a host name or address")
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+        problems.append("listen.port: a port number from 0 to 65535")
     database = raw.get("database", "interactiond.db")
     if not isinstance(database, str) or not database:
         problems.append("database: a file path, or a postgresql:// URL")
@@ -4371,8 +4371,7 @@ def load_config(path: str | None, environ: dict[str, str] | None = None) -> Conf
             playbooks[pb] = names
             if isinstance(value, dict) and value.get("webhooks") is not None:
                 webhooks[pb] = _read_webhooks(pb, value["webhooks"], environ, problems)
-    metrics = _config_mapping(raw, "metrics", "a mapping with open_on_loopback", problems)
-    problems += [f"metrics.{k}: unknown key" for k in metrics if k != "open_on_loopback"]
+    metrics = _config_mapping(raw, "metrics", "a mapping with open_on_loopback", problems, ("open_on_loopback",))
     if not isinstance(metrics.get("open_on_loopback", False), bool):
         problems.append("metrics.open_on_loopback: true or false")
     public_url = raw.get("public_url")
@@ -4380,11 +4379,9 @@ def load_config(path: str | None, environ: dict[str, str] | None = None) -> Conf
         problems.append("public_url: an http:// or https:// URL people reach the daemon at, e.g."
                         " https://inbox.example.org (no query or fragment)")
         public_url = None
-    mcp = _config_mapping(raw, "mcp", "a mapping with as", problems)
-    problems += [f"mcp.{k}: unknown key" for k in mcp if k != "as"]
+    mcp = _config_mapping(raw, "mcp", "a mapping with as", problems, ("as",))
     mcp_as = mcp.get("as")
-    if mcp_as is not None and (not isinstance(mcp_as, str) or not mcp_as.strip() or has_control_char(mcp_as)
-                               or len(mcp_as.encode()) > MAX_PARTY_BYTES):
+    if mcp_as is not None and not _is_party(mcp_as):
         problems.append(f"mcp.as: the person at the MCP client, as requests name them"
                         f" (at most {MAX_PARTY_BYTES} bytes)")
         mcp_as = None
