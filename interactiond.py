@@ -19096,17 +19096,13 @@ def _hook_decision(run: dict[str, Any], call: HookCall, on_timeout: str) -> tupl
 
 def _hook_ask(args: Any, call: HookCall) -> tuple[str, dict[str, Any] | None, str]:
     """Open the approval through the daemon and wait for it (--timeout real seconds): the decision."""
-    if not PLAYBOOK_RE.fullmatch(args.playbook):
-        raise CliError(f"--playbook is ORG/NAME, not {args.playbook!r}")
     if not 0 < args.timeout <= 86400:
         raise CliError("--timeout is a number of seconds, more than 0 and at most 86400")
     try:
         config = load_config(args.config or os.environ.get("INTERACTIOND_CONFIG"))
     except ConfigError as exc:
         raise CliError(f"configuration: {exc.problems[0] if exc.problems else exc}") from None
-    d = daemon_address(args, args.db or os.environ.get("INTERACTIOND_DB") or config.database, config)
-    org, _, name = args.playbook.partition("/")
-    base = f"/v1/orgs/{org}/playbooks/{name}"
+    d, base = playbook_daemon(args, args.db or os.environ.get("INTERACTIOND_DB") or config.database, config)
     input_: dict[str, Any] = {"tool": call.tool, "arguments": call.arguments, "cwd": call.cwd,
                               "session": call.session, "event": call.event}
     input_ = {k: v for k, v in input_.items() if v is not None}
@@ -19269,15 +19265,12 @@ def _cli_link(args: Any, db: str, config: Config) -> int:
     if url is None:
         if args.playbook not in config.playbooks:
             raise CliError(f"no playbook {args.playbook} in the configuration", EXIT_USAGE)
-        tx = open_sync(db)
-        try:
+        with contextlib.closing(open_sync(db)) as tx:
             now = WALL.now_ms()
             ends = now + int(lasts.total_seconds() * 1000)
             _, secret = create_token(tx, Role.WRITER.value if person else Role.OPERATOR.value,
                                      args.playbook if person else None, login_link_name(person), purpose="login",
                                      now=now, person=person, expires_at=ends)
-        finally:
-            tx.close()
         url, expires_at = f"{config.links_base}/login?token={secret}", fmt_time(ends)
     print(url)
     whose = f"{person}'s, in {args.playbook}" if person else "an operator's"
@@ -19287,8 +19280,7 @@ def _cli_link(args: Any, db: str, config: Config) -> int:
 
 def _cli_token(args: Any, db: str, config: Config) -> int:
     """`token create|list|revoke`, on the database itself."""
-    tx = open_sync(db)
-    try:
+    with contextlib.closing(open_sync(db)) as tx:
         if args.token_cmd == "create":
             try:
                 playbook = args.playbook or (DEFAULT_PLAYBOOK if args.for_ is not None else None)
@@ -19317,8 +19309,6 @@ def _cli_token(args: Any, db: str, config: Config) -> int:
                 return 1
             print(f"revoked {args.id}")
         return 0
-    finally:
-        tx.close()
 
 
 # -- copy: a whole database into an empty one -------------------------------------------------------
@@ -19447,13 +19437,10 @@ class RedactingFilter(logging.Filter):
 def install_log_redaction() -> None:
     """Put the redacting filter on every root handler and the loggers that quote requests; quiet the SDK."""
     redacting = RedactingFilter()
-    for handler in logging.getLogger().handlers:
-        if not any(isinstance(f, RedactingFilter) for f in handler.filters):
-            handler.addFilter(redacting)
-    for name in ("aiohttp.server", "aiohttp.access", "aiohttp.web", "aiohttp.client", *QUIET_LOGGERS):
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, RedactingFilter) for f in logger.filters):
-            logger.addFilter(redacting)
+    loggers = ("aiohttp.server", "aiohttp.access", "aiohttp.web", "aiohttp.client", *QUIET_LOGGERS)
+    for filtered in (*logging.getLogger().handlers, *map(logging.getLogger, loggers)):
+        if not any(isinstance(f, RedactingFilter) for f in filtered.filters):
+            filtered.addFilter(redacting)
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
 
@@ -19871,9 +19858,9 @@ def build_parser(argv: list[str] | None = None) -> Any:
     p.add_argument("--token", help="an operator token (env: INTERACTIOND_TOKEN; default: the one serve wrote"
                                    " beside the database)")
 
-    p = command("hook", ": the hook's JSON on stdin, its decision on stdout, exit 0. When nobody answers in"
-                " time the request is cancelled and --on-timeout decides; when the daemon cannot be reached the"
-                " decision is ask (one line on stderr).", common=False)
+    p = daemon(command("hook", ": the hook's JSON on stdin, its decision on stdout, exit 0. When nobody answers in"
+                       " time the request is cancelled and --on-timeout decides; when the daemon cannot be reached"
+                       " the decision is ask (one line on stderr)."), "a writer's API token")
     p.add_argument("agent", choices=["claude-code", "generic"],
                    help="claude-code: a PreToolUse or PermissionRequest hook; generic: {tool, arguments, context}"
                         " in, {decision, arguments, note} out")
@@ -19891,13 +19878,6 @@ def build_parser(argv: list[str] | None = None) -> Any:
     p.add_argument("--function", metavar="NAME", default=APPROVE_TOOL_CALL,
                    help="the function that asks: a saved one whose input is {tool, arguments, cwd, session,"
                         " event} and whose answer is the approval's (its deliver, reminders and to)")
-    p.add_argument("--playbook", metavar="ORG/NAME", default=DEFAULT_PLAYBOOK, help="the playbook")
-    p.add_argument("--url", help="the daemon's URL (default: the one serve wrote beside the database)")
-    p.add_argument("--token", help="a writer's API token (env: INTERACTIOND_TOKEN; default: the operator token"
-                                   " serve wrote beside the database)")
-    p.add_argument("--db", metavar="PATH", help="the database the daemon serves, to find its URL and token"
-                                                " (env: INTERACTIOND_DB)")
-    p.add_argument("--config", metavar="PATH", help="the operator configuration, YAML (env: INTERACTIOND_CONFIG)")
     p = command("rules")
     rsub = p.add_subparsers(dest="rules_cmd", required=True, metavar="ACTION")
     for name, text in (("list", "list the remembered decisions that stand now"),
