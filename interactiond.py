@@ -7623,10 +7623,10 @@ def result_wire(result: Any) -> dict[str, Any]:
 class ToolSession:
     """One configured tool server: a lazily opened, shared, self-healing MCP client session."""
 
-    def __init__(self, config: ServerConfig, scrub: Scrubber | None = None) -> None:
+    def __init__(self, config: ServerConfig, scrub: Scrubber) -> None:
         self.config = config
         #: Every result, listing and failure of this server passes through here as it is received.
-        self.scrub = scrub or Scrubber((*config.env.values(), *config.headers.values()))
+        self.scrub = scrub
         self.tools: dict[str, Any] = {}
         self._client: Any = None
         self._owner: asyncio.Task[None] | None = None
@@ -18721,16 +18721,22 @@ def _http(method: str, url: str, token: str | None, body: Any = None,
         return status, {"title": f"HTTP {status}", "detail": raw.decode(errors="replace")[:200]}, got
 
 
+def daemon_url(d: DaemonAddress, path: str, query: Mapping[str, Any] | None = None) -> str:
+    """The URL of a call to the daemon (a query's None values left out), or a CliError when d.url is
+    not a daemon's."""
+    if not re.match(r"https?://[^/\s]+(/\S*)?$", d.url):
+        raise CliError(f"{d.url} (from {d.source}) is not a daemon's URL such as http://127.0.0.1:8765", EXIT_USAGE)
+    q = {k: v for k, v in (query or {}).items() if v is not None}
+    return d.url + path + ("?" + urllib.parse.urlencode(q) if q else "")
+
+
 def call_daemon(d: DaemonAddress, method: str, path: str, body: Any = None,
                 query: Mapping[str, Any] | None = None) -> tuple[int, Any, Mapping[str, str]]:
     """A call to the daemon, or a CliError that says in one line why there was none."""
     import http.client
-    q = {k: v for k, v in (query or {}).items() if v is not None}
-    url = d.url + path + ("?" + urllib.parse.urlencode(q) if q else "")
+    url = daemon_url(d, path, query)
     unreachable = CliError(f"cannot reach the daemon at {d.url} (from {d.source}): is `interactiond serve` running?",
                            EXIT_UNREACHABLE)
-    if not re.match(r"https?://[^/\s]+(/\S*)?$", d.url):
-        raise CliError(f"{d.url} (from {d.source}) is not a daemon's URL such as http://127.0.0.1:8765", EXIT_USAGE)
     if d.token is None:
         try:
             _http("GET", d.url + "/healthz", None, timeout=10)
@@ -19062,19 +19068,18 @@ class HookStopped(Exception):
 
 
 def _hook_call(d: DaemonAddress, method: str, path: str, body: Any = None, query: Mapping[str, Any] | None = None,
-               timeout: float = 30.0) -> tuple[int, Any]:
-    """A call of the hook to the daemon: (status, body), or a CliError that says why there was none."""
+               timeout: float = 30.0) -> dict[str, Any]:
+    """A call of the hook to the daemon: the run it answered, or a CliError that says why there was none."""
     import http.client
-    if not re.match(r"https?://[^/\s]+(/\S*)?$", d.url):
-        raise CliError(f"{d.url} (from {d.source}) is not a daemon's URL such as http://127.0.0.1:8765")
-    q = {k: v for k, v in (query or {}).items() if v is not None}
+    url = daemon_url(d, path, query)
     try:
-        status, out, _ = _http(method, d.url + path + ("?" + urllib.parse.urlencode(q) if q else ""), d.token, body,
-                               timeout=timeout)
+        status, out, _ = _http(method, url, d.token, body, timeout=timeout)
     except (OSError, http.client.HTTPException) as exc:
         why = getattr(exc, "reason", None) or getattr(exc, "strerror", None) or exc
         raise CliError(f"cannot reach the daemon at {d.url} (from {d.source}): {why}") from None
-    return status, out
+    if not _is_run(out):
+        raise CliError(problem_line(status, out))
+    return out
 
 
 def _hook_decision(run: dict[str, Any], call: HookCall, on_timeout: str) -> tuple[str, dict[str, Any] | None, str]:
@@ -19124,10 +19129,8 @@ def _hook_ask(args: Any, call: HookCall) -> tuple[str, dict[str, Any] | None, st
     run_id = "hook-" + secrets.token_hex(12)       # known before the run starts: a stop at any point withdraws it
     path = f"{base}/runs/{run_id}"
     try:
-        status, run = _hook_call(d, "POST", f"{base}/runs", {"type": "interaction", "name": args.function,
-                                                             "input": input_, "run_id": run_id})
-        if not _is_run(run):
-            raise CliError(problem_line(status, run))
+        run = _hook_call(d, "POST", f"{base}/runs", {"type": "interaction", "name": args.function,
+                                                     "input": input_, "run_id": run_id})
         return _hook_wait(args, d, path, run, call, began)
     except HookStopped:                 # the agent gave up on the hook first: withdraw the request, then ask
         with contextlib.suppress(CliError):
@@ -19141,18 +19144,13 @@ def _hook_wait(args: Any, d: DaemonAddress, path: str, run: dict[str, Any], call
     while not RunStatus(run["status"]).ended:
         left = args.timeout - (time.monotonic() - began)
         if left <= 0:
-            status, run = _hook_call(d, "POST", path + "/cancel")       # nobody answered: withdrawn
-            if not _is_run(run):
-                raise CliError(problem_line(status, run))
+            run = _hook_call(d, "POST", path + "/cancel")       # nobody answered: withdrawn
             if run["status"] == RunStatus.SUCCEEDED.value:              # answered as it was withdrawn
                 break
             return args.on_timeout, None, (f"nobody answered on interactiond within {args.timeout:g} s;"
                                            f" the request (run {run['run_id']}) was cancelled")
         wait = min(left, MAX_HTTP_WAIT_S)
-        status, got = _hook_call(d, "POST", path + "/wait", query={"timeout": f"{wait:.3f}"}, timeout=wait + 30)
-        if not _is_run(got):
-            raise CliError(problem_line(status, got))
-        run = got
+        run = _hook_call(d, "POST", path + "/wait", query={"timeout": f"{wait:.3f}"}, timeout=wait + 30)
     return _hook_decision(run, call, args.on_timeout)
 
 
