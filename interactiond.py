@@ -7634,10 +7634,12 @@ class ToolSession:
         self._lock = asyncio.Lock()
         self._retry_after_ms: int | None = None
 
-    def _transport(self, stack: contextlib.AsyncExitStack) -> Any:
+    async def _transport(self, stack: contextlib.AsyncExitStack) -> Any:
+        import httpx2
         from mcp import StdioServerParameters
         from mcp.client.sse import sse_client as _sse_client
         from mcp.client.stdio import stdio_client as _stdio_client
+        from mcp.client.streamable_http import streamable_http_client as _streamable_client
         c = self.config
         if c.transport == "stdio":
             env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "PYTHONPATH", "VIRTUAL_ENV")}
@@ -7646,7 +7648,10 @@ class ToolSession:
                                  errlog=self._errlog(stack))
         if c.transport == "sse":
             return _sse_client(c.url, headers=c.headers, timeout=OPEN_TIMEOUT_S)
-        return None
+        http = await stack.enter_async_context(httpx2.AsyncClient(
+            headers=c.headers, follow_redirects=True, event_hooks={"response": [self._note_retry_after]},
+            timeout=httpx2.Timeout(CALL_TIMEOUT_S + 5, connect=OPEN_TIMEOUT_S)))
+        return _streamable_client(c.url, http_client=http)
 
     def _errlog(self, stack: contextlib.AsyncExitStack) -> Any:
         """The server's stderr: a pipe whose lines the daemon logs scrubbed, never passed on as they are."""
@@ -7663,18 +7668,10 @@ class ToolSession:
         return writer
 
     async def _hold(self, ready: asyncio.Future[Any]) -> None:
-        import httpx2
         from mcp import Client as _McpClient
-        from mcp.client.streamable_http import streamable_http_client as _streamable_client
         try:
             async with contextlib.AsyncExitStack() as stack:
-                transport = self._transport(stack)
-                if transport is None:
-                    http = await stack.enter_async_context(httpx2.AsyncClient(
-                        headers=self.config.headers, follow_redirects=True,
-                        timeout=httpx2.Timeout(CALL_TIMEOUT_S + 5, connect=OPEN_TIMEOUT_S),
-                        event_hooks={"response": [self._note_retry_after]}))
-                    transport = _streamable_client(self.config.url, http_client=http)
+                transport = await self._transport(stack)
                 client = await stack.enter_async_context(
                     _McpClient(transport, read_timeout_seconds=LIST_TIMEOUT_S))
                 ready.set_result(client)
@@ -18707,7 +18704,7 @@ def daemon_address(args: Any, db: str, config: Config) -> DaemonAddress:
     return DaemonAddress(url.rstrip("/"), source, token)
 
 
-def _http(method: str, url: str, token: str | None, body: Any = None,
+def _json_http(method: str, url: str, token: str | None, body: Any = None,
           timeout: float = MAX_HTTP_WAIT_S + 10) -> tuple[int, Any, Mapping[str, str]]:
     """One call: (status, JSON body, headers). Raises OSError (URLError included) when nothing answered."""
     data = dumps(body).encode() if body is not None else None
@@ -18739,13 +18736,13 @@ def call_daemon(d: DaemonAddress, method: str, path: str, body: Any = None,
                            EXIT_UNREACHABLE)
     if d.token is None:
         try:
-            _http("GET", d.url + "/healthz", None, timeout=10)
+            _json_http("GET", d.url + "/healthz", None, timeout=10)
         except (OSError, http.client.HTTPException):
             raise unreachable from None
         raise CliError("no token: pass --token, set INTERACTIOND_TOKEN, or give the --db that serve made"
                        " (its token is beside it)", EXIT_USAGE)
     try:
-        return _http(method, url, d.token, body)
+        return _json_http(method, url, d.token, body)
     except (OSError, http.client.HTTPException):
         raise unreachable from None
 
@@ -19073,7 +19070,7 @@ def _hook_call(d: DaemonAddress, method: str, path: str, body: Any = None, query
     import http.client
     url = daemon_url(d, path, query)
     try:
-        status, out, _ = _http(method, url, d.token, body, timeout=timeout)
+        status, out, _ = _json_http(method, url, d.token, body, timeout=timeout)
     except (OSError, http.client.HTTPException) as exc:
         why = getattr(exc, "reason", None) or getattr(exc, "strerror", None) or exc
         raise CliError(f"cannot reach the daemon at {d.url} (from {d.source}): {why}") from None
