@@ -19326,52 +19326,46 @@ def _cli_copy(args: Any) -> int:
     except ValueError as exc:
         raise CliError(str(exc)) from None
     counts: dict[str, int] = {}
-    try:
-        target = open_sync(args.target)
-    except BaseException:
-        source.close()
-        raise
-    errors = (*source.errors, *target.errors)
-    try:
-        source.begin_snapshot()
-        target.begin()
+    with contextlib.closing(source), contextlib.closing(open_sync(args.target)) as target:
+        errors = (*source.errors, *target.errors)
         try:
-            held = {t: n for t in COPIED_TABLES if (n := target.count_rows(t))}
-            if held:
-                raise CliError(f"{shown_to} is not empty ({', '.join(f'{t}: {n}' for t, n in held.items())});"
-                               " copy only into a new database")
-            if tty:
-                print(f"copying {shown_from} into {shown_to}", flush=True)
-            for table in COPIED_TABLES:
-                have = set(target.table_columns(table))
-                columns = source.table_columns(table)
-                missing = [c for c in columns if c not in have and (table, c) not in COPY_DROPPABLE]
-                if missing:
-                    raise CliError(f"{shown_to} has no column {table}.{missing[0]}: it was made by another version")
-                columns = [c for c in columns if c in have]
-                total, done = source.count_rows(table), 0
-                for rows in source.table_rows(table, columns, COPY_BATCH):
-                    target.insert_rows(table, columns, rows)
-                    done += len(rows)
-                    if tty:
-                        print(f"\r  {table:<13} {done:>11,} of {total:,} rows", end="", flush=True)
-                counts[table] = done
+            source.begin_snapshot()
+            target.begin()
+            try:
+                held = {t: n for t in COPIED_TABLES if (n := target.count_rows(t))}
+                if held:
+                    raise CliError(f"{shown_to} is not empty ({', '.join(f'{t}: {n}' for t, n in held.items())});"
+                                   " copy only into a new database")
                 if tty:
-                    print(f"\r  {table:<13} {done:>11,} rows" + " " * (len(f"{total:,}") + 4), flush=True)
-            target.after_copy()
-            target.end()
-        except BaseException:
+                    print(f"copying {shown_from} into {shown_to}", flush=True)
+                for table in COPIED_TABLES:
+                    have = set(target.table_columns(table))
+                    columns = source.table_columns(table)
+                    missing = [c for c in columns if c not in have and (table, c) not in COPY_DROPPABLE]
+                    if missing:
+                        raise CliError(f"{shown_to} has no column {table}.{missing[0]}: it was made by another version")
+                    columns = [c for c in columns if c in have]
+                    total, done = source.count_rows(table), 0
+                    for rows in source.table_rows(table, columns, COPY_BATCH):
+                        target.insert_rows(table, columns, rows)
+                        done += len(rows)
+                        if tty:
+                            print(f"\r  {table:<13} {done:>11,} of {total:,} rows", end="", flush=True)
+                    counts[table] = done
+                    if tty:
+                        print(f"\r  {table:<13} {done:>11,} rows" + " " * (len(f"{total:,}") + 4), flush=True)
+                target.after_copy()
+                target.end()
+            except BaseException:
+                with contextlib.suppress(*errors):
+                    target.end(commit=False)
+                raise
+        except errors as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise CliError(f"the copy failed ({first}); nothing was written to {shown_to}") from None
+        finally:
             with contextlib.suppress(*errors):
-                target.end(commit=False)
-            raise
-    except errors as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise CliError(f"the copy failed ({first}); nothing was written to {shown_to}") from None
-    finally:
-        with contextlib.suppress(*errors):
-            source.end(commit=False)
-        source.close()
-        target.close()
+                source.end(commit=False)
     seconds = time.monotonic() - began
     if tty:
         print(f"copied {sum(counts.values()):,} rows in {seconds:.1f} s; start the daemon on {shown_to}")
@@ -19583,7 +19577,6 @@ async def _demo(args: Any) -> int:
     """`interactiond demo`: a daemon on a fresh temporary database, the examples defined, the example
     chat server wired, two requests open (one in the inbox, one posted in the chat); it prints the
     page's link and three things to try. The directory goes when the demo stops."""
-    import shutil
     import tempfile
 
     examples = data_file("examples")
@@ -19591,8 +19584,8 @@ async def _demo(args: Any) -> int:
         print(f"interactiond: the demo needs the examples ({examples} is missing, nor are they under"
               f" {sys.prefix}/share/interactiond/examples); install the wheel or from a checkout", file=sys.stderr)
         return 1
-    where = Path(tempfile.mkdtemp(prefix="interactiond-demo-"))
-    try:
+    with tempfile.TemporaryDirectory(prefix="interactiond-demo-", ignore_cleanup_errors=True) as name:
+        where = Path(name)
         chat_db = where / "chat.db"
         config_path = where / "demo.yaml"
         config_path.write_text(dumps({
@@ -19605,8 +19598,6 @@ async def _demo(args: Any) -> int:
         config = load_config(str(config_path), environ={})
         args.db, args.host, args.clock, args.config = config.database, "127.0.0.1", "system", str(config_path)
         return await _serve(args, config, after_start=lambda engine, url: _demo_open(engine, where, chat_db))
-    finally:
-        shutil.rmtree(where, ignore_errors=True)
 
 
 async def _demo_open(engine: Engine, where: Path, chat_db: Path) -> None:
