@@ -4053,12 +4053,21 @@ class ConfigError(Exception):
         super().__init__("; ".join(problems))
 
 
-def _config_mapping(raw: dict[str, Any], key: str, what: str, problems: list[str]) -> dict[Any, Any]:
+def _config_mapping(raw: dict[str, Any], key: str, what: str, problems: list[str],
+                    known: tuple[str, ...] | None = None) -> dict[Any, Any]:
+    """A top-level mapping of the configuration ({} when left out); its keys outside `known` are unknown."""
     value = raw.get(key) or {}
     if not isinstance(value, dict):
         problems.append(f"{key}: {what}")
         return {}
+    problems += [f"{key}.{k}: unknown key" for k in value if known is not None and k not in known]
     return value
+
+
+def _is_party(value: Any) -> bool:
+    """A person as requests name them: a text, not blank, without control characters, short enough."""
+    return (isinstance(value, str) and bool(value.strip()) and not has_control_char(value)
+            and len(value.encode()) <= MAX_PARTY_BYTES)
 
 
 def _read_server(name: Any, s: Any, problems: list[str]) -> ServerConfig | None:
@@ -4118,12 +4127,9 @@ def _read_policy(where: str, a: Any, problems: list[str]) -> ApprovalPolicy | No
     listed = list(dict.fromkeys(t.strip() for t in to if isinstance(t, str))) if isinstance(to, list) else [to]
     if isinstance(to, list) and (not 1 <= len(to) <= MAX_QUORUM or len(listed) != len(to)):
         problems.append(f"{where}.to: a quorum lists 1 to {MAX_QUORUM} different people")
-    for person in listed:
-        if not isinstance(person, str) or not person.strip() or has_control_char(person) \
-                or len(person.encode()) > MAX_PARTY_BYTES:
-            problems.append(f"{where}.to: the person who approves (or a list of them), as requests name them"
-                            f" (at most {MAX_PARTY_BYTES} bytes)")
-            break
+    if not all(map(_is_party, listed)):
+        problems.append(f"{where}.to: the person who approves (or a list of them), as requests name them"
+                        f" (at most {MAX_PARTY_BYTES} bytes)")
     need, veto = a.get("need", 1), a.get("veto", True)
     if isinstance(need, bool) or not isinstance(need, int) or not 1 <= need <= max(len(listed), 1):
         problems.append(f"{where}.need: how many of the people in to must approve, 1 to {len(listed)}")
@@ -4311,18 +4317,12 @@ def load_config(path: str | None, environ: dict[str, str] | None = None) -> Conf
     if not isinstance(raw, dict):
         raise ConfigError(["(top): the configuration is a mapping of keys such as listen, servers, playbooks"])
     problems += [f"{k}: unknown key (known: {', '.join(sorted(CONFIG_KEYS))})" for k in raw if k not in CONFIG_KEYS]
-    listen = raw.get("listen") or {}
-    host, port = "127.0.0.1", 8765
-    if not isinstance(listen, dict):
-        problems.append("listen: a mapping with host and port")
-    else:
-        problems += [f"listen.{k}: unknown key" for k in listen if k not in {"host", "port"}]
-        host = listen.get("host", host)
-        port = listen.get("port", port)
-        if not isinstance(host, str) or not host:
-            problems.append("listen.host: a host name or address")
-        if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
-            problems.append("listen.port: a port number from 0 to 65535")
+    listen = _config_mapping(raw, "listen", "a mapping with host and port", problems, ("host", "port"))
+    host, port = listen.get("host", "127.0.0.1"), listen.get("port", 8765)
+    if not isinstance(host, str) or not host:
+        problems.append("listen.host: a host name or address")
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+        problems.append("listen.port: a port number from 0 to 65535")
     database = raw.get("database", "interactiond.db")
     if not isinstance(database, str) or not database:
         problems.append("database: a file path, or a postgresql:// URL")
@@ -4345,8 +4345,7 @@ def load_config(path: str | None, environ: dict[str, str] | None = None) -> Conf
             playbooks[pb] = names
             if isinstance(value, dict) and value.get("webhooks") is not None:
                 webhooks[pb] = _read_webhooks(pb, value["webhooks"], environ, problems)
-    metrics = _config_mapping(raw, "metrics", "a mapping with open_on_loopback", problems)
-    problems += [f"metrics.{k}: unknown key" for k in metrics if k != "open_on_loopback"]
+    metrics = _config_mapping(raw, "metrics", "a mapping with open_on_loopback", problems, ("open_on_loopback",))
     if not isinstance(metrics.get("open_on_loopback", False), bool):
         problems.append("metrics.open_on_loopback: true or false")
     public_url = raw.get("public_url")
@@ -4354,11 +4353,9 @@ def load_config(path: str | None, environ: dict[str, str] | None = None) -> Conf
         problems.append("public_url: an http:// or https:// URL people reach the daemon at, e.g."
                         " https://inbox.example.org (no query or fragment)")
         public_url = None
-    mcp = _config_mapping(raw, "mcp", "a mapping with as", problems)
-    problems += [f"mcp.{k}: unknown key" for k in mcp if k != "as"]
+    mcp = _config_mapping(raw, "mcp", "a mapping with as", problems, ("as",))
     mcp_as = mcp.get("as")
-    if mcp_as is not None and (not isinstance(mcp_as, str) or not mcp_as.strip() or has_control_char(mcp_as)
-                               or len(mcp_as.encode()) > MAX_PARTY_BYTES):
+    if mcp_as is not None and not _is_party(mcp_as):
         problems.append(f"mcp.as: the person at the MCP client, as requests name them"
                         f" (at most {MAX_PARTY_BYTES} bytes)")
         mcp_as = None
@@ -7540,17 +7537,14 @@ def leaf_errors(exc: BaseException) -> list[BaseException]:
     return [exc]
 
 
-def _retry_after_ms(exc: BaseException) -> int | None:
-    """A 429/503 answer's Retry-After (seconds or an HTTP date), in milliseconds."""
-    for leaf in leaf_errors(exc):
-        response = getattr(leaf, "response", None)
-        value = response.headers.get("retry-after") if response is not None else None
-        if value:
-            if value.strip().isdigit():
-                return int(value.strip()) * 1000
-            with contextlib.suppress(Exception):
-                from email.utils import parsedate_to_datetime
-                return max(0, int(parsedate_to_datetime(value).timestamp() * 1000) - WALL.now_ms())
+def retry_after_ms(response: Any) -> int | None:
+    """A 429/503 answer's Retry-After (seconds or an HTTP date), in milliseconds; None without one."""
+    value = (response.headers.get("retry-after") or "").strip() if response is not None else ""
+    if re.fullmatch(r"\d+(\.\d+)?", value):
+        return int(float(value) * 1000)
+    with contextlib.suppress(Exception):
+        from email.utils import parsedate_to_datetime
+        return max(0, int(parsedate_to_datetime(value).timestamp() * 1000) - WALL.now_ms())
     return None
 
 
@@ -7568,8 +7562,8 @@ def classify_failure(exc: BaseException, *, sent: bool) -> ToolFailure:
             return ToolFailure("timed_out", "the server did not respond in time", sent=sent)
     leaf = leaves[0] if leaves else exc
     text = leaf.message if isinstance(leaf, MCPError) else (str(leaf) or type(leaf).__name__)
-    return ToolFailure("server_failure", f"the server failed: {text}"[:500], sent=sent,
-                       retry_after_ms=_retry_after_ms(exc))
+    retry = next((ms for leaf in leaves if (ms := retry_after_ms(getattr(leaf, "response", None))) is not None), None)
+    return ToolFailure("server_failure", f"the server failed: {text}"[:500], sent=sent, retry_after_ms=retry)
 
 
 def _is_connection_error(exc: BaseException) -> bool:
@@ -7583,13 +7577,9 @@ def _is_connection_error(exc: BaseException) -> bool:
     return False
 
 
-def result_meta(result: Any) -> dict[str, Any]:
-    return dict(result.meta or {}) if getattr(result, "meta", None) else {}
-
-
 def result_retry_after(result: Any) -> int | None:
     """The wait a tool's error result asks for: `retry_after_ms` in its _meta or structured content."""
-    retry = result_meta(result).get("retry_after_ms")
+    retry = (getattr(result, "meta", None) or {}).get("retry_after_ms")
     if retry is None and isinstance(result.structured_content, dict):
         retry = result.structured_content.get("retry_after_ms")
     return int(retry) if isinstance(retry, (int, float)) and not isinstance(retry, bool) and retry >= 0 else None
@@ -7620,10 +7610,10 @@ def result_wire(result: Any) -> dict[str, Any]:
 class ToolSession:
     """One configured tool server: a lazily opened, shared, self-healing MCP client session."""
 
-    def __init__(self, config: ServerConfig, scrub: Scrubber | None = None) -> None:
+    def __init__(self, config: ServerConfig, scrub: Scrubber) -> None:
         self.config = config
         #: Every result, listing and failure of this server passes through here as it is received.
-        self.scrub = scrub or Scrubber((*config.env.values(), *config.headers.values()))
+        self.scrub = scrub
         self.tools: dict[str, Any] = {}
         self._client: Any = None
         self._owner: asyncio.Task[None] | None = None
@@ -7631,10 +7621,12 @@ class ToolSession:
         self._lock = asyncio.Lock()
         self._retry_after_ms: int | None = None
 
-    def _transport(self, stack: contextlib.AsyncExitStack) -> Any:
+    async def _transport(self, stack: contextlib.AsyncExitStack) -> Any:
+        import httpx2
         from mcp import StdioServerParameters
         from mcp.client.sse import sse_client as _sse_client
         from mcp.client.stdio import stdio_client as _stdio_client
+        from mcp.client.streamable_http import streamable_http_client as _streamable_client
         c = self.config
         if c.transport == "stdio":
             env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "PYTHONPATH", "VIRTUAL_ENV")}
@@ -7643,7 +7635,10 @@ class ToolSession:
                                  errlog=self._errlog(stack))
         if c.transport == "sse":
             return _sse_client(c.url, headers=c.headers, timeout=OPEN_TIMEOUT_S)
-        return None
+        http = await stack.enter_async_context(httpx2.AsyncClient(
+            headers=c.headers, follow_redirects=True, event_hooks={"response": [self._note_retry_after]},
+            timeout=httpx2.Timeout(CALL_TIMEOUT_S + 5, connect=OPEN_TIMEOUT_S)))
+        return _streamable_client(c.url, http_client=http)
 
     def _errlog(self, stack: contextlib.AsyncExitStack) -> Any:
         """The server's stderr: a pipe whose lines the daemon logs scrubbed, never passed on as they are."""
@@ -7660,18 +7655,10 @@ class ToolSession:
         return writer
 
     async def _hold(self, ready: asyncio.Future[Any]) -> None:
-        import httpx2
         from mcp import Client as _McpClient
-        from mcp.client.streamable_http import streamable_http_client as _streamable_client
         try:
             async with contextlib.AsyncExitStack() as stack:
-                transport = self._transport(stack)
-                if transport is None:
-                    http = await stack.enter_async_context(httpx2.AsyncClient(
-                        headers=self.config.headers, follow_redirects=True,
-                        timeout=httpx2.Timeout(CALL_TIMEOUT_S + 5, connect=OPEN_TIMEOUT_S),
-                        event_hooks={"response": [self._note_retry_after]}))
-                    transport = _streamable_client(self.config.url, http_client=http)
+                transport = await self._transport(stack)
                 client = await stack.enter_async_context(
                     _McpClient(transport, read_timeout_seconds=LIST_TIMEOUT_S))
                 ready.set_result(client)
@@ -7697,7 +7684,7 @@ class ToolSession:
             tools, cursor = {}, None
             while True:
                 page = await asyncio.wait_for(client.list_tools(cursor=cursor), LIST_TIMEOUT_S)
-                tools.update({t.name: t for t in map(self._listed, page.tools)})
+                tools.update({t.name: t for t in (self._scrubbed(t, self.scrub.values) for t in page.tools)})
                 cursor = page.next_cursor
                 if not cursor:
                     break
@@ -7722,20 +7709,15 @@ class ToolSession:
     async def _note_retry_after(self, response: Any) -> None:
         """The SDK turns a 429/503 into a bare error; keep the Retry-After it came with."""
         if response.status_code in (429, 503):
-            value = response.headers.get("retry-after", "").strip()
-            self._retry_after_ms = int(float(value) * 1000) if re.fullmatch(r"\d+(\.\d+)?", value) else None
+            self._retry_after_ms = retry_after_ms(response)
 
-    def _listed(self, tool: Any) -> Any:
-        """A listed tool, its description and schemas scrubbed by value (a schema's keys are its own)."""
-        wire = tool.model_dump(mode="json", by_alias=True, exclude_none=True)
-        clean = self.scrub.values(wire)
-        return tool if clean == wire else type(tool).model_validate(clean)
-
-    def _received(self, result: Any) -> Any:
-        """A tool's result, scrubbed in every part before anything reads it (see Scrubber.result)."""
-        wire = result_wire(result)
-        clean = self.scrub.result(wire)
-        return result if clean == wire else type(result).model_validate(clean)
+    @staticmethod
+    def _scrubbed(model: Any, scrub: Callable[[Any], Any]) -> Any:
+        """A listed tool (scrubbed by value: a schema's keys are its own) or a tool's result (scrubbed
+        in every part before anything reads it, see Scrubber.result), as received."""
+        wire = result_wire(model)
+        clean = scrub(wire)
+        return model if clean == wire else type(model).model_validate(clean)
 
     def _failure(self, exc: BaseException, *, sent: bool) -> ToolFailure:
         failure = classify_failure(exc, sent=sent)
@@ -7762,7 +7744,7 @@ class ToolSession:
             if _is_connection_error(exc):
                 await self.close()
             raise self._failure(exc, sent=True) from None
-        return self._received(result)
+        return self._scrubbed(result, self.scrub.result)
 
     async def close(self) -> None:
         self._client = None
@@ -7832,12 +7814,9 @@ def _escaped_forms(secret: str) -> str:
         return "".join(f"[{h}{h.upper()}]" if h.isalpha() else h for h in f"{n:04x}")
 
     def one(c: str) -> str:
-        code = ord(c)
-        if code > 0xFFFF:
-            hi, lo = 0xD800 + ((code - 0x10000) >> 10), 0xDC00 + ((code - 0x10000) & 0x3FF)
-            forms = [re.escape(c), rf"\\u{hex4(hi)}\\u{hex4(lo)}"]
-        else:
-            forms = [re.escape(c), rf"\\u{hex4(code)}"]
+        units = c.encode("utf-16-be", "surrogatepass")    # one code unit, or a surrogate pair past the BMP
+        forms = [re.escape(c), "".join(rf"\\u{hex4(int.from_bytes(units[i:i + 2], 'big'))}"
+                                       for i in range(0, len(units), 2))]
         if c in _SHORT_ESCAPES:
             forms.append(re.escape(_SHORT_ESCAPES[c]))
         return "(?:" + "|".join(forms) + ")"
@@ -7862,25 +7841,19 @@ class Scrubber:
 
     def values(self, value: Any) -> Any:
         """Scrubbed by value only, keys included: for answers and tool listings, whose keys are the schema's."""
-        if isinstance(value, str):
-            return self.text(value)
-        if isinstance(value, list):
-            return [self.values(v) for v in value]
-        if isinstance(value, dict):
-            return {(self.text(k) if isinstance(k, str) else k): self.values(v) for k, v in value.items()}
-        return value
+        return self(value, keyed=False)
 
-    def __call__(self, value: Any, under: bool = False) -> Any:
-        """Scrubbed by value, and every string or number under a secret-named key replaced whole."""
+    def __call__(self, value: Any, under: bool = False, keyed: bool = True) -> Any:
+        """Scrubbed by value, and (`keyed`) every string or number under a secret-named key replaced whole."""
         if isinstance(value, str):
             return SCRUBBED if under else self.text(value)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return SCRUBBED if under else value
         if isinstance(value, list):
-            return [self(v, under) for v in value]
+            return [self(v, under, keyed) for v in value]
         if isinstance(value, dict):
             return {(self.text(k) if isinstance(k, str) else k):
-                    self(v, under or (isinstance(k, str) and secret_key(k))) for k, v in value.items()}
+                    self(v, under or (keyed and isinstance(k, str) and secret_key(k)), keyed) for k, v in value.items()}
         return value
 
     def result(self, wire: dict[str, Any]) -> dict[str, Any]:
@@ -18629,7 +18602,7 @@ def daemon_address(args: Any, db: str, config: Config) -> DaemonAddress:
     return DaemonAddress(url.rstrip("/"), source, token)
 
 
-def _http(method: str, url: str, token: str | None, body: Any = None,
+def _json_http(method: str, url: str, token: str | None, body: Any = None,
           timeout: float = MAX_HTTP_WAIT_S + 10) -> tuple[int, Any, Mapping[str, str]]:
     """One call: (status, JSON body, headers). Raises OSError (URLError included) when nothing answered."""
     data = dumps(body).encode() if body is not None else None
@@ -18643,27 +18616,57 @@ def _http(method: str, url: str, token: str | None, body: Any = None,
         return status, {"title": f"HTTP {status}", "detail": raw.decode(errors="replace")[:200]}, got
 
 
+def daemon_url(d: DaemonAddress, path: str, query: Mapping[str, Any] | None = None) -> str:
+    """The URL of a call to the daemon (a query's None values left out), or a CliError when d.url is
+    not a daemon's."""
+    if not re.match(r"https?://[^/\s]+(/\S*)?$", d.url):
+        raise CliError(f"{d.url} (from {d.source}) is not a daemon's URL such as http://127.0.0.1:8765", EXIT_USAGE)
+    q = {k: v for k, v in (query or {}).items() if v is not None}
+    return d.url + path + ("?" + urllib.parse.urlencode(q) if q else "")
+
+
 def call_daemon(d: DaemonAddress, method: str, path: str, body: Any = None,
                 query: Mapping[str, Any] | None = None) -> tuple[int, Any, Mapping[str, str]]:
     """A call to the daemon, or a CliError that says in one line why there was none."""
     import http.client
-    q = {k: v for k, v in (query or {}).items() if v is not None}
-    url = d.url + path + ("?" + urllib.parse.urlencode(q) if q else "")
+    url = daemon_url(d, path, query)
     unreachable = CliError(f"cannot reach the daemon at {d.url} (from {d.source}): is `interactiond serve` running?",
                            EXIT_UNREACHABLE)
-    if not re.match(r"https?://[^/\s]+(/\S*)?$", d.url):
-        raise CliError(f"{d.url} (from {d.source}) is not a daemon's URL such as http://127.0.0.1:8765", EXIT_USAGE)
     if d.token is None:
         try:
-            _http("GET", d.url + "/healthz", None, timeout=10)
+            _json_http("GET", d.url + "/healthz", None, timeout=10)
         except (OSError, http.client.HTTPException):
             raise unreachable from None
         raise CliError("no token: pass --token, set INTERACTIOND_TOKEN, or give the --db that serve made"
                        " (its token is beside it)", EXIT_USAGE)
     try:
-        return _http(method, url, d.token, body)
+        return _json_http(method, url, d.token, body)
     except (OSError, http.client.HTTPException):
         raise unreachable from None
+
+
+def call_ok(d: DaemonAddress, method: str, path: str, body: Any = None) -> Any:
+    """call_daemon's answer, or a CliError with the daemon's problem in one line."""
+    status, out, _ = call_daemon(d, method, path, body)
+    if status >= 400:
+        raise CliError(problem_line(status, out))
+    return out
+
+
+def playbook_daemon(args: Any, db: str, config: Config) -> tuple[DaemonAddress, str]:
+    """A playbook's command: the daemon to call and the API path of --playbook (a usage error when it
+    is not ORG/NAME)."""
+    if not PLAYBOOK_RE.fullmatch(args.playbook):
+        raise CliError(f"--playbook is ORG/NAME in lowercase letters, digits and hyphens, not {args.playbook!r}",
+                       EXIT_USAGE)
+    org, _, name = args.playbook.partition("/")
+    return daemon_address(args, db, config), f"/v1/orgs/{org}/playbooks/{name}"
+
+
+def document_problem(path: str, problem: Mapping[str, Any]) -> str:
+    """A document's problem as `check` prints it: FILE:LINE: field: message."""
+    field = f"{problem['field']}: " if problem.get("field") else ""
+    return f"{path}:{problem.get('line')}: {field}{problem.get('message')}"
 
 
 def problem_line(status: int, body: Any) -> str:
@@ -18831,9 +18834,7 @@ def _json_argument(text: str, what: str, example: str) -> Any:
 
 
 def _cli_client(args: Any, db: str, config: Config) -> int:
-    if not PLAYBOOK_RE.fullmatch(args.playbook):
-        raise CliError(f"--playbook is ORG/NAME in lowercase letters, digits and hyphens, not {args.playbook!r}",
-                       EXIT_USAGE)
+    d, base = playbook_daemon(args, db, config)
     if args.cmd == "define":                # the file first: its problems need no daemon to be told
         try:
             source = Path(args.file).read_text(encoding="utf-8")
@@ -18844,21 +18845,17 @@ def _cli_client(args: Any, db: str, config: Config) -> int:
             (parse_workflow if type_ == "workflow" else parse_function)(source)
         except DocumentError as exc:
             for p in exc.problems:                  # as `check` prints them, and as the daemon's refusal below
-                print(f"{args.file}:{p['line']}: {p['field'] + ': ' if p['field'] else ''}{p['message']}",
-                      file=sys.stderr)
+                print(document_problem(args.file, p), file=sys.stderr)
             return EXIT_REFUSED
-    d = daemon_address(args, db, config)
-    org, _, name = args.playbook.partition("/")
-    base = f"/v1/orgs/{org}/playbooks/{name}"
     cmd = args.cmd
     rid = urllib.parse.quote(getattr(args, "run_id", "") or "", safe="")
+    listing: tuple[list[str], Callable[[dict[str, Any]], list[str]], str] | None = None
     if cmd == "define":
         status, out, _ = call_daemon(d, "POST", f"{base}/definitions",
                                      {"type": type_, "name": args.name or Path(args.file).stem, "source": source})
         if status == 422 and isinstance(out, dict) and any("line" in e for e in out.get("errors") or []):
             for e in out["errors"]:                 # a document's problems, each with its line, as `check` prints them
-                print(f"{args.file}:{e.get('line')}: {e['field'] + ': ' if e.get('field') else ''}{e.get('message')}",
-                      file=sys.stderr)
+                print(document_problem(args.file, e), file=sys.stderr)
             return EXIT_REFUSED
     elif cmd == "run":
         input_ = _json_argument(args.input, "--input", """'{"owner": "ana"}'""")
@@ -18878,33 +18875,29 @@ def _cli_client(args: Any, db: str, config: Config) -> int:
     elif cmd == "inbox":
         status, out, _ = call_daemon(d, "GET", f"{base}/interactions", query={
             "to": args.to, "function": args.function, "limit": args.limit, "cursor": args.cursor})
-        if status < 400:
-            _print_list(args, out, ["RUN", "TO", "FUNCTION", "ASKED", "EXPIRES", "DELIVERY", "MESSAGE"], lambda r: [
-                r["run_id"], _cell(r.get("to"), 24), r["name"], _when(r.get("asked_at")), _when(r.get("expires_at")),
-                r.get("delivery_state") or "", _cell(r.get("message"))], "no open requests")
-            return 0
+        listing = (["RUN", "TO", "FUNCTION", "ASKED", "EXPIRES", "DELIVERY", "MESSAGE"], lambda r: [
+            r["run_id"], _cell(r.get("to"), 24), r["name"], _when(r.get("asked_at")), _when(r.get("expires_at")),
+            r.get("delivery_state") or "", _cell(r.get("message"))], "no open requests")
     elif cmd == "runs":
         status, out, _ = call_daemon(d, "GET", f"{base}/runs", query={
             "status": args.status, "function": args.function, "limit": args.limit, "cursor": args.cursor})
-        if status < 400:
-            _print_list(args, out, ["RUN", "FUNCTION", "STATUS", "CREATED", "ENDED"], lambda r: [
-                r["run_id"], f"{r['name']} v{r['version']}" + (" (workflow)" if r["type"] == "workflow" else ""),
-                r["status"] + (f"/{r['kind']}" if r.get("kind") else ""), _when(r.get("created_at")),
-                _when(r.get("ended_at"))], "no runs")
+        listing = (["RUN", "FUNCTION", "STATUS", "CREATED", "ENDED"], lambda r: [
+            r["run_id"], f"{r['name']} v{r['version']}" + (" (workflow)" if r["type"] == "workflow" else ""),
+            r["status"] + (f"/{r['kind']}" if r.get("kind") else ""), _when(r.get("created_at")),
+            _when(r.get("ended_at"))], "no runs")
+    elif args.name:                                 # definitions NAME
+        status, out, _ = call_daemon(d, "GET", f"{base}/definitions/{args.type or 'interaction'}/"
+                                               f"{urllib.parse.quote(args.name, safe='')}")
+        if status < 400 and not args.json and sys.stdout.isatty():
+            print(out["overview"])
             return 0
     else:                                           # definitions
-        if args.name:
-            status, out, _ = call_daemon(d, "GET", f"{base}/definitions/{args.type or 'interaction'}/"
-                                                   f"{urllib.parse.quote(args.name, safe='')}")
-            if status < 400 and not args.json and sys.stdout.isatty():
-                print(out["overview"])
-                return 0
-        else:
-            status, out, _ = call_daemon(d, "GET", f"{base}/definitions", query={"type": args.type})
-            if status < 400:
-                _print_list(args, out, ["TYPE", "NAME", "VERSION", "DESCRIPTION"], lambda r: [
-                    r["type"], r["name"], str(r["version"]), _cell(r.get("description"), 72)], "no definitions")
-                return 0
+        status, out, _ = call_daemon(d, "GET", f"{base}/definitions", query={"type": args.type})
+        listing = (["TYPE", "NAME", "VERSION", "DESCRIPTION"], lambda r: [
+            r["type"], r["name"], str(r["version"]), _cell(r.get("description"), 72)], "no definitions")
+    if listing is not None and status < 400:
+        _print_list(args, out, *listing)
+        return 0
     if _is_run(out):                                # run, get, cancel: the run, whatever its status
         _print_json(out)
         if cmd == "get" and (said := _answered_line(d, base, out)) is not None:
@@ -18970,19 +18963,18 @@ class HookStopped(Exception):
 
 
 def _hook_call(d: DaemonAddress, method: str, path: str, body: Any = None, query: Mapping[str, Any] | None = None,
-               timeout: float = 30.0) -> tuple[int, Any]:
-    """A call of the hook to the daemon: (status, body), or a CliError that says why there was none."""
+               timeout: float = 30.0) -> dict[str, Any]:
+    """A call of the hook to the daemon: the run it answered, or a CliError that says why there was none."""
     import http.client
-    if not re.match(r"https?://[^/\s]+(/\S*)?$", d.url):
-        raise CliError(f"{d.url} (from {d.source}) is not a daemon's URL such as http://127.0.0.1:8765")
-    q = {k: v for k, v in (query or {}).items() if v is not None}
+    url = daemon_url(d, path, query)
     try:
-        status, out, _ = _http(method, d.url + path + ("?" + urllib.parse.urlencode(q) if q else ""), d.token, body,
-                               timeout=timeout)
+        status, out, _ = _json_http(method, url, d.token, body, timeout=timeout)
     except (OSError, http.client.HTTPException) as exc:
         why = getattr(exc, "reason", None) or getattr(exc, "strerror", None) or exc
         raise CliError(f"cannot reach the daemon at {d.url} (from {d.source}): {why}") from None
-    return status, out
+    if not _is_run(out):
+        raise CliError(problem_line(status, out))
+    return out
 
 
 def _hook_decision(run: dict[str, Any], call: HookCall, on_timeout: str) -> tuple[str, dict[str, Any] | None, str]:
@@ -19004,17 +18996,13 @@ def _hook_decision(run: dict[str, Any], call: HookCall, on_timeout: str) -> tupl
 
 def _hook_ask(args: Any, call: HookCall) -> tuple[str, dict[str, Any] | None, str]:
     """Open the approval through the daemon and wait for it (--timeout real seconds): the decision."""
-    if not PLAYBOOK_RE.fullmatch(args.playbook):
-        raise CliError(f"--playbook is ORG/NAME, not {args.playbook!r}")
     if not 0 < args.timeout <= 86400:
         raise CliError("--timeout is a number of seconds, more than 0 and at most 86400")
     try:
         config = load_config(args.config or os.environ.get("INTERACTIOND_CONFIG"))
     except ConfigError as exc:
         raise CliError(f"configuration: {exc.problems[0] if exc.problems else exc}") from None
-    d = daemon_address(args, args.db or os.environ.get("INTERACTIOND_DB") or config.database, config)
-    org, _, name = args.playbook.partition("/")
-    base = f"/v1/orgs/{org}/playbooks/{name}"
+    d, base = playbook_daemon(args, args.db or os.environ.get("INTERACTIOND_DB") or config.database, config)
     input_: dict[str, Any] = {"tool": call.tool, "arguments": call.arguments, "cwd": call.cwd,
                               "session": call.session, "event": call.event}
     input_ = {k: v for k, v in input_.items() if v is not None}
@@ -19036,10 +19024,8 @@ def _hook_ask(args: Any, call: HookCall) -> tuple[str, dict[str, Any] | None, st
     run_id = "hook-" + secrets.token_hex(12)       # known before the run starts: a stop at any point withdraws it
     path = f"{base}/runs/{run_id}"
     try:
-        status, run = _hook_call(d, "POST", f"{base}/runs", {"type": "interaction", "name": args.function,
-                                                             "input": input_, "run_id": run_id})
-        if not _is_run(run):
-            raise CliError(problem_line(status, run))
+        run = _hook_call(d, "POST", f"{base}/runs", {"type": "interaction", "name": args.function,
+                                                     "input": input_, "run_id": run_id})
         return _hook_wait(args, d, path, run, call, began)
     except HookStopped:                 # the agent gave up on the hook first: withdraw the request, then ask
         with contextlib.suppress(CliError):
@@ -19053,18 +19039,13 @@ def _hook_wait(args: Any, d: DaemonAddress, path: str, run: dict[str, Any], call
     while not RunStatus(run["status"]).ended:
         left = args.timeout - (time.monotonic() - began)
         if left <= 0:
-            status, run = _hook_call(d, "POST", path + "/cancel")       # nobody answered: withdrawn
-            if not _is_run(run):
-                raise CliError(problem_line(status, run))
+            run = _hook_call(d, "POST", path + "/cancel")       # nobody answered: withdrawn
             if run["status"] == RunStatus.SUCCEEDED.value:              # answered as it was withdrawn
                 break
             return args.on_timeout, None, (f"nobody answered on interactiond within {args.timeout:g} s;"
                                            f" the request (run {run['run_id']}) was cancelled")
         wait = min(left, MAX_HTTP_WAIT_S)
-        status, got = _hook_call(d, "POST", path + "/wait", query={"timeout": f"{wait:.3f}"}, timeout=wait + 30)
-        if not _is_run(got):
-            raise CliError(problem_line(status, got))
-        run = got
+        run = _hook_call(d, "POST", path + "/wait", query={"timeout": f"{wait:.3f}"}, timeout=wait + 30)
     return _hook_decision(run, call, args.on_timeout)
 
 
@@ -19117,46 +19098,28 @@ def _cli_hook(args: Any) -> int:
 
 def _cli_rules(args: Any, db: str, config: Config) -> int:
     """`rules list` and `rules revoke ID`: the remembered decisions of a playbook."""
-    if not PLAYBOOK_RE.fullmatch(args.playbook):
-        raise CliError(f"--playbook is ORG/NAME in lowercase letters, digits and hyphens, not {args.playbook!r}",
-                       EXIT_USAGE)
-    d = daemon_address(args, db, config)
-    org, _, name = args.playbook.partition("/")
-    base = f"/v1/orgs/{org}/playbooks/{name}/rules"
+    d, base = playbook_daemon(args, db, config)
     if args.rules_cmd == "revoke":
-        status, out, _ = call_daemon(d, "POST", f"{base}/{urllib.parse.quote(args.id, safe='')}/revoke")
+        _print_json(call_ok(d, "POST", f"{base}/rules/{urllib.parse.quote(args.id, safe='')}/revoke"))
     else:
-        status, out, _ = call_daemon(d, "GET", base)
-    if status >= 400:
-        raise CliError(problem_line(status, out))
-    if args.rules_cmd == "list" and not args.json and sys.stdout.isatty():
-        rows = out.get("data") or []
-        print(render_table(["RULE", "TO", "TOOL", "SCOPE", "DECIDES", "UNTIL"], [[
+        header = ["RULE", "TO", "TOOL", "SCOPE", "DECIDES", "UNTIL"]
+        _print_list(args, call_ok(d, "GET", f"{base}/rules"), header, lambda r: [
             r["id"], _cell(r.get("to"), 24), _cell(r.get("tool"), 32), r["scope"] + (f" {r['match']}" if r.get("match") else ""),
-            "allow" if r.get("approved") else "deny", _when(r.get("expires_at"))] for r in rows])
-              if rows else "no remembered decisions")
-        return 0
-    _print_json(out)
+            "allow" if r.get("approved") else "deny", _when(r.get("expires_at"))], "no remembered decisions")
     return 0
 
 
 def _cli_deputy(args: Any, db: str, config: Config) -> int:
     """`deputy add|list|remove`: the running daemon's deputies (their windows are on its clock)."""
-    if not PLAYBOOK_RE.fullmatch(args.playbook):
-        raise CliError(f"--playbook is ORG/NAME in lowercase letters, digits and hyphens, not {args.playbook!r}",
-                       EXIT_USAGE)
-    org, _, name = args.playbook.partition("/")
-    path = f"/v1/orgs/{org}/playbooks/{name}/deputies"
-    d = daemon_address(args, db, config)
+    d, path = playbook_daemon(args, db, config)
+    path += "/deputies"
     if args.deputy_cmd == "add":
         body = {"for": args.for_, "to": args.to, "from": args.from_, "until": args.until}
-        status, out, _ = call_daemon(d, "POST", path, {k: v for k, v in body.items() if v is not None})
+        out = call_ok(d, "POST", path, {k: v for k, v in body.items() if v is not None})
     elif args.deputy_cmd == "remove":
-        status, out, _ = call_daemon(d, "DELETE", f"{path}/{urllib.parse.quote(args.id, safe='')}")
+        out = call_ok(d, "DELETE", f"{path}/{urllib.parse.quote(args.id, safe='')}")
     else:
-        status, out, _ = call_daemon(d, "GET", path)
-    if status >= 400:
-        raise CliError(problem_line(status, out))
+        out = call_ok(d, "GET", path)
 
     def line(dep: dict[str, Any]) -> str:
         window = f"from {dep['from'] or 'its making'} until {dep['until'] or 'removed'}"
@@ -19176,9 +19139,7 @@ def _cli_deputy(args: Any, db: str, config: Config) -> int:
 def _cli_link(args: Any, db: str, config: Config) -> int:
     """`link`: a one-time sign-in link, made by the running daemon (its clock, its public_url), else
     written straight to the database when no daemon answers."""
-    if not PLAYBOOK_RE.fullmatch(args.playbook):
-        raise CliError(f"--playbook is ORG/NAME in lowercase letters, digits and hyphens, not {args.playbook!r}",
-                       EXIT_USAGE)
+    d, base = playbook_daemon(args, db, config)
     try:
         person = person_name(args.for_) if args.for_ is not None else None
         lasts = parse_duration(args.expires)
@@ -19186,33 +19147,23 @@ def _cli_link(args: Any, db: str, config: Config) -> int:
             raise ValueError(f"--expires is from PT1M to P{LOGIN_LINK_MAX.days}D")
     except ValueError as exc:
         raise CliError(str(exc), EXIT_USAGE) from None
-    d = daemon_address(args, db, config)
-    org, _, name = args.playbook.partition("/")
-    body = {"for": person, "expires": args.expires}
     url: str | None = None
     if args.url or _beside(db, ".url").exists():
         try:
-            status, out, _ = call_daemon(d, "POST", f"/v1/orgs/{org}/playbooks/{name}/links", body)
+            out = call_ok(d, "POST", f"{base}/links", {"for": person, "expires": args.expires})
+            url, expires_at = out["url"], out["expires_at"]
         except CliError as exc:
             if args.url or exc.code != EXIT_UNREACHABLE:
-                raise
-            status, out = 0, None               # a daemon that stopped: the database itself
-        if status >= 400:
-            raise CliError(problem_line(status, out))
-        if status:
-            url, expires_at = out["url"], out["expires_at"]
+                raise                           # else a daemon that stopped: the database itself
     if url is None:
         if args.playbook not in config.playbooks:
             raise CliError(f"no playbook {args.playbook} in the configuration", EXIT_USAGE)
-        tx = open_sync(db)
-        try:
+        with contextlib.closing(open_sync(db)) as tx:
             now = WALL.now_ms()
             ends = now + int(lasts.total_seconds() * 1000)
             _, secret = create_token(tx, Role.WRITER.value if person else Role.OPERATOR.value,
                                      args.playbook if person else None, login_link_name(person), purpose="login",
                                      now=now, person=person, expires_at=ends)
-        finally:
-            tx.close()
         url, expires_at = f"{config.links_base}/login?token={secret}", fmt_time(ends)
     print(url)
     whose = f"{person}'s, in {args.playbook}" if person else "an operator's"
@@ -19220,9 +19171,9 @@ def _cli_link(args: Any, db: str, config: Config) -> int:
     return 0
 
 
-def _cli_token(args: Any, db: str) -> int:
-    tx = open_sync(db)
-    try:
+def _cli_token(args: Any, db: str, config: Config) -> int:
+    """`token create|list|revoke`, on the database itself."""
+    with contextlib.closing(open_sync(db)) as tx:
         if args.token_cmd == "create":
             try:
                 playbook = args.playbook or (DEFAULT_PLAYBOOK if args.for_ is not None else None)
@@ -19251,8 +19202,6 @@ def _cli_token(args: Any, db: str) -> int:
                 return 1
             print(f"revoked {args.id}")
         return 0
-    finally:
-        tx.close()
 
 
 # -- copy: a whole database into an empty one -------------------------------------------------------
@@ -19275,52 +19224,46 @@ def _cli_copy(args: Any) -> int:
     except ValueError as exc:
         raise CliError(str(exc)) from None
     counts: dict[str, int] = {}
-    try:
-        target = open_sync(args.target)
-    except BaseException:
-        source.close()
-        raise
-    errors = (*source.errors, *target.errors)
-    try:
-        source.begin_snapshot()
-        target.begin()
+    with contextlib.closing(source), contextlib.closing(open_sync(args.target)) as target:
+        errors = (*source.errors, *target.errors)
         try:
-            held = {t: n for t in COPIED_TABLES if (n := target.count_rows(t))}
-            if held:
-                raise CliError(f"{shown_to} is not empty ({', '.join(f'{t}: {n}' for t, n in held.items())});"
-                               " copy only into a new database")
-            if tty:
-                print(f"copying {shown_from} into {shown_to}", flush=True)
-            for table in COPIED_TABLES:
-                have = set(target.table_columns(table))
-                columns = source.table_columns(table)
-                missing = [c for c in columns if c not in have and (table, c) not in COPY_DROPPABLE]
-                if missing:
-                    raise CliError(f"{shown_to} has no column {table}.{missing[0]}: it was made by another version")
-                columns = [c for c in columns if c in have]
-                total, done = source.count_rows(table), 0
-                for rows in source.table_rows(table, columns, COPY_BATCH):
-                    target.insert_rows(table, columns, rows)
-                    done += len(rows)
-                    if tty:
-                        print(f"\r  {table:<13} {done:>11,} of {total:,} rows", end="", flush=True)
-                counts[table] = done
+            source.begin_snapshot()
+            target.begin()
+            try:
+                held = {t: n for t in COPIED_TABLES if (n := target.count_rows(t))}
+                if held:
+                    raise CliError(f"{shown_to} is not empty ({', '.join(f'{t}: {n}' for t, n in held.items())});"
+                                   " copy only into a new database")
                 if tty:
-                    print(f"\r  {table:<13} {done:>11,} rows" + " " * (len(f"{total:,}") + 4), flush=True)
-            target.after_copy()
-            target.end()
-        except BaseException:
+                    print(f"copying {shown_from} into {shown_to}", flush=True)
+                for table in COPIED_TABLES:
+                    have = set(target.table_columns(table))
+                    columns = source.table_columns(table)
+                    missing = [c for c in columns if c not in have and (table, c) not in COPY_DROPPABLE]
+                    if missing:
+                        raise CliError(f"{shown_to} has no column {table}.{missing[0]}: it was made by another version")
+                    columns = [c for c in columns if c in have]
+                    total, done = source.count_rows(table), 0
+                    for rows in source.table_rows(table, columns, COPY_BATCH):
+                        target.insert_rows(table, columns, rows)
+                        done += len(rows)
+                        if tty:
+                            print(f"\r  {table:<13} {done:>11,} of {total:,} rows", end="", flush=True)
+                    counts[table] = done
+                    if tty:
+                        print(f"\r  {table:<13} {done:>11,} rows" + " " * (len(f"{total:,}") + 4), flush=True)
+                target.after_copy()
+                target.end()
+            except BaseException:
+                with contextlib.suppress(*errors):
+                    target.end(commit=False)
+                raise
+        except errors as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise CliError(f"the copy failed ({first}); nothing was written to {shown_to}") from None
+        finally:
             with contextlib.suppress(*errors):
-                target.end(commit=False)
-            raise
-    except errors as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise CliError(f"the copy failed ({first}); nothing was written to {shown_to}") from None
-    finally:
-        with contextlib.suppress(*errors):
-            source.end(commit=False)
-        source.close()
-        target.close()
+                source.end(commit=False)
     seconds = time.monotonic() - began
     if tty:
         print(f"copied {sum(counts.values()):,} rows in {seconds:.1f} s; start the daemon on {shown_to}")
@@ -19381,13 +19324,10 @@ class RedactingFilter(logging.Filter):
 def install_log_redaction() -> None:
     """Put the redacting filter on every root handler and the loggers that quote requests; quiet the SDK."""
     redacting = RedactingFilter()
-    for handler in logging.getLogger().handlers:
-        if not any(isinstance(f, RedactingFilter) for f in handler.filters):
-            handler.addFilter(redacting)
-    for name in ("aiohttp.server", "aiohttp.access", "aiohttp.web", "aiohttp.client", *QUIET_LOGGERS):
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, RedactingFilter) for f in logger.filters):
-            logger.addFilter(redacting)
+    loggers = ("aiohttp.server", "aiohttp.access", "aiohttp.web", "aiohttp.client", *QUIET_LOGGERS)
+    for filtered in (*logging.getLogger().handlers, *map(logging.getLogger, loggers)):
+        if not any(isinstance(f, RedactingFilter) for f in filtered.filters):
+            filtered.addFilter(redacting)
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
 
@@ -19518,8 +19458,7 @@ def check_files(paths: list[str], out: Any = None) -> int:
             try:
                 (parse_workflow if kind == "workflow" else parse_function)(source)
             except DocumentError as exc:
-                problems = [f"{path}:{p['line']}: {p['field'] + ': ' if p['field'] else ''}{p['message']}"
-                            for p in exc.problems]
+                problems = [document_problem(str(path), p) for p in exc.problems]
         for line in problems:
             print(line, file=out)
         if problems:
@@ -19536,7 +19475,6 @@ async def _demo(args: Any) -> int:
     """`interactiond demo`: a daemon on a fresh temporary database, the examples defined, the example
     chat server wired, two requests open (one in the inbox, one posted in the chat); it prints the
     page's link and three things to try. The directory goes when the demo stops."""
-    import shutil
     import tempfile
 
     examples = data_file("examples")
@@ -19544,8 +19482,8 @@ async def _demo(args: Any) -> int:
         print(f"interactiond: the demo needs the examples ({examples} is missing, nor are they under"
               f" {sys.prefix}/share/interactiond/examples); install the wheel or from a checkout", file=sys.stderr)
         return 1
-    where = Path(tempfile.mkdtemp(prefix="interactiond-demo-"))
-    try:
+    with tempfile.TemporaryDirectory(prefix="interactiond-demo-", ignore_cleanup_errors=True) as name:
+        where = Path(name)
         chat_db = where / "chat.db"
         config_path = where / "demo.yaml"
         config_path.write_text(dumps({
@@ -19558,8 +19496,6 @@ async def _demo(args: Any) -> int:
         config = load_config(str(config_path), environ={})
         args.db, args.host, args.clock, args.config = config.database, "127.0.0.1", "system", str(config_path)
         return await _serve(args, config, after_start=lambda engine, url: _demo_open(engine, where, chat_db))
-    finally:
-        shutil.rmtree(where, ignore_errors=True)
 
 
 async def _demo_open(engine: Engine, where: Path, chat_db: Path) -> None:
@@ -19806,9 +19742,9 @@ def build_parser(argv: list[str] | None = None) -> Any:
     p.add_argument("--token", help="an operator token (env: INTERACTIOND_TOKEN; default: the one serve wrote"
                                    " beside the database)")
 
-    p = command("hook", ": the hook's JSON on stdin, its decision on stdout, exit 0. When nobody answers in"
-                " time the request is cancelled and --on-timeout decides; when the daemon cannot be reached the"
-                " decision is ask (one line on stderr).", common=False)
+    p = daemon(command("hook", ": the hook's JSON on stdin, its decision on stdout, exit 0. When nobody answers in"
+                       " time the request is cancelled and --on-timeout decides; when the daemon cannot be reached"
+                       " the decision is ask (one line on stderr)."), "a writer's API token")
     p.add_argument("agent", choices=["claude-code", "generic"],
                    help="claude-code: a PreToolUse or PermissionRequest hook; generic: {tool, arguments, context}"
                         " in, {decision, arguments, note} out")
@@ -19826,13 +19762,6 @@ def build_parser(argv: list[str] | None = None) -> Any:
     p.add_argument("--function", metavar="NAME", default=APPROVE_TOOL_CALL,
                    help="the function that asks: a saved one whose input is {tool, arguments, cwd, session,"
                         " event} and whose answer is the approval's (its deliver, reminders and to)")
-    p.add_argument("--playbook", metavar="ORG/NAME", default=DEFAULT_PLAYBOOK, help="the playbook")
-    p.add_argument("--url", help="the daemon's URL (default: the one serve wrote beside the database)")
-    p.add_argument("--token", help="a writer's API token (env: INTERACTIOND_TOKEN; default: the operator token"
-                                   " serve wrote beside the database)")
-    p.add_argument("--db", metavar="PATH", help="the database the daemon serves, to find its URL and token"
-                                                " (env: INTERACTIOND_DB)")
-    p.add_argument("--config", metavar="PATH", help="the operator configuration, YAML (env: INTERACTIOND_CONFIG)")
     p = command("rules")
     rsub = p.add_subparsers(dest="rules_cmd", required=True, metavar="ACTION")
     for name, text in (("list", "list the remembered decisions that stand now"),
@@ -19916,16 +19845,9 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_USAGE
         # The database: --db, else INTERACTIOND_DB, else the configuration's `database:` (default ./interactiond.db).
         db = args.db or os.environ.get("INTERACTIOND_DB") or config.database
-        if args.cmd == "token":
-            return _cli_token(args, db)
-        if args.cmd == "link":
-            return _cli_link(args, db, config)
-        if args.cmd == "rules":
-            return _cli_rules(args, db, config)
-        if args.cmd == "deputy":
-            return _cli_deputy(args, db, config)
-        if args.cmd in CLIENT_COMMANDS:
-            return _cli_client(args, db, config)
+        clients = {"token": _cli_token, "link": _cli_link, "rules": _cli_rules, "deputy": _cli_deputy}
+        if args.cmd in clients or args.cmd in CLIENT_COMMANDS:
+            return clients.get(args.cmd, _cli_client)(args, db, config)
         if args.cmd == "stdio":
             return run_loop(_stdio(args, config))
         code = run_loop(_serve(args, config))
