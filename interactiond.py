@@ -170,7 +170,7 @@ __all__ = [
     "derive_rule",
     "compile_schema",
     "schema_errors",
-    "check_documents",
+    "check_files",
     "Client",
     "ClientError",
     "Declined",
@@ -3905,35 +3905,6 @@ def _answer_words(answer: Any) -> str:
     if isinstance(answer, dict) and answer and all(not isinstance(v, (dict, list)) for v in answer.values()):
         return ", ".join(f"{v} as its **{k}**" for k, v in answer.items())
     return f"`{dumps(answer)}`"
-
-
-def check_documents(paths: list[str], out: Any = None,
-                    parsers: Mapping[str, Callable[[str], Any]] | None = None) -> int:
-    """`interactiond check`: print each problem as FILE:LINE: field: message; 1 on any problem.
-
-    `parsers` maps a file suffix to its parser (`.yaml` to the workflow parser, say); any other file
-    is a function document.
-    """
-    out = out or sys.stdout
-    parsers = parsers or {}
-    status = 0
-    for path in paths:
-        try:
-            with open(path, encoding="utf-8") as fh:
-                source = fh.read()
-        except (OSError, UnicodeDecodeError) as exc:
-            print(f"{path}: cannot read it: {getattr(exc, 'strerror', None) or exc}", file=out)
-            status = 1
-            continue
-        try:
-            parsers.get(Path(path).suffix.lower(), parse_function)(source)
-        except DocumentError as exc:
-            status = 1
-            for p in exc.problems:
-                print(f"{path}:{p['line']}: {p['field'] + ': ' if p['field'] else ''}{p['message']}", file=out)
-        else:
-            print(f"{path}: ok", file=out)
-    return status
 
 
 # Settings #######################################################################################

@@ -836,33 +836,33 @@ def test_overview_of_a_system_call():
     assert "**What it needs:**" not in text
 
 
-# check_documents (the `interactiond check` command) #####################################################
+# check_files (the `interactiond check` command) ######################################################
 
-def test_check_documents_prints_ok_and_problems(tmp_path):
+def test_check_files_prints_ok_and_problems(tmp_path):
     good = tmp_path / "good.md"
     good.write_text(INBOX)
     bad = tmp_path / "bad.md"
     bad.write_text(edit(INBOX, "expires: P2D", "expires: P99D"))
     out = io.StringIO()
-    assert itd.check_documents([str(good), str(bad)], out=out) == 1
+    assert itd.check_files([str(good), str(bad)], out=out) == 1
     lines = out.getvalue().splitlines()
-    assert lines[0] == f"{good}: ok"
+    assert lines[0] == f"{good}: ok (function document)"
     assert lines[1].startswith(f"{bad}:4: expires: ")
 
 
-def test_check_documents_succeeds_on_good_files_and_fails_on_missing_ones(tmp_path):
+def test_check_files_succeeds_on_good_files_and_fails_on_missing_ones(tmp_path):
     good = tmp_path / "good.md"
     good.write_text(SYSTEM)
     out = io.StringIO()
-    assert itd.check_documents([str(good)], out=out) == 0
-    assert itd.check_documents([str(tmp_path / "missing.md")], out=out) == 1
+    assert itd.check_files([str(good)], out=out) == 0
+    assert itd.check_files([str(tmp_path / "missing.md")], out=out) == 1
     assert "missing.md: cannot read it" in out.getvalue()
 
 
-def test_check_documents_on_the_examples():
+def test_check_files_on_the_examples():
     out = io.StringIO()
-    assert itd.check_documents([str(p) for p in EXAMPLES], out=out) == 0
-    assert out.getvalue().count(": ok") == len(EXAMPLES) >= 4
+    assert itd.check_files([str(p) for p in EXAMPLES], out=out) == 0
+    assert out.getvalue().count(": ok (") == len(EXAMPLES) >= 4
 
 
 # Fuzzing ###################################################################################################
