@@ -16091,9 +16091,9 @@ def http_exchange(method: str, url: str, headers: Mapping[str, str], data: bytes
                   timeout: float) -> tuple[int, bytes, Any]:
     """One request to a daemon and its response: (status, body, headers), whatever the status.
 
-    The client and the command line share it. It raises OSError or http.client.HTTPException when
-    nothing answered. http.client alone, not urllib's opener: a client command starts sooner
-    (SPEC section 13), and a daemon's API neither redirects nor sits behind a proxy of the client's.
+    It raises OSError when nothing, or nothing that reads as HTTP, answered. http.client alone, not
+    urllib's opener: a client command starts sooner (SPEC section 13), and a daemon's API neither
+    redirects nor sits behind a proxy of the client's.
     """
     import http.client
     parts = urllib.parse.urlsplit(url)
@@ -16104,6 +16104,8 @@ def http_exchange(method: str, url: str, headers: Mapping[str, str], data: bytes
                      headers=dict(headers))
         resp = conn.getresponse()
         return resp.status, resp.read(), resp.headers
+    except http.client.HTTPException as exc:
+        raise ConnectionError(f"{parts.netloc} did not answer in HTTP ({exc!r})") from exc
     finally:
         conn.close()
 
@@ -16310,7 +16312,7 @@ class Client:
             last = attempt == self.retries
             try:
                 status, raw, got_headers = http_exchange(method, url, head, data, self.timeout)
-            except (OSError, http.client.HTTPException) as exc:
+            except OSError as exc:
                 if not last:
                     time.sleep(self.backoff * 2 ** attempt)
                     continue
@@ -18573,6 +18575,30 @@ def daemon_address(args: Any, db: str, config: Config) -> DaemonAddress:
     return DaemonAddress(url.rstrip("/"), source, token)
 
 
+def _plain_exchange(method: str, url: str, headers: Mapping[str, str], data: bytes | None,
+                    timeout: float) -> tuple[int, bytes, dict[str, str]]:
+    """One request to a daemon at an http:// URL, over a socket: HTTP/1.0, so the daemon closes the
+    connection after its response and the body is all that came before the close.
+
+    The command line's clients use it instead of http.client, whose import (ssl and the email
+    parser with it) was a tenth of a client command's start-up: SPEC section 13's bar of 150 ms
+    needs it. An https:// daemon goes through http_exchange. Raises OSError when nothing, or
+    nothing that reads as HTTP, answered.
+    """
+    import socket
+    parts = urllib.parse.urlsplit(url)
+    lines = [f"{method} {parts.path or '/'}{'?' + parts.query if parts.query else ''} HTTP/1.0",
+             f"Host: {parts.netloc}", *(f"{k}: {v}" for k, v in headers.items()), f"Content-Length: {len(data or b'')}"]
+    with socket.create_connection((parts.hostname or "", parts.port or 80), timeout=timeout) as sock:
+        sock.sendall("\r\n".join(lines).encode("latin-1") + b"\r\n\r\n" + (data or b""))
+        received = b"".join(iter(lambda: sock.recv(65536), b""))
+    head, end, body = received.partition(b"\r\n\r\n")
+    status_line, *fields = head.decode("latin-1").split("\r\n")
+    if not end or not (status := re.match(r"HTTP/1\.[01] ([1-5]\d\d)\b", status_line)):
+        raise ConnectionError(f"{parts.netloc} did not answer in HTTP")
+    return int(status.group(1)), body, {k.strip(): v.strip() for k, _, v in (f.partition(":") for f in fields)}
+
+
 def _json_http(method: str, url: str, token: str | None, body: Any = None,
           timeout: float = MAX_HTTP_WAIT_S + 10) -> tuple[int, Any, Mapping[str, str]]:
     """One call: (status, JSON body, headers). Raises OSError (URLError included) when nothing answered."""
@@ -18580,7 +18606,8 @@ def _json_http(method: str, url: str, token: str | None, body: Any = None,
     headers = {"Content-Type": "application/json", "Accept": "application/json"}
     if token:
         headers["Authorization"] = f"Bearer {token}"
-    status, raw, got = http_exchange(method, url, headers, data, timeout)
+    exchange = _plain_exchange if url.startswith("http://") else http_exchange
+    status, raw, got = exchange(method, url, headers, data, timeout)
     try:
         return status, json.loads(raw or b"null"), got
     except ValueError:
@@ -18599,20 +18626,19 @@ def daemon_url(d: DaemonAddress, path: str, query: Mapping[str, Any] | None = No
 def call_daemon(d: DaemonAddress, method: str, path: str, body: Any = None,
                 query: Mapping[str, Any] | None = None) -> tuple[int, Any, Mapping[str, str]]:
     """A call to the daemon, or a CliError that says in one line why there was none."""
-    import http.client
     url = daemon_url(d, path, query)
     unreachable = CliError(f"cannot reach the daemon at {d.url} (from {d.source}): is `interactiond serve` running?",
                            EXIT_UNREACHABLE)
     if d.token is None:
         try:
             _json_http("GET", d.url + "/healthz", None, timeout=10)
-        except (OSError, http.client.HTTPException):
+        except OSError:
             raise unreachable from None
         raise CliError("no token: pass --token, set INTERACTIOND_TOKEN, or give the --db that serve made"
                        " (its token is beside it)", EXIT_USAGE)
     try:
         return _json_http(method, url, d.token, body)
-    except (OSError, http.client.HTTPException):
+    except OSError:
         raise unreachable from None
 
 
@@ -18936,11 +18962,10 @@ class HookStopped(Exception):
 def _hook_call(d: DaemonAddress, method: str, path: str, body: Any = None, query: Mapping[str, Any] | None = None,
                timeout: float = 30.0) -> dict[str, Any]:
     """A call of the hook to the daemon: the run it answered, or a CliError that says why there was none."""
-    import http.client
     url = daemon_url(d, path, query)
     try:
         status, out, _ = _json_http(method, url, d.token, body, timeout=timeout)
-    except (OSError, http.client.HTTPException) as exc:
+    except OSError as exc:
         why = getattr(exc, "reason", None) or getattr(exc, "strerror", None) or exc
         raise CliError(f"cannot reach the daemon at {d.url} (from {d.source}): {why}") from None
     if not _is_run(out):

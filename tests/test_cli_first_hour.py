@@ -107,6 +107,27 @@ def test_every_client_command_against_a_stopped_daemon_prints_one_line_and_exits
     assert f"at http://127.0.0.1:{port} (from --url)" in line
 
 
+def test_a_listener_that_does_not_answer_in_http_is_a_daemon_not_reached(tmp_path):
+    import threading
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+
+        def answer_in_prose() -> None:
+            for _ in range(2):
+                conn, _ = listener.accept()
+                with conn:
+                    conn.recv(65536)
+                    conn.sendall(b"hello, this is not a daemon\n")
+
+        threading.Thread(target=answer_in_prose, daemon=True).start()
+        for call in (("runs",), ("answer", "run_x", "{}")):
+            line = one_line(cli(*call, "--url", f"http://127.0.0.1:{port}", "--token", "itd_x", cwd=tmp_path, code=3))
+            assert line == (f"interactiond: cannot reach the daemon at http://127.0.0.1:{port} (from --url): is "
+                            "`interactiond serve` running?"), line
+
+
 def test_help_describes_every_command_and_option():
     import argparse
 
