@@ -5088,7 +5088,8 @@ class Tx(Protocol):
                           input_sha: str, parent: str | None, now: int, by: str, limit: int) -> tuple[bool, bool]: ...
     def run(self, playbook: str, run_id: str) -> Row | None: ...
     def end_run(self, fx: Effects, playbook: str, run_id: str, status: RunStatus, *, now: int, by: str | None,
-                kind: str | None = None, output: Any = None, problem: Problem | None = None) -> None: ...
+                kind: str | None = None, output: Any = None, problem: Problem | None = None,
+                before: tuple[str, dict[str, Any]] | None = None) -> int | None: ...
     def list_runs(self, playbook: str, *, status: str | None, function: str | None, before: int | None,
                   limit: int) -> list[Row]: ...
     def step_workflow(self, playbook: str, run_id: str, *, read: str, state: str, status: RunStatus,
@@ -5203,10 +5204,8 @@ class Tx(Protocol):
 @dataclass(frozen=True, slots=True)
 class Dialect:
     """How the store's shared SQL (SqlTx's) is said on one backend where the two differ. The
-    statements are written with `?` placeholders; `sql` gives them in the driver's."""
+    statements are written with `?` placeholders; each backend's connection puts them in its driver's."""
 
-    #: The store's statement in the driver's placeholders.
-    sql: Callable[[str], str]
     #: The larger of two values: a function of two arguments.
     greatest: str
     #: The active definitions of a playbook (of one type, or all: the type given twice, or NULL):
@@ -5221,7 +5220,6 @@ class Dialect:
 
 
 SQLITE_DIALECT: Final = Dialect(
-    sql=lambda text: text,
     greatest="MAX",
     # SQLite takes a bare column from the row of MAX().
     latest_definitions="SELECT type, name, MAX(version) AS version, description FROM definitions"
@@ -5424,15 +5422,11 @@ class SqlTx:
     # Runs.
 
     def end_run(self, fx: Effects, playbook: str, run_id: str, status: RunStatus, *, now: int, by: str | None,
-                kind: str | None = None, output: Any = None, problem: Problem | None = None) -> None:
-        """Write a run's ending and its event; only a live run ends (guarded), else `conflict`."""
-        self._end_run(fx, playbook, run_id, status, now=now, by=by, kind=kind, output=output, problem=problem)
-
-    def _end_run(self, fx: Effects, playbook: str, run_id: str, status: RunStatus, *, now: int, by: str | None,
-                 kind: str | None = None, output: Any = None, problem: Problem | None = None,
-                 before: tuple[str, dict[str, Any]] | None = None) -> int | None:
-        """end_run; with `before` (type, payload), an event of the run appended just before the
-        ending's and counted in the same UPDATE. Its id, or None."""
+                kind: str | None = None, output: Any = None, problem: Problem | None = None,
+                before: tuple[str, dict[str, Any]] | None = None) -> int | None:
+        """Write a run's ending and its event; only a live run ends (guarded), else `conflict`. With
+        `before` (type, payload), an event of the run appended just before the ending's and counted in
+        the same UPDATE: its id (else None)."""
         pbody = problem.body() if problem is not None else None
         ended = self.conn.execute(_END_RUN_SQL, (status.value, kind, dumps(output) if output is not None else None,
                                                  dumps(pbody) if pbody else None, now, by, 1 if before is None else 2,
@@ -5595,11 +5589,7 @@ class SqlTx:
         conn = self.conn                # UPDATE then SELECT: cheaper than UPDATE ... RETURNING * (bench/README.md)
         if not conn.execute(_CLOSE_REQUEST_SQL[ending.request], (ending.request.value, playbook, run_id)).rowcount:
             return None
-        return self._closed(fx, playbook, run_id)
-
-    def _closed(self, fx: Effects, playbook: str, run_id: str) -> Row:
-        """After a request closed: the counter follows, its timers go; the closed row."""
-        row = self.conn.execute(_REQUEST_ROW + " WHERE q.playbook = ? AND q.run_id = ?", (playbook, run_id)).fetchone()
+        row = conn.execute(_REQUEST_ROW + " WHERE q.playbook = ? AND q.run_id = ?", (playbook, run_id)).fetchone()
         self._request_gone(fx, playbook, run_id)
         return row
 
@@ -5628,7 +5618,7 @@ class SqlTx:
         `on_behalf_of`, the person a deputy answered for."""
         playbook, run_id = req["playbook"], req["run_id"]
         reply = {"id": reply_id, **({"sender": reply_sender} if reply_sender is not None else {})}
-        answer_id = self._end_run(fx, playbook, run_id, RunStatus.SUCCEEDED, now=now, by=by, output=answer,
+        answer_id = self.end_run(fx, playbook, run_id, RunStatus.SUCCEEDED, now=now, by=by, output=answer,
                                   before=("request_answered", {"answer": answer, "claimed_for": claimed_for,
                                           **({"reply": reply} if reply_id is not None else {}),
                                           **({"answered_by_name": by_name} if by_name is not None else {}),
@@ -6610,12 +6600,6 @@ class PgRow:
     def keys(self) -> list[str]:
         return list(self._names)
 
-    def as_dict(self) -> dict[str, Any]:
-        """The row as a dict by name (a name twice: its first column), in one pass: dict(row) looks each
-        name up through __getitem__."""
-        names = self._names
-        return dict(zip(names, map(self._values.__getitem__, names.values())))
-
     def __iter__(self) -> Any:
         return iter(self._values)
 
@@ -6737,7 +6721,6 @@ def _pg_problem(exc: BaseException, otherwise: str | None = None) -> BaseExcepti
 
 
 POSTGRES_DIALECT: Final = Dialect(
-    sql=_pg_sql,
     greatest="GREATEST",
     # PostgreSQL says which row of a name is its latest with DISTINCT ON.
     latest_definitions="SELECT DISTINCT ON (type, name) type, name, version, description FROM definitions"
