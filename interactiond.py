@@ -49,7 +49,7 @@ How to change it:
                               problem, HTTP, v2 and stream names follow from it; then the code
                               that reaches it calls end(tx, fx, playbook, run_id, "name", detail)
     a field of the run        a column in schema.sql and schema-postgres.sql, a step in MIGRATIONS
-                              and POSTGRES_MIGRATIONS,
+                              (PostgreSQL's too: POSTGRES_MIGRATIONS),
                               the INSERT in SqlTx.insert_run, and one line in run_object
     a state change            an operation of SqlTx: one UPDATE guarded by the states it may
                               leave (allowed_from), whose empty RETURNING means "not allowed"
@@ -4428,12 +4428,13 @@ def _migrate_to_2(conn: sqlite3.Connection) -> None:
                  (int(INBOX_SESSION_MAX.total_seconds() * 1000),))
 
 
-def _migrate_to_3(conn: sqlite3.Connection) -> None:
-    """Approval gates on tool calls: a request may carry one (`requests.approval`)."""
+def _migrate_to_3(conn: Any) -> None:
+    """Approval gates on tool calls: a request may carry one (`requests.approval`). Each step from here
+    on runs on PostgreSQL too (POSTGRES_MIGRATIONS); where a server needs other SQL, the step says so."""
     conn.execute("ALTER TABLE requests ADD COLUMN approval TEXT")
 
 
-def _migrate_to_4(conn: sqlite3.Connection) -> None:
+def _migrate_to_4(conn: Any) -> None:
     """People: a token, login link or session may name its person (the daemon_keys table is new,
     made by the schema itself)."""
     conn.execute("ALTER TABLE tokens ADD COLUMN person TEXT")
@@ -4445,19 +4446,24 @@ _FOLLOW_UP_COLUMNS: Final = (("follow_up", "TEXT"), ("reminded", "INTEGER NOT NU
                              ("escalated_to", "TEXT"), ("reply_sender", "TEXT"))
 
 
-def _migrate_to_5(conn: sqlite3.Connection) -> None:
+def _migrate_to_5(conn: Any) -> None:
     """Requests remind, escalate and default: they gain the columns that plan and record it (an open
     request of an earlier version has none of it, and goes on as it was)."""
     for name, decl in _FOLLOW_UP_COLUMNS:
+        if name == "escalated_to" and not isinstance(conn, sqlite3.Connection):
+            decl = 'TEXT COLLATE "C"'           # PostgreSQL's, as its schema has it
         conn.execute(f"ALTER TABLE requests ADD COLUMN {name} {decl}")
 
 
-def _migrate_to_6(conn: sqlite3.Connection) -> None:
+def _migrate_to_6(conn: Any) -> None:
     """Answer schemas are kept once per function version: definitions gain `answer_schema`, and a
     request keeps one (`own_schema`) only where its definition's is not it (a choice's options);
-    timers become a WITHOUT ROWID table (their key is their only index)."""
+    SQLite's timers become a WITHOUT ROWID table (their key is their only index; PostgreSQL's have
+    no rowid to drop)."""
     conn.execute("ALTER TABLE definitions ADD COLUMN answer_schema TEXT")
     _share_answer_schemas(conn)
+    if not isinstance(conn, sqlite3.Connection):
+        return
     conn.execute("CREATE TABLE timers_v3 (key TEXT PRIMARY KEY, due_at INTEGER NOT NULL) WITHOUT ROWID")
     conn.execute("INSERT INTO timers_v3 (key, due_at) SELECT key, due_at FROM timers")
     conn.execute("DROP TABLE timers")
@@ -4525,7 +4531,7 @@ def _migrate_to_10(conn: Any) -> None:
 
 
 #: Each step takes a file made by an earlier version to the next PRAGMA user_version, in order.
-MIGRATIONS: Final[tuple[tuple[int, Callable[[sqlite3.Connection], None]], ...]] = (
+MIGRATIONS: Final[tuple[tuple[int, Callable[[Any], None]], ...]] = (
     (2, _migrate_to_2),
     (3, _migrate_to_3),
     (4, _migrate_to_4),
@@ -6474,42 +6480,9 @@ def _timer_kinds(req: Row) -> tuple[str, ...]:
 #: The first schema version made on PostgreSQL: the migrations below it are SQLite's only.
 POSTGRES_FIRST_VERSION: Final = 2
 
-#: Each step takes a database made by an earlier version to the next schema_version, in order;
-#: a migration of SQLite's past POSTGRES_FIRST_VERSION has its PostgreSQL step here (tested).
-def _pg_migrate_to_3(conn: Any) -> None:
-    """As _migrate_to_3: a request may carry an approval gate."""
-    conn.execute("ALTER TABLE requests ADD COLUMN IF NOT EXISTS approval TEXT")
-
-
-def _pg_migrate_to_4(conn: Any) -> None:
-    """People (see _migrate_to_4): tokens gain `person`."""
-    conn.execute("ALTER TABLE tokens ADD COLUMN IF NOT EXISTS person TEXT")
-
-
-def _pg_migrate_to_5(conn: Any) -> None:
-    """As _migrate_to_5, in PostgreSQL's dialect."""
-    for name, decl in _FOLLOW_UP_COLUMNS:
-        conn.execute(f"ALTER TABLE requests ADD COLUMN IF NOT EXISTS {name} "
-                     + ('TEXT COLLATE "C"' if name == "escalated_to" else decl))
-
-
-def _pg_migrate_to_6(conn: Any) -> None:
-    """Version 6 (see _migrate_to_6): answer schemas kept once per function version; PostgreSQL's
-    timers have no rowid to drop."""
-    conn.execute("ALTER TABLE definitions ADD COLUMN answer_schema TEXT")
-    _share_answer_schemas(conn)
-
-
-POSTGRES_MIGRATIONS: Final[tuple[tuple[int, Callable[[Any], None]], ...]] = (
-    (3, _pg_migrate_to_3),
-    (4, _pg_migrate_to_4),
-    (5, _pg_migrate_to_5),
-    (6, _pg_migrate_to_6),
-    (7, _migrate_to_7),
-    (8, _migrate_to_8),
-    (9, _migrate_to_9),
-    (10, _migrate_to_10),
-)
+#: Each step takes a database made by an earlier version to the next schema_version, in order:
+#: SQLite's steps past POSTGRES_FIRST_VERSION, each of which says what differs on a server.
+POSTGRES_MIGRATIONS: Final = tuple(step for step in MIGRATIONS if step[0] > POSTGRES_FIRST_VERSION)
 
 #: Keys of the transaction-level advisory locks (pg_advisory_xact_lock): writes, and the schema.
 _PG_WRITE_LOCK: Final = 0x69_74_64_77          # "itdw"
