@@ -5220,6 +5220,9 @@ class Dialect:
     #: A condition on a definition `d`: its `uses`, a JSON list of [type, name] pairs, holds the pair
     #: given (two placeholders).
     uses_pair: str
+    #: A condition on a run's system call in flight whose tool_call_started event is `e`: that it is
+    #: left to this daemon to end (on a file, every one is).
+    calls_left: str = ""
     #: A run inserted (_INSERT_RUN_SQL's values) and, if it was, its request counted (the playbook and
     #: the limit), in one statement returning whether each happened; "" where two statements do.
     asking_run: str = ""
@@ -5652,16 +5655,14 @@ class SqlTx:
 
     def system_calls_in_flight(self) -> list[tuple[str, str, dict[str, Any] | None]]:
         """Runs of functions that ask a system whose call was sent and never ended (the daemon stopped):
-        playbook, run id and the payload of the run's last tool_call_started event."""
-        conn = self.conn
-        out = []
-        for run in conn.execute("SELECT playbook, run_id FROM runs WHERE status = ? AND tools_called = 1"
-                                " AND type IN ('interaction', 'execute')", (RunStatus.STARTED.value,)).fetchall():
-            started = conn.execute("SELECT payload FROM events WHERE playbook = ? AND run_id = ?"
-                                   " AND type = ? ORDER BY id DESC LIMIT 1",
-                                   (run["playbook"], run["run_id"], EventType.TOOL_CALL_STARTED.value)).fetchone()
-            out.append((run["playbook"], run["run_id"], json.loads(started["payload"]) if started else None))
-        return out
+        playbook, run id and the payload of the run's last tool_call_started event `e`. On a server, only
+        the calls of daemons that are gone (Dialect.calls_left): a live daemon's call is its own to end."""
+        rows = self.conn.execute(
+            "SELECT r.playbook, r.run_id, e.payload FROM runs r LEFT JOIN events e ON e.id = (SELECT id FROM events"
+            " WHERE playbook = r.playbook AND run_id = r.run_id AND type = ? ORDER BY id DESC LIMIT 1)"
+            " WHERE r.status = ? AND r.tools_called = 1 AND r.type IN ('interaction', 'execute')"
+            + self.dialect.calls_left, (EventType.TOOL_CALL_STARTED.value, RunStatus.STARTED.value)).fetchall()
+        return [(r["playbook"], r["run_id"], json.loads(r["payload"]) if r["payload"] else None) for r in rows]
 
     def set_approval(self, playbook: str, run_id: str, approval: str) -> None:
         """Write the approval gate a run's request carries (JSON): the call proposed, as the request
@@ -6700,6 +6701,9 @@ POSTGRES_DIALECT: Final = Dialect(
                        " WHERE playbook = ? AND active = 1 AND (CAST(? AS TEXT) IS NULL OR type = ?)"
                        " ORDER BY type, name, version DESC",
     uses_pair="EXISTS (SELECT 1 FROM jsonb_array_elements(d.uses::jsonb) u WHERE u->>0 = ? AND u->>1 = ?)",
+    # A call that a live daemon sent (the daemon of its event) is that daemon's to end.
+    calls_left=f" AND NOT EXISTS (SELECT 1 FROM daemons d WHERE d.id = e.daemon AND d.seen_at > {_PG_NOW_SQL} - "
+               f"{int(DAEMON_LEASE_S * 1000)})",
     asking_run="WITH ins AS (" + _INSERT_RUN_SQL + " RETURNING seq), slot AS (UPDATE playbooks SET open_requests ="
                " open_requests + 1 WHERE id = ? AND open_requests < ? AND EXISTS (SELECT 1 FROM ins) RETURNING id)"
                " SELECT EXISTS (SELECT 1 FROM ins), EXISTS (SELECT 1 FROM slot)",
@@ -6929,17 +6933,6 @@ class PostgresTx(SqlTx):
     def definition_keys(self) -> list[tuple[str, str, str]]:
         """Every (playbook, type, name) that has a definition."""
         return [(r[0], r[1], r[2]) for r in self.conn.execute("SELECT DISTINCT playbook, type, name FROM definitions")]
-
-    def system_calls_in_flight(self) -> list[tuple[str, str, dict[str, Any] | None]]:
-        """As SQLiteTx's, but only the calls of daemons that are gone: a call that a live daemon sent
-        (by the daemon of its last tool_call_started event) is that daemon's to end."""
-        rows = self.conn.execute(
-            "SELECT r.playbook, r.run_id, e.payload FROM runs r LEFT JOIN LATERAL (SELECT payload, daemon FROM events"
-            " WHERE playbook = r.playbook AND run_id = r.run_id AND type = ? ORDER BY id DESC LIMIT 1) e ON TRUE"
-            " WHERE r.status = ? AND r.tools_called = 1 AND r.type IN ('interaction', 'execute') AND NOT EXISTS (SELECT 1"
-            f" FROM daemons d WHERE d.id = e.daemon AND d.seen_at > {_PG_NOW_SQL} - ?)",
-            (EventType.TOOL_CALL_STARTED.value, RunStatus.STARTED.value, int(DAEMON_LEASE_S * 1000))).fetchall()
-        return [(r["playbook"], r["run_id"], json.loads(r["payload"]) if r["payload"] else None) for r in rows]
 
     # Leases: work one daemon does at a time (a conversation's reading, a workflow run's steps), and
     # the work of daemons that are gone.
