@@ -4838,9 +4838,8 @@ WAL_SIZE_LIMIT_BYTES: Final = 4 * MIB
 class _Checkpointer(threading.Thread):
     """Copies the WAL into the database file on its own connection, off the write path.
 
-    SQLite's automatic checkpoint runs inside the commit that crosses 1,000 WAL pages: with ~17
-    pages a run, every ~60th commit stalled 11-15 ms, and so did every caller in its batch. A
-    PASSIVE checkpoint here runs beside the writer's commits (WAL allows it) and never waits for
+    SQLite's automatic checkpoint runs inside the commit that crosses 1,000 WAL pages, which stalls,
+    and so does every caller in its batch (bench/README.md has the figures). A PASSIVE checkpoint here runs beside the writer's commits (WAL allows it) and never waits for
     a lock; what it cannot copy yet, the next one does.
     """
 
@@ -4999,8 +4998,7 @@ class Store:
         together, at the end of the turn (changes that commit on the loop gather a little longer:
         _hand_over): one wake-up of each thread per turn, not one per call.
         Waking a thread costs the loop a system call and, on a busy machine, its core for a while
-        (the woken thread is scheduled where the loop runs and asks for the GIL the loop holds):
-        a tenth of the loop's time when it was one per call."""
+        (the woken thread is scheduled where the loop runs and asks for the GIL the loop holds)."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._writes.append((change, fut, Effects()))
@@ -6592,7 +6590,7 @@ class PgRow:
 def _pg_rows(cursor: Any) -> Callable[[Any], PgRow]:
     """psycopg's row factory for the store: each row a PgRow, the result's column names worked out
     once for all its rows (from the result itself: the cursor's `description` makes an object for
-    each column, a tenth of a change's CPU)."""
+    each column)."""
     names: dict[str, int] = {}
     result = cursor.pgresult
     if result is not None:
@@ -7033,8 +7031,8 @@ class PgDaemons:
         """ANALYZE the tables the changes address by key. A statement's plan is made once per
         connection (its fifth run), from the statistics of the moment, and made again when they
         change; made before a table had any, it may take a key lookup for a scan of an index on a
-        leading column the two share (a run's events numbered by scanning every run of its playbook:
-        answers ~4x slower with 3,000 open). The server's autovacuum refreshes them too, but looks at
+        leading column the two share (a run's events numbered by scanning every run of its playbook).
+        The server's autovacuum refreshes them too, but looks at
         most once a minute. Only a table never analyzed, or changed by half its rows since, is: a
         large database's are left to autovacuum. A table another session holds locked (a VACUUM FULL,
         another daemon's ANALYZE) is skipped, never waited for: the listener's thread beats the
@@ -7416,8 +7414,7 @@ class PostgresStore(Store):
     def _connect_tx(self, writer: bool) -> PostgresTx:
         # A prepared statement's generic plan is made once, on its 5th run, often while the tables
         # are nearly empty: a scan of the whole table was then the cheapest plan, and it stays the
-        # plan as the table grows (answers fell from ~600/s to ~250/s with 10,000 due times to scan
-        # past). Every statement of the store finds its rows by a key or an index; the planner
+        # plan as the table grows. Every statement of the store finds its rows by a key or an index; the planner
         # still scans where none serves, it only prices a scan higher.
         setup: tuple[str, ...] = ("SET enable_seqscan = off",)
         if writer:
