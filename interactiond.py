@@ -49,7 +49,7 @@ How to change it:
                               problem, HTTP, v2 and stream names follow from it; then the code
                               that reaches it calls end(tx, fx, playbook, run_id, "name", detail)
     a field of the run        a column in schema.sql and schema-postgres.sql, a step in MIGRATIONS
-                              and POSTGRES_MIGRATIONS,
+                              (PostgreSQL's too: POSTGRES_MIGRATIONS),
                               the INSERT in SqlTx.insert_run, and one line in run_object
     a state change            an operation of SqlTx: one UPDATE guarded by the states it may
                               leave (allowed_from), whose empty RETURNING means "not allowed"
@@ -4396,12 +4396,13 @@ def _migrate_to_2(conn: sqlite3.Connection) -> None:
                  (int(INBOX_SESSION_MAX.total_seconds() * 1000),))
 
 
-def _migrate_to_3(conn: sqlite3.Connection) -> None:
-    """Approval gates on tool calls: a request may carry one (`requests.approval`)."""
+def _migrate_to_3(conn: Any) -> None:
+    """Approval gates on tool calls: a request may carry one (`requests.approval`). Each step from here
+    on runs on PostgreSQL too (POSTGRES_MIGRATIONS); where a server needs other SQL, the step says so."""
     conn.execute("ALTER TABLE requests ADD COLUMN approval TEXT")
 
 
-def _migrate_to_4(conn: sqlite3.Connection) -> None:
+def _migrate_to_4(conn: Any) -> None:
     """People: a token, login link or session may name its person (the daemon_keys table is new,
     made by the schema itself)."""
     conn.execute("ALTER TABLE tokens ADD COLUMN person TEXT")
@@ -4413,19 +4414,24 @@ _FOLLOW_UP_COLUMNS: Final = (("follow_up", "TEXT"), ("reminded", "INTEGER NOT NU
                              ("escalated_to", "TEXT"), ("reply_sender", "TEXT"))
 
 
-def _migrate_to_5(conn: sqlite3.Connection) -> None:
+def _migrate_to_5(conn: Any) -> None:
     """Requests remind, escalate and default: they gain the columns that plan and record it (an open
     request of an earlier version has none of it, and goes on as it was)."""
     for name, decl in _FOLLOW_UP_COLUMNS:
+        if name == "escalated_to" and not isinstance(conn, sqlite3.Connection):
+            decl = 'TEXT COLLATE "C"'           # PostgreSQL's, as its schema has it
         conn.execute(f"ALTER TABLE requests ADD COLUMN {name} {decl}")
 
 
-def _migrate_to_6(conn: sqlite3.Connection) -> None:
+def _migrate_to_6(conn: Any) -> None:
     """Answer schemas are kept once per function version: definitions gain `answer_schema`, and a
     request keeps one (`own_schema`) only where its definition's is not it (a choice's options);
-    timers become a WITHOUT ROWID table (their key is their only index)."""
+    SQLite's timers become a WITHOUT ROWID table (their key is their only index; PostgreSQL's have
+    no rowid to drop)."""
     conn.execute("ALTER TABLE definitions ADD COLUMN answer_schema TEXT")
     _share_answer_schemas(conn)
+    if not isinstance(conn, sqlite3.Connection):
+        return
     conn.execute("CREATE TABLE timers_v3 (key TEXT PRIMARY KEY, due_at INTEGER NOT NULL) WITHOUT ROWID")
     conn.execute("INSERT INTO timers_v3 (key, due_at) SELECT key, due_at FROM timers")
     conn.execute("DROP TABLE timers")
@@ -4493,7 +4499,7 @@ def _migrate_to_10(conn: Any) -> None:
 
 
 #: Each step takes a file made by an earlier version to the next PRAGMA user_version, in order.
-MIGRATIONS: Final[tuple[tuple[int, Callable[[sqlite3.Connection], None]], ...]] = (
+MIGRATIONS: Final[tuple[tuple[int, Callable[[Any], None]], ...]] = (
     (2, _migrate_to_2),
     (3, _migrate_to_3),
     (4, _migrate_to_4),
@@ -4800,9 +4806,8 @@ WAL_SIZE_LIMIT_BYTES: Final = 4 * MIB
 class _Checkpointer(threading.Thread):
     """Copies the WAL into the database file on its own connection, off the write path.
 
-    SQLite's automatic checkpoint runs inside the commit that crosses 1,000 WAL pages: with ~17
-    pages a run, every ~60th commit stalled 11-15 ms, and so did every caller in its batch. A
-    PASSIVE checkpoint here runs beside the writer's commits (WAL allows it) and never waits for
+    SQLite's automatic checkpoint runs inside the commit that crosses 1,000 WAL pages, which stalls,
+    and so does every caller in its batch (bench/README.md has the figures). A PASSIVE checkpoint here runs beside the writer's commits (WAL allows it) and never waits for
     a lock; what it cannot copy yet, the next one does.
     """
 
@@ -4961,8 +4966,7 @@ class Store:
         together, at the end of the turn (changes that commit on the loop gather a little longer:
         _hand_over): one wake-up of each thread per turn, not one per call.
         Waking a thread costs the loop a system call and, on a busy machine, its core for a while
-        (the woken thread is scheduled where the loop runs and asks for the GIL the loop holds):
-        a tenth of the loop's time when it was one per call."""
+        (the woken thread is scheduled where the loop runs and asks for the GIL the loop holds)."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._writes.append((change, fut, Effects()))
@@ -5056,7 +5060,8 @@ class Tx(Protocol):
                           input_sha: str, parent: str | None, now: int, by: str, limit: int) -> tuple[bool, bool]: ...
     def run(self, playbook: str, run_id: str) -> Row | None: ...
     def end_run(self, fx: Effects, playbook: str, run_id: str, status: RunStatus, *, now: int, by: str | None,
-                kind: str | None = None, output: Any = None, problem: Problem | None = None) -> None: ...
+                kind: str | None = None, output: Any = None, problem: Problem | None = None,
+                before: tuple[str, dict[str, Any]] | None = None) -> int | None: ...
     def list_runs(self, playbook: str, *, status: str | None, function: str | None, before: int | None,
                   limit: int) -> list[Row]: ...
     def step_workflow(self, playbook: str, run_id: str, *, read: str, state: str, status: RunStatus,
@@ -5171,10 +5176,8 @@ class Tx(Protocol):
 @dataclass(frozen=True, slots=True)
 class Dialect:
     """How the store's shared SQL (SqlTx's) is said on one backend where the two differ. The
-    statements are written with `?` placeholders; `sql` gives them in the driver's."""
+    statements are written with `?` placeholders; each backend's connection puts them in its driver's."""
 
-    #: The store's statement in the driver's placeholders.
-    sql: Callable[[str], str]
     #: The larger of two values: a function of two arguments.
     greatest: str
     #: The active definitions of a playbook (of one type, or all: the type given twice, or NULL):
@@ -5183,13 +5186,15 @@ class Dialect:
     #: A condition on a definition `d`: its `uses`, a JSON list of [type, name] pairs, holds the pair
     #: given (two placeholders).
     uses_pair: str
+    #: A condition on a run's system call in flight whose tool_call_started event is `e`: that it is
+    #: left to this daemon to end (on a file, every one is).
+    calls_left: str = ""
     #: A run inserted (_INSERT_RUN_SQL's values) and, if it was, its request counted (the playbook and
     #: the limit), in one statement returning whether each happened; "" where two statements do.
     asking_run: str = ""
 
 
 SQLITE_DIALECT: Final = Dialect(
-    sql=lambda text: text,
     greatest="MAX",
     # SQLite takes a bare column from the row of MAX().
     latest_definitions="SELECT type, name, MAX(version) AS version, description FROM definitions"
@@ -5392,15 +5397,11 @@ class SqlTx:
     # Runs.
 
     def end_run(self, fx: Effects, playbook: str, run_id: str, status: RunStatus, *, now: int, by: str | None,
-                kind: str | None = None, output: Any = None, problem: Problem | None = None) -> None:
-        """Write a run's ending and its event; only a live run ends (guarded), else `conflict`."""
-        self._end_run(fx, playbook, run_id, status, now=now, by=by, kind=kind, output=output, problem=problem)
-
-    def _end_run(self, fx: Effects, playbook: str, run_id: str, status: RunStatus, *, now: int, by: str | None,
-                 kind: str | None = None, output: Any = None, problem: Problem | None = None,
-                 before: tuple[str, dict[str, Any]] | None = None) -> int | None:
-        """end_run; with `before` (type, payload), an event of the run appended just before the
-        ending's and counted in the same UPDATE. Its id, or None."""
+                kind: str | None = None, output: Any = None, problem: Problem | None = None,
+                before: tuple[str, dict[str, Any]] | None = None) -> int | None:
+        """Write a run's ending and its event; only a live run ends (guarded), else `conflict`. With
+        `before` (type, payload), an event of the run appended just before the ending's and counted in
+        the same UPDATE: its id (else None)."""
         pbody = problem.body() if problem is not None else None
         ended = self.conn.execute(_END_RUN_SQL, (status.value, kind, dumps(output) if output is not None else None,
                                                  dumps(pbody) if pbody else None, now, by, 1 if before is None else 2,
@@ -5563,11 +5564,7 @@ class SqlTx:
         conn = self.conn                # UPDATE then SELECT: cheaper than UPDATE ... RETURNING * (bench/README.md)
         if not conn.execute(_CLOSE_REQUEST_SQL[ending.request], (ending.request.value, playbook, run_id)).rowcount:
             return None
-        return self._closed(fx, playbook, run_id)
-
-    def _closed(self, fx: Effects, playbook: str, run_id: str) -> Row:
-        """After a request closed: the counter follows, its timers go; the closed row."""
-        row = self.conn.execute(_REQUEST_ROW + " WHERE q.playbook = ? AND q.run_id = ?", (playbook, run_id)).fetchone()
+        row = conn.execute(_REQUEST_ROW + " WHERE q.playbook = ? AND q.run_id = ?", (playbook, run_id)).fetchone()
         self._request_gone(fx, playbook, run_id)
         return row
 
@@ -5596,7 +5593,7 @@ class SqlTx:
         `on_behalf_of`, the person a deputy answered for."""
         playbook, run_id = req["playbook"], req["run_id"]
         reply = {"id": reply_id, **({"sender": reply_sender} if reply_sender is not None else {})}
-        answer_id = self._end_run(fx, playbook, run_id, RunStatus.SUCCEEDED, now=now, by=by, output=answer,
+        answer_id = self.end_run(fx, playbook, run_id, RunStatus.SUCCEEDED, now=now, by=by, output=answer,
                                   before=("request_answered", {"answer": answer, "claimed_for": claimed_for,
                                           **({"reply": reply} if reply_id is not None else {}),
                                           **({"answered_by_name": by_name} if by_name is not None else {}),
@@ -5624,16 +5621,14 @@ class SqlTx:
 
     def system_calls_in_flight(self) -> list[tuple[str, str, dict[str, Any] | None]]:
         """Runs of functions that ask a system whose call was sent and never ended (the daemon stopped):
-        playbook, run id and the payload of the run's last tool_call_started event."""
-        conn = self.conn
-        out = []
-        for run in conn.execute("SELECT playbook, run_id FROM runs WHERE status = ? AND tools_called = 1"
-                                " AND type IN ('interaction', 'execute')", (RunStatus.STARTED.value,)).fetchall():
-            started = conn.execute("SELECT payload FROM events WHERE playbook = ? AND run_id = ?"
-                                   " AND type = ? ORDER BY id DESC LIMIT 1",
-                                   (run["playbook"], run["run_id"], EventType.TOOL_CALL_STARTED.value)).fetchone()
-            out.append((run["playbook"], run["run_id"], json.loads(started["payload"]) if started else None))
-        return out
+        playbook, run id and the payload of the run's last tool_call_started event `e`. On a server, only
+        the calls of daemons that are gone (Dialect.calls_left): a live daemon's call is its own to end."""
+        rows = self.conn.execute(
+            "SELECT r.playbook, r.run_id, e.payload FROM runs r LEFT JOIN events e ON e.id = (SELECT id FROM events"
+            " WHERE playbook = r.playbook AND run_id = r.run_id AND type = ? ORDER BY id DESC LIMIT 1)"
+            " WHERE r.status = ? AND r.tools_called = 1 AND r.type IN ('interaction', 'execute')"
+            + self.dialect.calls_left, (EventType.TOOL_CALL_STARTED.value, RunStatus.STARTED.value)).fetchall()
+        return [(r["playbook"], r["run_id"], json.loads(r["payload"]) if r["payload"] else None) for r in rows]
 
     def set_approval(self, playbook: str, run_id: str, approval: str) -> None:
         """Write the approval gate a run's request carries (JSON): the call proposed, as the request
@@ -6452,42 +6447,9 @@ def _timer_kinds(req: Row) -> tuple[str, ...]:
 #: The first schema version made on PostgreSQL: the migrations below it are SQLite's only.
 POSTGRES_FIRST_VERSION: Final = 2
 
-#: Each step takes a database made by an earlier version to the next schema_version, in order;
-#: a migration of SQLite's past POSTGRES_FIRST_VERSION has its PostgreSQL step here (tested).
-def _pg_migrate_to_3(conn: Any) -> None:
-    """As _migrate_to_3: a request may carry an approval gate."""
-    conn.execute("ALTER TABLE requests ADD COLUMN IF NOT EXISTS approval TEXT")
-
-
-def _pg_migrate_to_4(conn: Any) -> None:
-    """People (see _migrate_to_4): tokens gain `person`."""
-    conn.execute("ALTER TABLE tokens ADD COLUMN IF NOT EXISTS person TEXT")
-
-
-def _pg_migrate_to_5(conn: Any) -> None:
-    """As _migrate_to_5, in PostgreSQL's dialect."""
-    for name, decl in _FOLLOW_UP_COLUMNS:
-        conn.execute(f"ALTER TABLE requests ADD COLUMN IF NOT EXISTS {name} "
-                     + ('TEXT COLLATE "C"' if name == "escalated_to" else decl))
-
-
-def _pg_migrate_to_6(conn: Any) -> None:
-    """Version 6 (see _migrate_to_6): answer schemas kept once per function version; PostgreSQL's
-    timers have no rowid to drop."""
-    conn.execute("ALTER TABLE definitions ADD COLUMN answer_schema TEXT")
-    _share_answer_schemas(conn)
-
-
-POSTGRES_MIGRATIONS: Final[tuple[tuple[int, Callable[[Any], None]], ...]] = (
-    (3, _pg_migrate_to_3),
-    (4, _pg_migrate_to_4),
-    (5, _pg_migrate_to_5),
-    (6, _pg_migrate_to_6),
-    (7, _migrate_to_7),
-    (8, _migrate_to_8),
-    (9, _migrate_to_9),
-    (10, _migrate_to_10),
-)
+#: Each step takes a database made by an earlier version to the next schema_version, in order:
+#: SQLite's steps past POSTGRES_FIRST_VERSION, each of which says what differs on a server.
+POSTGRES_MIGRATIONS: Final = tuple(step for step in MIGRATIONS if step[0] > POSTGRES_FIRST_VERSION)
 
 #: Keys of the transaction-level advisory locks (pg_advisory_xact_lock): writes, and the schema.
 _PG_WRITE_LOCK: Final = 0x69_74_64_77          # "itdw"
@@ -6578,12 +6540,6 @@ class PgRow:
     def keys(self) -> list[str]:
         return list(self._names)
 
-    def as_dict(self) -> dict[str, Any]:
-        """The row as a dict by name (a name twice: its first column), in one pass: dict(row) looks each
-        name up through __getitem__."""
-        names = self._names
-        return dict(zip(names, map(self._values.__getitem__, names.values())))
-
     def __iter__(self) -> Any:
         return iter(self._values)
 
@@ -6602,7 +6558,7 @@ class PgRow:
 def _pg_rows(cursor: Any) -> Callable[[Any], PgRow]:
     """psycopg's row factory for the store: each row a PgRow, the result's column names worked out
     once for all its rows (from the result itself: the cursor's `description` makes an object for
-    each column, a tenth of a change's CPU)."""
+    each column)."""
     names: dict[str, int] = {}
     result = cursor.pgresult
     if result is not None:
@@ -6705,13 +6661,15 @@ def _pg_problem(exc: BaseException, otherwise: str | None = None) -> BaseExcepti
 
 
 POSTGRES_DIALECT: Final = Dialect(
-    sql=_pg_sql,
     greatest="GREATEST",
     # PostgreSQL says which row of a name is its latest with DISTINCT ON.
     latest_definitions="SELECT DISTINCT ON (type, name) type, name, version, description FROM definitions"
                        " WHERE playbook = ? AND active = 1 AND (CAST(? AS TEXT) IS NULL OR type = ?)"
                        " ORDER BY type, name, version DESC",
     uses_pair="EXISTS (SELECT 1 FROM jsonb_array_elements(d.uses::jsonb) u WHERE u->>0 = ? AND u->>1 = ?)",
+    # A call that a live daemon sent (the daemon of its event) is that daemon's to end.
+    calls_left=f" AND NOT EXISTS (SELECT 1 FROM daemons d WHERE d.id = e.daemon AND d.seen_at > {_PG_NOW_SQL} - "
+               f"{int(DAEMON_LEASE_S * 1000)})",
     asking_run="WITH ins AS (" + _INSERT_RUN_SQL + " RETURNING seq), slot AS (UPDATE playbooks SET open_requests ="
                " open_requests + 1 WHERE id = ? AND open_requests < ? AND EXISTS (SELECT 1 FROM ins) RETURNING id)"
                " SELECT EXISTS (SELECT 1 FROM ins), EXISTS (SELECT 1 FROM slot)",
@@ -6942,17 +6900,6 @@ class PostgresTx(SqlTx):
         """Every (playbook, type, name) that has a definition."""
         return [(r[0], r[1], r[2]) for r in self.conn.execute("SELECT DISTINCT playbook, type, name FROM definitions")]
 
-    def system_calls_in_flight(self) -> list[tuple[str, str, dict[str, Any] | None]]:
-        """As SQLiteTx's, but only the calls of daemons that are gone: a call that a live daemon sent
-        (by the daemon of its last tool_call_started event) is that daemon's to end."""
-        rows = self.conn.execute(
-            "SELECT r.playbook, r.run_id, e.payload FROM runs r LEFT JOIN LATERAL (SELECT payload, daemon FROM events"
-            " WHERE playbook = r.playbook AND run_id = r.run_id AND type = ? ORDER BY id DESC LIMIT 1) e ON TRUE"
-            " WHERE r.status = ? AND r.tools_called = 1 AND r.type IN ('interaction', 'execute') AND NOT EXISTS (SELECT 1"
-            f" FROM daemons d WHERE d.id = e.daemon AND d.seen_at > {_PG_NOW_SQL} - ?)",
-            (EventType.TOOL_CALL_STARTED.value, RunStatus.STARTED.value, int(DAEMON_LEASE_S * 1000))).fetchall()
-        return [(r["playbook"], r["run_id"], json.loads(r["payload"]) if r["payload"] else None) for r in rows]
-
     # Leases: work one daemon does at a time (a conversation's reading, a workflow run's steps), and
     # the work of daemons that are gone.
 
@@ -7052,8 +6999,8 @@ class PgDaemons:
         """ANALYZE the tables the changes address by key. A statement's plan is made once per
         connection (its fifth run), from the statistics of the moment, and made again when they
         change; made before a table had any, it may take a key lookup for a scan of an index on a
-        leading column the two share (a run's events numbered by scanning every run of its playbook:
-        answers ~4x slower with 3,000 open). The server's autovacuum refreshes them too, but looks at
+        leading column the two share (a run's events numbered by scanning every run of its playbook).
+        The server's autovacuum refreshes them too, but looks at
         most once a minute. Only a table never analyzed, or changed by half its rows since, is: a
         large database's are left to autovacuum. A table another session holds locked (a VACUUM FULL,
         another daemon's ANALYZE) is skipped, never waited for: the listener's thread beats the
@@ -7435,8 +7382,7 @@ class PostgresStore(Store):
     def _connect_tx(self, writer: bool) -> PostgresTx:
         # A prepared statement's generic plan is made once, on its 5th run, often while the tables
         # are nearly empty: a scan of the whole table was then the cheapest plan, and it stays the
-        # plan as the table grows (answers fell from ~600/s to ~250/s with 10,000 due times to scan
-        # past). Every statement of the store finds its rows by a key or an index; the planner
+        # plan as the table grows. Every statement of the store finds its rows by a key or an index; the planner
         # still scans where none serves, it only prices a scan higher.
         setup: tuple[str, ...] = ("SET enable_seqscan = off",)
         if writer:
