@@ -9215,7 +9215,8 @@ class Runs:
                                      f"the playbook already has {limit} open requests; answer or cancel some first")
             if ending_ is not None:
                 end(tx, fx, playbook, run_id, ending_, now=now, by=caller.id)
-            elif self._open_request(tx, fx, playbook, run_id, type_, name, version, doc, prepared, now, caller.id):
+            elif self.open_request(tx, fx, playbook, run_id, type_, name, version, doc.deliver,
+                                   prepared.get("answer_schema", doc.output_schema), prepared, now, caller.id):
                 # The run as this change wrote it, waiting for its request, not read back (a ninth of a
                 # run's statements).
                 return run_object({"run_id": run_id, "playbook": playbook, "type": type_, "name": name,
@@ -9295,13 +9296,15 @@ class Runs:
             elif is_email_address(party):
                 escalation["email"] = party
 
-    def _open_request(self, tx: Tx, fx: Effects, playbook: str, run_id: str, type_: str,
-                      name: str, version: int, doc: Any, prepared: dict[str, Any], now: int, by: str) -> bool:
-        """Open the run's request; True when the run now waits for it, False when it ended (a
-        notification the inbox only shows)."""
-        answer_schema = prepared.get("answer_schema", doc.output_schema)
+    @staticmethod
+    def open_request(tx: Tx, fx: Effects, playbook: str, run_id: str, type_: str, name: str, version: int,
+                     deliver: DeliverSpec | None, answer_schema: Any, prepared: dict[str, Any], now: int,
+                     by: str) -> bool:
+        """Open the run's request - a function's question or notification, or an approval (Approvals) -
+        with its event and timers; True when the run now waits for it, False when it ended (a
+        notification the inbox only shows). `prepared["approval"]`, when there, is what Approvals
+        reads of it; `prepared["digest"]` binds what it shows, when more than its message and schema."""
         notification = answer_schema is None
-        deliver = doc.deliver
         emailed = prepared.get("email")                  # sent by email: attempted as a delivery is
         inbox_note = notification and deliver is None and emailed is None
         seq = tx.open_request(request_id=prepared["request_id"], playbook=playbook, run_id=run_id, type_=type_,
@@ -9315,10 +9318,13 @@ class Runs:
                               asked_at=now, expires_at=prepared["expires_at"],
                               deliver_args=dumps(prepared["deliver_args"]) if deliver else
                               dumps({"email": emailed}) if emailed else None, notified=inbox_note,
-                              follow_up=dumps(prepared["follow_up"]) if prepared.get("follow_up") else None)
-        if "approval" in prepared:          # an approval `ask` of several people: each votes (Approvals._vote)
+                              follow_up=dumps(prepared["follow_up"]) if prepared.get("follow_up") else None,
+                              digest=prepared.get("digest"))
+        if "approval" in prepared:          # an approval; of several people, each votes (Approvals._vote)
             tx.set_approval(playbook, run_id, dumps(prepared["approval"]))
-            tx.add_addressees(playbook, run_id, prepared["approval"]["quorum"]["to"][1:])
+            if "quorum" in prepared["approval"]:        # listing by `to` finds it under each addressee
+                tx.add_addressees(playbook, run_id, [p for p in prepared["approval"]["quorum"]["to"]
+                                                     if p != prepared["party"]])
         tx.append_event(fx, playbook, run_id, "interaction_requested", now, by, {
             "delivery": {"server": deliver.server, "tool": deliver.tool} if deliver else
             {"email": emailed["to"]} if emailed else None,
@@ -9330,6 +9336,7 @@ class Runs:
             end(tx, fx, playbook, run_id, "succeeded", now=now, by=by, output={})
             return False
         tx.set_timer(fx, timer_key("expire", playbook, run_id), prepared["expires_at"])
+        # its reminders (for a quorum, of those who have not voted) and escalation (Reminders)
         Reminders.arm(tx, fx, playbook, run_id, prepared.get("follow_up"))
         if deliver is not None or emailed:
             tx.set_timer(fx, timer_key("attempt", playbook, run_id), now)
@@ -10835,7 +10842,6 @@ class Approvals:
         now = self.clock.now_ms()
         limit = self.open_limit
         server = gate["server"]
-        follow_up = prepared.get("follow_up")
         requested = {"server": server, "tool": gate["tool"], "read_only": gate["read_only"],
                      "arguments": self.tools.record(server, gate["proposed"]),
                      "arguments_size": json_size(gate["proposed"]), "arguments_sha256": sha256_hex(dumps(gate["proposed"])),
@@ -10855,30 +10861,10 @@ class Approvals:
                 end(tx, fx, playbook, run_id, ending_, now=now, by=caller.id)
                 return run_object(tx.run(playbook, run_id)), True
             tx.append_event(fx, playbook, run_id, "approval_requested", now, caller.id, requested)
-            seq = tx.open_request(
-                request_id=prepared["request_id"], playbook=playbook, run_id=run_id, type_=type_, name=name,
-                version=version, party=prepared["party"], answerer=prepared["answerer"],
-                message=prepared["message"], answer_schema=dumps(APPROVAL_ANSWER_SCHEMA),
-                server=deliver.server if deliver else None, tool=deliver.tool if deliver else None,
-                delivery=DeliveryState.IN_INBOX if deliver is None else DeliveryState.TO_DELIVER,
-                asked_at=now, expires_at=prepared["expires_at"],
-                deliver_args=dumps(prepared["deliver_args"]) if deliver else None,
-                digest=request_digest(prepared["message"], APPROVAL_ANSWER_SCHEMA, gate["arguments"]),
-                follow_up=dumps(follow_up) if follow_up else None)
-            tx.set_approval(playbook, run_id, dumps({**gate, "asked_by": caller.id, "asked_by_person": caller.person}))
-            if "quorum" in gate:                # listing by `to` finds it under each addressee
-                tx.add_addressees(playbook, run_id, [p for p in gate["quorum"]["to"] if p != prepared["party"]])
-            tx.append_event(fx, playbook, run_id, "interaction_requested", now, caller.id, {
-                "delivery": {"server": deliver.server, "tool": deliver.tool} if deliver else None,
-                "to": prepared["party"], "from": prepared["answerer"],
-                "message_size": len(prepared["message"].encode()), "takes_answer": True,
-                "expires_at": fmt_time(prepared["expires_at"]),
-                **({"reminds_at": [fmt_time(t) for t in follow_up["remind"]["at"]]} if follow_up else {})}, run_seq=seq)
-            tx.set_timer(fx, timer_key("expire", playbook, run_id), prepared["expires_at"])
-            if follow_up:                   # its reminders: for a quorum, of those who have not voted (Reminders)
-                tx.set_timer(fx, timer_key("remind", playbook, run_id), follow_up["remind"]["at"][0])
-            if deliver is not None:
-                tx.set_timer(fx, timer_key("attempt", playbook, run_id), now)
+            Runs.open_request(tx, fx, playbook, run_id, type_, name, version, deliver, APPROVAL_ANSWER_SCHEMA,
+                              dict(prepared, approval={**gate, "asked_by": caller.id, "asked_by_person": caller.person},
+                                   digest=request_digest(prepared["message"], APPROVAL_ANSWER_SCHEMA, gate["arguments"])),
+                              now, caller.id)
             return dict(run_object(tx.run(playbook, run_id)), status=RunStatus.STARTED.value), True
         return await self.store.write(change)
 
