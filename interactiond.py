@@ -8890,6 +8890,14 @@ def rerun_check(row: Row, type_: str, name: str, input_sha: str) -> dict[str, An
     return run_object(row)
 
 
+def render_ending(exc: RenderError, what: str = "") -> Problem:
+    """The ending of a run whose template fails on its input: a name the input lacks is `invalid_input`
+    (pointer /input); any other failure is `unworkable`, its detail led by `what` (the template) if given."""
+    if exc.kind == "undefined":
+        return ended("invalid_input", str(exc), errors=[{"pointer": "/input", "message": str(exc)}])
+    return ended("unworkable", f"{what}: {exc}" if what else str(exc))
+
+
 def render_party(tpl: Any, ctx: dict[str, Any], what: str) -> str:
     """Render `to` or `from`; a bound broken is an `unworkable` conflict (RenderError passes)."""
     value = tpl.render(ctx)
@@ -8913,10 +8921,7 @@ def deliver_args(doc: Any, name: str, run_id: str, input_: Any, prepared: dict[s
     try:
         args = render_args(doc.deliver.with_, ctx)
     except RenderError as exc:
-        if exc.kind == "undefined":
-            raise ended("invalid_input", str(exc),
-                                 errors=[{"pointer": "/input", "message": str(exc)}]) from None
-        raise ended("unworkable", f"deliver.with: {exc}") from None
+        raise render_ending(exc, "deliver.with") from None
     if _renders_empty(doc.deliver.with_, args):
         raise ended("unworkable", "an argument of deliver renders no text")
     if json_size(args) > MAX_ARGUMENTS_BYTES:
@@ -9132,10 +9137,7 @@ class Runs:
                                                             "party": party})}
             message = doc.message.render_text(ctx)
         except RenderError as exc:
-            if exc.kind == "undefined":
-                raise ended("invalid_input", str(exc),
-                                     errors=[{"pointer": "/input", "message": str(exc)}]) from None
-            raise ended("unworkable", str(exc)) from None
+            raise render_ending(exc) from None
         if len(message.encode()) > MAX_MESSAGE_BYTES:
             raise ended("unworkable", f"the message is longer than {MAX_MESSAGE_BYTES // KIB} KiB")
         return {"party": party, "answerer": answerer, "message": message,
@@ -9271,9 +9273,7 @@ class Runs:
                 try:
                     text = template.render_text(base_context(now, input=input_, to=party)).strip()
                 except RenderError as exc:
-                    if exc.kind == "undefined":
-                        raise ended("invalid_input", str(exc), errors=[{"pointer": "/input", "message": str(exc)}]) from None
-                    raise ended("unworkable", f"deliver.email: {exc}") from None
+                    raise render_ending(exc, "deliver.email") from None
             if not is_email_address(text):
                 if asked:
                     raise ended("invalid_input", f"{text!r} is not an email address",
@@ -10723,8 +10723,7 @@ class Approvals:
                                             [doc.deliver.tool] + ([doc.replies.tool] if doc.replies else [])
                                             + ([doc.replies.tell.tool] if doc.replies and doc.replies.tell else []))
         except RenderError as exc:
-            ending = (ended("invalid_input", str(exc), errors=[{"pointer": "/input", "message": str(exc)}])
-                      if exc.kind == "undefined" else ended("unworkable", str(exc)))
+            ending = render_ending(exc)
         except Problem as exc:
             ending = exc
         edit = list(gate.edit) if gate is not None else []
@@ -11224,10 +11223,7 @@ class Reminders:
                                     "message": self._text(doc.escalate.message, ctx, DEFAULT_ESCALATION,
                                                           "escalate.message")}
         except RenderError as exc:
-            if exc.kind == "undefined":
-                raise ended("invalid_input", str(exc),
-                                     errors=[{"pointer": "/input", "message": str(exc)}]) from None
-            raise ended("unworkable", str(exc)) from None
+            raise render_ending(exc) from None
         if doc.on_expiry is not None:
             plan["default"] = {"answer": doc.on_expiry.answer}
         return plan or None
