@@ -11012,9 +11012,7 @@ class Approvals:
             return {"decided": True, "gate": gate, "patch": gate.get("first_patch", patch),
                     "arguments": gate.get("proposed")}
         tx.set_approval(playbook, run_id, dumps(gate))
-        return {**dict(zip(row.keys(), row)), "answer": dumps(answer), "answer_id": vote_id, "answered_by": by,
-                "answered_at": now, "answered_by_name": by_name, "on_behalf_of": on_behalf_of,
-                "claimed_for": claimed_for, "reply_id": reply_id}
+        return vote_row(row, votes[-1], claimed_for, reply_id)
 
     @staticmethod
     def _approved(gate: dict[str, Any], answer: dict[str, Any]) -> tuple[list[dict[str, Any]], Any]:
