@@ -10697,9 +10697,8 @@ class Approvals:
         ctx = base_context(now, input=input_)
         try:
             party = policy.to if policy is not None else render_party(gate.to, ctx, "approve.to")
-            if policy is not None and policy.also:          # the operator's quorum
-                quorum = {"to": [policy.to, *policy.also], "need": policy.need, "veto": policy.veto}
-            elif policy is None and gate.also:        # a quorum: each of `to`, once
+            quorum = self._policy_quorum(policy)            # the operator's quorum
+            if policy is None and gate.also:        # a quorum: each of `to`, once
                 people = list(dict.fromkeys([party, *(render_party(t, ctx, "approve.to") for t in gate.also)]))
                 if len(people) < gate.need:
                     raise ended("unworkable", f"approve.to names {len(people)} different people, and need is {gate.need}")
@@ -10737,10 +10736,13 @@ class Approvals:
                           read_only: bool, schema: Any, approve: Any) -> dict[str, Any]:
         """`execute` of a gated tool (the operator's gate, or `approve` given): the started run to wait on."""
         policy = self.policy(server, tool)
-        quorum = self._execute_quorum(approve) if policy is None else (
-            {"to": [policy.to, *policy.also], "need": policy.need, "veto": policy.veto} if policy.also else None)
-        if quorum is not None and policy is None:
-            approve = {**approve, "to": quorum["to"][0]}
+        quorum = self._policy_quorum(policy)
+        if policy is None:          # `approve` naming a quorum - `to: [a, b, c]`, `need`, `veto` - checked
+            quorum, errors = quorum_of(approve, "/approve")
+            if errors:
+                raise Problem("invalid_request", "approve is not valid", errors=errors)
+            if quorum is not None:
+                approve = {**approve, "to": quorum["to"][0]}
         to, expires, edit = self._execute_gate(approve, arguments, needs_to=policy is None)
         if policy is not None:
             to, expires = policy.to, policy.expires
@@ -10780,13 +10782,11 @@ class Approvals:
         return {"remind": {"at": [now + int(span.total_seconds() * 1000) for span in after], "message": text}}
 
     @staticmethod
-    def _execute_quorum(approve: Any) -> dict[str, Any] | None:
-        """`execute`'s `approve` naming a quorum - `to: [a, b, c]`, `need`, `veto` - checked; None when it
-        names one person (`to` a text)."""
-        quorum, errors = quorum_of(approve, "/approve")
-        if errors:
-            raise Problem("invalid_request", "approve is not valid", errors=errors)
-        return quorum
+    def _policy_quorum(policy: ApprovalPolicy | None) -> dict[str, Any] | None:
+        """The operator's gate naming several people (`also`): its quorum; None for one person, or no gate."""
+        if policy is None or not policy.also:
+            return None
+        return {"to": [policy.to, *policy.also], "need": policy.need, "veto": policy.veto}
 
     def _gate(self, server: str, tool: str, read_only: bool, arguments: Any, edit: list[str],
               schema: Any) -> dict[str, Any]:
