@@ -10847,13 +10847,13 @@ class Approvals:
                      "edit": gate["edit"], "to": prepared.get("party"), "expires_at": fmt_time(prepared.get("expires_at"))}
 
         def change(tx: Tx, fx: Effects) -> tuple[dict[str, Any], bool]:
-            row = tx.run(playbook, run_id)
-            if row is not None:
-                return rerun_check(row, type_, name, input_sha), False
-            tx.insert_run(playbook=playbook, run_id=run_id, type_=type_, name=name, version=version,
-                          input_text=input_text, input_sha=input_sha, parent=parent, now=now, by=caller.id)
+            run = dict(playbook=playbook, run_id=run_id, type_=type_, name=name, version=version, input_text=input_text,
+                       input_sha=input_sha, parent=parent, now=now, by=caller.id)
+            inserted, counted = tx.insert_asking_run(**run, limit=limit) if ending is None else (tx.insert_run(**run), False)
+            if not inserted:
+                return rerun_check(tx.run(playbook, run_id), type_, name, input_sha), False     # the id was used
             ending_ = ending
-            if ending_ is None and not tx.take_request_slot(playbook, limit):
+            if ending_ is None and not counted:
                 ending_ = ended("requests_full",
                                      f"the playbook already has {limit} open requests; answer or cancel some first")
             if ending_ is not None:
