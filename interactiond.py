@@ -8193,9 +8193,6 @@ class AnswerLinks:
         mine = self.token(row, who)
         return who if mine is not None and hmac.compare_digest(mine.encode(), token.encode()) else None
 
-    def verifies(self, token: str, row: Mapping[str, Any]) -> bool:
-        return self.holder(token, row) is not None
-
     def form_token(self, token: str) -> str:
         return self._mac("form" + chr(31) + token)
 
