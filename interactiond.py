@@ -8083,9 +8083,6 @@ class AnswerLinks:
         mine = self.token(row, who)
         return who if mine is not None and hmac.compare_digest(mine.encode(), token.encode()) else None
 
-    def verifies(self, token: str, row: Mapping[str, Any]) -> bool:
-        return self.holder(token, row) is not None
-
     def form_token(self, token: str) -> str:
         return self._mac("form" + chr(31) + token)
 
@@ -8780,6 +8777,14 @@ def rerun_check(row: Row, type_: str, name: str, input_sha: str) -> dict[str, An
     return run_object(row)
 
 
+def render_ending(exc: RenderError, what: str = "") -> Problem:
+    """The ending of a run whose template fails on its input: a name the input lacks is `invalid_input`
+    (pointer /input); any other failure is `unworkable`, its detail led by `what` (the template) if given."""
+    if exc.kind == "undefined":
+        return ended("invalid_input", str(exc), errors=[{"pointer": "/input", "message": str(exc)}])
+    return ended("unworkable", f"{what}: {exc}" if what else str(exc))
+
+
 def render_party(tpl: Any, ctx: dict[str, Any], what: str) -> str:
     """Render `to` or `from`; a bound broken is an `unworkable` conflict (RenderError passes)."""
     value = tpl.render(ctx)
@@ -8803,10 +8808,7 @@ def deliver_args(doc: Any, name: str, run_id: str, input_: Any, prepared: dict[s
     try:
         args = render_args(doc.deliver.with_, ctx)
     except RenderError as exc:
-        if exc.kind == "undefined":
-            raise ended("invalid_input", str(exc),
-                                 errors=[{"pointer": "/input", "message": str(exc)}]) from None
-        raise ended("unworkable", f"deliver.with: {exc}") from None
+        raise render_ending(exc, "deliver.with") from None
     if _renders_empty(doc.deliver.with_, args):
         raise ended("unworkable", "an argument of deliver renders no text")
     if json_size(args) > MAX_ARGUMENTS_BYTES:
@@ -9022,10 +9024,7 @@ class Runs:
                                                             "party": party})}
             message = doc.message.render_text(ctx)
         except RenderError as exc:
-            if exc.kind == "undefined":
-                raise ended("invalid_input", str(exc),
-                                     errors=[{"pointer": "/input", "message": str(exc)}]) from None
-            raise ended("unworkable", str(exc)) from None
+            raise render_ending(exc) from None
         if len(message.encode()) > MAX_MESSAGE_BYTES:
             raise ended("unworkable", f"the message is longer than {MAX_MESSAGE_BYTES // KIB} KiB")
         return {"party": party, "answerer": answerer, "message": message,
@@ -9105,7 +9104,8 @@ class Runs:
                                      f"the playbook already has {limit} open requests; answer or cancel some first")
             if ending_ is not None:
                 end(tx, fx, playbook, run_id, ending_, now=now, by=caller.id)
-            elif self._open_request(tx, fx, playbook, run_id, type_, name, version, doc, prepared, now, caller.id):
+            elif self.open_request(tx, fx, playbook, run_id, type_, name, version, doc.deliver,
+                                   prepared.get("answer_schema", doc.output_schema), prepared, now, caller.id):
                 # The run as this change wrote it, waiting for its request, not read back (a ninth of a
                 # run's statements).
                 return run_object({"run_id": run_id, "playbook": playbook, "type": type_, "name": name,
@@ -9160,9 +9160,7 @@ class Runs:
                 try:
                     text = template.render_text(base_context(now, input=input_, to=party)).strip()
                 except RenderError as exc:
-                    if exc.kind == "undefined":
-                        raise ended("invalid_input", str(exc), errors=[{"pointer": "/input", "message": str(exc)}]) from None
-                    raise ended("unworkable", f"deliver.email: {exc}") from None
+                    raise render_ending(exc, "deliver.email") from None
             if not is_email_address(text):
                 if asked:
                     raise ended("invalid_input", f"{text!r} is not an email address",
@@ -9185,13 +9183,15 @@ class Runs:
             elif is_email_address(party):
                 escalation["email"] = party
 
-    def _open_request(self, tx: Tx, fx: Effects, playbook: str, run_id: str, type_: str,
-                      name: str, version: int, doc: Any, prepared: dict[str, Any], now: int, by: str) -> bool:
-        """Open the run's request; True when the run now waits for it, False when it ended (a
-        notification the inbox only shows)."""
-        answer_schema = prepared.get("answer_schema", doc.output_schema)
+    @staticmethod
+    def open_request(tx: Tx, fx: Effects, playbook: str, run_id: str, type_: str, name: str, version: int,
+                     deliver: DeliverSpec | None, answer_schema: Any, prepared: dict[str, Any], now: int,
+                     by: str) -> bool:
+        """Open the run's request - a function's question or notification, or an approval (Approvals) -
+        with its event and timers; True when the run now waits for it, False when it ended (a
+        notification the inbox only shows). `prepared["approval"]`, when there, is what Approvals
+        reads of it; `prepared["digest"]` binds what it shows, when more than its message and schema."""
         notification = answer_schema is None
-        deliver = doc.deliver
         emailed = prepared.get("email")                  # sent by email: attempted as a delivery is
         inbox_note = notification and deliver is None and emailed is None
         seq = tx.open_request(request_id=prepared["request_id"], playbook=playbook, run_id=run_id, type_=type_,
@@ -9205,10 +9205,13 @@ class Runs:
                               asked_at=now, expires_at=prepared["expires_at"],
                               deliver_args=dumps(prepared["deliver_args"]) if deliver else
                               dumps({"email": emailed}) if emailed else None, notified=inbox_note,
-                              follow_up=dumps(prepared["follow_up"]) if prepared.get("follow_up") else None)
-        if "approval" in prepared:          # an approval `ask` of several people: each votes (Approvals._vote)
+                              follow_up=dumps(prepared["follow_up"]) if prepared.get("follow_up") else None,
+                              digest=prepared.get("digest"))
+        if "approval" in prepared:          # an approval; of several people, each votes (Approvals._vote)
             tx.set_approval(playbook, run_id, dumps(prepared["approval"]))
-            tx.add_addressees(playbook, run_id, prepared["approval"]["quorum"]["to"][1:])
+            if "quorum" in prepared["approval"]:        # listing by `to` finds it under each addressee
+                tx.add_addressees(playbook, run_id, [p for p in prepared["approval"]["quorum"]["to"]
+                                                     if p != prepared["party"]])
         tx.append_event(fx, playbook, run_id, "interaction_requested", now, by, {
             "delivery": {"server": deliver.server, "tool": deliver.tool} if deliver else
             {"email": emailed["to"]} if emailed else None,
@@ -9220,6 +9223,7 @@ class Runs:
             end(tx, fx, playbook, run_id, "succeeded", now=now, by=by, output={})
             return False
         tx.set_timer(fx, timer_key("expire", playbook, run_id), prepared["expires_at"])
+        # its reminders (for a quorum, of those who have not voted) and escalation (Reminders)
         Reminders.arm(tx, fx, playbook, run_id, prepared.get("follow_up"))
         if deliver is not None or emailed:
             tx.set_timer(fx, timer_key("attempt", playbook, run_id), now)
@@ -10580,9 +10584,8 @@ class Approvals:
         ctx = base_context(now, input=input_)
         try:
             party = policy.to if policy is not None else render_party(gate.to, ctx, "approve.to")
-            if policy is not None and policy.also:          # the operator's quorum
-                quorum = {"to": [policy.to, *policy.also], "need": policy.need, "veto": policy.veto}
-            elif policy is None and gate.also:        # a quorum: each of `to`, once
+            quorum = self._policy_quorum(policy)            # the operator's quorum
+            if policy is None and gate.also:        # a quorum: each of `to`, once
                 people = list(dict.fromkeys([party, *(render_party(t, ctx, "approve.to") for t in gate.also)]))
                 if len(people) < gate.need:
                     raise ended("unworkable", f"approve.to names {len(people)} different people, and need is {gate.need}")
@@ -10606,8 +10609,7 @@ class Approvals:
                                             [doc.deliver.tool] + ([doc.replies.tool] if doc.replies else [])
                                             + ([doc.replies.tell.tool] if doc.replies and doc.replies.tell else []))
         except RenderError as exc:
-            ending = (ended("invalid_input", str(exc), errors=[{"pointer": "/input", "message": str(exc)}])
-                      if exc.kind == "undefined" else ended("unworkable", str(exc)))
+            ending = render_ending(exc)
         except Problem as exc:
             ending = exc
         edit = list(gate.edit) if gate is not None else []
@@ -10621,10 +10623,13 @@ class Approvals:
                           read_only: bool, schema: Any, approve: Any) -> dict[str, Any]:
         """`execute` of a gated tool (the operator's gate, or `approve` given): the started run to wait on."""
         policy = self.policy(server, tool)
-        quorum = self._execute_quorum(approve) if policy is None else (
-            {"to": [policy.to, *policy.also], "need": policy.need, "veto": policy.veto} if policy.also else None)
-        if quorum is not None and policy is None:
-            approve = {**approve, "to": quorum["to"][0]}
+        quorum = self._policy_quorum(policy)
+        if policy is None:          # `approve` naming a quorum - `to: [a, b, c]`, `need`, `veto` - checked
+            quorum, errors = quorum_of(approve, "/approve")
+            if errors:
+                raise Problem("invalid_request", "approve is not valid", errors=errors)
+            if quorum is not None:
+                approve = {**approve, "to": quorum["to"][0]}
         to, expires, edit = self._execute_gate(approve, arguments, needs_to=policy is None)
         if policy is not None:
             to, expires = policy.to, policy.expires
@@ -10664,13 +10669,11 @@ class Approvals:
         return {"remind": {"at": [now + int(span.total_seconds() * 1000) for span in after], "message": text}}
 
     @staticmethod
-    def _execute_quorum(approve: Any) -> dict[str, Any] | None:
-        """`execute`'s `approve` naming a quorum - `to: [a, b, c]`, `need`, `veto` - checked; None when it
-        names one person (`to` a text)."""
-        quorum, errors = quorum_of(approve, "/approve")
-        if errors:
-            raise Problem("invalid_request", "approve is not valid", errors=errors)
-        return quorum
+    def _policy_quorum(policy: ApprovalPolicy | None) -> dict[str, Any] | None:
+        """The operator's gate naming several people (`also`): its quorum; None for one person, or no gate."""
+        if policy is None or not policy.also:
+            return None
+        return {"to": [policy.to, *policy.also], "need": policy.need, "veto": policy.veto}
 
     def _gate(self, server: str, tool: str, read_only: bool, arguments: Any, edit: list[str],
               schema: Any) -> dict[str, Any]:
@@ -10725,50 +10728,29 @@ class Approvals:
         now = self.clock.now_ms()
         limit = self.open_limit
         server = gate["server"]
-        follow_up = prepared.get("follow_up")
         requested = {"server": server, "tool": gate["tool"], "read_only": gate["read_only"],
                      "arguments": self.tools.record(server, gate["proposed"]),
                      "arguments_size": json_size(gate["proposed"]), "arguments_sha256": sha256_hex(dumps(gate["proposed"])),
                      "edit": gate["edit"], "to": prepared.get("party"), "expires_at": fmt_time(prepared.get("expires_at"))}
 
         def change(tx: Tx, fx: Effects) -> tuple[dict[str, Any], bool]:
-            row = tx.run(playbook, run_id)
-            if row is not None:
-                return rerun_check(row, type_, name, input_sha), False
-            tx.insert_run(playbook=playbook, run_id=run_id, type_=type_, name=name, version=version,
-                          input_text=input_text, input_sha=input_sha, parent=parent, now=now, by=caller.id)
+            run = dict(playbook=playbook, run_id=run_id, type_=type_, name=name, version=version, input_text=input_text,
+                       input_sha=input_sha, parent=parent, now=now, by=caller.id)
+            inserted, counted = tx.insert_asking_run(**run, limit=limit) if ending is None else (tx.insert_run(**run), False)
+            if not inserted:
+                return rerun_check(tx.run(playbook, run_id), type_, name, input_sha), False     # the id was used
             ending_ = ending
-            if ending_ is None and not tx.take_request_slot(playbook, limit):
+            if ending_ is None and not counted:
                 ending_ = ended("requests_full",
                                      f"the playbook already has {limit} open requests; answer or cancel some first")
             if ending_ is not None:
                 end(tx, fx, playbook, run_id, ending_, now=now, by=caller.id)
                 return run_object(tx.run(playbook, run_id)), True
             tx.append_event(fx, playbook, run_id, "approval_requested", now, caller.id, requested)
-            seq = tx.open_request(
-                request_id=prepared["request_id"], playbook=playbook, run_id=run_id, type_=type_, name=name,
-                version=version, party=prepared["party"], answerer=prepared["answerer"],
-                message=prepared["message"], answer_schema=dumps(APPROVAL_ANSWER_SCHEMA),
-                server=deliver.server if deliver else None, tool=deliver.tool if deliver else None,
-                delivery=DeliveryState.IN_INBOX if deliver is None else DeliveryState.TO_DELIVER,
-                asked_at=now, expires_at=prepared["expires_at"],
-                deliver_args=dumps(prepared["deliver_args"]) if deliver else None,
-                digest=request_digest(prepared["message"], APPROVAL_ANSWER_SCHEMA, gate["arguments"]),
-                follow_up=dumps(follow_up) if follow_up else None)
-            tx.set_approval(playbook, run_id, dumps({**gate, "asked_by": caller.id, "asked_by_person": caller.person}))
-            if "quorum" in gate:                # listing by `to` finds it under each addressee
-                tx.add_addressees(playbook, run_id, [p for p in gate["quorum"]["to"] if p != prepared["party"]])
-            tx.append_event(fx, playbook, run_id, "interaction_requested", now, caller.id, {
-                "delivery": {"server": deliver.server, "tool": deliver.tool} if deliver else None,
-                "to": prepared["party"], "from": prepared["answerer"],
-                "message_size": len(prepared["message"].encode()), "takes_answer": True,
-                "expires_at": fmt_time(prepared["expires_at"]),
-                **({"reminds_at": [fmt_time(t) for t in follow_up["remind"]["at"]]} if follow_up else {})}, run_seq=seq)
-            tx.set_timer(fx, timer_key("expire", playbook, run_id), prepared["expires_at"])
-            if follow_up:                   # its reminders: for a quorum, of those who have not voted (Reminders)
-                tx.set_timer(fx, timer_key("remind", playbook, run_id), follow_up["remind"]["at"][0])
-            if deliver is not None:
-                tx.set_timer(fx, timer_key("attempt", playbook, run_id), now)
+            Runs.open_request(tx, fx, playbook, run_id, type_, name, version, deliver, APPROVAL_ANSWER_SCHEMA,
+                              dict(prepared, approval={**gate, "asked_by": caller.id, "asked_by_person": caller.person},
+                                   digest=request_digest(prepared["message"], APPROVAL_ANSWER_SCHEMA, gate["arguments"])),
+                              now, caller.id)
             return dict(run_object(tx.run(playbook, run_id)), status=RunStatus.STARTED.value), True
         return await self.store.write(change)
 
@@ -10917,9 +10899,7 @@ class Approvals:
             return {"decided": True, "gate": gate, "patch": gate.get("first_patch", patch),
                     "arguments": gate.get("proposed")}
         tx.set_approval(playbook, run_id, dumps(gate))
-        return {**dict(zip(row.keys(), row)), "answer": dumps(answer), "answer_id": vote_id, "answered_by": by,
-                "answered_at": now, "answered_by_name": by_name, "on_behalf_of": on_behalf_of,
-                "claimed_for": claimed_for, "reply_id": reply_id}
+        return vote_row(row, votes[-1], claimed_for, reply_id)
 
     @staticmethod
     def _approved(gate: dict[str, Any], answer: dict[str, Any]) -> tuple[list[dict[str, Any]], Any]:
@@ -11128,10 +11108,7 @@ class Reminders:
                                     "message": self._text(doc.escalate.message, ctx, DEFAULT_ESCALATION,
                                                           "escalate.message")}
         except RenderError as exc:
-            if exc.kind == "undefined":
-                raise ended("invalid_input", str(exc),
-                                     errors=[{"pointer": "/input", "message": str(exc)}]) from None
-            raise ended("unworkable", str(exc)) from None
+            raise render_ending(exc) from None
         if doc.on_expiry is not None:
             plan["default"] = {"answer": doc.on_expiry.answer}
         return plan or None
