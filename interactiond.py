@@ -236,8 +236,10 @@ DEFAULT_MAX_CONNECTIONS: Final = 4096
 MAX_MAX_CONNECTIONS: Final = 1_000_000
 FD_RESERVE: Final = 256
 #: Connections the kernel holds before the daemon accepts them. At the usual 100, a burst of
-#: connections fills it and a client's connection attempt waits a second to be tried again.
-LISTEN_BACKLOG: Final = 1024
+#: connections fills it and a client's connection attempt waits a second to be tried again; at
+#: 1,024, a burst of 6,000 still did now and then. The kernel caps it at net.core.somaxconn (4,096
+#: by default since Linux 5.4).
+LISTEN_BACKLOG: Final = 4096
 #: Event payload previews in listings.
 PREVIEW_BYTES: Final = 2 * KIB
 #: Paging.
