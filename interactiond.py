@@ -5405,26 +5405,34 @@ class SqlTx:
         `before` (type, payload), an event of the run appended just before the ending's and counted in
         the same UPDATE: its id (else None)."""
         pbody = problem.body() if problem is not None else None
-        ended = self.conn.execute(_END_RUN_SQL, (status.value, kind, dumps(output) if output is not None else None,
-                                                 dumps(pbody) if pbody else None, now, by, 1 if before is None else 2,
-                                                 playbook, run_id)).fetchone()
-        if ended is None:
-            raise Problem("conflict", "the run has already ended")
-        parent, seq = ended["parent"], ended["events"]
         payload: dict[str, Any] = {"status": status.value, "kind": kind}
         if status is RunStatus.SUCCEEDED:
             payload["output"] = output
         else:
             payload["problem"] = pbody
-        events = [(seq, "run_" + status.value, payload)]
+        events = [("run_" + status.value, payload)]
         if before is not None:
-            events.insert(0, (seq - 1, *before))
-        ids = self.counted_events(fx, playbook, run_id, now, by, events)
-        first = ids[0] if before is not None else None
+            events.insert(0, before)
+        ids = self._end_run(fx, playbook, run_id, (status.value, kind, dumps(output) if output is not None else None,
+                                                   dumps(pbody) if pbody else None, now, by), events)
         fx.wakes.append((playbook, run_id))
-        if parent is not None:      # workflows: the one waiting on this run moves on, woken in this transaction
-            self.set_timer(fx, timer_key("workflow", playbook, parent), now)
-        return first
+        return ids[0] if before is not None else None
+
+    def _end_run(self, fx: Effects, playbook: str, run_id: str, ending: tuple[Any, ...],
+                 events: list[tuple[str, dict[str, Any]]]) -> list[int]:
+        """The run's row ended (guarded) as `ending` says (status, kind, output, problem, ended_at,
+        settled_by), and `events` appended, counted on it; a workflow waiting on it is woken in this
+        transaction. The events' ids."""
+        now, by = ending[4], ending[5]
+        ended = self.conn.execute(_END_RUN_SQL, ending + (len(events), playbook, run_id)).fetchone()
+        if ended is None:
+            raise Problem("conflict", "the run has already ended")
+        seq = ended["events"] - len(events)
+        ids = self.counted_events(fx, playbook, run_id, now, by,
+                                  [(seq + i, type_, payload) for i, (type_, payload) in enumerate(events, 1)])
+        if ended["parent"] is not None:
+            self.set_timer(fx, timer_key("workflow", playbook, ended["parent"]), now)
+        return ids
 
     # Housekeeping.
 
@@ -6686,6 +6694,19 @@ _PG_COUNTED_EVENT_SQL: Final = (
     "WITH r AS (UPDATE runs SET events = events + 1 WHERE playbook = ? AND run_id = ? RETURNING events)"
     " INSERT INTO events (id, playbook, run_id, run_seq, type, at, by, payload, size, daemon)"
     " SELECT ?, ?, ?, r.events, ?, ?, ?, ?, ?, ? FROM r")
+@functools.lru_cache(maxsize=2)
+def _pg_end_run_sql(n: int) -> str:
+    """A run ends (guarded: a live one), its `n` events are counted on it and appended, and the workflow
+    waiting on it (its parent) is woken, in one statement that returns the parent."""
+    values = ", ".join(["(CAST(? AS BIGINT), CAST(? AS INTEGER), CAST(? AS TEXT), CAST(? AS TEXT),"
+                        " CAST(? AS INTEGER))"] * n)
+    return (f"WITH r AS ({_END_RUN_SQL}), w AS (INSERT INTO timers (key, due_at) SELECT CAST(? AS TEXT) || parent, ?"
+            " FROM r WHERE parent IS NOT NULL ON CONFLICT (key) DO UPDATE SET due_at = excluded.due_at)"
+            " INSERT INTO events (id, playbook, run_id, run_seq, type, at, by, payload, size, daemon)"
+            f" SELECT v.id, ?, ?, r.events - v.back, v.type, ?, ?, v.payload, v.size, ? FROM r, (VALUES {values})"
+            " AS v (id, back, type, payload, size) RETURNING (SELECT parent FROM r)")
+
+
 #: The last event id taken. Events are never deleted, and every write holds the writes' lock from
 #: its BEGIN to its COMMIT, so the writer numbers the events it inserts itself, from this on.
 _PG_LAST_EVENT_SQL: Final = "SELECT COALESCE(MAX(id), 0) FROM events"
@@ -6707,7 +6728,7 @@ class PostgresTx(SqlTx):
         self._pipeline: contextlib.ExitStack | None = None     # psycopg's pipeline of the group commit
         self._sync: Callable[[], None] = lambda: None           # ... and its sync()
         self._event_id: int | None = None       # within a write: the last event id taken
-        self._guards: list[tuple[Any, Problem]] = []     # the change's guards, checked at its end
+        self._guards: list[tuple[Any, Problem, Any]] = []   # the change's guards, read at its end
 
     @property
     def errors(self) -> tuple[type[BaseException], ...]:  # type: ignore[override]
@@ -6772,9 +6793,11 @@ class PostgresTx(SqlTx):
             try:
                 result = change(self, fx)
                 self._sync()
-                for cursor, problem in guards:
+                for cursor, problem, then in guards:
                     if not cursor.rowcount:
                         raise problem
+                    if then is not None:
+                        then(cursor.fetchone())
             except BaseException:
                 self._event_id = event_id       # the ids the change took go back with it
                 with contextlib.suppress(psycopg.Error):
@@ -6787,10 +6810,41 @@ class PostgresTx(SqlTx):
     def guard(self, sql: str, params: Any, problem: Problem) -> None:
         if self._pipeline is None:
             super().guard(sql, params, problem)
-        else:                                   # a cursor of its own, read at the change's end
-            cursor = self.conn.raw.cursor()
-            cursor.execute(_pg_sql(sql), params, prepare=True)
-            self._guards.append((cursor, problem))
+        else:
+            self._read_at_end(sql, params, problem)
+
+    def _read_at_end(self, sql: str, params: Any, problem: Problem,
+                     then: Callable[[Any], None] | None = None) -> None:
+        """A statement with a cursor of its own, read at the change's end: `problem` when it changed no
+        row, else `then` is given its first row."""
+        cursor = self.conn.raw.cursor()
+        cursor.execute(_pg_sql(sql), params, prepare=True)
+        self._guards.append((cursor, problem, then))
+
+    def _end_run(self, fx: Effects, playbook: str, run_id: str, ending: tuple[Any, ...],
+                 events: list[tuple[str, dict[str, Any]]]) -> list[int]:
+        """SqlTx's in one statement read at the change's end (_pg_end_run_sql), as a guard is: the run's
+        events are counted in it, and their ids are the writer's own."""
+        if self._pipeline is None:              # outside a write (the command line): read at once
+            return super()._end_run(fx, playbook, run_id, ending, events)
+        now, by = ending[4], ending[5]
+        assert self._event_id is not None
+        first, n = self._event_id + 1, len(events)
+        self._event_id += n
+        values: list[Any] = []
+        for i, (type_, payload) in enumerate(events):
+            text = dumps(payload)
+            values += (first + i, n - 1 - i, type_, text, len(text.encode()))
+
+        def woken(row: Any) -> None:            # the workflow waiting on the run: its timer is in the statement
+            if row[0] is not None:
+                fx.timers.append((timer_key("workflow", playbook, row[0]), now))
+        self._read_at_end(_pg_end_run_sql(n), ending + (n, playbook, run_id, timer_key("workflow", playbook, ""), now,
+                                                        playbook, run_id, now, by, self.daemon, *values),
+                          Problem("conflict", "the run has already ended"), woken)
+        for i, (type_, payload) in enumerate(events):
+            self._published(fx, first + i, playbook, run_id, type_, now, by, payload)
+        return list(range(first, first + n))
 
     def _run_waits(self, playbook: str, run_id: str) -> int | None:
         """Its guard checked at the change's end, as every guard's: the event that follows counts itself."""
