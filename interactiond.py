@@ -17134,18 +17134,22 @@ window.addEventListener("hashchange", () => route(true));
 boot();
 """
 
-_INBOX_PAGE: Final = """<!doctype html>
+#: Every page the daemon makes: the inbox's style, `{meta}` more of the head, `{body}` the body.
+_PAGE: Final = """<!doctype html>
 <html lang="en">
 <head>
 <meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <meta name="referrer" content="no-referrer">
-<title>Inbox · interactiond</title>
+{meta}<title>{title} · interactiond</title>
 <link rel="icon" href="data:,">
-<style>{css}</style>
+<style>""" + _INBOX_CSS + """</style>
 </head>
 <body>
-<header class="top">
+{body}</body>
+</html>
+"""
+_INBOX_BODY: Final = """<header class="top">
   <span class="brand">interactiond</span>
   <nav id="nav" aria-label="Pages" hidden><a href="#/">Inbox</a><a href="#/runs">Runs</a><a href="#/definitions">Definitions</a><a href="#/rules">Rules</a></nav>
   <div class="ctl">
@@ -17180,8 +17184,6 @@ _INBOX_PAGE: Final = """<!doctype html>
   </div>
 </main>
 <script>{js}</script>
-</body>
-</html>
 """
 
 
@@ -17189,37 +17191,23 @@ def _csp_source(text: str) -> str:
     return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
 
 
-INBOX_HTML: Final = _INBOX_PAGE.replace("{css}", _INBOX_CSS).replace("{js}", _INBOX_JS)
+INBOX_HTML: Final = _PAGE.replace("{meta}", "").replace("{title}", "Inbox").replace(
+    "{body}", _INBOX_BODY.replace("{js}", _INBOX_JS))
+#: What every page is sent with (and its Content-Security-Policy).
+_PAGE_HEADERS: Final = {"X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-store"}
 #: The page runs only its own inline script and style (by hash) and talks only to this daemon.
 INBOX_HEADERS: Final = {
     "Content-Security-Policy": f"default-src 'none'; script-src {_csp_source(_INBOX_JS)}; style-src "
                                f"{_csp_source(_INBOX_CSS)}; connect-src 'self'; img-src 'self' data:; base-uri 'none';"
-                               " form-action 'none'; frame-ancestors 'none'",
-    "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-store",
+                               " form-action 'none'; frame-ancestors 'none'", **_PAGE_HEADERS,
 }
 #: An answer link's page (Web inbox, answer links): made on the daemon, the inbox's style, no script;
 #: its form posts only to itself.
-LINK_PAGE: Final = """<!doctype html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<meta name="referrer" content="no-referrer">
-<meta name="robots" content="noindex, nofollow">
-<title>{title} · interactiond</title>
-<link rel="icon" href="data:,">
-<style>""" + _INBOX_CSS + """</style>
-</head>
-<body>
-<header class="top"><span class="brand">interactiond</span></header>
-<main id="main">{body}</main>
-</body>
-</html>
-"""
+LINK_PAGE: Final = _PAGE.replace("{meta}", '<meta name="robots" content="noindex, nofollow">\n').replace(
+    "{body}", '<header class="top"><span class="brand">interactiond</span></header>\n<main id="main">{body}</main>\n')
 LINK_HEADERS: Final = {
     "Content-Security-Policy": f"default-src 'none'; style-src {_csp_source(_INBOX_CSS)}; img-src 'self' data:;"
-                               " base-uri 'none'; form-action 'self'; frame-ancestors 'none'",
-    "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-store",
+                               " base-uri 'none'; form-action 'self'; frame-ancestors 'none'", **_PAGE_HEADERS,
     "X-Robots-Tag": "noindex, nofollow",
 }
 #: A spent, expired or unknown sign-in link: the page's style, no script.
