@@ -17865,8 +17865,10 @@ def form_answer(form: dict[str, Any], sent: Mapping[str, list[str]]) -> tuple[An
 
 
 async def _link_page(engine: Engine, token: str, row: Row, *, sent: Mapping[str, Any] | None = None,
-                     errors: list[dict[str, Any]] | None = None, status: int = 200) -> web.Response:
-    """The page of an answer link: the question and its form while it is open, else how it ended."""
+                     errors: list[dict[str, Any]] | None = None, status: int = 200,
+                     query: Mapping[str, str] | None = None) -> web.Response:
+    """The page of an answer link: the question and its form while it is open (showing what was `sent`,
+    else the choice the link's `query` makes - not sent -, else what is proposed), else how it ended."""
     title = f"{row['name']} for {row['party']}"
     head = (f'<h1>{_esc(row["name"])} <span class="to">for {_esc(row["party"])}</span></h1>'
             f'<p class="meta">asked {_esc(_when_words(row["asked_at"]))}'
@@ -17892,7 +17894,8 @@ async def _link_page(engine: Engine, token: str, row: Row, *, sent: Mapping[str,
         end = '<div id="status" class="card" role="status"><p>It is being cancelled. It takes no answer now.</p></div>'
     else:
         form = answer_form(json.loads(row["answer_schema"]), option_labels(row["name"], row["run_input"]))
-        end = _link_form_html(form, engine.links.form_token(token), sent or _proposed(form, row), errors or [], row["digest"])
+        shown = sent or chosen_in_query(form, query or {}) or _proposed(form, row)
+        end = _link_form_html(form, engine.links.form_token(token), shown, errors or [], row["digest"])
     return _link_html(title, head, end, status=status)
 
 
@@ -17952,11 +17955,7 @@ async def h_answer_link(request: web.Request) -> web.Response:
     if found is None:
         return _link_not_found()
     token, row = found
-    sent = None
-    if request.query and row["answer_schema"] is not None:      # a choice made in the link: shown, not sent
-        sent = chosen_in_query(answer_form(json.loads(row["answer_schema"]), option_labels(row["name"], row["run_input"])),
-                               request.query) or None
-    return await _link_page(request.app[engine_key()], token, row, sent=sent)
+    return await _link_page(request.app[engine_key()], token, row, query=request.query)
 
 
 async def h_answer_link_post(request: web.Request) -> web.Response:
