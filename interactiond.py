@@ -4004,13 +4004,16 @@ class Config:
         return tuple(out)
 
     @property
+    def listen_url(self) -> str:
+        """The listen address as a URL (listening on every address: this machine's)."""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"http://{'[' + host + ']' if ':' in host else host}:{self.port}"
+
+    @property
     def links_base(self) -> str:
         """Where answer and sign-in links point: public_url, else the listen address (a serving daemon
         puts the port it bound in its place)."""
-        if self.public_url:
-            return self.public_url
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
-        return f"http://{'[' + host + ']' if ':' in host else host}:{self.port}"
+        return self.public_url or self.listen_url
 
 
 #: The keys of a configuration file (and how `check` tells one from a workflow).
@@ -18201,7 +18204,7 @@ async def _serve(args: Any, config: Config,
         url = f"http://{host}:{bound}"
         _write_private(_beside(db, ".url"), url + "\n")
         if not config.public_url:           # answer and sign-in links: the address it listens at
-            engine.links.base = Config(host=host, port=bound).links_base
+            engine.links.base = Config(host=host, port=bound).listen_url
         stop = asyncio.Event()              # before the lines below: a stop right after them is a clean one
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -18478,8 +18481,7 @@ def daemon_address(args: Any, db: str, config: Config) -> DaemonAddress:
         try:
             url, source = url_file.read_text().strip(), str(url_file)
         except OSError:
-            host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
-            url, source = f"http://{host}:{config.port}", f"the default; no {url_file} beside the database"
+            url, source = config.listen_url, f"the default; no {url_file} beside the database"
     token = args.token or os.environ.get("INTERACTIOND_TOKEN")
     if not token:
         with contextlib.suppress(OSError):
