@@ -18174,10 +18174,9 @@ def _make_clock(name: str, host: str) -> Clock:
     return SystemClock()
 
 
-async def _serve(args: Any, config: Config,
+async def _serve(args: Any, db: str, config: Config,
                  after_start: Callable[[Engine, str], Any] | None = None) -> int:
     """`serve` (and `demo`, whose `after_start(engine, url)` runs once the daemon listens)."""
-    db = args.db or os.environ.get("INTERACTIOND_DB") or config.database
     host = args.host or config.host
     port = args.port if args.port is not None else config.port
     lock = EngineLock(db)
@@ -18224,11 +18223,10 @@ async def _serve(args: Any, config: Config,
         lock.release()
 
 
-async def _stdio(args: Any, config: Config) -> int:
+async def _stdio(args: Any, db: str, config: Config) -> int:
     """MCP over stdin/stdout: the engine itself, or a thin front over the engine that runs already."""
     from mcp.server.stdio import stdio_server
 
-    db = args.db or os.environ.get("INTERACTIOND_DB") or config.database
     if args.playbook and not PLAYBOOK_RE.fullmatch(args.playbook):
         print("interactiond: --playbook is ORG/NAME", file=sys.stderr)
         return 2
@@ -19404,8 +19402,8 @@ async def _demo(args: Any) -> int:
                                  "tools": ["post_message", "thread_replies", "channel_history"]}},
             "playbooks": {DEFAULT_PLAYBOOK: {"servers": ["chat"]}}}) + "\n")
         config = load_config(str(config_path), environ={})
-        args.db, args.host, args.clock, args.config = config.database, "127.0.0.1", "system", str(config_path)
-        return await _serve(args, config, after_start=lambda engine, url: _demo_open(engine, where, chat_db))
+        args.host, args.clock = "127.0.0.1", "system"
+        return await _serve(args, config.database, config, after_start=lambda engine, url: _demo_open(engine, where, chat_db))
 
 
 async def _demo_open(engine: Engine, where: Path, chat_db: Path) -> None:
@@ -19762,8 +19760,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd in clients or args.cmd in CLIENT_COMMANDS:
             return clients.get(args.cmd, _cli_client)(args, db, config)
         if args.cmd == "stdio":
-            return run_loop(_stdio(args, config))
-        code = run_loop(_serve(args, config))
+            return run_loop(_stdio(args, db, config))
+        code = run_loop(_serve(args, db, config))
         # Everything is closed: the collector need not walk every object once more on the way out
         # (half a second of a stop's 2 s).
         gc.freeze()
