@@ -18166,14 +18166,6 @@ class EngineLock:
             self.fh = None
 
 
-def _make_clock(name: str, host: str) -> Clock:
-    if name == "manual":
-        if host not in ("127.0.0.1", "localhost", "::1"):
-            raise SystemExit("--clock manual is for tests and demos: it needs --host 127.0.0.1")
-        return ManualClock()
-    return SystemClock()
-
-
 async def _serve(args: Any, db: str, config: Config,
                  after_start: Callable[[Engine, str], Any] | None = None) -> int:
     """`serve` (and `demo`, whose `after_start(engine, url)` runs once the daemon listens)."""
@@ -18191,7 +18183,9 @@ async def _serve(args: Any, db: str, config: Config,
         tx.revoke_logins(WALL.now_ms())
         _, login = create_token(tx, "operator", None, START_LOGIN_NAME, purpose="login")
         tx.close()
-        engine = Engine(Store(db), _make_clock(args.clock, host), config)
+        if args.clock == "manual" and host not in ("127.0.0.1", "localhost", "::1"):
+            raise SystemExit("--clock manual is for tests and demos: it needs --host 127.0.0.1")
+        engine = Engine(Store(db), ManualClock() if args.clock == "manual" else SystemClock(), config)
         app = build_app(engine, hosts=[host], access_log=args.access_log)
         try:
             runner, server = await start_serving(app, host, port)
