@@ -19724,8 +19724,9 @@ def main(argv: list[str] | None = None) -> int:
     # What the imports made lives as long as the process: the collector need not walk it, in a
     # collection or on the way out (which was a fifth of a client command's CPU, SPEC section 13).
     gc.freeze()
-    parser = build_parser(list(sys.argv[1:] if argv is None else argv))
-    type(parser).argv = list(sys.argv[1:] if argv is None else argv)     # every command's parser reads it
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
+    type(parser).argv = argv            # every command's parser reads it
     args, extra = parser.parse_known_args(argv)
     if extra:                               # said by the command's own parser, which knows its options
         below = parser._subparsers._group_actions[0].choices[args.cmd]
