@@ -17675,8 +17675,9 @@ async def h_web_counts(request: web.Request) -> web.Response:
 _LINK_RE: Final = re.compile(r"(int_[0-9A-Za-z]{1,64})\.[A-Za-z0-9_-]{32}(?:\.[A-Za-z0-9_-]{1,400})?")
 
 
-async def _linked(request: web.Request) -> tuple[str, Row] | None:
-    """The link's signed part and its request (with the run's input), or None when it does not verify -
+async def _linked(request: web.Request) -> tuple[str, Row, Caller] | None:
+    """The link's signed part, its request (with the run's input) and who answers through it (its
+    addressee or the deputy it was made for, a writer of its playbook); None when it does not verify -
     or when it is a deputy's whose window has closed."""
     engine, token = request.app[engine_key()], request.match_info["token"]
     m = _LINK_RE.fullmatch(token)
@@ -17685,20 +17686,10 @@ async def _linked(request: web.Request) -> tuple[str, Row] | None:
     row = await engine.store.read(lambda tx: tx.linked_request(m.group(1)))
     if row is None or row["playbook"] not in engine.playbooks or (holder := engine.links.holder(token, row)) is None:
         return None
-    if holder != row["party"]:
-        deputy = await engine.deputized(Caller("link", Role.WRITER, row["playbook"], holder), row["playbook"])
-        if not deputy.addressed(row):
-            return None
-    return token, row
-
-
-def _link_caller(row: Row, token: str = "") -> Caller:
-    """Who answers through a link: its addressee (or the deputy it was made for), a writer of its playbook."""
-    parts = token.split(".")
-    person = row["party"]
-    if len(parts) == 3:
-        person = base64.urlsafe_b64decode(parts[2] + "=" * (-len(parts[2]) % 4)).decode()
-    return Caller(f"link:{row['id']}", Role.WRITER, row["playbook"], person)
+    caller = Caller(f"link:{row['id']}", Role.WRITER, row["playbook"], holder)
+    if holder != row["party"] and not (await engine.deputized(caller, row["playbook"])).addressed(row):
+        return None
+    return token, row, caller
 
 
 async def _answered_by_words(engine: Engine, by: str | None, name: str | None = None) -> str:
@@ -17957,7 +17948,7 @@ async def h_answer_link(request: web.Request) -> web.Response:
     found = await _linked(request)
     if found is None:
         return _link_not_found()
-    token, row = found
+    token, row, _ = found
     return await _link_page(request.app[engine_key()], token, row, query=request.query)
 
 
@@ -17967,8 +17958,7 @@ async def h_answer_link_post(request: web.Request) -> web.Response:
         if request.content_type == "application/json":
             raise not_found("no such answer link")
         return _link_not_found()
-    engine, (token, row) = request.app[engine_key()], found
-    caller = _link_caller(row, token)
+    engine, (token, row, caller) = request.app[engine_key()], found
     if request.content_type == "application/json":     # a program holding the link: answer_interaction's answers
         body = await _json_body(request)
         if "answer" not in body:
