@@ -18728,24 +18728,21 @@ def _json_argument(text: str, what: str, example: str) -> Any:
 
 def _cli_client(args: Any, db: str, config: Config) -> int:
     d, base = playbook_daemon(args, db, config)
-    if args.cmd == "define":                # the file first: its problems need no daemon to be told
+    cmd = args.cmd
+    rid = urllib.parse.quote(getattr(args, "run_id", "") or "", safe="")
+    listing: tuple[list[str], Callable[[dict[str, Any]], list[str]], str] | None = None
+    if cmd == "define":
         try:
             source = Path(args.file).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise CliError(f"{args.file}: cannot read it: {getattr(exc, 'strerror', None) or exc}", EXIT_USAGE) from None
         type_ = args.type or ("workflow" if args.file.endswith((".yaml", ".yml")) else "interaction")
-        try:
+        try:                                        # the file first: its problems need no daemon to be told
             (parse_workflow if type_ == "workflow" else parse_function)(source)
-        except DocumentError as exc:
-            for p in exc.problems:                  # as `check` prints them, and as the daemon's refusal below
-                print(document_problem(args.file, p), file=sys.stderr)
-            return EXIT_REFUSED
-    cmd = args.cmd
-    rid = urllib.parse.quote(getattr(args, "run_id", "") or "", safe="")
-    listing: tuple[list[str], Callable[[dict[str, Any]], list[str]], str] | None = None
-    if cmd == "define":
-        status, out, _ = call_daemon(d, "POST", f"{base}/definitions",
-                                     {"type": type_, "name": args.name or Path(args.file).stem, "source": source})
+            status, out, _ = call_daemon(d, "POST", f"{base}/definitions",
+                                         {"type": type_, "name": args.name or Path(args.file).stem, "source": source})
+        except DocumentError as exc:                # refused here as the daemon refuses it
+            status, out = 422, {"errors": exc.problems}
         if status == 422 and isinstance(out, dict) and any("line" in e for e in out.get("errors") or []):
             for e in out["errors"]:                 # a document's problems, each with its line, as `check` prints them
                 print(document_problem(args.file, e), file=sys.stderr)
