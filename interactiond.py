@@ -17632,22 +17632,18 @@ async def _named_options(request: web.Request, items: list[dict[str, Any]]) -> d
 
 
 async def h_web_answer(request: web.Request) -> web.Response:
-    """answer_interaction for the page: the same rules, and an answer that does not fit its schema
-    comes back with its errors in words (answer_error_words), each at its field's pointer."""
-    body = await _json_body(request)
-    if "answer" not in body:
-        raise Problem("invalid_request", "answer is required", errors=[{"pointer": "/answer", "message": "required"}])
-    engine, caller, playbook = request.app[engine_key()], _caller(request), _pb(request)
-    run_id = request.match_info["run_id"]
+    """The answer route (h_answer) for the page: the same rules, and an answer that does not fit its
+    schema comes back with its errors in words (answer_error_words), each at its field's pointer."""
     try:
-        fact, _ = await engine.answer_interaction(caller, playbook, run_id, body["answer"], digest=body.get("digest"))
+        return await h_answer(request)
     except Problem as exc:
         if exc.name == "invalid_input" and exc.errors:
+            engine, playbook, run_id = request.app[engine_key()], _pb(request), request.match_info["run_id"]
             req, run = await engine.store.read(lambda tx: (tx.request(playbook, run_id), tx.run(playbook, run_id)))
             if req is not None and run is not None:
-                raise reworded(exc, req["answer_schema"], body["answer"], option_labels(run["name"], run["input"]))
+                raise reworded(exc, req["answer_schema"], (await _json_body(request))["answer"],
+                               option_labels(run["name"], run["input"]))
         raise
-    return _json(fact)
 
 
 async def h_web_counts(request: web.Request) -> web.Response:
