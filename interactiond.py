@@ -18159,9 +18159,7 @@ async def _serve(args: Any, db: str, config: Config,
     port = args.port if args.port is not None else config.port
     lock = EngineLock(db)
     if not lock.acquire():
-        print(f"interactiond: {db_shown(db)} is already served by process {lock.holder()}; stop it first",
-              file=sys.stderr)
-        return 1
+        raise CliError(f"{db_shown(db)} is already served by process {lock.holder()}; stop it first")
     try:
         ensure_operator_token(db)
         tx = open_sync(db)
@@ -18176,9 +18174,8 @@ async def _serve(args: Any, db: str, config: Config,
         try:
             runner, server = await start_serving(app, host, port)
         except OSError as exc:
-            print(f"interactiond: cannot listen on {host}:{port}: {exc.strerror or exc}"
-                  " (another daemon there? choose another with --port)", file=sys.stderr)
-            return 1
+            raise CliError(f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+                           " (another daemon there? choose another with --port)") from None
         bound = server.sockets[0].getsockname()[1] if server.sockets else port
         url = f"http://{host}:{bound}"
         _write_private(_beside(db, ".url"), url + "\n")
@@ -18208,15 +18205,13 @@ async def _stdio(args: Any, db: str, config: Config) -> int:
     from mcp.server.stdio import stdio_server
 
     if args.playbook and not PLAYBOOK_RE.fullmatch(args.playbook):
-        print("interactiond: --playbook is ORG/NAME", file=sys.stderr)
-        return 2
+        raise CliError("--playbook is ORG/NAME", EXIT_USAGE)
     here = None
     if args.as_ is not None:
         try:
             here = person_name(args.as_)
         except ValueError as exc:
-            print(f"interactiond: --as: {exc}", file=sys.stderr)
-            return 2
+            raise CliError(f"--as: {exc}", EXIT_USAGE) from None
     if sys.stdin.isatty():              # a person typed it: say what it waits for, on stderr (stdout is MCP's)
         print("interactiond stdio: waiting for an MCP client's JSON-RPC messages on stdin, one a line; an agent"
               " starts this command itself (command: interactiond, args: [stdio]). Ctrl-D ends it.",
@@ -18229,8 +18224,7 @@ async def _stdio(args: Any, db: str, config: Config) -> int:
         ensure_operator_token(db)
         engine = Engine(Store(db), SystemClock(), config)
         if args.playbook and args.playbook not in engine.playbooks:
-            print(f"interactiond: no playbook {args.playbook} in the configuration", file=sys.stderr)
-            return 2
+            raise CliError(f"no playbook {args.playbook} in the configuration", EXIT_USAGE)
         await engine.store.open()
         await engine.start()
         if args.http is not None:
@@ -18282,9 +18276,8 @@ async def _stdio_front(db: str, playbook: str | None, here: str | None = None) -
         url = _beside(db, ".url").read_text().strip()
         token = _beside(db, ".token").read_text().strip()
     except OSError:
-        print(f"interactiond: {db_shown(db)} is served by another process, which publishes no URL (start it with serve)",
-              file=sys.stderr)
-        return 1
+        raise CliError(f"{db_shown(db)} is served by another process, which publishes no URL"
+                       " (start it with serve)") from None
     headers = {"Authorization": f"Bearer {token}", **({"Interactiond-As": here} if here else {})}
     loop = asyncio.get_running_loop()
     wants: asyncio.Future[bool] = loop.create_future()       # does the client here ask its person?
@@ -18707,11 +18700,9 @@ def _wait_for_run(d: DaemonAddress, base: str, run_id: str, timeout: float | Non
     if (said := _answered_line(d, base, run)) is not None:
         print(said, file=sys.stderr)
     if run["status"] in (RunStatus.STARTED, RunStatus.WAITING):
-        print(f"interactiond: run {run_id} is still {run['status']} after {timeout:g} s", file=sys.stderr)
-        return EXIT_STILL_WAITING
+        raise CliError(f"run {run_id} is still {run['status']} after {timeout:g} s", EXIT_STILL_WAITING)
     if run["status"] != RunStatus.SUCCEEDED.value:
-        print(f"interactiond: {_run_ending_line(run)}", file=sys.stderr)
-        return EXIT_REFUSED
+        raise CliError(_run_ending_line(run))
     return 0
 
 
@@ -18789,8 +18780,7 @@ def _cli_client(args: Any, db: str, config: Config) -> int:
         if cmd == "get" and (said := _answered_line(d, base, out)) is not None:
             print(said, file=sys.stderr)
         if cmd == "run" and status >= 400:
-            print(f"interactiond: {_run_ending_line(out)}", file=sys.stderr)
-            return EXIT_REFUSED
+            raise CliError(_run_ending_line(out))
         return 0
     if status >= 400:
         if getattr(args, "json", False):
@@ -19064,8 +19054,7 @@ def _cli_token(args: Any, db: str, config: Config) -> int:
                 playbook = args.playbook or (DEFAULT_PLAYBOOK if args.for_ is not None else None)
                 token_id, secret = create_token(tx, args.role, playbook, args.name, person=args.for_)
             except ValueError as exc:
-                print(f"interactiond: {exc}", file=sys.stderr)
-                return 2
+                raise CliError(str(exc), EXIT_USAGE) from None
             print(f"{token_id} {secret}")
         elif args.token_cmd == "list":
             # API tokens and inbox sessions (a session's state on this machine's clock; the daemon's
@@ -19083,8 +19072,7 @@ def _cli_token(args: Any, db: str, config: Config) -> int:
                 print(line)
         else:
             if not tx.revoke_token(args.id, WALL.now_ms()):
-                print(f"interactiond: no active token {args.id}", file=sys.stderr)
-                return 1
+                raise CliError(f"no active token {args.id}")
             print(f"revoked {args.id}")
         return 0
 
@@ -19364,9 +19352,8 @@ async def _demo(args: Any) -> int:
 
     examples = data_file("examples")
     if not (examples / "chat_server.py").is_file():
-        print(f"interactiond: the demo needs the examples ({examples} is missing, nor are they under"
-              f" {sys.prefix}/share/interactiond/examples); install the wheel or from a checkout", file=sys.stderr)
-        return 1
+        raise CliError(f"the demo needs the examples ({examples} is missing, nor are they under"
+                       f" {sys.prefix}/share/interactiond/examples); install the wheel or from a checkout")
     with tempfile.TemporaryDirectory(prefix="interactiond-demo-", ignore_cleanup_errors=True) as name:
         where = Path(name)
         chat_db = where / "chat.db"
