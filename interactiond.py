@@ -4004,13 +4004,16 @@ class Config:
         return tuple(out)
 
     @property
+    def listen_url(self) -> str:
+        """The listen address as a URL (listening on every address: this machine's)."""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"http://{'[' + host + ']' if ':' in host else host}:{self.port}"
+
+    @property
     def links_base(self) -> str:
         """Where answer and sign-in links point: public_url, else the listen address (a serving daemon
         puts the port it bound in its place)."""
-        if self.public_url:
-            return self.public_url
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
-        return f"http://{'[' + host + ']' if ':' in host else host}:{self.port}"
+        return self.public_url or self.listen_url
 
 
 #: The keys of a configuration file (and how `check` tells one from a workflow).
@@ -17188,18 +17191,22 @@ window.addEventListener("hashchange", () => route(true));
 boot();
 """
 
-_INBOX_PAGE: Final = """<!doctype html>
+#: Every page the daemon makes: the inbox's style, `{meta}` more of the head, `{body}` the body.
+_PAGE: Final = """<!doctype html>
 <html lang="en">
 <head>
 <meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <meta name="referrer" content="no-referrer">
-<title>Inbox · interactiond</title>
+{meta}<title>{title} · interactiond</title>
 <link rel="icon" href="data:,">
-<style>{css}</style>
+<style>""" + _INBOX_CSS + """</style>
 </head>
 <body>
-<header class="top">
+{body}</body>
+</html>
+"""
+_INBOX_BODY: Final = """<header class="top">
   <span class="brand">interactiond</span>
   <nav id="nav" aria-label="Pages" hidden><a href="#/">Inbox</a><a href="#/runs">Runs</a><a href="#/definitions">Definitions</a><a href="#/rules">Rules</a></nav>
   <div class="ctl">
@@ -17234,8 +17241,6 @@ _INBOX_PAGE: Final = """<!doctype html>
   </div>
 </main>
 <script>{js}</script>
-</body>
-</html>
 """
 
 
@@ -17243,37 +17248,23 @@ def _csp_source(text: str) -> str:
     return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
 
 
-INBOX_HTML: Final = _INBOX_PAGE.replace("{css}", _INBOX_CSS).replace("{js}", _INBOX_JS)
+INBOX_HTML: Final = _PAGE.replace("{meta}", "").replace("{title}", "Inbox").replace(
+    "{body}", _INBOX_BODY.replace("{js}", _INBOX_JS))
+#: What every page is sent with (and its Content-Security-Policy).
+_PAGE_HEADERS: Final = {"X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-store"}
 #: The page runs only its own inline script and style (by hash) and talks only to this daemon.
 INBOX_HEADERS: Final = {
     "Content-Security-Policy": f"default-src 'none'; script-src {_csp_source(_INBOX_JS)}; style-src "
                                f"{_csp_source(_INBOX_CSS)}; connect-src 'self'; img-src 'self' data:; base-uri 'none';"
-                               " form-action 'none'; frame-ancestors 'none'",
-    "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-store",
+                               " form-action 'none'; frame-ancestors 'none'", **_PAGE_HEADERS,
 }
 #: An answer link's page (Web inbox, answer links): made on the daemon, the inbox's style, no script;
 #: its form posts only to itself.
-LINK_PAGE: Final = """<!doctype html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<meta name="referrer" content="no-referrer">
-<meta name="robots" content="noindex, nofollow">
-<title>{title} · interactiond</title>
-<link rel="icon" href="data:,">
-<style>""" + _INBOX_CSS + """</style>
-</head>
-<body>
-<header class="top"><span class="brand">interactiond</span></header>
-<main id="main">{body}</main>
-</body>
-</html>
-"""
+LINK_PAGE: Final = _PAGE.replace("{meta}", '<meta name="robots" content="noindex, nofollow">\n').replace(
+    "{body}", '<header class="top"><span class="brand">interactiond</span></header>\n<main id="main">{body}</main>\n')
 LINK_HEADERS: Final = {
     "Content-Security-Policy": f"default-src 'none'; style-src {_csp_source(_INBOX_CSS)}; img-src 'self' data:;"
-                               " base-uri 'none'; form-action 'self'; frame-ancestors 'none'",
-    "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-store",
+                               " base-uri 'none'; form-action 'self'; frame-ancestors 'none'", **_PAGE_HEADERS,
     "X-Robots-Tag": "noindex, nofollow",
 }
 #: A spent, expired or unknown sign-in link: the page's style, no script.
@@ -17695,22 +17686,18 @@ async def _named_options(request: web.Request, items: list[dict[str, Any]]) -> d
 
 
 async def h_web_answer(request: web.Request) -> web.Response:
-    """answer_interaction for the page: the same rules, and an answer that does not fit its schema
-    comes back with its errors in words (answer_error_words), each at its field's pointer."""
-    body = await _json_body(request)
-    if "answer" not in body:
-        raise Problem("invalid_request", "answer is required", errors=[{"pointer": "/answer", "message": "required"}])
-    engine, caller, playbook = request.app[engine_key()], _caller(request), _pb(request)
-    run_id = request.match_info["run_id"]
+    """The answer route (h_answer) for the page: the same rules, and an answer that does not fit its
+    schema comes back with its errors in words (answer_error_words), each at its field's pointer."""
     try:
-        fact, _ = await engine.answer_interaction(caller, playbook, run_id, body["answer"], digest=body.get("digest"))
+        return await h_answer(request)
     except Problem as exc:
         if exc.name == "invalid_input" and exc.errors:
+            engine, playbook, run_id = request.app[engine_key()], _pb(request), request.match_info["run_id"]
             req, run = await engine.store.read(lambda tx: (tx.request(playbook, run_id), tx.run(playbook, run_id)))
             if req is not None and run is not None:
-                raise reworded(exc, req["answer_schema"], body["answer"], option_labels(run["name"], run["input"]))
+                raise reworded(exc, req["answer_schema"], (await _json_body(request))["answer"],
+                               option_labels(run["name"], run["input"]))
         raise
-    return _json(fact)
 
 
 async def h_web_counts(request: web.Request) -> web.Response:
@@ -17738,8 +17725,9 @@ async def h_web_counts(request: web.Request) -> web.Response:
 _LINK_RE: Final = re.compile(r"(int_[0-9A-Za-z]{1,64})\.[A-Za-z0-9_-]{32}(?:\.[A-Za-z0-9_-]{1,400})?")
 
 
-async def _linked(request: web.Request) -> tuple[str, Row] | None:
-    """The link's signed part and its request (with the run's input), or None when it does not verify -
+async def _linked(request: web.Request) -> tuple[str, Row, Caller] | None:
+    """The link's signed part, its request (with the run's input) and who answers through it (its
+    addressee or the deputy it was made for, a writer of its playbook); None when it does not verify -
     or when it is a deputy's whose window has closed."""
     engine, token = request.app[engine_key()], request.match_info["token"]
     m = _LINK_RE.fullmatch(token)
@@ -17748,20 +17736,10 @@ async def _linked(request: web.Request) -> tuple[str, Row] | None:
     row = await engine.store.read(lambda tx: tx.linked_request(m.group(1)))
     if row is None or row["playbook"] not in engine.playbooks or (holder := engine.links.holder(token, row)) is None:
         return None
-    if holder != row["party"]:
-        deputy = await engine.deputized(Caller("link", Role.WRITER, row["playbook"], holder), row["playbook"])
-        if not deputy.addressed(row):
-            return None
-    return token, row
-
-
-def _link_caller(row: Row, token: str = "") -> Caller:
-    """Who answers through a link: its addressee (or the deputy it was made for), a writer of its playbook."""
-    parts = token.split(".")
-    person = row["party"]
-    if len(parts) == 3:
-        person = base64.urlsafe_b64decode(parts[2] + "=" * (-len(parts[2]) % 4)).decode()
-    return Caller(f"link:{row['id']}", Role.WRITER, row["playbook"], person)
+    caller = Caller(f"link:{row['id']}", Role.WRITER, row["playbook"], holder)
+    if holder != row["party"] and not (await engine.deputized(caller, row["playbook"])).addressed(row):
+        return None
+    return token, row, caller
 
 
 async def _answered_by_words(engine: Engine, by: str | None, name: str | None = None) -> str:
@@ -17931,8 +17909,10 @@ def form_answer(form: dict[str, Any], sent: Mapping[str, list[str]]) -> tuple[An
 
 
 async def _link_page(engine: Engine, token: str, row: Row, *, sent: Mapping[str, Any] | None = None,
-                     errors: list[dict[str, Any]] | None = None, status: int = 200) -> web.Response:
-    """The page of an answer link: the question and its form while it is open, else how it ended."""
+                     errors: list[dict[str, Any]] | None = None, status: int = 200,
+                     query: Mapping[str, str] | None = None) -> web.Response:
+    """The page of an answer link: the question and its form while it is open (showing what was `sent`,
+    else the choice the link's `query` makes - not sent -, else what is proposed), else how it ended."""
     title = f"{row['name']} for {row['party']}"
     head = (f'<h1>{_esc(row["name"])} <span class="to">for {_esc(row["party"])}</span></h1>'
             f'<p class="meta">asked {_esc(_when_words(row["asked_at"]))}'
@@ -17958,7 +17938,8 @@ async def _link_page(engine: Engine, token: str, row: Row, *, sent: Mapping[str,
         end = '<div id="status" class="card" role="status"><p>It is being cancelled. It takes no answer now.</p></div>'
     else:
         form = answer_form(json.loads(row["answer_schema"]), option_labels(row["name"], row["run_input"]))
-        end = _link_form_html(form, engine.links.form_token(token), sent or _proposed(form, row), errors or [], row["digest"])
+        shown = sent or chosen_in_query(form, query or {}) or _proposed(form, row)
+        end = _link_form_html(form, engine.links.form_token(token), shown, errors or [], row["digest"])
     return _link_html(title, head, end, status=status)
 
 
@@ -18017,12 +17998,8 @@ async def h_answer_link(request: web.Request) -> web.Response:
     found = await _linked(request)
     if found is None:
         return _link_not_found()
-    token, row = found
-    sent = None
-    if request.query and row["answer_schema"] is not None:      # a choice made in the link: shown, not sent
-        sent = chosen_in_query(answer_form(json.loads(row["answer_schema"]), option_labels(row["name"], row["run_input"])),
-                               request.query) or None
-    return await _link_page(request.app[engine_key()], token, row, sent=sent)
+    token, row, _ = found
+    return await _link_page(request.app[engine_key()], token, row, query=request.query)
 
 
 async def h_answer_link_post(request: web.Request) -> web.Response:
@@ -18031,8 +18008,7 @@ async def h_answer_link_post(request: web.Request) -> web.Response:
         if request.content_type == "application/json":
             raise not_found("no such answer link")
         return _link_not_found()
-    engine, (token, row) = request.app[engine_key()], found
-    caller = _link_caller(row, token)
+    engine, (token, row, caller) = request.app[engine_key()], found
     if request.content_type == "application/json":     # a program holding the link: answer_interaction's answers
         body = await _json_body(request)
         if "answer" not in body:
@@ -18230,25 +18206,14 @@ class EngineLock:
             self.fh = None
 
 
-def _make_clock(name: str, host: str) -> Clock:
-    if name == "manual":
-        if host not in ("127.0.0.1", "localhost", "::1"):
-            raise SystemExit("--clock manual is for tests and demos: it needs --host 127.0.0.1")
-        return ManualClock()
-    return SystemClock()
-
-
-async def _serve(args: Any, config: Config,
+async def _serve(args: Any, db: str, config: Config,
                  after_start: Callable[[Engine, str], Any] | None = None) -> int:
     """`serve` (and `demo`, whose `after_start(engine, url)` runs once the daemon listens)."""
-    db = args.db or os.environ.get("INTERACTIOND_DB") or config.database
     host = args.host or config.host
     port = args.port if args.port is not None else config.port
     lock = EngineLock(db)
     if not lock.acquire():
-        print(f"interactiond: {db_shown(db)} is already served by process {lock.holder()}; stop it first",
-              file=sys.stderr)
-        return 1
+        raise CliError(f"{db_shown(db)} is already served by process {lock.holder()}; stop it first")
     try:
         ensure_operator_token(db)
         tx = open_sync(db)
@@ -18256,19 +18221,20 @@ async def _serve(args: Any, config: Config,
         tx.revoke_logins(WALL.now_ms())
         _, login = create_token(tx, "operator", None, START_LOGIN_NAME, purpose="login")
         tx.close()
-        engine = Engine(Store(db), _make_clock(args.clock, host), config)
+        if args.clock == "manual" and host not in ("127.0.0.1", "localhost", "::1"):
+            raise SystemExit("--clock manual is for tests and demos: it needs --host 127.0.0.1")
+        engine = Engine(Store(db), ManualClock() if args.clock == "manual" else SystemClock(), config)
         app = build_app(engine, hosts=[host], access_log=args.access_log)
         try:
             runner, server = await start_serving(app, host, port)
         except OSError as exc:
-            print(f"interactiond: cannot listen on {host}:{port}: {exc.strerror or exc}"
-                  " (another daemon there? choose another with --port)", file=sys.stderr)
-            return 1
+            raise CliError(f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+                           " (another daemon there? choose another with --port)") from None
         bound = server.sockets[0].getsockname()[1] if server.sockets else port
         url = f"http://{host}:{bound}"
         _write_private(_beside(db, ".url"), url + "\n")
         if not config.public_url:           # answer and sign-in links: the address it listens at
-            engine.links.base = Config(host=host, port=bound).links_base
+            engine.links.base = Config(host=host, port=bound).listen_url
         stop = asyncio.Event()              # before the lines below: a stop right after them is a clean one
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -18288,21 +18254,18 @@ async def _serve(args: Any, config: Config,
         lock.release()
 
 
-async def _stdio(args: Any, config: Config) -> int:
+async def _stdio(args: Any, db: str, config: Config) -> int:
     """MCP over stdin/stdout: the engine itself, or a thin front over the engine that runs already."""
     from mcp.server.stdio import stdio_server
 
-    db = args.db or os.environ.get("INTERACTIOND_DB") or config.database
     if args.playbook and not PLAYBOOK_RE.fullmatch(args.playbook):
-        print("interactiond: --playbook is ORG/NAME", file=sys.stderr)
-        return 2
+        raise CliError("--playbook is ORG/NAME", EXIT_USAGE)
     here = None
     if args.as_ is not None:
         try:
             here = person_name(args.as_)
         except ValueError as exc:
-            print(f"interactiond: --as: {exc}", file=sys.stderr)
-            return 2
+            raise CliError(f"--as: {exc}", EXIT_USAGE) from None
     if sys.stdin.isatty():              # a person typed it: say what it waits for, on stderr (stdout is MCP's)
         print("interactiond stdio: waiting for an MCP client's JSON-RPC messages on stdin, one a line; an agent"
               " starts this command itself (command: interactiond, args: [stdio]). Ctrl-D ends it.",
@@ -18315,8 +18278,7 @@ async def _stdio(args: Any, config: Config) -> int:
         ensure_operator_token(db)
         engine = Engine(Store(db), SystemClock(), config)
         if args.playbook and args.playbook not in engine.playbooks:
-            print(f"interactiond: no playbook {args.playbook} in the configuration", file=sys.stderr)
-            return 2
+            raise CliError(f"no playbook {args.playbook} in the configuration", EXIT_USAGE)
         await engine.store.open()
         await engine.start()
         if args.http is not None:
@@ -18368,9 +18330,8 @@ async def _stdio_front(db: str, playbook: str | None, here: str | None = None) -
         url = _beside(db, ".url").read_text().strip()
         token = _beside(db, ".token").read_text().strip()
     except OSError:
-        print(f"interactiond: {db_shown(db)} is served by another process, which publishes no URL (start it with serve)",
-              file=sys.stderr)
-        return 1
+        raise CliError(f"{db_shown(db)} is served by another process, which publishes no URL"
+                       " (start it with serve)") from None
     headers = {"Authorization": f"Bearer {token}", **({"Interactiond-As": here} if here else {})}
     loop = asyncio.get_running_loop()
     wants: asyncio.Future[bool] = loop.create_future()       # does the client here ask its person?
@@ -18545,8 +18506,7 @@ def daemon_address(args: Any, db: str, config: Config) -> DaemonAddress:
         try:
             url, source = url_file.read_text().strip(), str(url_file)
         except OSError:
-            host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
-            url, source = f"http://{host}:{config.port}", f"the default; no {url_file} beside the database"
+            url, source = config.listen_url, f"the default; no {url_file} beside the database"
     token = args.token or os.environ.get("INTERACTIOND_TOKEN")
     if not token:
         with contextlib.suppress(OSError):
@@ -18794,11 +18754,9 @@ def _wait_for_run(d: DaemonAddress, base: str, run_id: str, timeout: float | Non
     if (said := _answered_line(d, base, run)) is not None:
         print(said, file=sys.stderr)
     if run["status"] in (RunStatus.STARTED, RunStatus.WAITING):
-        print(f"interactiond: run {run_id} is still {run['status']} after {timeout:g} s", file=sys.stderr)
-        return EXIT_STILL_WAITING
+        raise CliError(f"run {run_id} is still {run['status']} after {timeout:g} s", EXIT_STILL_WAITING)
     if run["status"] != RunStatus.SUCCEEDED.value:
-        print(f"interactiond: {_run_ending_line(run)}", file=sys.stderr)
-        return EXIT_REFUSED
+        raise CliError(_run_ending_line(run))
     return 0
 
 
@@ -18811,24 +18769,21 @@ def _json_argument(text: str, what: str, example: str) -> Any:
 
 def _cli_client(args: Any, db: str, config: Config) -> int:
     d, base = playbook_daemon(args, db, config)
-    if args.cmd == "define":                # the file first: its problems need no daemon to be told
+    cmd = args.cmd
+    rid = urllib.parse.quote(getattr(args, "run_id", "") or "", safe="")
+    listing: tuple[list[str], Callable[[dict[str, Any]], list[str]], str] | None = None
+    if cmd == "define":
         try:
             source = Path(args.file).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise CliError(f"{args.file}: cannot read it: {getattr(exc, 'strerror', None) or exc}", EXIT_USAGE) from None
         type_ = args.type or ("workflow" if args.file.endswith((".yaml", ".yml")) else "interaction")
-        try:
+        try:                                        # the file first: its problems need no daemon to be told
             (parse_workflow if type_ == "workflow" else parse_function)(source)
-        except DocumentError as exc:
-            for p in exc.problems:                  # as `check` prints them, and as the daemon's refusal below
-                print(document_problem(args.file, p), file=sys.stderr)
-            return EXIT_REFUSED
-    cmd = args.cmd
-    rid = urllib.parse.quote(getattr(args, "run_id", "") or "", safe="")
-    listing: tuple[list[str], Callable[[dict[str, Any]], list[str]], str] | None = None
-    if cmd == "define":
-        status, out, _ = call_daemon(d, "POST", f"{base}/definitions",
-                                     {"type": type_, "name": args.name or Path(args.file).stem, "source": source})
+            status, out, _ = call_daemon(d, "POST", f"{base}/definitions",
+                                         {"type": type_, "name": args.name or Path(args.file).stem, "source": source})
+        except DocumentError as exc:                # refused here as the daemon refuses it
+            status, out = 422, {"errors": exc.problems}
         if status == 422 and isinstance(out, dict) and any("line" in e for e in out.get("errors") or []):
             for e in out["errors"]:                 # a document's problems, each with its line, as `check` prints them
                 print(document_problem(args.file, e), file=sys.stderr)
@@ -18879,8 +18834,7 @@ def _cli_client(args: Any, db: str, config: Config) -> int:
         if cmd == "get" and (said := _answered_line(d, base, out)) is not None:
             print(said, file=sys.stderr)
         if cmd == "run" and status >= 400:
-            print(f"interactiond: {_run_ending_line(out)}", file=sys.stderr)
-            return EXIT_REFUSED
+            raise CliError(_run_ending_line(out))
         return 0
     if status >= 400:
         if getattr(args, "json", False):
@@ -19154,8 +19108,7 @@ def _cli_token(args: Any, db: str, config: Config) -> int:
                 playbook = args.playbook or (DEFAULT_PLAYBOOK if args.for_ is not None else None)
                 token_id, secret = create_token(tx, args.role, playbook, args.name, person=args.for_)
             except ValueError as exc:
-                print(f"interactiond: {exc}", file=sys.stderr)
-                return 2
+                raise CliError(str(exc), EXIT_USAGE) from None
             print(f"{token_id} {secret}")
         elif args.token_cmd == "list":
             # API tokens and inbox sessions (a session's state on this machine's clock; the daemon's
@@ -19173,8 +19126,7 @@ def _cli_token(args: Any, db: str, config: Config) -> int:
                 print(line)
         else:
             if not tx.revoke_token(args.id, WALL.now_ms()):
-                print(f"interactiond: no active token {args.id}", file=sys.stderr)
-                return 1
+                raise CliError(f"no active token {args.id}")
             print(f"revoked {args.id}")
         return 0
 
@@ -19454,9 +19406,8 @@ async def _demo(args: Any) -> int:
 
     examples = data_file("examples")
     if not (examples / "chat_server.py").is_file():
-        print(f"interactiond: the demo needs the examples ({examples} is missing, nor are they under"
-              f" {sys.prefix}/share/interactiond/examples); install the wheel or from a checkout", file=sys.stderr)
-        return 1
+        raise CliError(f"the demo needs the examples ({examples} is missing, nor are they under"
+                       f" {sys.prefix}/share/interactiond/examples); install the wheel or from a checkout")
     with tempfile.TemporaryDirectory(prefix="interactiond-demo-", ignore_cleanup_errors=True) as name:
         where = Path(name)
         chat_db = where / "chat.db"
@@ -19469,8 +19420,8 @@ async def _demo(args: Any) -> int:
                                  "tools": ["post_message", "thread_replies", "channel_history"]}},
             "playbooks": {DEFAULT_PLAYBOOK: {"servers": ["chat"]}}}) + "\n")
         config = load_config(str(config_path), environ={})
-        args.db, args.host, args.clock, args.config = config.database, "127.0.0.1", "system", str(config_path)
-        return await _serve(args, config, after_start=lambda engine, url: _demo_open(engine, where, chat_db))
+        args.host, args.clock = "127.0.0.1", "system"
+        return await _serve(args, config.database, config, after_start=lambda engine, url: _demo_open(engine, where, chat_db))
 
 
 async def _demo_open(engine: Engine, where: Path, chat_db: Path) -> None:
@@ -19797,8 +19748,9 @@ def main(argv: list[str] | None = None) -> int:
     # What the imports made lives as long as the process: the collector need not walk it, in a
     # collection or on the way out (which was a fifth of a client command's CPU, SPEC section 13).
     gc.freeze()
-    parser = build_parser(list(sys.argv[1:] if argv is None else argv))
-    type(parser).argv = list(sys.argv[1:] if argv is None else argv)     # every command's parser reads it
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
+    type(parser).argv = argv            # every command's parser reads it
     args, extra = parser.parse_known_args(argv)
     if extra:                               # said by the command's own parser, which knows its options
         below = parser._subparsers._group_actions[0].choices[args.cmd]
@@ -19827,8 +19779,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd in clients or args.cmd in CLIENT_COMMANDS:
             return clients.get(args.cmd, _cli_client)(args, db, config)
         if args.cmd == "stdio":
-            return run_loop(_stdio(args, config))
-        code = run_loop(_serve(args, config))
+            return run_loop(_stdio(args, db, config))
+        code = run_loop(_serve(args, db, config))
         # Everything is closed: the collector need not walk every object once more on the way out
         # (half a second of a stop's 2 s).
         gc.freeze()
