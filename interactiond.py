@@ -5014,14 +5014,6 @@ class Store:
             batch, self._reads = self._reads, []
             self._reader.hand(batch)
 
-    def read_sync(self, query: Callable[[sqlite3.Connection], Any]) -> Any:
-        """For the command line and start-up, outside the loop."""
-        conn = _connect(self.path)
-        try:
-            return query(SQLiteTx(conn))
-        finally:
-            conn.close()
-
     async def claim(self, key: str, *, due_by: int | None = None) -> bool:
         """Hold the work of a timer's key (a conversation's reading, a workflow run's steps) for this
         daemon until `release`; False when another daemon holds it (or, with `due_by`, when the timer
@@ -7463,13 +7455,6 @@ class PostgresStore(Store):
             self._listener.stop()
             await asyncio.get_running_loop().run_in_executor(None, self._listener.join, 5.0)
             self._listener = None
-
-    def read_sync(self, query: Callable[[Any], Any]) -> Any:
-        tx = PostgresTx(_PgConn(self.path))
-        try:
-            return query(tx)
-        finally:
-            tx.close()
 
 
 STORE_BACKENDS.append(Backend(is_postgres_url, PostgresStore, open_postgres_sync))
