@@ -8821,6 +8821,23 @@ def rerun_check(row: Row, type_: str, name: str, input_sha: str) -> dict[str, An
     return run_object(row)
 
 
+def insert_asking(tx: Tx, fx: Effects, run: dict[str, Any], limit: int, asks: bool,
+                  ending: Problem | None) -> tuple[dict[str, Any], bool] | None:
+    """Insert a run (keyword arguments of insert_run) and, when it `asks`, count the request it opens:
+    None when it goes on to open it. Else the answer to give: a run id used before (rerun_check), or
+    the run ended at once with `ending`, or because the playbook has `limit` open requests."""
+    playbook, run_id = run["playbook"], run["run_id"]
+    inserted, counted = tx.insert_asking_run(**run, limit=limit) if asks else (tx.insert_run(**run), False)
+    if not inserted:
+        return rerun_check(tx.run(playbook, run_id), run["type_"], run["name"], run["input_sha"]), False
+    if asks and not counted:
+        ending = ended("requests_full", f"the playbook already has {limit} open requests; answer or cancel some first")
+    if ending is None:
+        return None
+    end(tx, fx, playbook, run_id, ending, now=run["now"], by=run["by"])
+    return run_object(tx.run(playbook, run_id)), True
+
+
 def render_ending(exc: RenderError, what: str = "") -> Problem:
     """The ending of a run whose template fails on its input: a name the input lacks is `invalid_input`
     (pointer /input); any other failure is `unworkable`, its detail led by `what` (the template) if given."""
@@ -9123,9 +9140,7 @@ class Runs:
             except Problem as exc:
                 ending = exc
             if doc.deliver is not None and ending is None:
-                ending = self.system_calls.calls.check_offered(playbook, doc.deliver.server,
-                                                          [doc.deliver.tool] + ([doc.replies.tool] if doc.replies else [])
-                                                          + ([doc.replies.tell.tool] if doc.replies and doc.replies.tell else []))
+                ending = self.system_calls.calls.check_delivery(playbook, doc)
         limit = self.open_limit
 
         asks = ending is None and (doc.output_schema is not None or doc.deliver is not None or "email" in prepared)
@@ -9139,16 +9154,9 @@ class Runs:
             if call is not None and (decided := remembered_decision(tx, fx, playbook, run, prepared["party"], call,
                                                                     now)) is not None:
                 return decided
-            inserted, counted = tx.insert_asking_run(**run, limit=limit) if asks else (tx.insert_run(**run), False)
-            if not inserted:
-                return rerun_check(tx.run(playbook, run_id), type_, name, input_sha), False   # the id was used
-            ending_ = ending
-            if asks and not counted:
-                ending_ = ended("requests_full",
-                                     f"the playbook already has {limit} open requests; answer or cancel some first")
-            if ending_ is not None:
-                end(tx, fx, playbook, run_id, ending_, now=now, by=caller.id)
-            elif self.open_request(tx, fx, playbook, run_id, type_, name, version, doc.deliver,
+            if (done := insert_asking(tx, fx, run, limit, asks, ending)) is not None:
+                return done
+            if self.open_request(tx, fx, playbook, run_id, type_, name, version, doc.deliver,
                                    prepared.get("answer_schema", doc.output_schema), prepared, now, caller.id):
                 # The run as this change wrote it, waiting for its request, not read back (a ninth of a
                 # run's statements).
@@ -9384,6 +9392,12 @@ class ToolCalls:
                 return ended("tool_not_offered",
                                       f"the operator does not allow the tool {tool!r} of {server!r}; call search to see the tools this playbook may use")
         return None
+
+    def check_delivery(self, playbook: str, doc: Any) -> Problem | None:
+        """check_offered for the tools a function's delivery calls: deliver's, and its replies' and tell's."""
+        replies = doc.replies
+        return self.check_offered(playbook, doc.deliver.server, [doc.deliver.tool] + ([replies.tool] if replies else [])
+                                  + ([replies.tell.tool] if replies and replies.tell else []))
 
     async def offered_tool(self, playbook: str, server: str, tool: str) -> tuple[ToolSession, Any]:
         """The open session of a tool the playbook may use, and the tool as listed; else the problem."""
@@ -10649,9 +10663,7 @@ class Approvals:
             prepared["follow_up"] = self._reminders(policy, gate, ctx, now)
             if doc.deliver is not None:
                 prepared["deliver_args"] = deliver_args(doc, name, run_id, input_, prepared, now)
-                ending = self.calls.check_offered(playbook, doc.deliver.server,
-                                            [doc.deliver.tool] + ([doc.replies.tool] if doc.replies else [])
-                                            + ([doc.replies.tell.tool] if doc.replies and doc.replies.tell else []))
+                ending = self.calls.check_delivery(playbook, doc)
         except RenderError as exc:
             ending = render_ending(exc)
         except Problem as exc:
@@ -10780,16 +10792,8 @@ class Approvals:
         def change(tx: Tx, fx: Effects) -> tuple[dict[str, Any], bool]:
             run = dict(playbook=playbook, run_id=run_id, type_=type_, name=name, version=version, input_text=input_text,
                        input_sha=input_sha, parent=parent, now=now, by=caller.id)
-            inserted, counted = tx.insert_asking_run(**run, limit=limit) if ending is None else (tx.insert_run(**run), False)
-            if not inserted:
-                return rerun_check(tx.run(playbook, run_id), type_, name, input_sha), False     # the id was used
-            ending_ = ending
-            if ending_ is None and not counted:
-                ending_ = ended("requests_full",
-                                     f"the playbook already has {limit} open requests; answer or cancel some first")
-            if ending_ is not None:
-                end(tx, fx, playbook, run_id, ending_, now=now, by=caller.id)
-                return run_object(tx.run(playbook, run_id)), True
+            if (done := insert_asking(tx, fx, run, limit, ending is None, ending)) is not None:
+                return done
             tx.append_event(fx, playbook, run_id, "approval_requested", now, caller.id, requested)
             Runs.open_request(tx, fx, playbook, run_id, type_, name, version, deliver, APPROVAL_ANSWER_SCHEMA,
                               dict(prepared, approval={**gate, "asked_by": caller.id, "asked_by_person": caller.person},
