@@ -7194,11 +7194,12 @@ class PgBus(LocalBus):
 
     def resync(self) -> None:
         """The listening connection was lost and opened again, so notifications may have been missed:
-        every due time is loaded again (and the manual clock's time), every cached definition
-        invalidated, every waiter and stream told to look again."""
+        the due times of the timer wheel's window are loaded again (and the manual clock's time), every
+        cached definition invalidated, every waiter and stream told to look again."""
         async def again() -> None:
+            until = self.clock.now_ms() + TIMER_WINDOW_MS       # what the wheel holds: its window
             timers, names, kept = await self.store.read(
-                lambda tx: (tx.all_timers(), tx.definition_keys(), tx.clock_kept()))
+                lambda tx: (tx.timers_due(None, until), tx.definition_keys(), tx.clock_kept()))
             if kept is not None and self.clock.manual:
                 self.clock.catch_up(kept)            # type: ignore[attr-defined]
             fx = Effects()
