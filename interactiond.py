@@ -8311,13 +8311,14 @@ def _status_of(problem: Problem) -> RunStatus:
             410: RunStatus.REJECTED}.get(problem.status, RunStatus.FAILED)
 
 
-def next_attempt_at(attempts: int, started_at: int | None, now: int, retry_after_ms: int | None) -> int:
+def next_attempt_at(attempts: int, started_at: int | None, now: int, retry_after_ms: int | None,
+                    gaps_s: tuple[int, ...] = ATTEMPT_GAPS_S, most_s: int = MAX_RETRY_AFTER_DELIVERY_S) -> int:
     """When the next attempt of a delivery (or of a nudge) falls due after attempt `attempts` failed:
     1, 2, 4 or 8 minutes after that attempt started, or after the Retry-After a server asked (up to 8
-    minutes); never before `now`."""
-    gap = ATTEMPT_GAPS_S[attempts - 1] * 1000
+    minutes); never before `now`. A webhook's delivery passes its own gaps and Retry-After bound."""
+    gap = gaps_s[attempts - 1] * 1000
     if retry_after_ms is not None:
-        gap = min(max(0, int(retry_after_ms)), MAX_RETRY_AFTER_DELIVERY_S * 1000)
+        gap = min(max(0, int(retry_after_ms)), most_s * 1000)
     return max(now, (started_at or now) + gap)
 
 
@@ -9954,6 +9955,61 @@ async def write_attempt_end(store: Store, end: Callable[[Any, Effects], None]) -
             await asyncio.sleep(pause)
 
 
+class Attempts:
+    """The attempt machine a request's delivery and a nudge share: an attempt is two changes around
+    one call, and no transaction spans the call. The first takes the attempt's timer, records that
+    it started (`started`: the size and digest of its arguments) and arms a `lost` timer a minute
+    ahead; the second records how it ended (write_attempt_end), guarded by the attempt it ends. A
+    stop between the two leaves the `lost` timer, which counts the attempt as failed - unless it is
+    still running in this process, whose end will be recorded. A failed attempt is tried again
+    (`again`) 1, 2, 4 and 8 minutes after the one before started, or after the Retry-After a server
+    asked: MAX_ATTEMPTS in all. What each records, and of which row, stays its own."""
+
+    def __init__(self, store: Store, clock: Clock) -> None:
+        self.store = store
+        self.clock = clock
+        self._inflight: set[Any] = set()            # attempts running in this process
+
+    async def run(self, ref: Any, begin: Callable[[Tx, Effects, int], Row | None],
+                  send: Callable[[Row], Any]) -> tuple[Row, dict[str, Any]] | None:
+        """Begin attempt `ref` (`begin(tx, fx, now)`: the row it started, or None when there is none to
+        make) and make its call: that row and what the call came to, whose end the caller writes."""
+        now = self.clock.now_ms()
+        started = await self.store.write(lambda tx, fx: begin(tx, fx, now))
+        if started is None:
+            return None
+        self._inflight.add(ref)
+        try:
+            return started, await send(started)
+        finally:
+            self._inflight.discard(ref)
+
+    @staticmethod
+    def started(tx: Tx, fx: Effects, playbook: str, run_id: str, type_: str, payload: dict[str, Any],
+                arguments: str, lost_key: str, now: int) -> None:
+        """In `begin`: the attempt's start, with its arguments' size and digest, and its `lost` timer."""
+        tx.append_event(fx, playbook, run_id, type_, now, "interactiond", {
+            **payload, "arguments_size": len(arguments.encode()), "arguments_sha256": sha256_hex(arguments)})
+        tx.set_timer(fx, lost_key, now + LOST_ATTEMPT_S * 1000)
+
+    async def lost(self, ref: Any, change: Callable[[Tx, Effects, int], None]) -> None:
+        """A `lost` timer of attempt `ref`: `change(tx, fx, now)` counts it as failed, unless it still runs here."""
+        if ref in self._inflight:
+            return                                   # still running here; its end will be recorded
+        now = self.clock.now_ms()
+        await self.store.write(lambda tx, fx: change(tx, fx, now))
+
+    @staticmethod
+    def again(tx: Tx, fx: Effects, key: str, row: Row, started_at: int | None, now: int,
+              retry_after_ms: int | None, spent: bool) -> bool:
+        """After a failed attempt (`row["attempts"]` of them made): arm the next on timer `key` and say
+        True, or say False - it was refused (`spent`) or it was the last."""
+        if spent or row["attempts"] >= MAX_ATTEMPTS:
+            return False
+        tx.set_timer(fx, key, next_attempt_at(row["attempts"], started_at, now, retry_after_ms))
+        return True
+
+
 def is_email_address(text: Any) -> bool:
     """An address a message can be sent to: one mailbox, local@domain, no display name."""
     return (isinstance(text, str) and len(text) <= MAX_EMAIL_ADDRESS
@@ -10107,42 +10163,26 @@ class Deliveries:
         self.definitions = definitions
         self.readings = readings
         self.email = email                              # an emailed request's attempts (server EMAIL_SERVER)
-        self._inflight: set[tuple[str, str]] = set()     # attempts running in this process
+        self.attempts = Attempts(store, clock)          # delivery_started, then its end or its `lost` timer
 
     # -- delivery -------------------------------------------------------------------------------
-    #
-    # An attempt is two transactions around one tool call. The first records delivery_started
-    # (size and digest of the arguments) and arms a `lost` timer a minute ahead; the second records
-    # how it ended and schedules what follows. A restart between the two leaves the `lost` timer,
-    # which counts the attempt as failed and schedules the next. No transaction spans the call.
 
     async def attempt(self, playbook: str, run_id: str, key: str) -> None:
-        now = self.clock.now_ms()
-
-        def begin(tx: Tx, fx: Effects) -> Row | None:
+        def begin(tx: Tx, fx: Effects, now: int) -> Row | None:
             if not tx.take_timer(fx, key, now):
                 return None
             req = tx.begin_attempt(playbook, run_id, now=now)
             if req is None:
                 return None
-            args = req["deliver_args"]
             channel = {"email": req["tool"]} if req["server"] == EMAIL_SERVER else \
                 {"server": req["server"], "tool": req["tool"]}
-            tx.append_event(fx, playbook, run_id, "delivery_started", now, "interactiond", {
-                "attempt": req["attempts"], **channel,
-                "arguments_size": len(args.encode()), "arguments_sha256": sha256_hex(args)})
-            tx.set_timer(fx, timer_key("lost", playbook, run_id), now + LOST_ATTEMPT_S * 1000)
+            Attempts.started(tx, fx, playbook, run_id, "delivery_started", {"attempt": req["attempts"], **channel},
+                             req["deliver_args"], timer_key("lost", playbook, run_id), now)
             return req
 
-        req = await self.store.write(begin)
-        if req is None:
-            return
-        self._inflight.add((playbook, run_id))
-        try:
-            outcome = await self.send(req)
-        finally:
-            self._inflight.discard((playbook, run_id))
-        await self._end_attempt(req, outcome)
+        made = await self.attempts.run((playbook, run_id), begin, self.send)
+        if made is not None:
+            await self._end_attempt(*made)
 
     async def send(self, req: Row) -> dict[str, Any]:
         """One call of the sending tool; what happened, as the attempt's end records it."""
@@ -10229,23 +10269,16 @@ class Deliveries:
                               retry_after_ms: int | None, spent: bool = False) -> None:
         """Schedule the next attempt, or give up: a notification ends undelivered, a question stays open."""
         playbook, run_id = row["playbook"], row["run_id"]
-        if not spent and row["attempts"] < MAX_ATTEMPTS:
-            tx.fail_attempt(row["seq"], spent=False)
-            tx.set_timer(fx, timer_key("attempt", playbook, run_id),
-                         next_attempt_at(row["attempts"], row["attempt_started_at"], now, retry_after_ms))
-            return
-        tx.fail_attempt(row["seq"], spent=True)         # a refused attempt has ended undelivered already
-        if row["answer_schema"] is None:
+        again = Attempts.again(tx, fx, timer_key("attempt", playbook, run_id), row, row["attempt_started_at"],
+                               now, retry_after_ms, spent)
+        tx.fail_attempt(row["seq"], spent=not again)    # a refused attempt has ended undelivered already
+        if not again and row["answer_schema"] is None:
             end(tx, fx, playbook, run_id, "undelivered", "every attempt to deliver the notification failed",
                 now=now, by="interactiond")
 
     async def lost(self, playbook: str, run_id: str, key: str) -> None:
         """An attempt with no recorded end a minute after it started counts as failed."""
-        if (playbook, run_id) in self._inflight:
-            return                                   # still running here; its end will be recorded
-        now = self.clock.now_ms()
-
-        def change(tx: Tx, fx: Effects) -> None:
+        def change(tx: Tx, fx: Effects, now: int) -> None:
             if tx.attempt_elsewhere(playbook, run_id):
                 return                          # a live daemon's attempt: its end is that daemon's to record
             if not tx.take_timer(fx, key, now):
@@ -10261,7 +10294,7 @@ class Deliveries:
                 end_cancelled(tx, fx, playbook, run_id, now=now, by="interactiond")
             elif row["status"] == RequestStatus.OPEN:
                 self._after_failed_attempt(tx, fx, row, now, None)
-        await self.store.write(change)
+        await self.attempts.lost((playbook, run_id), change)
 
 
 class Readings:
@@ -11085,7 +11118,7 @@ class Reminders:
         self.document = document      # (playbook, type, name, version) -> (version, parsed document)
         self.send = send              # the deliveries' one call of a tool: {playbook, server, tool, deliver_args}
         self.spawn = spawn            # a named side task (a nudge's attempt waits on a tool)
-        self._inflight: set[int] = set()
+        self.attempts = Attempts(store, clock)      # telling_started, then its end or its `nudge_lost` timer
 
     # -- planning, when a run starts ----------------------------------------------------------
 
@@ -11291,9 +11324,8 @@ class Reminders:
         if emailed:
             base = {"for": row["what"], "n": row["n"], "email": args["email"]["to"]}
         run_id, lost_key = row["run_id"], timer_key("nudge_lost", playbook, str(nudge_id))
-        now = self.clock.now_ms()
 
-        def begin(tx: Tx, fx: Effects) -> Row | None:
+        def begin(tx: Tx, fx: Effects, now: int) -> Row | None:
             if not tx.take_timer(fx, key, now) or (started := tx.begin_nudge(nudge_id, now=now)) is None:
                 return None
             if refused is not None:
@@ -11301,21 +11333,16 @@ class Reminders:
                     **base, "attempt": started["attempts"], "because": "unworkable", "message": refused})
                 tx.end_nudge(nudge_id, started["attempts"], DeliveryEvent.SPEND)
                 return None
-            tx.append_event(fx, playbook, run_id, "telling_started", now, "interactiond", {
-                **base, "attempt": started["attempts"], "arguments_size": len(text.encode()),
-                "arguments_sha256": sha256_hex(text)})
-            tx.set_timer(fx, lost_key, now + LOST_ATTEMPT_S * 1000)
+            Attempts.started(tx, fx, playbook, run_id, "telling_started", {**base, "attempt": started["attempts"]},
+                             text, lost_key, now)
             return started
 
-        started = await self.store.write(begin)
-        if started is None:
+        made = await self.attempts.run(nudge_id, begin, lambda _: self.send({
+            "playbook": playbook, "run_id": run_id, "server": row["server"], "tool": tell.tool if tell else None,
+            "deliver_args": text}))
+        if made is None:
             return
-        self._inflight.add(nudge_id)
-        try:
-            outcome = await self.send({"playbook": playbook, "run_id": run_id, "server": row["server"],
-                                       "tool": tell.tool if tell else None, "deliver_args": text})
-        finally:
-            self._inflight.discard(nudge_id)
+        started, outcome = made
         done = self.clock.now_ms()
 
         def attempt_ended(tx: Tx, fx: Effects) -> None:
@@ -11340,21 +11367,14 @@ class Reminders:
     def _after_failure(tx: Tx, fx: Effects, cur: Row, now: int, retry_after_ms: int | None,
                        spent: bool = False) -> None:
         """The next attempt of a nudge whose attempt failed, while attempts are left and its request is open."""
-        attempt = cur["attempts"]
-        if spent or attempt >= MAX_ATTEMPTS or cur["request_status"] != RequestStatus.OPEN.value:
-            tx.end_nudge(cur["id"], attempt, DeliveryEvent.SPEND)
-            return
-        tx.end_nudge(cur["id"], attempt, DeliveryEvent.FAIL)
-        tx.set_timer(fx, timer_key("nudge", cur["playbook"], str(cur["id"])),
-                     next_attempt_at(attempt, cur["started_at"], now, retry_after_ms))
+        again = cur["request_status"] == RequestStatus.OPEN.value and Attempts.again(
+            tx, fx, timer_key("nudge", cur["playbook"], str(cur["id"])), cur, cur["started_at"], now,
+            retry_after_ms, spent)
+        tx.end_nudge(cur["id"], cur["attempts"], DeliveryEvent.FAIL if again else DeliveryEvent.SPEND)
 
     async def _lost(self, nudge_id: int, key: str) -> None:
         """A nudge's attempt with no recorded end a minute after it started counts as failed."""
-        if nudge_id in self._inflight:
-            return                                   # still running here; its end will be recorded
-        now = self.clock.now_ms()
-
-        def change(tx: Tx, fx: Effects) -> None:
+        def change(tx: Tx, fx: Effects, now: int) -> None:
             if not tx.take_timer(fx, key, now):
                 return
             cur = tx.nudge(nudge_id)
@@ -11365,7 +11385,7 @@ class Reminders:
                 "message": "the attempt had no recorded end a minute after it started (the daemon stopped)",
                 "retry_after_ms": None})
             self._after_failure(tx, fx, cur, now, None)
-        await self.store.write(change)
+        await self.attempts.lost(nudge_id, change)
 
     # -- the default answer, in the expiry's change ----------------------------------------------
 
@@ -11468,11 +11488,9 @@ class Webhooks:
             if outcome.get("ok"):
                 state, next_at, ended_at = "delivered", None, ended_now
             elif attempt < MAX_WEBHOOK_ATTEMPTS and not outcome.get("final"):
-                gap = WEBHOOK_GAPS_S[attempt - 1] * 1000
-                retry_after = outcome.get("retry_after_ms")
-                if retry_after is not None:
-                    gap = min(max(0, int(retry_after)), MAX_RETRY_AFTER_WEBHOOK_S * 1000)
-                state, next_at, ended_at = "retrying", max(ended_now, row["started_at"] + gap), None
+                state, next_at, ended_at = "retrying", next_attempt_at(
+                    attempt, row["started_at"], ended_now, outcome.get("retry_after_ms"),
+                    WEBHOOK_GAPS_S, MAX_RETRY_AFTER_WEBHOOK_S), None
             else:
                 state, next_at, ended_at = "failed", None, ended_now
             if not tx.end_webhook_attempt(delivery_id, attempt, state=state, next_at=next_at, ended_at=ended_at,
