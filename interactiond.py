@@ -9955,6 +9955,17 @@ async def write_attempt_end(store: Store, end: Callable[[Any, Effects], None]) -
             await asyncio.sleep(pause)
 
 
+def thread_args(template: Any, req: Row, what: str, **ctx: Any) -> Any:
+    """The arguments of a call in a delivered request's thread (a read of its replies, a telling),
+    rendered with `to`, `sent` (what the request was delivered as) and `ctx`; RenderError when they
+    pass MAX_ARGUMENTS_BYTES, as `what` names them."""
+    args = render_args(template, {"to": req["party"],
+                                  "sent": {"conversation": req["sent_conversation"], "id": req["sent_id"]}, **ctx})
+    if json_size(args) > MAX_ARGUMENTS_BYTES:
+        raise RenderError("limit", f"{what} pass {MAX_ARGUMENTS_BYTES // KIB} KiB")
+    return args
+
+
 class Attempts:
     """The attempt machine a request's delivery and a nudge share: an attempt is two changes around
     one call, and no transaction spans the call. The first takes the attempt's timer, records that
@@ -10016,10 +10027,6 @@ def is_email_address(text: Any) -> bool:
             and re.fullmatch(r"[^\s@<>,;:\"()\[\]]+@[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?", text) is not None)
 
 
-def _choice_text(value: Any) -> str:
-    return ("true" if value else "false") if isinstance(value, bool) else str(value)
-
-
 def answer_choices(schema: Any, labels: Mapping[str, str] | None = None) -> tuple[str, list[tuple[Any, str]]] | None:
     """The one choice an answer is made of, for the links of an email: its property and each value
     with its label - the first required property that is an enum, a boolean, or a list of an enum's
@@ -10057,7 +10064,8 @@ def email_args(to: str, message: str, answer_url: str | None, schema: Any, label
     found = answer_choices(schema, labels) if answer_url else None
     if found is not None and answer_url:
         name, values = found
-        choices = [[label, f"{answer_url}?{urllib.parse.urlencode({name: _choice_text(v)})}"] for v, label in values]
+        choices = [[label, f"{answer_url}?{urllib.parse.urlencode({name: str(v).lower() if isinstance(v, bool) else v})}"]
+                   for v, label in values]
     return {"to": to, "subject": subject or "A question for you", "message": message,
             "answer_url": answer_url if schema is not None else None, "choices": choices,
             "expires_at": fmt_time(expires_at)}
@@ -10136,18 +10144,16 @@ class Email:
             said = self.scrub("; ".join(f"{e.code} {e.message}" for e in exc.recipients))
             if codes and all(code >= 500 for code in codes):
                 return {"refused": "recipient_refused", "message": f"the SMTP server refused {args['to']}: {said}"}
-            return {"because": "server_failure", "message": f"the SMTP server refused for now: {said}",
-                    "retry_after_ms": None}
+            return {"because": "server_failure", "message": f"the SMTP server refused for now: {said}"}
         except aiosmtplib.SMTPResponseException as exc:
             said = self.scrub(f"{exc.code} {exc.message}")
             if exc.code >= 500:                         # permanent: sending it again changes nothing
                 return {"refused": "refused", "message": f"the SMTP server refused the message: {said}"}
-            return {"because": "server_failure", "message": f"the SMTP server answered {said}", "retry_after_ms": None}
+            return {"because": "server_failure", "message": f"the SMTP server answered {said}"}
         except (aiosmtplib.SMTPTimeoutError, asyncio.TimeoutError, TimeoutError):
-            return {"because": "timed_out", "message": "the SMTP server did not answer in time", "retry_after_ms": None}
+            return {"because": "timed_out", "message": "the SMTP server did not answer in time"}
         except (aiosmtplib.SMTPException, OSError) as exc:
-            return {"because": "server_failure", "message": self.scrub(f"{type(exc).__name__}: {exc}"),
-                    "retry_after_ms": None}
+            return {"because": "server_failure", "message": self.scrub(f"{type(exc).__name__}: {exc}")}
         return {"ok": True, "answer": None, "result_size": len(raw), "result_sha256": sha256_hex(raw.decode("utf-8", "replace"))}
 
 
@@ -10156,7 +10162,7 @@ class Deliveries:
     replies are read joins its conversation's reading (`readings`)."""
 
     def __init__(self, store: Store, clock: Clock, tools: ToolServers, definitions: Definitions,
-                 readings: Readings, email: Email | None = None) -> None:
+                 readings: Readings, email: Email) -> None:
         self.store = store
         self.clock = clock
         self.tools = tools
@@ -10189,8 +10195,6 @@ class Deliveries:
         playbook, server, tool = req["playbook"], req["server"], req["tool"]
         args = json.loads(req["deliver_args"])
         if server == EMAIL_SERVER:
-            if self.email is None:
-                return {"refused": "not_configured", "message": "this daemon sends no email"}
             return await self.email.send(args["email"])
         if len(req["deliver_args"].encode()) > MAX_ARGUMENTS_BYTES:
             return {"refused": "too_large", "message": f"the arguments pass {MAX_ARGUMENTS_BYTES // KIB} KiB"}
@@ -10356,16 +10360,13 @@ class Readings:
                 docs[key_] = (await self.definitions.document(*key_))[1]
         doc = docs[(oldest["playbook"], oldest["type"], oldest["name"], oldest["version"])]
         replies = doc.replies
-        ctx = {"to": oldest["party"], "sent": {"conversation": oldest["sent_conversation"], "id": oldest["sent_id"]},
-               "conversation": reading["conversation"], "since": reading["since"]}
         event: dict[str, Any] = {"server": reading["server"], "tool": reading["tool"],
                                  "conversation": reading["conversation"]}
         failure: dict[str, Any] | None = None
         messages: list[Any] = []
         try:
-            args = render_args(replies.with_, ctx)
-            if json_size(args) > MAX_ARGUMENTS_BYTES:
-                raise RenderError("limit", f"the reading arguments pass {MAX_ARGUMENTS_BYTES // KIB} KiB")
+            args = thread_args(replies.with_, oldest, "the reading arguments",
+                               conversation=reading["conversation"], since=reading["since"])
         except RenderError as exc:
             failure = {"because": "unworkable", "message": str(exc)}
         else:
@@ -10421,6 +10422,19 @@ class Readings:
                 docs[key] = self.definitions.parsed(*key, source) if source is not None else None
             return docs[key]
 
+        def refuse(req: Row, doc: Any, reason: str, telling: str) -> None:
+            """Record a reply refused (the first MAX_REFUSED_RECORDED of a request) and tell its sender
+            why in the thread (the first MAX_REFUSED_TOLD), when the function tells."""
+            nonlocal refused
+            refused += 1
+            row = tx.count_refusal(req["seq"])
+            if row["refused_replies"] <= MAX_REFUSED_RECORDED:
+                tx.append_event(fx, req["playbook"], req["run_id"], "reply_refused", now, "interactiond",
+                                {"reply": {"id": m["id"]}, "reason": reason[:500]})
+            if doc is not None and doc.replies.tell is not None and row["told"] < MAX_REFUSED_TOLD:
+                tx.count_telling(req["seq"])
+                tellings.append((req, telling))
+
         playbook = reading["playbook"]
         since = reading["since"]
         counted = taken = refused = 0
@@ -10447,23 +10461,20 @@ class Readings:
             if target is None:
                 mine = [r for r in open_reqs if may_reply(r, m["sender"])]
                 if mine:
-                    refused += 1
-                    self._refuse(tx, fx, mine[0], doc_of(mine[0]), m["id"], "several requests are open here", now,
-                                 tellings,
-                                 "Several questions are open in this conversation: reply in the thread of the one you answer.")
+                    refuse(mine[0], doc_of(mine[0]), "several requests are open here",
+                           "Several questions are open in this conversation: reply in the thread of the one you answer.")
                 continue
             if not may_reply(target, m["sender"]):
                 continue                                   # only the answerer's replies count (and the escalation's)
             if target["approval"] is not None and m["sender"] == json.loads(target["approval"]).get("asked_by_person"):
-                refused += 1                               # four eyes: the person who started the call does not approve it
-                self._refuse(tx, fx, target, doc_of(target), m["id"], "the approval's own asker replied", now, tellings,
-                             "You started this call, so another person approves it.")
+                # four eyes: the person who started the call does not approve it
+                refuse(target, doc_of(target), "the approval's own asker replied",
+                       "You started this call, so another person approves it.")
                 continue
             text = m["text"] if isinstance(m["text"], str) else ""
             if len(text.encode()) > MAX_REPLY_BYTES:
-                refused += 1
-                self._refuse(tx, fx, target, doc_of(target), m["id"], "the reply is too long", now, tellings,
-                             f"Your reply is longer than {MAX_REPLY_BYTES // KIB} KiB, the most a reply may hold.")
+                refuse(target, doc_of(target), "the reply is too long",
+                       f"Your reply is longer than {MAX_REPLY_BYTES // KIB} KiB, the most a reply may hold.")
                 continue
             doc_rule = doc_of(target)
             rule = doc_rule.reply_rule if doc_rule is not None else None
@@ -10474,10 +10485,9 @@ class Readings:
                     reasons = [f"{e['pointer']}: {e['message']}" for e in errors]
                     answer = None
             if answer is None:
-                refused += 1
                 how = rule.how_to_answer() if rule is not None else ""
-                self._refuse(tx, fx, target, doc_rule, m["id"], "; ".join(reasons), now, tellings,
-                             ("Your reply could not be taken: " + "; ".join(reasons) + ". " + how).strip())
+                refuse(target, doc_rule, "; ".join(reasons),
+                       ("Your reply could not be taken: " + "; ".join(reasons) + ". " + how).strip())
                 continue
             try:
                 took = self.inbox.record_answer(tx, fx, target, answer, None, f"playbook:{playbook}", now,
@@ -10485,9 +10495,7 @@ class Readings:
             except Problem as exc:                     # a quorum's vote it refuses (a second one, a change)
                 if exc.name not in ("answered", "arguments_changed", "approval_not_yours", "invalid_input"):
                     raise
-                refused += 1
-                self._refuse(tx, fx, target, doc_rule, m["id"], exc.detail, now, tellings,
-                             f"Your reply could not be taken: {exc.detail}.")
+                refuse(target, doc_rule, exc.detail, f"Your reply could not be taken: {exc.detail}.")
                 continue
             taken += 1
             at = open_reqs.index(target)
@@ -10499,45 +10507,29 @@ class Readings:
             tx.append_event(fx, playbook, None, "replies_read", now, "interactiond",
                             {**event, "replies": counted, "taken": taken, "refused": refused, "since": since})
 
-    def _refuse(self, tx: Tx, fx: Effects, req: Row, doc: Any, reply_id: str, reason: str,
-                now: int, tellings: list[tuple[Row, str]], telling: str) -> None:
-        row = tx.count_refusal(req["seq"])
-        if row["refused_replies"] <= MAX_REFUSED_RECORDED:
-            tx.append_event(fx, req["playbook"], req["run_id"], "reply_refused", now, "interactiond",
-                            {"reply": {"id": reply_id}, "reason": reason[:500]})
-        if doc is not None and doc.replies.tell is not None and row["told"] < MAX_REFUSED_TOLD:
-            tx.count_telling(req["seq"])
-            tellings.append((req, telling))
-
     async def _tell(self, req: Row, telling: str) -> None:
         _, doc = await self.definitions.document(req["playbook"], req["type"], req["name"], req["version"])
         tell = doc.replies.tell
         playbook = req["playbook"]
         base = {"server": req["server"], "tool": tell.tool, "run_id": req["run_id"]}
-        ctx = {"to": req["party"], "sent": {"conversation": req["sent_conversation"], "id": req["sent_id"]},
-               "message": telling}
+
+        async def record(type_: str, **payload: Any) -> None:       # each its own change, at its own time
+            now = self.clock.now_ms()
+            await self.store.write(lambda c, fx: c.append_event(fx, playbook, None, type_, now, "interactiond",
+                                                              {**base, **payload}))
         try:
-            args = render_args(tell.with_, ctx)
-            if json_size(args) > MAX_ARGUMENTS_BYTES:
-                raise RenderError("limit", "the telling's arguments pass 16 KiB")
+            args = thread_args(tell.with_, req, "the telling's arguments", message=telling)
         except RenderError as exc:
-            now, failed = self.clock.now_ms(), {**base, "because": "unworkable", "message": str(exc)}
-            await self.store.write(lambda c, fx: c.append_event(fx, playbook, None, "telling_failed", now, "interactiond",
-                                                              failed))
+            await record("telling_failed", because="unworkable", message=str(exc))
             return
-        now = self.clock.now_ms()
-        await self.store.write(lambda c, fx: c.append_event(fx, playbook, None, "telling_started", now, "interactiond",
-                                                          {**base, "arguments_size": json_size(args)}))
+        await record("telling_started", arguments_size=json_size(args))
         outcome: dict[str, Any]
         try:
             result = await self.tools.call(playbook, req["run_id"], req["server"], tell.tool, args)
             outcome = {"because": "tool_error", "message": _result_text(result)} if result.is_error else {}
         except ToolFailure as exc:
             outcome = {"because": exc.because, "message": self.tools.scrub(exc.message)}
-        done = self.clock.now_ms()
-        kind = "telling_failed" if outcome else "telling_succeeded"
-        await self.store.write(lambda c, fx: c.append_event(fx, playbook, None, kind, done, "interactiond",
-                                                          {**base, **outcome}))
+        await record("telling_failed" if outcome else "telling_succeeded", **outcome)
 
 
 def _approval_shown(text: str) -> dict[str, Any]:
@@ -11097,11 +11089,10 @@ class Reminders:
     starts: the next number, `missed` saying how many due times it stands for.
 
     A request sent through a tool also gets the message in its thread: a *nudge*, sent with
-    replies.tell (its `message` being the reminder's text) and attempted as a delivery is: recorded
-    as telling_started before it is sent, then telling_succeeded or telling_failed; tried again 1, 2,
-    4 and 8 minutes after the attempt before, or after the Retry-After a server asks (up to 8 minutes);
-    an attempt cut off by a stop counts as failed a minute after it started (its `nudge_lost` timer).
-    A nudge is sent only while its request is open.
+    replies.tell (its `message` being the reminder's text) and attempted as a delivery is (Attempts):
+    recorded as telling_started before it is sent, then telling_succeeded or telling_failed, tried
+    again, and counted as failed by its `nudge_lost` timer when a stop cut it off. A nudge is sent
+    only while its request is open.
 
     The default answer is taken by the expiry, in the expiry's own change (`take_default`): the request
     closes as expired holding the default, request_defaulted carries the answer's fact (answered by
@@ -11280,15 +11271,12 @@ class Reminders:
         false while the message has not been delivered with what it was delivered as)."""
         if req["server"] is None:
             return {}
-        if req["server"] == EMAIL_SERVER:               # an emailed request: reminded by email, as it was sent
-            nudge_id = tx.queue_nudge(req["playbook"], req["run_id"], what=what, n=n, message=message)
-            tx.set_timer(fx, timer_key("nudge", req["playbook"], str(nudge_id)), now)
-            return {"by_email": True}
-        if req["sent_conversation"] is None or req["sent_id"] is None:
+        emailed = req["server"] == EMAIL_SERVER          # an emailed request: reminded by email, as it was sent
+        if not emailed and (req["sent_conversation"] is None or req["sent_id"] is None):
             return {"in_thread": False}
         nudge_id = tx.queue_nudge(req["playbook"], req["run_id"], what=what, n=n, message=message)
         tx.set_timer(fx, timer_key("nudge", req["playbook"], str(nudge_id)), now)
-        return {"in_thread": True}
+        return {"by_email": True} if emailed else {"in_thread": True}
 
     # -- nudges: a reminder or escalation message in the thread, attempted as a delivery is ---------
 
@@ -11299,8 +11287,8 @@ class Reminders:
         doc = (await self.document(row["playbook"], row["type"], row["name"], row["version"]))[1]
         tell = doc.replies.tell if doc.replies is not None else None
         args: Any = None
-        refused = None if tell is not None else "the function has no replies.tell"
         emailed = row["server"] == EMAIL_SERVER
+        refused = None if tell is not None or emailed else "the function has no replies.tell"
         if emailed:
             req = await self.store.read(lambda tx: tx.request(playbook, row["run_id"]))
             sent = json.loads(req["deliver_args"])["email"]
@@ -11309,20 +11297,14 @@ class Reminders:
                 to = (json.loads(req["follow_up"] or "{}").get("escalate") or {}).get("email") or to
             args = {"email": {**sent, "to": to, "lead": row["message"],
                               "subject": ("Reminder: " if row["what"] == "reminder" else "Escalated: ") + sent["subject"]}}
-            refused = None
         elif tell is not None:
-            ctx = {"to": row["party"], "sent": {"conversation": row["sent_conversation"], "id": row["sent_id"]},
-                   "message": row["message"]}
             try:
-                args = render_args(tell.with_, ctx)
-                if json_size(args) > MAX_ARGUMENTS_BYTES:
-                    refused = f"the telling's arguments pass {MAX_ARGUMENTS_BYTES // KIB} KiB"
+                args = thread_args(tell.with_, row, "the telling's arguments", message=row["message"])
             except RenderError as exc:
                 refused = str(exc)
         text = dumps(args) if refused is None else ""
-        base = {"for": row["what"], "n": row["n"], "server": row["server"], "tool": tell.tool if tell else None}
-        if emailed:
-            base = {"for": row["what"], "n": row["n"], "email": args["email"]["to"]}
+        base = {"for": row["what"], "n": row["n"], **({"email": args["email"]["to"]} if emailed else
+                                                      {"server": row["server"], "tool": tell.tool if tell else None})}
         run_id, lost_key = row["run_id"], timer_key("nudge_lost", playbook, str(nudge_id))
 
         def begin(tx: Tx, fx: Effects, now: int) -> Row | None:
@@ -11443,10 +11425,6 @@ class Webhooks:
         self._sending: set[int] = set()         # deliveries this daemon has an attempt in flight of
         store.webhooks.update({pb: tuple((h.url, h.events) for h in hooks) for pb, hooks in self.hooks.items()})
 
-    def hook(self, playbook: str, url: str) -> WebhookConfig | None:
-        """The configured hook a delivery is for (by its URL), whose secret signs it."""
-        return next((h for h in self.hooks.get(playbook, ()) if h.url == url), None)
-
     async def attempt(self, playbook: str, ref: str, key: str) -> None:
         """A delivery's timer: its next attempt, unless one is in flight - here, or on another daemon
         that holds the delivery's lease - whose end arms what comes next."""
@@ -11505,7 +11483,8 @@ class Webhooks:
     async def send(self, row: Row) -> dict[str, Any]:
         """One POST of a queued delivery, signed; what came of it (ok, status, error, retry_after_ms)."""
         import aiohttp
-        hook = self.hook(row["playbook"], row["url"])
+        # The configured hook the delivery is for (by its URL), whose secret signs it.
+        hook = next((h for h in self.hooks.get(row["playbook"], ()) if h.url == row["url"]), None)
         if hook is None:
             return {"error": "the webhook is no longer in the configuration", "final": True}
         msg_id = f"msg_{row['id']}"
@@ -11539,14 +11518,12 @@ class Webhooks:
         n = check_limit(limit)
         before = decode_cursor(cursor)[0] if cursor else None
         rows = await self.store.read(lambda tx: tx.webhook_deliveries(playbook, before=before, limit=n + 1))
-        more = len(rows) > n
-        nxt = encode_cursor([rows[n - 1]["id"]]) if more else None
-        data = [{"id": f"whd_{r['id']}", "webhook_id": f"msg_{r['id']}", "url": r["url"], "type": r["type"],
-                 "event_id": f"evt_{r['event_id']}", "run_id": r["run_id"], "state": r["state"],
-                 "attempts": r["attempts"], "created_at": fmt_time(r["created_at"]),
-                 "next_attempt_at": fmt_time(r["next_at"]), "ended_at": fmt_time(r["ended_at"]),
-                 "history": json.loads(r["history"])} for r in rows[:n]]
-        return {"data": data, "next_cursor": nxt, "page": {"has_more": more, "next_cursor": nxt}}
+        page = _page([{"id": f"whd_{r['id']}", "webhook_id": f"msg_{r['id']}", "url": r["url"], "type": r["type"],
+                       "event_id": f"evt_{r['event_id']}", "run_id": r["run_id"], "state": r["state"],
+                       "attempts": r["attempts"], "created_at": fmt_time(r["created_at"]),
+                       "next_attempt_at": fmt_time(r["next_at"]), "ended_at": fmt_time(r["ended_at"]),
+                       "history": json.loads(r["history"])} for r in rows[:n]], rows, n, lambda: [rows[n - 1]["id"]])
+        return {**page, "page": {"has_more": page["next_cursor"] is not None, "next_cursor": page["next_cursor"]}}
 
     async def close(self) -> None:
         if self._session is not None:
