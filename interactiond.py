@@ -11103,12 +11103,11 @@ class Reminders:
     TIMER_KINDS: Final = ("remind", "escalate", "nudge", "nudge_lost")
 
     def __init__(self, store: Store, clock: Clock, document: Callable[..., Any],
-                 send: Callable[[Mapping[str, Any]], Any], spawn: Callable[[Any, str], Any]) -> None:
+                 send: Callable[[Mapping[str, Any]], Any]) -> None:
         self.store = store
         self.clock = clock
         self.document = document      # (playbook, type, name, version) -> (version, parsed document)
         self.send = send              # the deliveries' one call of a tool: {playbook, server, tool, deliver_args}
-        self.spawn = spawn            # a named side task (a nudge's attempt waits on a tool)
         self.attempts = Attempts(store, clock)      # telling_started, then its end or its `nudge_lost` timer
 
     # -- planning, when a run starts ----------------------------------------------------------
@@ -11221,7 +11220,7 @@ class Reminders:
         elif kind == "escalate":
             await self.store.write(lambda tx, fx: self._escalate(tx, fx, playbook, ref, key, self.clock.now_ms()))
         elif kind == "nudge":
-            self.spawn(self._attempt(playbook, int(ref), key), f"nudge {ref}")
+            await self._attempt(playbook, int(ref), key)           # a side task: it waits on a tool
         else:
             await self._lost(int(ref), key)
 
@@ -11576,7 +11575,7 @@ class Engine:
         self.deliveries = Deliveries(store, clock, self.tools, self.definitions, self.readings, self.email)
         #: Reminders, escalation and default answers of requests, on this engine's timers; they send
         #: as the deliveries do.
-        self.reminders = Reminders(store, clock, self.definitions.document, self.deliveries.send, self.spawn)
+        self.reminders = Reminders(store, clock, self.definitions.document, self.deliveries.send)
         self.runs = Runs(store, clock, self.bus, self.definitions, self.system_calls, self.kinds, config.open_requests,
                          links=self.links, reminders=self.reminders, email=self.email)
         #: The playbooks' webhooks: the store queues their events; the `webhook` timers send them.
@@ -11621,7 +11620,8 @@ class Engine:
         self.on_timer("read", lambda playbook, ref, key: self.readings.read(playbook, int(ref), key), side=True)
         self.on_timer("call", lambda playbook, ref, key: self.approvals.on_timer(key))
         for kind_ in Reminders.TIMER_KINDS:
-            self.on_timer(kind_, lambda playbook, ref, key, k=kind_: self.reminders.fire(k, playbook, ref, key))
+            self.on_timer(kind_, lambda playbook, ref, key, k=kind_: self.reminders.fire(k, playbook, ref, key),
+                          side=kind_ == "nudge")
         self.on_timer("prune", lambda playbook, ref, key: self._prune(key))
         self.on_timer("webhook", self.webhooks.attempt, side=True)
         for type_, kind in self.kinds.items():    # e.g. a workflow run to move on (started, woken, or due)
