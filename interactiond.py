@@ -8354,13 +8354,14 @@ def _status_of(problem: Problem) -> RunStatus:
             410: RunStatus.REJECTED}.get(problem.status, RunStatus.FAILED)
 
 
-def next_attempt_at(attempts: int, started_at: int | None, now: int, retry_after_ms: int | None) -> int:
+def next_attempt_at(attempts: int, started_at: int | None, now: int, retry_after_ms: int | None,
+                    gaps_s: tuple[int, ...] = ATTEMPT_GAPS_S, most_s: int = MAX_RETRY_AFTER_DELIVERY_S) -> int:
     """When the next attempt of a delivery (or of a nudge) falls due after attempt `attempts` failed:
     1, 2, 4 or 8 minutes after that attempt started, or after the Retry-After a server asked (up to 8
-    minutes); never before `now`."""
-    gap = ATTEMPT_GAPS_S[attempts - 1] * 1000
+    minutes); never before `now`. A webhook's delivery passes its own gaps and Retry-After bound."""
+    gap = gaps_s[attempts - 1] * 1000
     if retry_after_ms is not None:
-        gap = min(max(0, int(retry_after_ms)), MAX_RETRY_AFTER_DELIVERY_S * 1000)
+        gap = min(max(0, int(retry_after_ms)), most_s * 1000)
     return max(now, (started_at or now) + gap)
 
 
@@ -10011,14 +10012,76 @@ async def write_attempt_end(store: Store, end: Callable[[Any, Effects], None]) -
             await asyncio.sleep(pause)
 
 
+def thread_args(template: Any, req: Row, what: str, **ctx: Any) -> Any:
+    """The arguments of a call in a delivered request's thread (a read of its replies, a telling),
+    rendered with `to`, `sent` (what the request was delivered as) and `ctx`; RenderError when they
+    pass MAX_ARGUMENTS_BYTES, as `what` names them."""
+    args = render_args(template, {"to": req["party"],
+                                  "sent": {"conversation": req["sent_conversation"], "id": req["sent_id"]}, **ctx})
+    if json_size(args) > MAX_ARGUMENTS_BYTES:
+        raise RenderError("limit", f"{what} pass {MAX_ARGUMENTS_BYTES // KIB} KiB")
+    return args
+
+
+class Attempts:
+    """The attempt machine a request's delivery and a nudge share: an attempt is two changes around
+    one call, and no transaction spans the call. The first takes the attempt's timer, records that
+    it started (`started`: the size and digest of its arguments) and arms a `lost` timer a minute
+    ahead; the second records how it ended (write_attempt_end), guarded by the attempt it ends. A
+    stop between the two leaves the `lost` timer, which counts the attempt as failed - unless it is
+    still running in this process, whose end will be recorded. A failed attempt is tried again
+    (`again`) 1, 2, 4 and 8 minutes after the one before started, or after the Retry-After a server
+    asked: MAX_ATTEMPTS in all. What each records, and of which row, stays its own."""
+
+    def __init__(self, store: Store, clock: Clock) -> None:
+        self.store = store
+        self.clock = clock
+        self._inflight: set[Any] = set()            # attempts running in this process
+
+    async def run(self, ref: Any, begin: Callable[[Tx, Effects, int], Row | None],
+                  send: Callable[[Row], Any]) -> tuple[Row, dict[str, Any]] | None:
+        """Begin attempt `ref` (`begin(tx, fx, now)`: the row it started, or None when there is none to
+        make) and make its call: that row and what the call came to, whose end the caller writes."""
+        now = self.clock.now_ms()
+        started = await self.store.write(lambda tx, fx: begin(tx, fx, now))
+        if started is None:
+            return None
+        self._inflight.add(ref)
+        try:
+            return started, await send(started)
+        finally:
+            self._inflight.discard(ref)
+
+    @staticmethod
+    def started(tx: Tx, fx: Effects, playbook: str, run_id: str, type_: str, payload: dict[str, Any],
+                arguments: str, lost_key: str, now: int) -> None:
+        """In `begin`: the attempt's start, with its arguments' size and digest, and its `lost` timer."""
+        tx.append_event(fx, playbook, run_id, type_, now, "interactiond", {
+            **payload, "arguments_size": len(arguments.encode()), "arguments_sha256": sha256_hex(arguments)})
+        tx.set_timer(fx, lost_key, now + LOST_ATTEMPT_S * 1000)
+
+    async def lost(self, ref: Any, change: Callable[[Tx, Effects, int], None]) -> None:
+        """A `lost` timer of attempt `ref`: `change(tx, fx, now)` counts it as failed, unless it still runs here."""
+        if ref in self._inflight:
+            return                                   # still running here; its end will be recorded
+        now = self.clock.now_ms()
+        await self.store.write(lambda tx, fx: change(tx, fx, now))
+
+    @staticmethod
+    def again(tx: Tx, fx: Effects, key: str, row: Row, started_at: int | None, now: int,
+              retry_after_ms: int | None, spent: bool) -> bool:
+        """After a failed attempt (`row["attempts"]` of them made): arm the next on timer `key` and say
+        True, or say False - it was refused (`spent`) or it was the last."""
+        if spent or row["attempts"] >= MAX_ATTEMPTS:
+            return False
+        tx.set_timer(fx, key, next_attempt_at(row["attempts"], started_at, now, retry_after_ms))
+        return True
+
+
 def is_email_address(text: Any) -> bool:
     """An address a message can be sent to: one mailbox, local@domain, no display name."""
     return (isinstance(text, str) and len(text) <= MAX_EMAIL_ADDRESS
             and re.fullmatch(r"[^\s@<>,;:\"()\[\]]+@[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?", text) is not None)
-
-
-def _choice_text(value: Any) -> str:
-    return ("true" if value else "false") if isinstance(value, bool) else str(value)
 
 
 def answer_choices(schema: Any, labels: Mapping[str, str] | None = None) -> tuple[str, list[tuple[Any, str]]] | None:
@@ -10058,7 +10121,8 @@ def email_args(to: str, message: str, answer_url: str | None, schema: Any, label
     found = answer_choices(schema, labels) if answer_url else None
     if found is not None and answer_url:
         name, values = found
-        choices = [[label, f"{answer_url}?{urllib.parse.urlencode({name: _choice_text(v)})}"] for v, label in values]
+        choices = [[label, f"{answer_url}?{urllib.parse.urlencode({name: str(v).lower() if isinstance(v, bool) else v})}"]
+                   for v, label in values]
     return {"to": to, "subject": subject or "A question for you", "message": message,
             "answer_url": answer_url if schema is not None else None, "choices": choices,
             "expires_at": fmt_time(expires_at)}
@@ -10137,18 +10201,16 @@ class Email:
             said = self.scrub("; ".join(f"{e.code} {e.message}" for e in exc.recipients))
             if codes and all(code >= 500 for code in codes):
                 return {"refused": "recipient_refused", "message": f"the SMTP server refused {args['to']}: {said}"}
-            return {"because": "server_failure", "message": f"the SMTP server refused for now: {said}",
-                    "retry_after_ms": None}
+            return {"because": "server_failure", "message": f"the SMTP server refused for now: {said}"}
         except aiosmtplib.SMTPResponseException as exc:
             said = self.scrub(f"{exc.code} {exc.message}")
             if exc.code >= 500:                         # permanent: sending it again changes nothing
                 return {"refused": "refused", "message": f"the SMTP server refused the message: {said}"}
-            return {"because": "server_failure", "message": f"the SMTP server answered {said}", "retry_after_ms": None}
+            return {"because": "server_failure", "message": f"the SMTP server answered {said}"}
         except (aiosmtplib.SMTPTimeoutError, asyncio.TimeoutError, TimeoutError):
-            return {"because": "timed_out", "message": "the SMTP server did not answer in time", "retry_after_ms": None}
+            return {"because": "timed_out", "message": "the SMTP server did not answer in time"}
         except (aiosmtplib.SMTPException, OSError) as exc:
-            return {"because": "server_failure", "message": self.scrub(f"{type(exc).__name__}: {exc}"),
-                    "retry_after_ms": None}
+            return {"because": "server_failure", "message": self.scrub(f"{type(exc).__name__}: {exc}")}
         return {"ok": True, "answer": None, "result_size": len(raw), "result_sha256": sha256_hex(raw.decode("utf-8", "replace"))}
 
 
@@ -10157,57 +10219,39 @@ class Deliveries:
     replies are read joins its conversation's reading (`readings`)."""
 
     def __init__(self, store: Store, clock: Clock, tools: ToolServers, definitions: Definitions,
-                 readings: Readings, email: Email | None = None) -> None:
+                 readings: Readings, email: Email) -> None:
         self.store = store
         self.clock = clock
         self.tools = tools
         self.definitions = definitions
         self.readings = readings
         self.email = email                              # an emailed request's attempts (server EMAIL_SERVER)
-        self._inflight: set[tuple[str, str]] = set()     # attempts running in this process
+        self.attempts = Attempts(store, clock)          # delivery_started, then its end or its `lost` timer
 
     # -- delivery -------------------------------------------------------------------------------
-    #
-    # An attempt is two transactions around one tool call. The first records delivery_started
-    # (size and digest of the arguments) and arms a `lost` timer a minute ahead; the second records
-    # how it ended and schedules what follows. A restart between the two leaves the `lost` timer,
-    # which counts the attempt as failed and schedules the next. No transaction spans the call.
 
     async def attempt(self, playbook: str, run_id: str, key: str) -> None:
-        now = self.clock.now_ms()
-
-        def begin(tx: Tx, fx: Effects) -> Row | None:
+        def begin(tx: Tx, fx: Effects, now: int) -> Row | None:
             if not tx.take_timer(fx, key, now):
                 return None
             req = tx.begin_attempt(playbook, run_id, now=now)
             if req is None:
                 return None
-            args = req["deliver_args"]
             channel = {"email": req["tool"]} if req["server"] == EMAIL_SERVER else \
                 {"server": req["server"], "tool": req["tool"]}
-            tx.append_event(fx, playbook, run_id, "delivery_started", now, "interactiond", {
-                "attempt": req["attempts"], **channel,
-                "arguments_size": len(args.encode()), "arguments_sha256": sha256_hex(args)})
-            tx.set_timer(fx, timer_key("lost", playbook, run_id), now + LOST_ATTEMPT_S * 1000)
+            Attempts.started(tx, fx, playbook, run_id, "delivery_started", {"attempt": req["attempts"], **channel},
+                             req["deliver_args"], timer_key("lost", playbook, run_id), now)
             return req
 
-        req = await self.store.write(begin)
-        if req is None:
-            return
-        self._inflight.add((playbook, run_id))
-        try:
-            outcome = await self.send(req)
-        finally:
-            self._inflight.discard((playbook, run_id))
-        await self._end_attempt(req, outcome)
+        made = await self.attempts.run((playbook, run_id), begin, self.send)
+        if made is not None:
+            await self._end_attempt(*made)
 
     async def send(self, req: Row) -> dict[str, Any]:
         """One call of the sending tool; what happened, as the attempt's end records it."""
         playbook, server, tool = req["playbook"], req["server"], req["tool"]
         args = json.loads(req["deliver_args"])
         if server == EMAIL_SERVER:
-            if self.email is None:
-                return {"refused": "not_configured", "message": "this daemon sends no email"}
             return await self.email.send(args["email"])
         if len(req["deliver_args"].encode()) > MAX_ARGUMENTS_BYTES:
             return {"refused": "too_large", "message": f"the arguments pass {MAX_ARGUMENTS_BYTES // KIB} KiB"}
@@ -10286,23 +10330,16 @@ class Deliveries:
                               retry_after_ms: int | None, spent: bool = False) -> None:
         """Schedule the next attempt, or give up: a notification ends undelivered, a question stays open."""
         playbook, run_id = row["playbook"], row["run_id"]
-        if not spent and row["attempts"] < MAX_ATTEMPTS:
-            tx.fail_attempt(row["seq"], spent=False)
-            tx.set_timer(fx, timer_key("attempt", playbook, run_id),
-                         next_attempt_at(row["attempts"], row["attempt_started_at"], now, retry_after_ms))
-            return
-        tx.fail_attempt(row["seq"], spent=True)         # a refused attempt has ended undelivered already
-        if row["answer_schema"] is None:
+        again = Attempts.again(tx, fx, timer_key("attempt", playbook, run_id), row, row["attempt_started_at"],
+                               now, retry_after_ms, spent)
+        tx.fail_attempt(row["seq"], spent=not again)    # a refused attempt has ended undelivered already
+        if not again and row["answer_schema"] is None:
             end(tx, fx, playbook, run_id, "undelivered", "every attempt to deliver the notification failed",
                 now=now, by="interactiond")
 
     async def lost(self, playbook: str, run_id: str, key: str) -> None:
         """An attempt with no recorded end a minute after it started counts as failed."""
-        if (playbook, run_id) in self._inflight:
-            return                                   # still running here; its end will be recorded
-        now = self.clock.now_ms()
-
-        def change(tx: Tx, fx: Effects) -> None:
+        def change(tx: Tx, fx: Effects, now: int) -> None:
             if tx.attempt_elsewhere(playbook, run_id):
                 return                          # a live daemon's attempt: its end is that daemon's to record
             if not tx.take_timer(fx, key, now):
@@ -10318,7 +10355,7 @@ class Deliveries:
                 end_cancelled(tx, fx, playbook, run_id, now=now, by="interactiond")
             elif row["status"] == RequestStatus.OPEN:
                 self._after_failed_attempt(tx, fx, row, now, None)
-        await self.store.write(change)
+        await self.attempts.lost((playbook, run_id), change)
 
 
 class Readings:
@@ -10380,16 +10417,13 @@ class Readings:
                 docs[key_] = (await self.definitions.document(*key_))[1]
         doc = docs[(oldest["playbook"], oldest["type"], oldest["name"], oldest["version"])]
         replies = doc.replies
-        ctx = {"to": oldest["party"], "sent": {"conversation": oldest["sent_conversation"], "id": oldest["sent_id"]},
-               "conversation": reading["conversation"], "since": reading["since"]}
         event: dict[str, Any] = {"server": reading["server"], "tool": reading["tool"],
                                  "conversation": reading["conversation"]}
         failure: dict[str, Any] | None = None
         messages: list[Any] = []
         try:
-            args = render_args(replies.with_, ctx)
-            if json_size(args) > MAX_ARGUMENTS_BYTES:
-                raise RenderError("limit", f"the reading arguments pass {MAX_ARGUMENTS_BYTES // KIB} KiB")
+            args = thread_args(replies.with_, oldest, "the reading arguments",
+                               conversation=reading["conversation"], since=reading["since"])
         except RenderError as exc:
             failure = {"because": "unworkable", "message": str(exc)}
         else:
@@ -10445,6 +10479,19 @@ class Readings:
                 docs[key] = self.definitions.parsed(*key, source) if source is not None else None
             return docs[key]
 
+        def refuse(req: Row, doc: Any, reason: str, telling: str) -> None:
+            """Record a reply refused (the first MAX_REFUSED_RECORDED of a request) and tell its sender
+            why in the thread (the first MAX_REFUSED_TOLD), when the function tells."""
+            nonlocal refused
+            refused += 1
+            row = tx.count_refusal(req["seq"])
+            if row["refused_replies"] <= MAX_REFUSED_RECORDED:
+                tx.append_event(fx, req["playbook"], req["run_id"], "reply_refused", now, "interactiond",
+                                {"reply": {"id": m["id"]}, "reason": reason[:500]})
+            if doc is not None and doc.replies.tell is not None and row["told"] < MAX_REFUSED_TOLD:
+                tx.count_telling(req["seq"])
+                tellings.append((req, telling))
+
         playbook = reading["playbook"]
         since = reading["since"]
         counted = taken = refused = 0
@@ -10471,23 +10518,20 @@ class Readings:
             if target is None:
                 mine = [r for r in open_reqs if may_reply(r, m["sender"])]
                 if mine:
-                    refused += 1
-                    self._refuse(tx, fx, mine[0], doc_of(mine[0]), m["id"], "several requests are open here", now,
-                                 tellings,
-                                 "Several questions are open in this conversation: reply in the thread of the one you answer.")
+                    refuse(mine[0], doc_of(mine[0]), "several requests are open here",
+                           "Several questions are open in this conversation: reply in the thread of the one you answer.")
                 continue
             if not may_reply(target, m["sender"]):
                 continue                                   # only the answerer's replies count (and the escalation's)
             if target["approval"] is not None and m["sender"] == json.loads(target["approval"]).get("asked_by_person"):
-                refused += 1                               # four eyes: the person who started the call does not approve it
-                self._refuse(tx, fx, target, doc_of(target), m["id"], "the approval's own asker replied", now, tellings,
-                             "You started this call, so another person approves it.")
+                # four eyes: the person who started the call does not approve it
+                refuse(target, doc_of(target), "the approval's own asker replied",
+                       "You started this call, so another person approves it.")
                 continue
             text = m["text"] if isinstance(m["text"], str) else ""
             if len(text.encode()) > MAX_REPLY_BYTES:
-                refused += 1
-                self._refuse(tx, fx, target, doc_of(target), m["id"], "the reply is too long", now, tellings,
-                             f"Your reply is longer than {MAX_REPLY_BYTES // KIB} KiB, the most a reply may hold.")
+                refuse(target, doc_of(target), "the reply is too long",
+                       f"Your reply is longer than {MAX_REPLY_BYTES // KIB} KiB, the most a reply may hold.")
                 continue
             doc_rule = doc_of(target)
             rule = doc_rule.reply_rule if doc_rule is not None else None
@@ -10498,10 +10542,9 @@ class Readings:
                     reasons = [f"{e['pointer']}: {e['message']}" for e in errors]
                     answer = None
             if answer is None:
-                refused += 1
                 how = rule.how_to_answer() if rule is not None else ""
-                self._refuse(tx, fx, target, doc_rule, m["id"], "; ".join(reasons), now, tellings,
-                             ("Your reply could not be taken: " + "; ".join(reasons) + ". " + how).strip())
+                refuse(target, doc_rule, "; ".join(reasons),
+                       ("Your reply could not be taken: " + "; ".join(reasons) + ". " + how).strip())
                 continue
             try:
                 took = self.inbox.record_answer(tx, fx, target, answer, None, f"playbook:{playbook}", now,
@@ -10509,9 +10552,7 @@ class Readings:
             except Problem as exc:                     # a quorum's vote it refuses (a second one, a change)
                 if exc.name not in ("answered", "arguments_changed", "approval_not_yours", "invalid_input"):
                     raise
-                refused += 1
-                self._refuse(tx, fx, target, doc_rule, m["id"], exc.detail, now, tellings,
-                             f"Your reply could not be taken: {exc.detail}.")
+                refuse(target, doc_rule, exc.detail, f"Your reply could not be taken: {exc.detail}.")
                 continue
             taken += 1
             at = open_reqs.index(target)
@@ -10523,45 +10564,29 @@ class Readings:
             tx.append_event(fx, playbook, None, "replies_read", now, "interactiond",
                             {**event, "replies": counted, "taken": taken, "refused": refused, "since": since})
 
-    def _refuse(self, tx: Tx, fx: Effects, req: Row, doc: Any, reply_id: str, reason: str,
-                now: int, tellings: list[tuple[Row, str]], telling: str) -> None:
-        row = tx.count_refusal(req["seq"])
-        if row["refused_replies"] <= MAX_REFUSED_RECORDED:
-            tx.append_event(fx, req["playbook"], req["run_id"], "reply_refused", now, "interactiond",
-                            {"reply": {"id": reply_id}, "reason": reason[:500]})
-        if doc is not None and doc.replies.tell is not None and row["told"] < MAX_REFUSED_TOLD:
-            tx.count_telling(req["seq"])
-            tellings.append((req, telling))
-
     async def _tell(self, req: Row, telling: str) -> None:
         _, doc = await self.definitions.document(req["playbook"], req["type"], req["name"], req["version"])
         tell = doc.replies.tell
         playbook = req["playbook"]
         base = {"server": req["server"], "tool": tell.tool, "run_id": req["run_id"]}
-        ctx = {"to": req["party"], "sent": {"conversation": req["sent_conversation"], "id": req["sent_id"]},
-               "message": telling}
+
+        async def record(type_: str, **payload: Any) -> None:       # each its own change, at its own time
+            now = self.clock.now_ms()
+            await self.store.write(lambda c, fx: c.append_event(fx, playbook, None, type_, now, "interactiond",
+                                                              {**base, **payload}))
         try:
-            args = render_args(tell.with_, ctx)
-            if json_size(args) > MAX_ARGUMENTS_BYTES:
-                raise RenderError("limit", "the telling's arguments pass 16 KiB")
+            args = thread_args(tell.with_, req, "the telling's arguments", message=telling)
         except RenderError as exc:
-            now, failed = self.clock.now_ms(), {**base, "because": "unworkable", "message": str(exc)}
-            await self.store.write(lambda c, fx: c.append_event(fx, playbook, None, "telling_failed", now, "interactiond",
-                                                              failed))
+            await record("telling_failed", because="unworkable", message=str(exc))
             return
-        now = self.clock.now_ms()
-        await self.store.write(lambda c, fx: c.append_event(fx, playbook, None, "telling_started", now, "interactiond",
-                                                          {**base, "arguments_size": json_size(args)}))
+        await record("telling_started", arguments_size=json_size(args))
         outcome: dict[str, Any]
         try:
             result = await self.tools.call(playbook, req["run_id"], req["server"], tell.tool, args)
             outcome = {"because": "tool_error", "message": _result_text(result)} if result.is_error else {}
         except ToolFailure as exc:
             outcome = {"because": exc.because, "message": self.tools.scrub(exc.message)}
-        done = self.clock.now_ms()
-        kind = "telling_failed" if outcome else "telling_succeeded"
-        await self.store.write(lambda c, fx: c.append_event(fx, playbook, None, kind, done, "interactiond",
-                                                          {**base, **outcome}))
+        await record("telling_failed" if outcome else "telling_succeeded", **outcome)
 
 
 def _approval_shown(text: str) -> dict[str, Any]:
@@ -11111,11 +11136,10 @@ class Reminders:
     starts: the next number, `missed` saying how many due times it stands for.
 
     A request sent through a tool also gets the message in its thread: a *nudge*, sent with
-    replies.tell (its `message` being the reminder's text) and attempted as a delivery is: recorded
-    as telling_started before it is sent, then telling_succeeded or telling_failed; tried again 1, 2,
-    4 and 8 minutes after the attempt before, or after the Retry-After a server asks (up to 8 minutes);
-    an attempt cut off by a stop counts as failed a minute after it started (its `nudge_lost` timer).
-    A nudge is sent only while its request is open.
+    replies.tell (its `message` being the reminder's text) and attempted as a delivery is (Attempts):
+    recorded as telling_started before it is sent, then telling_succeeded or telling_failed, tried
+    again, and counted as failed by its `nudge_lost` timer when a stop cut it off. A nudge is sent
+    only while its request is open.
 
     The default answer is taken by the expiry, in the expiry's own change (`take_default`): the request
     closes as expired holding the default, request_defaulted carries the answer's fact (answered by
@@ -11126,13 +11150,12 @@ class Reminders:
     TIMER_KINDS: Final = ("remind", "escalate", "nudge", "nudge_lost")
 
     def __init__(self, store: Store, clock: Clock, document: Callable[..., Any],
-                 send: Callable[[Mapping[str, Any]], Any], spawn: Callable[[Any, str], Any]) -> None:
+                 send: Callable[[Mapping[str, Any]], Any]) -> None:
         self.store = store
         self.clock = clock
         self.document = document      # (playbook, type, name, version) -> (version, parsed document)
         self.send = send              # the deliveries' one call of a tool: {playbook, server, tool, deliver_args}
-        self.spawn = spawn            # a named side task (a nudge's attempt waits on a tool)
-        self._inflight: set[int] = set()
+        self.attempts = Attempts(store, clock)      # telling_started, then its end or its `nudge_lost` timer
 
     # -- planning, when a run starts ----------------------------------------------------------
 
@@ -11244,7 +11267,7 @@ class Reminders:
         elif kind == "escalate":
             await self.store.write(lambda tx, fx: self._escalate(tx, fx, playbook, ref, key, self.clock.now_ms()))
         elif kind == "nudge":
-            self.spawn(self._attempt(playbook, int(ref), key), f"nudge {ref}")
+            await self._attempt(playbook, int(ref), key)           # a side task: it waits on a tool
         else:
             await self._lost(int(ref), key)
 
@@ -11294,15 +11317,12 @@ class Reminders:
         false while the message has not been delivered with what it was delivered as)."""
         if req["server"] is None:
             return {}
-        if req["server"] == EMAIL_SERVER:               # an emailed request: reminded by email, as it was sent
-            nudge_id = tx.queue_nudge(req["playbook"], req["run_id"], what=what, n=n, message=message)
-            tx.set_timer(fx, timer_key("nudge", req["playbook"], str(nudge_id)), now)
-            return {"by_email": True}
-        if req["sent_conversation"] is None or req["sent_id"] is None:
+        emailed = req["server"] == EMAIL_SERVER          # an emailed request: reminded by email, as it was sent
+        if not emailed and (req["sent_conversation"] is None or req["sent_id"] is None):
             return {"in_thread": False}
         nudge_id = tx.queue_nudge(req["playbook"], req["run_id"], what=what, n=n, message=message)
         tx.set_timer(fx, timer_key("nudge", req["playbook"], str(nudge_id)), now)
-        return {"in_thread": True}
+        return {"by_email": True} if emailed else {"in_thread": True}
 
     # -- nudges: a reminder or escalation message in the thread, attempted as a delivery is ---------
 
@@ -11313,8 +11333,8 @@ class Reminders:
         doc = (await self.document(row["playbook"], row["type"], row["name"], row["version"]))[1]
         tell = doc.replies.tell if doc.replies is not None else None
         args: Any = None
-        refused = None if tell is not None else "the function has no replies.tell"
         emailed = row["server"] == EMAIL_SERVER
+        refused = None if tell is not None or emailed else "the function has no replies.tell"
         if emailed:
             req = await self.store.read(lambda tx: tx.request(playbook, row["run_id"]))
             sent = json.loads(req["deliver_args"])["email"]
@@ -11323,24 +11343,17 @@ class Reminders:
                 to = (json.loads(req["follow_up"] or "{}").get("escalate") or {}).get("email") or to
             args = {"email": {**sent, "to": to, "lead": row["message"],
                               "subject": ("Reminder: " if row["what"] == "reminder" else "Escalated: ") + sent["subject"]}}
-            refused = None
         elif tell is not None:
-            ctx = {"to": row["party"], "sent": {"conversation": row["sent_conversation"], "id": row["sent_id"]},
-                   "message": row["message"]}
             try:
-                args = render_args(tell.with_, ctx)
-                if json_size(args) > MAX_ARGUMENTS_BYTES:
-                    refused = f"the telling's arguments pass {MAX_ARGUMENTS_BYTES // KIB} KiB"
+                args = thread_args(tell.with_, row, "the telling's arguments", message=row["message"])
             except RenderError as exc:
                 refused = str(exc)
         text = dumps(args) if refused is None else ""
-        base = {"for": row["what"], "n": row["n"], "server": row["server"], "tool": tell.tool if tell else None}
-        if emailed:
-            base = {"for": row["what"], "n": row["n"], "email": args["email"]["to"]}
+        base = {"for": row["what"], "n": row["n"], **({"email": args["email"]["to"]} if emailed else
+                                                      {"server": row["server"], "tool": tell.tool if tell else None})}
         run_id, lost_key = row["run_id"], timer_key("nudge_lost", playbook, str(nudge_id))
-        now = self.clock.now_ms()
 
-        def begin(tx: Tx, fx: Effects) -> Row | None:
+        def begin(tx: Tx, fx: Effects, now: int) -> Row | None:
             if not tx.take_timer(fx, key, now) or (started := tx.begin_nudge(nudge_id, now=now)) is None:
                 return None
             if refused is not None:
@@ -11348,21 +11361,16 @@ class Reminders:
                     **base, "attempt": started["attempts"], "because": "unworkable", "message": refused})
                 tx.end_nudge(nudge_id, started["attempts"], DeliveryEvent.SPEND)
                 return None
-            tx.append_event(fx, playbook, run_id, "telling_started", now, "interactiond", {
-                **base, "attempt": started["attempts"], "arguments_size": len(text.encode()),
-                "arguments_sha256": sha256_hex(text)})
-            tx.set_timer(fx, lost_key, now + LOST_ATTEMPT_S * 1000)
+            Attempts.started(tx, fx, playbook, run_id, "telling_started", {**base, "attempt": started["attempts"]},
+                             text, lost_key, now)
             return started
 
-        started = await self.store.write(begin)
-        if started is None:
+        made = await self.attempts.run(nudge_id, begin, lambda _: self.send({
+            "playbook": playbook, "run_id": run_id, "server": row["server"], "tool": tell.tool if tell else None,
+            "deliver_args": text}))
+        if made is None:
             return
-        self._inflight.add(nudge_id)
-        try:
-            outcome = await self.send({"playbook": playbook, "run_id": run_id, "server": row["server"],
-                                       "tool": tell.tool if tell else None, "deliver_args": text})
-        finally:
-            self._inflight.discard(nudge_id)
+        started, outcome = made
         done = self.clock.now_ms()
 
         def attempt_ended(tx: Tx, fx: Effects) -> None:
@@ -11387,21 +11395,14 @@ class Reminders:
     def _after_failure(tx: Tx, fx: Effects, cur: Row, now: int, retry_after_ms: int | None,
                        spent: bool = False) -> None:
         """The next attempt of a nudge whose attempt failed, while attempts are left and its request is open."""
-        attempt = cur["attempts"]
-        if spent or attempt >= MAX_ATTEMPTS or cur["request_status"] != RequestStatus.OPEN.value:
-            tx.end_nudge(cur["id"], attempt, DeliveryEvent.SPEND)
-            return
-        tx.end_nudge(cur["id"], attempt, DeliveryEvent.FAIL)
-        tx.set_timer(fx, timer_key("nudge", cur["playbook"], str(cur["id"])),
-                     next_attempt_at(attempt, cur["started_at"], now, retry_after_ms))
+        again = cur["request_status"] == RequestStatus.OPEN.value and Attempts.again(
+            tx, fx, timer_key("nudge", cur["playbook"], str(cur["id"])), cur, cur["started_at"], now,
+            retry_after_ms, spent)
+        tx.end_nudge(cur["id"], cur["attempts"], DeliveryEvent.FAIL if again else DeliveryEvent.SPEND)
 
     async def _lost(self, nudge_id: int, key: str) -> None:
         """A nudge's attempt with no recorded end a minute after it started counts as failed."""
-        if nudge_id in self._inflight:
-            return                                   # still running here; its end will be recorded
-        now = self.clock.now_ms()
-
-        def change(tx: Tx, fx: Effects) -> None:
+        def change(tx: Tx, fx: Effects, now: int) -> None:
             if not tx.take_timer(fx, key, now):
                 return
             cur = tx.nudge(nudge_id)
@@ -11412,7 +11413,7 @@ class Reminders:
                 "message": "the attempt had no recorded end a minute after it started (the daemon stopped)",
                 "retry_after_ms": None})
             self._after_failure(tx, fx, cur, now, None)
-        await self.store.write(change)
+        await self.attempts.lost(nudge_id, change)
 
     # -- the default answer, in the expiry's change ----------------------------------------------
 
@@ -11470,10 +11471,6 @@ class Webhooks:
         self._sending: set[int] = set()         # deliveries this daemon has an attempt in flight of
         store.webhooks.update({pb: tuple((h.url, h.events) for h in hooks) for pb, hooks in self.hooks.items()})
 
-    def hook(self, playbook: str, url: str) -> WebhookConfig | None:
-        """The configured hook a delivery is for (by its URL), whose secret signs it."""
-        return next((h for h in self.hooks.get(playbook, ()) if h.url == url), None)
-
     async def attempt(self, playbook: str, ref: str, key: str) -> None:
         """A delivery's timer: its next attempt, unless one is in flight - here, or on another daemon
         that holds the delivery's lease - whose end arms what comes next."""
@@ -11515,11 +11512,9 @@ class Webhooks:
             if outcome.get("ok"):
                 state, next_at, ended_at = "delivered", None, ended_now
             elif attempt < MAX_WEBHOOK_ATTEMPTS and not outcome.get("final"):
-                gap = WEBHOOK_GAPS_S[attempt - 1] * 1000
-                retry_after = outcome.get("retry_after_ms")
-                if retry_after is not None:
-                    gap = min(max(0, int(retry_after)), MAX_RETRY_AFTER_WEBHOOK_S * 1000)
-                state, next_at, ended_at = "retrying", max(ended_now, row["started_at"] + gap), None
+                state, next_at, ended_at = "retrying", next_attempt_at(
+                    attempt, row["started_at"], ended_now, outcome.get("retry_after_ms"),
+                    WEBHOOK_GAPS_S, MAX_RETRY_AFTER_WEBHOOK_S), None
             else:
                 state, next_at, ended_at = "failed", None, ended_now
             if not tx.end_webhook_attempt(delivery_id, attempt, state=state, next_at=next_at, ended_at=ended_at,
@@ -11534,7 +11529,8 @@ class Webhooks:
     async def send(self, row: Row) -> dict[str, Any]:
         """One POST of a queued delivery, signed; what came of it (ok, status, error, retry_after_ms)."""
         import aiohttp
-        hook = self.hook(row["playbook"], row["url"])
+        # The configured hook the delivery is for (by its URL), whose secret signs it.
+        hook = next((h for h in self.hooks.get(row["playbook"], ()) if h.url == row["url"]), None)
         if hook is None:
             return {"error": "the webhook is no longer in the configuration", "final": True}
         msg_id = f"msg_{row['id']}"
@@ -11568,14 +11564,12 @@ class Webhooks:
         n = check_limit(limit)
         before = decode_cursor(cursor)[0] if cursor else None
         rows = await self.store.read(lambda tx: tx.webhook_deliveries(playbook, before=before, limit=n + 1))
-        more = len(rows) > n
-        nxt = encode_cursor([rows[n - 1]["id"]]) if more else None
-        data = [{"id": f"whd_{r['id']}", "webhook_id": f"msg_{r['id']}", "url": r["url"], "type": r["type"],
-                 "event_id": f"evt_{r['event_id']}", "run_id": r["run_id"], "state": r["state"],
-                 "attempts": r["attempts"], "created_at": fmt_time(r["created_at"]),
-                 "next_attempt_at": fmt_time(r["next_at"]), "ended_at": fmt_time(r["ended_at"]),
-                 "history": json.loads(r["history"])} for r in rows[:n]]
-        return {"data": data, "next_cursor": nxt, "page": {"has_more": more, "next_cursor": nxt}}
+        page = _page([{"id": f"whd_{r['id']}", "webhook_id": f"msg_{r['id']}", "url": r["url"], "type": r["type"],
+                       "event_id": f"evt_{r['event_id']}", "run_id": r["run_id"], "state": r["state"],
+                       "attempts": r["attempts"], "created_at": fmt_time(r["created_at"]),
+                       "next_attempt_at": fmt_time(r["next_at"]), "ended_at": fmt_time(r["ended_at"]),
+                       "history": json.loads(r["history"])} for r in rows[:n]], rows, n, lambda: [rows[n - 1]["id"]])
+        return {**page, "page": {"has_more": page["next_cursor"] is not None, "next_cursor": page["next_cursor"]}}
 
     async def close(self) -> None:
         if self._session is not None:
@@ -11628,7 +11622,7 @@ class Engine:
         self.deliveries = Deliveries(store, clock, self.tools, self.definitions, self.readings, self.email)
         #: Reminders, escalation and default answers of requests, on this engine's timers; they send
         #: as the deliveries do.
-        self.reminders = Reminders(store, clock, self.definitions.document, self.deliveries.send, self.spawn)
+        self.reminders = Reminders(store, clock, self.definitions.document, self.deliveries.send)
         self.runs = Runs(store, clock, self.bus, self.definitions, self.system_calls, self.kinds, config.open_requests,
                          links=self.links, reminders=self.reminders, email=self.email)
         #: The playbooks' webhooks: the store queues their events; the `webhook` timers send them.
@@ -11673,7 +11667,8 @@ class Engine:
         self.on_timer("read", lambda playbook, ref, key: self.readings.read(playbook, int(ref), key), side=True)
         self.on_timer("call", lambda playbook, ref, key: self.approvals.on_timer(key))
         for kind_ in Reminders.TIMER_KINDS:
-            self.on_timer(kind_, lambda playbook, ref, key, k=kind_: self.reminders.fire(k, playbook, ref, key))
+            self.on_timer(kind_, lambda playbook, ref, key, k=kind_: self.reminders.fire(k, playbook, ref, key),
+                          side=kind_ == "nudge")
         self.on_timer("prune", lambda playbook, ref, key: self._prune(key))
         self.on_timer("webhook", self.webhooks.attempt, side=True)
         for type_, kind in self.kinds.items():    # e.g. a workflow run to move on (started, woken, or due)
