@@ -2249,7 +2249,7 @@ def _compiled_schema(text: str) -> Any:
     jsonschema = _jsonschema()
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     cls.check_schema(schema, format_checker=_format_checker(cls, regex=False))
-    unevaluated = not _KEYWORDS_BY_RE <= {key for _, key, _ in _schema_entries(schema, ())}
+    unevaluated = not _KEYWORDS_BY_RE <= {key for _, key, _ in _schema_entries(schema)}
     if not unevaluated:
         log.warning("a schema's unevaluatedProperties is not checked: it stands beside patternProperties")
     validator = _linear(cls, unevaluated)(schema, format_checker=_format_checker(cls), registry=referencing.Registry())
@@ -2381,7 +2381,7 @@ def _schema_problem(schema: Any) -> tuple[tuple[Any, ...], str] | None:
             not isinstance(schema["$schema"], str) or validators.validator_for(schema, default=None) is None):
         return ("$schema",), f"{schema['$schema']!r} is not a JSON Schema dialect this daemon knows"
     cls = validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-    entries = list(_schema_entries(schema, ()))
+    entries = list(_schema_entries(schema))
     for path, key, value in entries:   # before the meta-schema, which points at the mapping, not the key
         if key == "patternProperties" and isinstance(value, dict):
             for pattern in value:
@@ -2499,15 +2499,10 @@ def _unknown_keyword(node: Any, known: frozenset[str], path: tuple[Any, ...]) ->
     return None
 
 
-def _schema_entries(node: Any, path: tuple[Any, ...]) -> Iterable[tuple[tuple[Any, ...], str, Any]]:
-    """Every (path, key, value) of the mappings within a schema."""
-    if isinstance(node, dict):
-        for k, v in node.items():
-            yield path, k, v
-            yield from _schema_entries(v, path + (k,))
-    elif isinstance(node, list):
-        for i, v in enumerate(node):
-            yield from _schema_entries(v, path + (i,))
+def _schema_entries(node: Any) -> Iterable[tuple[tuple[Any, ...], str, Any]]:
+    """Every (path, key, value) of the mappings within a schema, in the order they are written
+    (a mapping's keys are texts, a list's indexes numbers)."""
+    return ((path[:-1], path[-1], v) for v, path in json_nodes(node) if path and isinstance(path[-1], str))
 
 
 # Reply rules. A rule maps top-level string properties of the answer to where in a reply their
