@@ -1010,28 +1010,20 @@ def json_flaw(value: Any, limit: int = MAX_JSON_DEPTH) -> JsonRefused | None:
     return None
 
 
-def nul_pointer(value: Any, base: str = "") -> str | None:
-    """The JSON pointer (under `base`) of the first text or name in `value` that holds a NUL
-    character (U+0000), or None. PostgreSQL keeps no NUL in a text, so neither backend keeps one:
-    a value that holds one is refused where it enters."""
-    for v, path in json_nodes(value):
-        if (isinstance(v, str) and "\x00" in v
-                or isinstance(v, dict) and any(isinstance(k, str) and "\x00" in k for k in v)):
-            return base + pointer_join(path)            # a text, or the object whose name holds it
-    return None
-
-
 #: What a refusal of a NUL character says, at its pointer.
 NUL_MESSAGE: Final = "holds a NUL character (\\u0000), which no text the daemon keeps may hold"
 
 
 def refuse_nul(value: Any, base: str, what: str) -> None:
     """Refuse `value` (an input, an answer, the text at `base`) where a text or name in it holds a
-    NUL: invalid_input (422) at its pointer, on every backend and whichever door it came through."""
-    pointer = nul_pointer(value, base)
-    if pointer is not None:
-        raise ending_problem(RunStatus.INVALID_INPUT, None, f"{what} {NUL_MESSAGE}",
-                             errors=[{"pointer": pointer, "message": NUL_MESSAGE}])
+    NUL: invalid_input (422) at its pointer, on every backend and whichever door it came through.
+    PostgreSQL keeps no NUL (U+0000) in a text, so neither backend keeps one."""
+    for v, path in json_nodes(value):
+        if (isinstance(v, str) and "\x00" in v
+                or isinstance(v, dict) and any(isinstance(k, str) and "\x00" in k for k in v)):
+            pointer = base + pointer_join(path)         # the first text, or the object whose name holds it
+            raise ending_problem(RunStatus.INVALID_INPUT, None, f"{what} {NUL_MESSAGE}",
+                                 errors=[{"pointer": pointer, "message": NUL_MESSAGE}])
 
 
 def _is_unicode(text: str) -> bool:
