@@ -3139,9 +3139,9 @@ class _Reader:
         return tree
 
 
-def _split_source(source: str) -> tuple[str, str, int]:
+def _split_source(text: str) -> tuple[str, str, int]:
     """The front matter, the body, and the line the body starts on."""
-    lines = source.replace("\r\n", "\n").replace("\r", "\n").removeprefix("\ufeff").split("\n")
+    lines = text.split("\n")
     if lines[0].rstrip() != "---":
         raise DocumentError.at(1, "a function document starts with a line of three dashes (---), then its YAML "
                                   "front matter, another --- line, and the message")
@@ -3240,8 +3240,8 @@ async def check_off_loop(check: Callable[..., Any], *args: Any) -> Any:
 
 def parse_function(source: str) -> FunctionDoc:
     """Check and compile a function document; DocumentError lists every problem."""
-    def read(r: _Reader) -> FunctionDoc | None:
-        front, body, body_line = _split_source(source)
+    def read(r: _Reader, text: str) -> FunctionDoc | None:
+        front, body, body_line = _split_source(text)
         data = _compose(r, front, "the front matter", "the front matter is a mapping of fields, such as description: ...",
                         empty=True)
         return _check(r, source, data, body, body_line)
@@ -3249,12 +3249,13 @@ def parse_function(source: str) -> FunctionDoc:
     return replace(doc, overview=overview(doc))
 
 
-def _read_document(source: Any, not_text: str, r: _Reader, read: Callable[[Any], Any]) -> Any:
-    """What `read(r)` makes of a document's `source`; DocumentError lists every problem `r` collected."""
+def _read_document(source: Any, not_text: str, r: _Reader, read: Callable[[Any, str], Any]) -> Any:
+    """What `read(r, text)` makes of a document's `source` (as `text`, its line ends made \\n and its
+    byte order mark dropped); DocumentError lists every problem `r` collected."""
     if not isinstance(source, str):
         raise DocumentError.at(1, not_text)
     try:
-        doc = read(r)
+        doc = read(r, source.replace("\r\n", "\n").replace("\r", "\n").removeprefix("\ufeff"))
     except RecursionError:
         raise DocumentError.at(1, "the document nests too deeply") from None
     if r.problems or doc is None:
@@ -12221,10 +12222,9 @@ def parse_workflow(source: str, name: str | None = None) -> WorkflowDoc:
 
     `name`, when given, is the definition's name, which `document.name` must equal.
     """
-    def read(r: _WorkflowReader) -> WorkflowDoc | None:
-        text = source.replace("\r\n", "\n").replace("\r", "\n").removeprefix("\ufeff")
-        data = _compose(r, text, "the document", "a workflow document is a YAML mapping of document, input, do and output")
-        return r.read(data)
+    def read(r: _WorkflowReader, text: str) -> WorkflowDoc | None:
+        return r.read(_compose(r, text, "the document",
+                               "a workflow document is a YAML mapping of document, input, do and output"))
     doc = _read_document(source, "a workflow document is YAML text", _WorkflowReader(name), read)
     return replace(doc, overview=workflow_overview(doc))
 
