@@ -12453,28 +12453,25 @@ class _WorkflowReader(_Reader):
         spec = body[kind]
         at = path + (kind,)
         if kind == "call":
-            return self._task(name, ref, kind, common, body=self.call(path, spec, body.get("with"), names))
-        if kind == "set":
+            common["body"] = self.call(path, spec, body.get("with"), names)
+        elif kind == "set":
             if not isinstance(spec, (dict, str)):
                 self.add(at, "is the data to set: a mapping, or a runtime expression '${ ... }'")
-            return self._task(name, ref, kind, common, body=self.tree(at, spec, names))
-        if kind == "switch":
-            return self._task(name, ref, kind, common, body=self.switch(at, spec, names, jumps))
-        if kind == "wait":
-            return self._task(name, ref, kind, common, body=self.span_ms(at, spec, timedelta(0), WORKFLOW_WAIT_MAX))
-        if kind == "raise":
-            return self._task(name, ref, kind, common, body=self.raise_(at, spec, names))
-        if kind == "do":
-            return self._task(name, ref, kind, common, lists=(self.task_list(at, spec, names),))
-        try_ref = self.task_list(at, spec, names)
-        if "catch" not in body:
-            self.add(path, "a try needs its catch: which errors it takes, and what then")
-            return None
-        return self._task(name, ref, kind, common, lists=(try_ref,), catch=self.catch(path + ("catch",), body["catch"], names))
-
-    def _task(self, name: str, ref: str, kind: str, common: dict[str, Any], **kw: Any) -> WfTask:
-        task = WfTask(name=name, ref=ref, kind=kind, **common, **kw)
-        self.tasks[ref] = task
+            common["body"] = self.tree(at, spec, names)
+        elif kind == "switch":
+            common["body"] = self.switch(at, spec, names, jumps)
+        elif kind == "wait":
+            common["body"] = self.span_ms(at, spec, timedelta(0), WORKFLOW_WAIT_MAX)
+        elif kind == "raise":
+            common["body"] = self.raise_(at, spec, names)
+        else:                                       # do and try: their list
+            common["lists"] = (self.task_list(at, spec, names),)
+        if kind == "try":
+            if "catch" not in body:
+                self.add(path, "a try needs its catch: which errors it takes, and what then")
+                return None
+            common["catch"] = self.catch(path + ("catch",), body["catch"], names)
+        task = self.tasks[ref] = WfTask(name=name, ref=ref, kind=kind, **common)
         return task
 
     def call(self, path: tuple[Any, ...], call: Any, with_: Any, names: tuple[str, ...]) -> WfCall | None:
