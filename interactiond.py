@@ -1777,11 +1777,6 @@ def _plain_value(ctx: Mapping[str, Any], path: tuple[str, ...]) -> Any:
     return value
 
 
-def _liquid_newlines(text: str) -> str:
-    """What Liquid's output buffer (a StringIO with universal newlines) keeps of one piece written."""
-    return text.replace("\r\n", "\n").replace("\r", "\n") if "\r" in text else text
-
-
 class Template:
     """A compiled template and the line of the document it starts on."""
 
@@ -1854,8 +1849,8 @@ class Template:
                     size = len(text.encode())
                 except UnicodeEncodeError:
                     size = TEMPLATE_OUTPUT_LIMIT + 1
-                if size <= TEMPLATE_OUTPUT_LIMIT:
-                    return "".join(map(_liquid_newlines, pieces)) if "\r" in text else text
+                if size <= TEMPLATE_OUTPUT_LIMIT:   # Liquid's buffer (universal newlines) keeps \n, piece by piece
+                    return "".join(p.replace("\r\n", "\n").replace("\r", "\n") for p in pieces) if "\r" in text else text
         return self._liquid_text(ctx)
 
     def _liquid_text(self, ctx: Mapping[str, Any]) -> str:
