@@ -1977,12 +1977,6 @@ def _walk_outputs(bound: Any) -> Iterable[OutputNode]:
         stack.extend(node.children(static, include_partials=False))
 
 
-def _path_of(expr: Any) -> list[Any] | None:
-    left = getattr(expr, "left", None)
-    path = getattr(left, "path", None)
-    return path if isinstance(path, list) and path and isinstance(path[0], str) else None
-
-
 def check_template(source: str, line: int, place: Place, input_schema: Any = None,
                    budget: MarkupBudget | None = None) -> tuple[Template | None, list[tuple[int, str]]]:
     """Compile `source` for `place`; the template, or the problems as (line, message) pairs.
@@ -2032,9 +2026,9 @@ def _structure_problems(template: Template, compiled: str, line: int, input_sche
     out = []
     for node in _walk_outputs(template._bound):
         expr = node.expression
-        path = _path_of(expr)
+        path = getattr(getattr(expr, "left", None), "path", None)
         filters = getattr(expr, "filters", None) or []
-        if path is None or path[0] != "input" or (filters and filters[-1].name not in _LIST_FILTERS):
+        if not isinstance(path, list) or not path or path[0] != "input" or (filters and filters[-1].name not in _LIST_FILTERS):
             continue
         _, schema = _input_path_problem(path, input_schema)
         kinds = _schema_types(schema) & {"object", "array"}
