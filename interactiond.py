@@ -2816,15 +2816,6 @@ class DocumentError(Exception):
 
 # Reading the front matter with lines.
 
-class _TooLarge(Exception):
-    """A document past MAX_DOCUMENT_NODES or MAX_DOCUMENT_DEPTH, marked where it passed."""
-
-    def __init__(self, problem: str, problem_mark: Any) -> None:
-        super().__init__(problem)
-        self.problem = problem
-        self.problem_mark = problem_mark
-
-
 @functools.cache
 def _front_matter_loader() -> type:
     """The loader class of front matter and workflow documents, made on first use (with PyYAML)."""
@@ -2838,16 +2829,18 @@ def _front_matter_loader() -> type:
         """Composes YAML 1.2 core scalars only, refuses anchors and aliases, and stops at the bounds.
 
         libyaml reads the text into events, which are composed here, in Python, with their marks; the
-        composing stops at the node past MAX_DOCUMENT_NODES or MAX_DOCUMENT_DEPTH (`_TooLarge`), so
-        neither the time nor the memory of composing grows with what a document holds past them.
+        composing stops at the node past MAX_DOCUMENT_NODES or MAX_DOCUMENT_DEPTH (a DocumentError
+        on its line; `offset` is the source's line of YAML's line 0), so neither the time nor the
+        memory of composing grows with what a document holds past them.
         """
 
         yaml_implicit_resolvers: dict[Any, Any] = {}
 
-        def __init__(self, text: str) -> None:
+        def __init__(self, text: str, offset: int) -> None:
             yaml.composer.Composer.__init__(self)
             yaml.resolver.Resolver.__init__(self)
             self.text = text
+            self.offset = offset
             self.nodes = 0
             self.depth = 0
             self.events = self._read(_YamlEvents, text)
@@ -2879,11 +2872,11 @@ def _front_matter_loader() -> type:
             event = self.peek_event()
             self.nodes += 1
             if self.nodes > MAX_DOCUMENT_NODES:
-                raise _TooLarge(problem=f"the document holds more than {MAX_DOCUMENT_NODES} YAML nodes"
-                                " (mappings, lists and values)", problem_mark=event.start_mark)
+                raise DocumentError.at(event.start_mark.line + self.offset, f"the document holds more than"
+                                       f" {MAX_DOCUMENT_NODES} YAML nodes (mappings, lists and values)")
             if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)) and self.depth >= MAX_DOCUMENT_DEPTH:
-                raise _TooLarge(problem=f"mappings and lists nest more than {MAX_DOCUMENT_DEPTH} deep",
-                                problem_mark=event.start_mark)
+                raise DocumentError.at(event.start_mark.line + self.offset,
+                                       f"mappings and lists nest more than {MAX_DOCUMENT_DEPTH} deep")
             # Refused, not raised, so the document's other problems still come back: an alias
             # becomes a scalar that `_scalar` refuses, an anchor a mark that `construct` reports.
             if isinstance(event, yaml.AliasEvent):
@@ -3151,10 +3144,8 @@ def _compose(r: _Reader, text: str, what: str, shape: str, empty: bool = False) 
     import yaml
     loader = None
     try:
-        loader = _front_matter_loader()(text)
+        loader = _front_matter_loader()(text, r.offset)
         node = loader.get_single_node()
-    except _TooLarge as exc:
-        raise DocumentError.at(exc.problem_mark.line + r.offset, exc.problem) from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         raise DocumentError.at(mark.line + r.offset if mark else 1, f"{what} is not valid YAML: {exc.problem}") from None
