@@ -3286,8 +3286,9 @@ def _check(r: _Reader, source: str, data: dict[str, Any], body: str, body_line: 
             message = r.template(("body",), body, PLACES["message"], input_schema, line=body_line)
         else:
             r.add(("body",), "the message is missing: write it after the front matter", line=body_line)
-        if emailed:
-            email = _read_email_deliver(r, data["deliver"], input_schema)
+        if emailed:                 # `deliver: {email: TEMPLATE}`, the address it goes to; nothing beside it
+            r.mapping(("deliver",), data["deliver"], ("email",))
+            email = r.template(("deliver", "email"), data["deliver"]["email"], PLACES["deliver.email"], input_schema)
         elif "deliver" in data:
             deliver = _read_deliver(r, data["deliver"], input_schema)
     rule = _reply_rule(r, data, shape, output_schema)
@@ -3439,14 +3440,6 @@ def _read_deliver(r: _Reader, value: Any, input_schema: Any) -> DeliverSpec | No
     if server is None or tool is None or with_ is None:
         return None
     return DeliverSpec(server, tool, with_, sent)
-
-
-def _read_email_deliver(r: _Reader, value: dict[str, Any], input_schema: Any) -> Template | None:
-    """`deliver: {email: TEMPLATE}`: the address the message goes to; nothing beside it."""
-    block = r.mapping(("deliver",), value, ("email",), ("email",))
-    if block is None or "email" not in block:
-        return None
-    return r.template(("deliver", "email"), block["email"], PLACES["deliver.email"], input_schema)
 
 
 def _read_replies(r: _Reader, data: dict[str, Any], deliver: DeliverSpec | None,
