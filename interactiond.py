@@ -2128,19 +2128,13 @@ def _kw_pattern_properties(validator: Any, patterns: Any, instance: Any, schema:
                 yield from validator.descend(value, subschema, path=key, schema_path=pattern)
 
 
-def _unlisted(instance: dict[str, Any], schema: Any) -> list[str]:
-    """The keys of `instance` that neither `properties` nor `patternProperties` of `schema` name."""
-    properties = schema.get("properties", {})
-    patterns = list(schema.get("patternProperties", {}))
-    return [key for key in instance
-            if key not in properties and not any(_finds(p, key) is not False for p in patterns)]
-
-
 def _kw_additional_properties(validator: Any, extra: Any, instance: Any, schema: Any) -> Iterable[ValidationError]:
     # jsonschema's own, with its patterns matched by RE2; the messages are its messages
     if not validator.is_type(instance, "object"):
         return
-    extras = set(_unlisted(instance, schema))
+    properties, patterns = schema.get("properties", {}), list(schema.get("patternProperties", {}))
+    extras = {key for key in instance                  # the keys neither properties nor patternProperties name
+              if key not in properties and not any(_finds(p, key) is not False for p in patterns)}
     if validator.is_type(extra, "object"):
         for key in extras:
             yield from validator.descend(instance[key], extra, path=key)
