@@ -12004,10 +12004,6 @@ class JqRunner:
                     return proc
         return await self._start()
 
-    def _start_ahead(self) -> None:
-        if not self._idle and self._spare is None and len(self._busy) < JQ_WORKERS:
-            self._spare = asyncio.ensure_future(self._start())
-
     @staticmethod
     def _stop(proc: asyncio.subprocess.Process | None) -> None:
         if proc is not None and proc.returncode is None:
@@ -12026,7 +12022,8 @@ class JqRunner:
             try:
                 proc = await self._take()
                 self._busy.add(proc)
-                self._start_ahead()
+                if not self._idle and self._spare is None and len(self._busy) < JQ_WORKERS:   # one ahead
+                    self._spare = asyncio.ensure_future(self._start())
                 assert proc.stdin is not None and proc.stdout is not None
                 proc.stdin.write(request.encode() + b"\n")
                 await proc.stdin.drain()
