@@ -12348,28 +12348,31 @@ class _WorkflowReader(_Reader):
             return value
         return map_leaves(value, leaf, path)
 
+    def named(self, path: tuple[Any, ...], value: Any, what: str, example: str) -> Iterator[tuple[tuple[Any, ...], Any, Any]]:
+        """The items of a list of named tasks or cases (`- name: {...}`): each one's path, name and body."""
+        if not isinstance(value, list) or not value:
+            self.add(path, f"is a list of named {what}s, such as {example}")
+            return
+        for i, item in enumerate(value):
+            if not isinstance(item, dict) or len(item) != 1:
+                self.add(path + (i,), f"is one named {what}: a mapping with a single key, the {what}'s name")
+            else:
+                yield (path + (i,), *next(iter(item.items())))
+
     def task_list(self, path: tuple[Any, ...], value: Any, names: tuple[str, ...]) -> str:
         ref = pointer_join(path)
         self.lists[ref] = ()
-        if not isinstance(value, list) or not value:
-            self.add(path, "is a list of named tasks, such as - ask: {call: run_definition, with: {...}}")
-            return ref
         tasks: list[WfTask] = []
-        seen: dict[str, int] = {}
+        seen: dict[str, tuple[Any, ...]] = {}
         jumps: list[tuple[tuple[Any, ...], Any]] = []
-        for i, item in enumerate(value):
-            at = path + (i,)
-            if not isinstance(item, dict) or len(item) != 1:
-                self.add(at, "is one named task: a mapping with a single key, the task's name")
-                continue
-            (tname, body), = item.items()
+        for at, tname, body in self.named(path, value, "task", "- ask: {call: run_definition, with: {...}}"):
             if not _TASK_NAME_RE.fullmatch(tname):
                 self.add(at, f"{tname!r} is not a task name: 1 to 64 letters, digits, underscores, dots and hyphens")
                 continue
             if tname in seen:
-                self.add(at, f"a task named {tname!r} is already on line {self.line(path + (seen[tname],))}; names are unique in a list")
+                self.add(at, f"a task named {tname!r} is already on line {self.line(seen[tname])}; names are unique in a list")
                 continue
-            seen[tname] = i
+            seen[tname] = at
             task = self.task(at + (tname,), tname, body, names, jumps)
             if task is not None:
                 tasks.append(task)
@@ -12460,17 +12463,9 @@ class _WorkflowReader(_Reader):
 
     def switch(self, path: tuple[Any, ...], spec: Any, names: tuple[str, ...],
                jumps: list[tuple[tuple[Any, ...], Any]]) -> tuple[WfCase, ...]:
-        if not isinstance(spec, list) or not spec:
-            self.add(path, "is a list of named cases, such as - approved: {when: '${ .approved }', then: publish}")
-            return ()
         cases = []
         defaults = 0
-        for i, item in enumerate(spec):
-            at = path + (i,)
-            if not isinstance(item, dict) or len(item) != 1:
-                self.add(at, "is one named case: a mapping with a single key, the case's name")
-                continue
-            (cname, case), = item.items()
+        for at, cname, case in self.named(path, spec, "case", "- approved: {when: '${ .approved }', then: publish}"):
             c = self.mapping(at + (cname,), case, ("when", "then"), required=("then",))
             if c is None or "then" not in c:
                 continue
