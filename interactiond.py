@@ -3243,7 +3243,9 @@ def _check(r: _Reader, source: str, data: dict[str, Any], body: str, body_line: 
             r.add((key,), f"{key!r} is not a field of a function document (its fields: {', '.join(_FIELDS)})")
     emailed = isinstance(data.get("deliver"), dict) and "email" in data["deliver"]
     shape = Shape.SYSTEM if "call" in data else Shape.TOOL if "deliver" in data and not emailed else Shape.INBOX
-    description = _description(r, data)
+    description = r.text(("description",), data["description"], "an explanation") if "description" in data else None
+    if description is not None and not 1 <= len(description.strip()) <= MAX_DESCRIPTION_CHARS:
+        r.add(("description",), f"is 1 to {MAX_DESCRIPTION_CHARS} characters, not {len(description.strip())}")
     input_schema = _schema_block(r, data, "input")
     output_schema = _schema_block(r, data, "output")
     to = from_ = message = expires = None
@@ -3306,15 +3308,6 @@ def _check(r: _Reader, source: str, data: dict[str, Any], body: str, body_line: 
         output_schema=output_schema, call=call, deliver=deliver, replies=replies,
         reply_rule=APPROVAL_RULE if approve is not None and replies is not None else rule, approve=approve,
         tool_uses=tuple(uses), email=email, **follow)
-
-
-def _description(r: _Reader, data: dict[str, Any]) -> str | None:
-    if "description" not in data:
-        return None
-    text = r.text(("description",), data["description"], "an explanation")
-    if text is not None and not 1 <= len(text.strip()) <= MAX_DESCRIPTION_CHARS:
-        r.add(("description",), f"is 1 to {MAX_DESCRIPTION_CHARS} characters, not {len(text.strip())}")
-    return text
 
 
 def _schema_block(r: _Reader, data: dict[str, Any], key: str) -> Any:
