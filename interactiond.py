@@ -12691,10 +12691,15 @@ class _Walk:
         top = self.stack[-1]
         if "list" in top:
             tasks = self.doc.lists[top["list"]]
-            if top["i"] >= len(tasks):
-                await self._finish_list()
-            else:
+            if top["i"] < len(tasks):
                 await self._begin(tasks[top["i"]])
+                return
+            self.stack.pop()            # the list is done: so is the workflow, or the task whose list it is
+            if not self.stack:
+                await self._end(top["data"])
+                return
+            owner = self.stack[-1]
+            await self._complete(self.doc.tasks[owner["task"]], top["data"], owner["input"])
             return
         task = self.doc.tasks[top["task"]]
         if task.kind == "call":
@@ -12894,14 +12899,6 @@ class _Walk:
             await self._end(out)
         else:
             lf["i"] = next(i for i, t in enumerate(tasks) if t.name == then)
-
-    async def _finish_list(self) -> None:
-        lf = self.stack.pop()
-        if not self.stack:
-            await self._end(lf["data"])
-            return
-        owner = self.stack[-1]
-        await self._complete(self.doc.tasks[owner["task"]], lf["data"], owner["input"])
 
     async def _end(self, out: Any) -> None:
         if self.doc.output_as is not None:
