@@ -3055,14 +3055,17 @@ class _Reader:
         return value
 
     def duration(self, path: tuple[Any, ...], value: Any, low: timedelta = EXPIRES_MIN, high: timedelta = EXPIRES_MAX,
-                 bounds: str = "PT1M to P30D (1 minute to 30 days)") -> timedelta | None:
+                 bounds: str | None = "PT1M to P30D (1 minute to 30 days)") -> timedelta | None:
+        """An ISO 8601 duration (or a span a reader made already) from `low` to `high`, which `bounds`
+        words; without `bounds`, a span outside them is told in words, and so are they."""
         try:
-            span = parse_duration(value)
+            span = value if isinstance(value, timedelta) else parse_duration(value)
         except ValueError as exc:
             self.add(path, str(exc))
             return None
         if not low <= span <= high:
-            self.add(path, f"{value} is outside {bounds}")
+            self.add(path, f"{value} is outside {bounds}" if bounds else
+                     f"is {duration_words(span)}; it lies between {duration_words(low)} and {duration_words(high)}")
             return None
         return span
 
@@ -12278,20 +12281,12 @@ class _WorkflowReader(_Reader):
                     return None
                 ms += int(n * units[key])
             try:
-                span = timedelta(milliseconds=ms)
+                value = timedelta(milliseconds=ms)
             except OverflowError:
                 self.add(path, f"is longer than any duration the daemon keeps (at most {timedelta.max.days} days)")
                 return None
-        else:
-            try:
-                span = parse_duration(value)
-            except ValueError as exc:
-                self.add(path, str(exc))
-                return None
-        if not low <= span <= high:
-            self.add(path, f"is {duration_words(span)}; it lies between {duration_words(low)} and {duration_words(high)}")
-            return None
-        return int(span.total_seconds() * 1000)
+        span = self.duration(path, value, low, high, bounds=None)
+        return None if span is None else int(span.total_seconds() * 1000)
 
     def expr(self, path: tuple[Any, ...], value: Any, names: tuple[str, ...]) -> Expr | None:
         """A field that is an expression whole (if, when, exceptWhen): `${ ... }` or bare jq."""
