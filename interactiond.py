@@ -12132,7 +12132,6 @@ class WfCall:
 
 @dataclass(frozen=True, slots=True)
 class WfCase:
-    name: str
     when: Expr | None
     then: str
 
@@ -12460,7 +12459,7 @@ class _WorkflowReader(_Reader):
             when = self.expr(at + (cname, "when"), c["when"], names) if "when" in c else None
             defaults += "when" not in c
             jumps.append((at + (cname, "then"), c["then"]))
-            cases.append(WfCase(str(cname), when, c["then"] if isinstance(c["then"], str) else "continue"))
+            cases.append(WfCase(when, c["then"] if isinstance(c["then"], str) else "continue"))
         if defaults > 1:
             self.add(path, "has more than one default case (a case without when)")
         return tuple(cases)
