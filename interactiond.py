@@ -1010,28 +1010,20 @@ def json_flaw(value: Any, limit: int = MAX_JSON_DEPTH) -> JsonRefused | None:
     return None
 
 
-def nul_pointer(value: Any, base: str = "") -> str | None:
-    """The JSON pointer (under `base`) of the first text or name in `value` that holds a NUL
-    character (U+0000), or None. PostgreSQL keeps no NUL in a text, so neither backend keeps one:
-    a value that holds one is refused where it enters."""
-    for v, path in json_nodes(value):
-        if (isinstance(v, str) and "\x00" in v
-                or isinstance(v, dict) and any(isinstance(k, str) and "\x00" in k for k in v)):
-            return base + pointer_join(path)            # a text, or the object whose name holds it
-    return None
-
-
 #: What a refusal of a NUL character says, at its pointer.
 NUL_MESSAGE: Final = "holds a NUL character (\\u0000), which no text the daemon keeps may hold"
 
 
 def refuse_nul(value: Any, base: str, what: str) -> None:
     """Refuse `value` (an input, an answer, the text at `base`) where a text or name in it holds a
-    NUL: invalid_input (422) at its pointer, on every backend and whichever door it came through."""
-    pointer = nul_pointer(value, base)
-    if pointer is not None:
-        raise ending_problem(RunStatus.INVALID_INPUT, None, f"{what} {NUL_MESSAGE}",
-                             errors=[{"pointer": pointer, "message": NUL_MESSAGE}])
+    NUL: invalid_input (422) at its pointer, on every backend and whichever door it came through.
+    PostgreSQL keeps no NUL (U+0000) in a text, so neither backend keeps one."""
+    for v, path in json_nodes(value):
+        if (isinstance(v, str) and "\x00" in v
+                or isinstance(v, dict) and any(isinstance(k, str) and "\x00" in k for k in v)):
+            pointer = base + pointer_join(path)         # the first text, or the object whose name holds it
+            raise ending_problem(RunStatus.INVALID_INPUT, None, f"{what} {NUL_MESSAGE}",
+                                 errors=[{"pointer": pointer, "message": NUL_MESSAGE}])
 
 
 def _is_unicode(text: str) -> bool:
@@ -1785,11 +1777,6 @@ def _plain_value(ctx: Mapping[str, Any], path: tuple[str, ...]) -> Any:
     return value
 
 
-def _liquid_newlines(text: str) -> str:
-    """What Liquid's output buffer (a StringIO with universal newlines) keeps of one piece written."""
-    return text.replace("\r\n", "\n").replace("\r", "\n") if "\r" in text else text
-
-
 class Template:
     """A compiled template and the line of the document it starts on."""
 
@@ -1862,8 +1849,8 @@ class Template:
                     size = len(text.encode())
                 except UnicodeEncodeError:
                     size = TEMPLATE_OUTPUT_LIMIT + 1
-                if size <= TEMPLATE_OUTPUT_LIMIT:
-                    return "".join(map(_liquid_newlines, pieces)) if "\r" in text else text
+                if size <= TEMPLATE_OUTPUT_LIMIT:   # Liquid's buffer (universal newlines) keeps \n, piece by piece
+                    return "".join(p.replace("\r\n", "\n").replace("\r", "\n") for p in pieces) if "\r" in text else text
         return self._liquid_text(ctx)
 
     def _liquid_text(self, ctx: Mapping[str, Any]) -> str:
@@ -1990,12 +1977,6 @@ def _walk_outputs(bound: Any) -> Iterable[OutputNode]:
         stack.extend(node.children(static, include_partials=False))
 
 
-def _path_of(expr: Any) -> list[Any] | None:
-    left = getattr(expr, "left", None)
-    path = getattr(left, "path", None)
-    return path if isinstance(path, list) and path and isinstance(path[0], str) else None
-
-
 def check_template(source: str, line: int, place: Place, input_schema: Any = None,
                    budget: MarkupBudget | None = None) -> tuple[Template | None, list[tuple[int, str]]]:
     """Compile `source` for `place`; the template, or the problems as (line, message) pairs.
@@ -2045,9 +2026,9 @@ def _structure_problems(template: Template, compiled: str, line: int, input_sche
     out = []
     for node in _walk_outputs(template._bound):
         expr = node.expression
-        path = _path_of(expr)
+        path = getattr(getattr(expr, "left", None), "path", None)
         filters = getattr(expr, "filters", None) or []
-        if path is None or path[0] != "input" or (filters and filters[-1].name not in _LIST_FILTERS):
+        if not isinstance(path, list) or not path or path[0] != "input" or (filters and filters[-1].name not in _LIST_FILTERS):
             continue
         _, schema = _input_path_problem(path, input_schema)
         kinds = _schema_types(schema) & {"object", "array"}
@@ -2147,19 +2128,13 @@ def _kw_pattern_properties(validator: Any, patterns: Any, instance: Any, schema:
                 yield from validator.descend(value, subschema, path=key, schema_path=pattern)
 
 
-def _unlisted(instance: dict[str, Any], schema: Any) -> list[str]:
-    """The keys of `instance` that neither `properties` nor `patternProperties` of `schema` name."""
-    properties = schema.get("properties", {})
-    patterns = list(schema.get("patternProperties", {}))
-    return [key for key in instance
-            if key not in properties and not any(_finds(p, key) is not False for p in patterns)]
-
-
 def _kw_additional_properties(validator: Any, extra: Any, instance: Any, schema: Any) -> Iterable[ValidationError]:
     # jsonschema's own, with its patterns matched by RE2; the messages are its messages
     if not validator.is_type(instance, "object"):
         return
-    extras = set(_unlisted(instance, schema))
+    properties, patterns = schema.get("properties", {}), list(schema.get("patternProperties", {}))
+    extras = {key for key in instance                  # the keys neither properties nor patternProperties name
+              if key not in properties and not any(_finds(p, key) is not False for p in patterns)}
     if validator.is_type(extra, "object"):
         for key in extras:
             yield from validator.descend(instance[key], extra, path=key)
@@ -2249,7 +2224,7 @@ def _compiled_schema(text: str) -> Any:
     jsonschema = _jsonschema()
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     cls.check_schema(schema, format_checker=_format_checker(cls, regex=False))
-    unevaluated = not _KEYWORDS_BY_RE <= {key for _, key, _ in _schema_entries(schema, ())}
+    unevaluated = not _KEYWORDS_BY_RE <= {key for _, key, _ in _schema_entries(schema)}
     if not unevaluated:
         log.warning("a schema's unevaluatedProperties is not checked: it stands beside patternProperties")
     validator = _linear(cls, unevaluated)(schema, format_checker=_format_checker(cls), registry=referencing.Registry())
@@ -2381,7 +2356,7 @@ def _schema_problem(schema: Any) -> tuple[tuple[Any, ...], str] | None:
             not isinstance(schema["$schema"], str) or validators.validator_for(schema, default=None) is None):
         return ("$schema",), f"{schema['$schema']!r} is not a JSON Schema dialect this daemon knows"
     cls = validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-    entries = list(_schema_entries(schema, ()))
+    entries = list(_schema_entries(schema))
     for path, key, value in entries:   # before the meta-schema, which points at the mapping, not the key
         if key == "patternProperties" and isinstance(value, dict):
             for pattern in value:
@@ -2499,15 +2474,10 @@ def _unknown_keyword(node: Any, known: frozenset[str], path: tuple[Any, ...]) ->
     return None
 
 
-def _schema_entries(node: Any, path: tuple[Any, ...]) -> Iterable[tuple[tuple[Any, ...], str, Any]]:
-    """Every (path, key, value) of the mappings within a schema."""
-    if isinstance(node, dict):
-        for k, v in node.items():
-            yield path, k, v
-            yield from _schema_entries(v, path + (k,))
-    elif isinstance(node, list):
-        for i, v in enumerate(node):
-            yield from _schema_entries(v, path + (i,))
+def _schema_entries(node: Any) -> Iterable[tuple[tuple[Any, ...], str, Any]]:
+    """Every (path, key, value) of the mappings within a schema, in the order they are written
+    (a mapping's keys are texts, a list's indexes numbers)."""
+    return ((path[:-1], path[-1], v) for v, path in json_nodes(node) if path and isinstance(path[-1], str))
 
 
 # Reply rules. A rule maps top-level string properties of the answer to where in a reply their
@@ -2840,15 +2810,6 @@ class DocumentError(Exception):
 
 # Reading the front matter with lines.
 
-class _TooLarge(Exception):
-    """A document past MAX_DOCUMENT_NODES or MAX_DOCUMENT_DEPTH, marked where it passed."""
-
-    def __init__(self, problem: str, problem_mark: Any) -> None:
-        super().__init__(problem)
-        self.problem = problem
-        self.problem_mark = problem_mark
-
-
 @functools.cache
 def _front_matter_loader() -> type:
     """The loader class of front matter and workflow documents, made on first use (with PyYAML)."""
@@ -2862,16 +2823,18 @@ def _front_matter_loader() -> type:
         """Composes YAML 1.2 core scalars only, refuses anchors and aliases, and stops at the bounds.
 
         libyaml reads the text into events, which are composed here, in Python, with their marks; the
-        composing stops at the node past MAX_DOCUMENT_NODES or MAX_DOCUMENT_DEPTH (`_TooLarge`), so
-        neither the time nor the memory of composing grows with what a document holds past them.
+        composing stops at the node past MAX_DOCUMENT_NODES or MAX_DOCUMENT_DEPTH (a DocumentError
+        on its line; `offset` is the source's line of YAML's line 0), so neither the time nor the
+        memory of composing grows with what a document holds past them.
         """
 
         yaml_implicit_resolvers: dict[Any, Any] = {}
 
-        def __init__(self, text: str) -> None:
+        def __init__(self, text: str, offset: int) -> None:
             yaml.composer.Composer.__init__(self)
             yaml.resolver.Resolver.__init__(self)
             self.text = text
+            self.offset = offset
             self.nodes = 0
             self.depth = 0
             self.events = self._read(_YamlEvents, text)
@@ -2903,11 +2866,11 @@ def _front_matter_loader() -> type:
             event = self.peek_event()
             self.nodes += 1
             if self.nodes > MAX_DOCUMENT_NODES:
-                raise _TooLarge(problem=f"the document holds more than {MAX_DOCUMENT_NODES} YAML nodes"
-                                " (mappings, lists and values)", problem_mark=event.start_mark)
+                raise DocumentError.at(event.start_mark.line + self.offset, f"the document holds more than"
+                                       f" {MAX_DOCUMENT_NODES} YAML nodes (mappings, lists and values)")
             if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)) and self.depth >= MAX_DOCUMENT_DEPTH:
-                raise _TooLarge(problem=f"mappings and lists nest more than {MAX_DOCUMENT_DEPTH} deep",
-                                problem_mark=event.start_mark)
+                raise DocumentError.at(event.start_mark.line + self.offset,
+                                       f"mappings and lists nest more than {MAX_DOCUMENT_DEPTH} deep")
             # Refused, not raised, so the document's other problems still come back: an alias
             # becomes a scalar that `_scalar` refuses, an anchor a mark that `construct` reports.
             if isinstance(event, yaml.AliasEvent):
@@ -3092,14 +3055,17 @@ class _Reader:
         return value
 
     def duration(self, path: tuple[Any, ...], value: Any, low: timedelta = EXPIRES_MIN, high: timedelta = EXPIRES_MAX,
-                 bounds: str = "PT1M to P30D (1 minute to 30 days)") -> timedelta | None:
+                 bounds: str | None = "PT1M to P30D (1 minute to 30 days)") -> timedelta | None:
+        """An ISO 8601 duration (or a span a reader made already) from `low` to `high`, which `bounds`
+        words; without `bounds`, a span outside them is told in words, and so are they."""
         try:
-            span = parse_duration(value)
+            span = value if isinstance(value, timedelta) else parse_duration(value)
         except ValueError as exc:
             self.add(path, str(exc))
             return None
         if not low <= span <= high:
-            self.add(path, f"{value} is outside {bounds}")
+            self.add(path, f"{value} is outside {bounds}" if bounds else
+                     f"is {duration_words(span)}; it lies between {duration_words(low)} and {duration_words(high)}")
             return None
         return span
 
@@ -3152,9 +3118,9 @@ class _Reader:
         return tree
 
 
-def _split_source(source: str) -> tuple[str, str, int]:
+def _split_source(text: str) -> tuple[str, str, int]:
     """The front matter, the body, and the line the body starts on."""
-    lines = source.replace("\r\n", "\n").replace("\r", "\n").removeprefix("\ufeff").split("\n")
+    lines = text.split("\n")
     if lines[0].rstrip() != "---":
         raise DocumentError.at(1, "a function document starts with a line of three dashes (---), then its YAML "
                                   "front matter, another --- line, and the message")
@@ -3175,10 +3141,8 @@ def _compose(r: _Reader, text: str, what: str, shape: str, empty: bool = False) 
     import yaml
     loader = None
     try:
-        loader = _front_matter_loader()(text)
+        loader = _front_matter_loader()(text, r.offset)
         node = loader.get_single_node()
-    except _TooLarge as exc:
-        raise DocumentError.at(exc.problem_mark.line + r.offset, exc.problem) from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         raise DocumentError.at(mark.line + r.offset if mark else 1, f"{what} is not valid YAML: {exc.problem}") from None
@@ -3253,8 +3217,8 @@ async def check_off_loop(check: Callable[..., Any], *args: Any) -> Any:
 
 def parse_function(source: str) -> FunctionDoc:
     """Check and compile a function document; DocumentError lists every problem."""
-    def read(r: _Reader) -> FunctionDoc | None:
-        front, body, body_line = _split_source(source)
+    def read(r: _Reader, text: str) -> FunctionDoc | None:
+        front, body, body_line = _split_source(text)
         data = _compose(r, front, "the front matter", "the front matter is a mapping of fields, such as description: ...",
                         empty=True)
         return _check(r, source, data, body, body_line)
@@ -3262,12 +3226,13 @@ def parse_function(source: str) -> FunctionDoc:
     return replace(doc, overview=overview(doc))
 
 
-def _read_document(source: Any, not_text: str, r: _Reader, read: Callable[[Any], Any]) -> Any:
-    """What `read(r)` makes of a document's `source`; DocumentError lists every problem `r` collected."""
+def _read_document(source: Any, not_text: str, r: _Reader, read: Callable[[Any, str], Any]) -> Any:
+    """What `read(r, text)` makes of a document's `source` (as `text`, its line ends made \\n and its
+    byte order mark dropped); DocumentError lists every problem `r` collected."""
     if not isinstance(source, str):
         raise DocumentError.at(1, not_text)
     try:
-        doc = read(r)
+        doc = read(r, source.replace("\r\n", "\n").replace("\r", "\n").removeprefix("\ufeff"))
     except RecursionError:
         raise DocumentError.at(1, "the document nests too deeply") from None
     if r.problems or doc is None:
@@ -3281,7 +3246,9 @@ def _check(r: _Reader, source: str, data: dict[str, Any], body: str, body_line: 
             r.add((key,), f"{key!r} is not a field of a function document (its fields: {', '.join(_FIELDS)})")
     emailed = isinstance(data.get("deliver"), dict) and "email" in data["deliver"]
     shape = Shape.SYSTEM if "call" in data else Shape.TOOL if "deliver" in data and not emailed else Shape.INBOX
-    description = _description(r, data)
+    description = r.text(("description",), data["description"], "an explanation") if "description" in data else None
+    if description is not None and not 1 <= len(description.strip()) <= MAX_DESCRIPTION_CHARS:
+        r.add(("description",), f"is 1 to {MAX_DESCRIPTION_CHARS} characters, not {len(description.strip())}")
     input_schema = _schema_block(r, data, "input")
     output_schema = _schema_block(r, data, "output")
     to = from_ = message = expires = None
@@ -3318,8 +3285,9 @@ def _check(r: _Reader, source: str, data: dict[str, Any], body: str, body_line: 
             message = r.template(("body",), body, PLACES["message"], input_schema, line=body_line)
         else:
             r.add(("body",), "the message is missing: write it after the front matter", line=body_line)
-        if emailed:
-            email = _read_email_deliver(r, data["deliver"], input_schema)
+        if emailed:                 # `deliver: {email: TEMPLATE}`, the address it goes to; nothing beside it
+            r.mapping(("deliver",), data["deliver"], ("email",))
+            email = r.template(("deliver", "email"), data["deliver"]["email"], PLACES["deliver.email"], input_schema)
         elif "deliver" in data:
             deliver = _read_deliver(r, data["deliver"], input_schema)
     rule = _reply_rule(r, data, shape, output_schema)
@@ -3343,15 +3311,6 @@ def _check(r: _Reader, source: str, data: dict[str, Any], body: str, body_line: 
         output_schema=output_schema, call=call, deliver=deliver, replies=replies,
         reply_rule=APPROVAL_RULE if approve is not None and replies is not None else rule, approve=approve,
         tool_uses=tuple(uses), email=email, **follow)
-
-
-def _description(r: _Reader, data: dict[str, Any]) -> str | None:
-    if "description" not in data:
-        return None
-    text = r.text(("description",), data["description"], "an explanation")
-    if text is not None and not 1 <= len(text.strip()) <= MAX_DESCRIPTION_CHARS:
-        r.add(("description",), f"is 1 to {MAX_DESCRIPTION_CHARS} characters, not {len(text.strip())}")
-    return text
 
 
 def _schema_block(r: _Reader, data: dict[str, Any], key: str) -> Any:
@@ -3471,14 +3430,6 @@ def _read_deliver(r: _Reader, value: Any, input_schema: Any) -> DeliverSpec | No
     if server is None or tool is None or with_ is None:
         return None
     return DeliverSpec(server, tool, with_, sent)
-
-
-def _read_email_deliver(r: _Reader, value: dict[str, Any], input_schema: Any) -> Template | None:
-    """`deliver: {email: TEMPLATE}`: the address the message goes to; nothing beside it."""
-    block = r.mapping(("deliver",), value, ("email",), ("email",))
-    if block is None or "email" not in block:
-        return None
-    return r.template(("deliver", "email"), block["email"], PLACES["deliver.email"], input_schema)
 
 
 def _read_replies(r: _Reader, data: dict[str, Any], deliver: DeliverSpec | None,
@@ -12049,10 +12000,6 @@ class JqRunner:
                     return proc
         return await self._start()
 
-    def _start_ahead(self) -> None:
-        if not self._idle and self._spare is None and len(self._busy) < JQ_WORKERS:
-            self._spare = asyncio.ensure_future(self._start())
-
     @staticmethod
     def _stop(proc: asyncio.subprocess.Process | None) -> None:
         if proc is not None and proc.returncode is None:
@@ -12071,7 +12018,8 @@ class JqRunner:
             try:
                 proc = await self._take()
                 self._busy.add(proc)
-                self._start_ahead()
+                if not self._idle and self._spare is None and len(self._busy) < JQ_WORKERS:   # one ahead
+                    self._spare = asyncio.ensure_future(self._start())
                 assert proc.stdin is not None and proc.stdout is not None
                 proc.stdin.write(request.encode() + b"\n")
                 await proc.stdin.drain()
@@ -12184,7 +12132,6 @@ class WfCall:
 
 @dataclass(frozen=True, slots=True)
 class WfCase:
-    name: str
     when: Expr | None
     then: str
 
@@ -12234,10 +12181,9 @@ def parse_workflow(source: str, name: str | None = None) -> WorkflowDoc:
 
     `name`, when given, is the definition's name, which `document.name` must equal.
     """
-    def read(r: _WorkflowReader) -> WorkflowDoc | None:
-        text = source.replace("\r\n", "\n").replace("\r", "\n").removeprefix("\ufeff")
-        data = _compose(r, text, "the document", "a workflow document is a YAML mapping of document, input, do and output")
-        return r.read(data)
+    def read(r: _WorkflowReader, text: str) -> WorkflowDoc | None:
+        return r.read(_compose(r, text, "the document",
+                               "a workflow document is a YAML mapping of document, input, do and output"))
     doc = _read_document(source, "a workflow document is YAML text", _WorkflowReader(name), read)
     return replace(doc, overview=workflow_overview(doc))
 
@@ -12334,20 +12280,12 @@ class _WorkflowReader(_Reader):
                     return None
                 ms += int(n * units[key])
             try:
-                span = timedelta(milliseconds=ms)
+                value = timedelta(milliseconds=ms)
             except OverflowError:
                 self.add(path, f"is longer than any duration the daemon keeps (at most {timedelta.max.days} days)")
                 return None
-        else:
-            try:
-                span = parse_duration(value)
-            except ValueError as exc:
-                self.add(path, str(exc))
-                return None
-        if not low <= span <= high:
-            self.add(path, f"is {duration_words(span)}; it lies between {duration_words(low)} and {duration_words(high)}")
-            return None
-        return int(span.total_seconds() * 1000)
+        span = self.duration(path, value, low, high, bounds=None)
+        return None if span is None else int(span.total_seconds() * 1000)
 
     def expr(self, path: tuple[Any, ...], value: Any, names: tuple[str, ...]) -> Expr | None:
         """A field that is an expression whole (if, when, exceptWhen): `${ ... }` or bare jq."""
@@ -12397,28 +12335,31 @@ class _WorkflowReader(_Reader):
             return value
         return map_leaves(value, leaf, path)
 
+    def named(self, path: tuple[Any, ...], value: Any, what: str, example: str) -> Iterator[tuple[tuple[Any, ...], Any, Any]]:
+        """The items of a list of named tasks or cases (`- name: {...}`): each one's path, name and body."""
+        if not isinstance(value, list) or not value:
+            self.add(path, f"is a list of named {what}s, such as {example}")
+            return
+        for i, item in enumerate(value):
+            if not isinstance(item, dict) or len(item) != 1:
+                self.add(path + (i,), f"is one named {what}: a mapping with a single key, the {what}'s name")
+            else:
+                yield (path + (i,), *next(iter(item.items())))
+
     def task_list(self, path: tuple[Any, ...], value: Any, names: tuple[str, ...]) -> str:
         ref = pointer_join(path)
         self.lists[ref] = ()
-        if not isinstance(value, list) or not value:
-            self.add(path, "is a list of named tasks, such as - ask: {call: run_definition, with: {...}}")
-            return ref
         tasks: list[WfTask] = []
-        seen: dict[str, int] = {}
+        seen: dict[str, tuple[Any, ...]] = {}
         jumps: list[tuple[tuple[Any, ...], Any]] = []
-        for i, item in enumerate(value):
-            at = path + (i,)
-            if not isinstance(item, dict) or len(item) != 1:
-                self.add(at, "is one named task: a mapping with a single key, the task's name")
-                continue
-            (tname, body), = item.items()
+        for at, tname, body in self.named(path, value, "task", "- ask: {call: run_definition, with: {...}}"):
             if not _TASK_NAME_RE.fullmatch(tname):
                 self.add(at, f"{tname!r} is not a task name: 1 to 64 letters, digits, underscores, dots and hyphens")
                 continue
             if tname in seen:
-                self.add(at, f"a task named {tname!r} is already on line {self.line(path + (seen[tname],))}; names are unique in a list")
+                self.add(at, f"a task named {tname!r} is already on line {self.line(seen[tname])}; names are unique in a list")
                 continue
-            seen[tname] = i
+            seen[tname] = at
             task = self.task(at + (tname,), tname, body, names, jumps)
             if task is not None:
                 tasks.append(task)
@@ -12466,28 +12407,25 @@ class _WorkflowReader(_Reader):
         spec = body[kind]
         at = path + (kind,)
         if kind == "call":
-            return self._task(name, ref, kind, common, body=self.call(path, spec, body.get("with"), names))
-        if kind == "set":
+            common["body"] = self.call(path, spec, body.get("with"), names)
+        elif kind == "set":
             if not isinstance(spec, (dict, str)):
                 self.add(at, "is the data to set: a mapping, or a runtime expression '${ ... }'")
-            return self._task(name, ref, kind, common, body=self.tree(at, spec, names))
-        if kind == "switch":
-            return self._task(name, ref, kind, common, body=self.switch(at, spec, names, jumps))
-        if kind == "wait":
-            return self._task(name, ref, kind, common, body=self.span_ms(at, spec, timedelta(0), WORKFLOW_WAIT_MAX))
-        if kind == "raise":
-            return self._task(name, ref, kind, common, body=self.raise_(at, spec, names))
-        if kind == "do":
-            return self._task(name, ref, kind, common, lists=(self.task_list(at, spec, names),))
-        try_ref = self.task_list(at, spec, names)
-        if "catch" not in body:
-            self.add(path, "a try needs its catch: which errors it takes, and what then")
-            return None
-        return self._task(name, ref, kind, common, lists=(try_ref,), catch=self.catch(path + ("catch",), body["catch"], names))
-
-    def _task(self, name: str, ref: str, kind: str, common: dict[str, Any], **kw: Any) -> WfTask:
-        task = WfTask(name=name, ref=ref, kind=kind, **common, **kw)
-        self.tasks[ref] = task
+            common["body"] = self.tree(at, spec, names)
+        elif kind == "switch":
+            common["body"] = self.switch(at, spec, names, jumps)
+        elif kind == "wait":
+            common["body"] = self.span_ms(at, spec, timedelta(0), WORKFLOW_WAIT_MAX)
+        elif kind == "raise":
+            common["body"] = self.raise_(at, spec, names)
+        else:                                       # do and try: their list
+            common["lists"] = (self.task_list(at, spec, names),)
+        if kind == "try":
+            if "catch" not in body:
+                self.add(path, "a try needs its catch: which errors it takes, and what then")
+                return None
+            common["catch"] = self.catch(path + ("catch",), body["catch"], names)
+        task = self.tasks[ref] = WfTask(name=name, ref=ref, kind=kind, **common)
         return task
 
     def call(self, path: tuple[Any, ...], call: Any, with_: Any, names: tuple[str, ...]) -> WfCall | None:
@@ -12512,24 +12450,16 @@ class _WorkflowReader(_Reader):
 
     def switch(self, path: tuple[Any, ...], spec: Any, names: tuple[str, ...],
                jumps: list[tuple[tuple[Any, ...], Any]]) -> tuple[WfCase, ...]:
-        if not isinstance(spec, list) or not spec:
-            self.add(path, "is a list of named cases, such as - approved: {when: '${ .approved }', then: publish}")
-            return ()
         cases = []
         defaults = 0
-        for i, item in enumerate(spec):
-            at = path + (i,)
-            if not isinstance(item, dict) or len(item) != 1:
-                self.add(at, "is one named case: a mapping with a single key, the case's name")
-                continue
-            (cname, case), = item.items()
+        for at, cname, case in self.named(path, spec, "case", "- approved: {when: '${ .approved }', then: publish}"):
             c = self.mapping(at + (cname,), case, ("when", "then"), required=("then",))
             if c is None or "then" not in c:
                 continue
             when = self.expr(at + (cname, "when"), c["when"], names) if "when" in c else None
             defaults += "when" not in c
             jumps.append((at + (cname, "then"), c["then"]))
-            cases.append(WfCase(str(cname), when, c["then"] if isinstance(c["then"], str) else "continue"))
+            cases.append(WfCase(when, c["then"] if isinstance(c["then"], str) else "continue"))
         if defaults > 1:
             self.add(path, "has more than one default case (a case without when)")
         return tuple(cases)
@@ -12755,10 +12685,15 @@ class _Walk:
         top = self.stack[-1]
         if "list" in top:
             tasks = self.doc.lists[top["list"]]
-            if top["i"] >= len(tasks):
-                await self._finish_list()
-            else:
+            if top["i"] < len(tasks):
                 await self._begin(tasks[top["i"]])
+                return
+            self.stack.pop()            # the list is done: so is the workflow, or the task whose list it is
+            if not self.stack:
+                await self._end(top["data"])
+                return
+            owner = self.stack[-1]
+            await self._complete(self.doc.tasks[owner["task"]], top["data"], owner["input"])
             return
         task = self.doc.tasks[top["task"]]
         if task.kind == "call":
@@ -12958,14 +12893,6 @@ class _Walk:
             await self._end(out)
         else:
             lf["i"] = next(i for i, t in enumerate(tasks) if t.name == then)
-
-    async def _finish_list(self) -> None:
-        lf = self.stack.pop()
-        if not self.stack:
-            await self._end(lf["data"])
-            return
-        owner = self.stack[-1]
-        await self._complete(self.doc.tasks[owner["task"]], lf["data"], owner["input"])
 
     async def _end(self, out: Any) -> None:
         if self.doc.output_as is not None:
