@@ -14197,6 +14197,15 @@ def _run_result(run: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     return run, run["status"] not in (RunStatus.STARTED, RunStatus.WAITING, RunStatus.SUCCEEDED)
 
 
+def _tool_result(data: Any, is_error: bool = False, note: str | None = None) -> Any:
+    """A tool's answer as a CallToolResult: the data as text and as structured content, then a note."""
+    from mcp import types as mt
+    content = [mt.TextContent(type="text", text=dumps(data))]
+    if note:
+        content.append(mt.TextContent(type="text", text=note))
+    return mt.CallToolResult(content=content, structured_content=data, is_error=is_error)
+
+
 async def _t_run(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
     run, _fresh = await e.run_definition(c, pb, a.get("type", "interaction"), a["name"], a.get("input"), a.get("run_id"))
     return _run_result(run)
@@ -14205,6 +14214,11 @@ async def _t_run(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> An
 #: What a person's wait_run shows of a run that asks them: its outcome, not its input.
 _PERSON_RUN_FIELDS: Final = ("run_id", "playbook", "type", "name", "status", "kind", "output", "problem",
                              "created_at", "ended_at", "settled_by", "answer_url")
+
+
+def _shown_run(c: Caller, run: dict[str, Any]) -> dict[str, Any]:
+    """A run as a wait shows it to the caller: to a person, its outcome only."""
+    return run if c.person is None else {k: run[k] for k in _PERSON_RUN_FIELDS if k in run}
 
 
 async def _t_wait_run(e: Engine, c: Caller, pb: str, a: dict[str, Any], call: McpCall) -> Any:
@@ -14226,8 +14240,7 @@ async def _t_wait_run(e: Engine, c: Caller, pb: str, a: dict[str, Any], call: Mc
         run, note = out
         if note:
             notes.append(note)
-    if c.person is not None:
-        run = {k: run[k] for k in _PERSON_RUN_FIELDS if k in run}
+    run = _shown_run(c, run)
     if timeout > MAX_MCP_WAIT_S and not call.tasks:
         notes.append(f"timeout {timeout:g} s was cut to {MAX_MCP_WAIT_S:g} s, the longest one call waits;"
                      " call wait_run again to wait longer")
@@ -14821,13 +14834,8 @@ class McpTasks:
 
     def call_result(self, caller: Caller, run: dict[str, Any]) -> dict[str, Any]:
         """The CallToolResult a blocking wait_run gives for an ended run."""
-        from mcp import types as mt
-        data, is_error = _run_result(run)
-        if caller.person is not None:
-            data = {k: data[k] for k in _PERSON_RUN_FIELDS if k in data}
-        return mt.CallToolResult(content=[mt.TextContent(type="text", text=dumps(data))], structured_content=data,
-                                 is_error=is_error).model_dump(by_alias=True, mode="json", exclude_none=True,
-                                                               exclude={"result_type"})
+        return _tool_result(*_run_result(_shown_run(caller, run))).model_dump(
+            by_alias=True, mode="json", exclude_none=True, exclude={"result_type"})
 
     async def task(self, ctx: Any, caller: Caller, playbook: str, run_id: str, *,
                    detailed: bool = True) -> dict[str, Any]:
@@ -15107,12 +15115,6 @@ def make_mcp_server(engine: Engine, *, caller: Caller | None = None, scoped_play
             return mt.ListToolsResult(tools=[t for t in listed if tools[t.name].person])
         return mt.ListToolsResult(tools=listed)
 
-    def result(data: Any, is_error: bool = False, note: str | None = None) -> mt.CallToolResult:
-        content = [mt.TextContent(type="text", text=dumps(data))]
-        if note:
-            content.append(mt.TextContent(type="text", text=note))
-        return mt.CallToolResult(content=content, structured_content=data, is_error=is_error)
-
     def home(ctx: Any, who: Caller) -> str:
         return scoped_playbook or who.playbook or DEFAULT_PLAYBOOK
 
@@ -15154,14 +15156,12 @@ def make_mcp_server(engine: Engine, *, caller: Caller | None = None, scoped_play
                                                                  tasks=tasked and tool.name in TASK_TOOLS))
             if isinstance(out, mt.InputRequiredResult):
                 return out
-            if isinstance(out, tuple):
-                return result(*out)
-            return result(out)
+            return _tool_result(*out) if isinstance(out, tuple) else _tool_result(out)
         except Problem as exc:
-            return result(exc.body(), True)
+            return _tool_result(exc.body(), True)
         except Exception:
             log.exception("MCP tool %s failed", getattr(params, "name", "?"))
-            return result(Problem("failed", "the daemon failed on this call; its log says why").body(), True)
+            return _tool_result(Problem("failed", "the daemon failed on this call; its log says why").body(), True)
 
     def person_here(ctx: Any, who: Caller) -> str | None:
         try:
