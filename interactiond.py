@@ -14496,6 +14496,14 @@ def elicitation_form(schema: Any) -> dict[str, Any] | None:
     return {"type": "object", "properties": fields, **({"required": required} if required else {})}
 
 
+def _elicit(ctx: Any, params: Any) -> Any:
+    """Put a question - a form's or a link's elicitation params - to the client of the request `ctx`."""
+    from mcp import types as mt
+    from mcp.shared.message import ServerMessageMetadata
+    return ctx.session.send_request(mt.ElicitRequest(params=params), mt.ElicitResult,
+                                    metadata=ServerMessageMetadata(related_request_id=ctx.request_id))
+
+
 class ElicitationBridge:
     """One wait_run that asks the person at the client (see above). Made only when the client
     declared elicitation, the caller may answer, and the session names a person."""
@@ -14622,12 +14630,7 @@ class ElicitationBridge:
                         mode, params = question
                         if mode == "url":
                             link_id = params.elicitation_id
-                            ask = self.ctx.session.elicit_url(params.message, params.url, params.elicitation_id,
-                                                              related_request_id=self.ctx.request_id)
-                        else:
-                            ask = self.ctx.session.elicit_form(params.message, params.requested_schema,
-                                                               related_request_id=self.ctx.request_id)
-                        pending = asyncio.ensure_future(ask)
+                        pending = asyncio.ensure_future(_elicit(self.ctx, params))
                 left = deadline - loop.time()
                 # While the question is open in the client the wait holds past its time (the person is at it).
                 span = max(0.0, left) if pending is None or left > 0 else MAX_MCP_WAIT_S
@@ -18392,14 +18395,10 @@ async def _stdio_front(db: str, playbook: str | None, here: str | None = None) -
             answers: dict[str, Any] = {}
             for key, asked in (result.input_requests or {}).items():
                 q = asked.params
+                if isinstance(q, mt.ElicitRequestURLParams) and not q.elicitation_id:   # this era's link has an id
+                    q = q.model_copy(update={"elicitation_id": secrets.token_hex(8)})
                 try:
-                    if isinstance(q, mt.ElicitRequestURLParams):
-                        answers[key] = await ctx.session.elicit_url(q.message, q.url,
-                                                                    q.elicitation_id or secrets.token_hex(8),
-                                                                    related_request_id=ctx.request_id)
-                    else:
-                        answers[key] = await ctx.session.elicit_form(q.message, q.requested_schema,
-                                                                     related_request_id=ctx.request_id)
+                    answers[key] = await _elicit(ctx, q)
                 except Exception:                      # this client cannot ask it: dismissed
                     answers[key] = mt.ElicitResult(action="cancel")
             result = await up.session.call_tool(params.name, args, progress_callback=relay, input_responses=answers,
