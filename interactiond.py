@@ -14757,6 +14757,15 @@ def _legacy_tasks(ctx: Any) -> bool:
     return getattr(ctx, "protocol_version", None) not in MODERN_PROTOCOL_VERSIONS
 
 
+async def _quiet(left: float) -> None:
+    """No heartbeat: a task's question is read, not waited on."""
+
+
+def _legacy_task_call(ctx: Any) -> bool:
+    """A request of the 2025-11-25 era asking for a task (`params.task`)."""
+    return _legacy_tasks(ctx) and isinstance(ctx.params, Mapping) and isinstance(ctx.params.get("task"), Mapping)
+
+
 class McpTasks:
     """The Tasks extension over the engine's runs, for one MCP server (see above). `who` gives a
     request's caller, `home` the playbook a task id without one names, `here` the person at the
@@ -14781,9 +14790,6 @@ class McpTasks:
                           f"{TASKS_EXTENSION} in the request's _meta",
                           {"requiredCapabilities": {"extensions": {TASKS_EXTENSION: {}}}})
 
-    def task_id(self, ctx: Any, caller: Caller, playbook: str, run_id: str) -> str:
-        return run_id if playbook == self.home(ctx, caller) else f"{playbook}/{run_id}"
-
     def locate(self, ctx: Any, task_id: Any) -> tuple[Caller, str, str]:
         """(caller, playbook, run id) of a task id this caller may read, else -32602."""
         caller = self.who(ctx)
@@ -14805,18 +14811,13 @@ class McpTasks:
 
     # -- the task, as tasks/get shows it ------------------------------------------------------------
 
-    def bridge(self, ctx: Any, caller: Caller, playbook: str, run_id: str) -> ElicitationBridge | None:
-        async def quiet(left: float) -> None:
-            return None
-        return ElicitationBridge.make(self.engine, caller, playbook, run_id,
-                                      McpCall(quiet, ctx, self.here(ctx, caller), None, tasks=True))
-
     async def question(self, ctx: Any, caller: Caller, playbook: str, run_id: str,
                        view: dict[str, Any]) -> tuple[str, str, Any] | None:
         """The question the task puts to the person at this client now - (key, mode, elicitation
         params) - or None: not theirs, this client cannot ask it, they declined, or it was asked
         MAX_ELICIT_ASKS times. A key is the request's id and the ask's number: one key per ask."""
-        bridge = self.bridge(ctx, caller, playbook, run_id)
+        bridge = ElicitationBridge.make(self.engine, caller, playbook, run_id,
+                                        McpCall(_quiet, ctx, self.here(ctx, caller), None, tasks=True))
         if bridge is None:
             return None
         req = await bridge._askable()
@@ -14850,7 +14851,7 @@ class McpTasks:
         view = await engine.task_view(caller, playbook, run_id)
         expires = view["expires_at"]
         task: dict[str, Any] = {
-            "taskId": self.task_id(ctx, caller, playbook, run_id), "status": "working",
+            "taskId": run_id if playbook == self.home(ctx, caller) else f"{playbook}/{run_id}", "status": "working",
             "createdAt": fmt_time(view["created_at"]), "lastUpdatedAt": fmt_time(view["updated_at"]),
             "ttlMs": expires + MCP_TASK_KEPT_MS - view["created_at"] if expires is not None else None,
             "pollIntervalMs": MCP_TASK_POLL_MS,
@@ -14953,16 +14954,6 @@ class McpTasks:
             return None                                  # it ended meanwhile: the blocking result says so
         return {"resultType": "task", **task}
 
-    async def intercept(self, params: Any, ctx: Any, call_next: Callable[[Any], Any]) -> Any:
-        """`tools/call`: a task in place of a run that waits, for a request that declared the extension
-        (the 2026-07-28 era; the 2025-11-25 era's `params.task` is served by `legacy_call`)."""
-        from mcp import types as mt
-        out = await call_next(ctx)
-        if (params.name not in TASK_TOOLS or not _declares_tasks(ctx) or _legacy_tasks(ctx)
-                or not isinstance(out, mt.CallToolResult) or out.is_error):
-            return out
-        return await self.created(ctx, out.structured_content) or out
-
     async def waited(self, caller: Caller, playbook: str, run_id: str, seconds: float) -> bool:
         """Wait up to `seconds` for the run to end; False when the wait came back early without an
         ending (the daemon is stopping: a loop over waits then stops too)."""
@@ -15060,15 +15051,6 @@ class McpTasks:
                 tasks.append(self.legacy_shape(await self.task(ctx, caller, playbook, run["run_id"], detailed=False)))
         return {"tasks": tasks, **({"nextCursor": page["next_cursor"]} if page.get("next_cursor") else {})}
 
-    async def legacy_call(self, ctx: Any, call_next: Callable[[Any], Any]) -> Any:
-        """A `tools/call` with `params.task` (2025-11-25): a CreateTaskResult for a run that waits; the
-        run is made (or read) by the call itself, which returns at once."""
-        out = await call_next(ctx)
-        if self.params(ctx).get("name") not in TASK_TOOLS or not isinstance(out, Mapping) or out.get("isError"):
-            return out
-        task = await self.created(ctx, out.get("structuredContent"))
-        return {"task": self.legacy_shape(task)} if task is not None else out
-
 
 def _notice(method: str, params: dict[str, Any]) -> Any:
     """A notification of a method the SDK's types do not name (notifications/tasks)."""
@@ -15154,7 +15136,7 @@ def make_mcp_server(engine: Engine, *, caller: Caller | None = None, scoped_play
                                          if view["party"] else "waiting for the run to end")
                     await ctx.session.report_progress(round(waited, 1), round(waited + max(0.0, left), 1),
                                                       f"{waits_for[0]}; {left:.0f} s left in this call")
-            tasked = _declares_tasks(ctx) or (_legacy_tasks(ctx) and isinstance((ctx.params or {}).get("task"), Mapping))
+            tasked = _declares_tasks(ctx) or _legacy_task_call(ctx)
             out = await tool.call(engine, who, pb, args, McpCall(progress, ctx, here_of(ctx, who), params,
                                                                  tasks=tasked and tool.name in TASK_TOOLS))
             if isinstance(out, mt.InputRequiredResult):
@@ -15175,8 +15157,13 @@ def make_mcp_server(engine: Engine, *, caller: Caller | None = None, scoped_play
     tasks = McpTasks(engine, who_calls, home, person_here)
 
     async def call_or_task(ctx: Any, params: Any) -> Any:
-        """tools/call, the Tasks extension's interceptor around it (a task for a run that waits)."""
-        return await tasks.intercept(params, ctx, lambda ctx: call_tool(ctx, params))
+        """tools/call; a request that declared the Tasks extension (2026-07-28) gets a task in place of
+        a run that waits."""
+        out = await call_tool(ctx, params)
+        if (params.name in TASK_TOOLS and _declares_tasks(ctx) and not _legacy_tasks(ctx)
+                and isinstance(out, mt.CallToolResult) and not out.is_error):
+            return await tasks.created(ctx, out.structured_content) or out
+        return out
     server = _McpServer("interactiond", version=__version__, on_list_tools=list_tools, on_call_tool=call_or_task,
                         on_subscriptions_listen=tasks.listen,
                         instructions="Ask a person (or a system) a question and wait for a validated answer. "
@@ -15195,12 +15182,15 @@ def make_mcp_server(engine: Engine, *, caller: Caller | None = None, scoped_play
     server.get_capabilities = with_tasks
 
     async def legacy_tasks(ctx: Any, call_next: Any) -> Any:
-        """A 2025-11-25 `tools/call` with `params.task` gets that era's CreateTaskResult (the result's
-        shape is not a CallToolResult, so it is made here, above the SDK's check of the result)."""
-        if (ctx.method == "tools/call" and _legacy_tasks(ctx) and isinstance(ctx.params, Mapping)
-                and isinstance(ctx.params.get("task"), Mapping)):
-            return await tasks.legacy_call(ctx, call_next)
-        return await call_next(ctx)
+        """A 2025-11-25 `tools/call` with `params.task` gets that era's CreateTaskResult for a run that
+        waits (the call itself made or read the run and returned at once). The result's shape is not a
+        CallToolResult, so it is made here, above the SDK's check of the result."""
+        out = await call_next(ctx)
+        if (ctx.method == "tools/call" and _legacy_task_call(ctx) and ctx.params.get("name") in TASK_TOOLS
+                and isinstance(out, Mapping) and not out.get("isError")
+                and (task := await tasks.created(ctx, out.get("structuredContent"))) is not None):
+            return {"task": tasks.legacy_shape(task)}
+        return out
     server.middleware.append(legacy_tasks)
     return server
 
