@@ -14504,6 +14504,13 @@ def _elicit(ctx: Any, params: Any) -> Any:
                                     metadata=ServerMessageMetadata(related_request_id=ctx.request_id))
 
 
+def _modern(ctx: Any) -> bool:
+    """Whether the request `ctx` is of the 2026-07-28 era, which has no session: a question is the
+    call's result, and experimental tasks (2025-11-25 or older) have their own shapes."""
+    from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+    return getattr(ctx, "protocol_version", None) in MODERN_PROTOCOL_VERSIONS
+
+
 class ElicitationBridge:
     """One wait_run that asks the person at the client (see above). Made only when the client
     declared elicitation, the caller may answer, and the session names a person."""
@@ -14533,11 +14540,6 @@ class ElicitationBridge:
             return None
         url = declared.url is not None
         return cls(engine, caller, playbook, run_id, call, declared.form is not None or not url, url)
-
-    @property
-    def modern(self) -> bool:
-        from mcp_types.version import MODERN_PROTOCOL_VERSIONS
-        return self.ctx.protocol_version in MODERN_PROTOCOL_VERSIONS
 
     async def _askable(self) -> dict[str, Any] | None:
         """The run's request when it is open, takes an answer, and is addressed to the person here
@@ -14581,7 +14583,7 @@ class ElicitationBridge:
                        f" show, so it is answered at its page.\n\n{req['message']}")
             return "url", mt.ElicitRequestURLParams(        # 2026-07-28's wire format has no elicitation id
                 message=message, url=req["answer_url"],
-                elicitation_id=None if self.modern else f"{req['id']}.{secrets.token_hex(4)}")
+                elicitation_id=None if _modern(self.ctx) else f"{req['id']}.{secrets.token_hex(4)}")
         return None
 
     async def _took(self, mode: str, result: Any, n: int) -> tuple[Problem | None, str | None]:
@@ -14605,7 +14607,7 @@ class ElicitationBridge:
     async def wait(self, timeout: float) -> tuple[dict[str, Any], str | None] | Any:
         """The run (and a note) once it ends or the wait's time is up; in 2026-07-28 also the question
         itself (an input_required result) while the person is still to be asked."""
-        return await (self._wait_modern(timeout) if self.modern else self._wait_session(timeout))
+        return await (self._wait_modern(timeout) if _modern(self.ctx) else self._wait_session(timeout))
 
     # 2025-11-25: ask over the session while waiting --------------------------------------------
 
@@ -14751,19 +14753,13 @@ def _declares_tasks(ctx: Any) -> bool:
     return isinstance(exts, Mapping) and TASKS_EXTENSION in exts
 
 
-def _legacy_tasks(ctx: Any) -> bool:
-    """A connection of the 2025-11-25 era (or older), whose experimental tasks have their own shapes."""
-    from mcp_types.version import MODERN_PROTOCOL_VERSIONS
-    return getattr(ctx, "protocol_version", None) not in MODERN_PROTOCOL_VERSIONS
-
-
 async def _quiet(left: float) -> None:
     """No heartbeat: a task's question is read, not waited on."""
 
 
 def _legacy_task_call(ctx: Any) -> bool:
     """A request of the 2025-11-25 era asking for a task (`params.task`)."""
-    return _legacy_tasks(ctx) and isinstance(ctx.params, Mapping) and isinstance(ctx.params.get("task"), Mapping)
+    return not _modern(ctx) and isinstance(ctx.params, Mapping) and isinstance(ctx.params.get("task"), Mapping)
 
 
 class McpTasks:
@@ -14891,7 +14887,7 @@ class McpTasks:
     # -- the methods ----------------------------------------------------------------------------------
 
     async def get(self, ctx: Any, params: Any) -> dict[str, Any]:
-        if not _declares_tasks(ctx) and not _legacy_tasks(ctx):
+        if not _declares_tasks(ctx) and _modern(ctx):
             raise self.missing()
         task = (await self.read(ctx, self.params(ctx).get("taskId")))[3]
         return task if _declares_tasks(ctx) else self.legacy_shape(task)     # 2025-11-25: that era's shape
@@ -14932,7 +14928,7 @@ class McpTasks:
         return {}
 
     async def cancel(self, ctx: Any, params: Any) -> dict[str, Any]:
-        if not _declares_tasks(ctx) and not _legacy_tasks(ctx):
+        if not _declares_tasks(ctx) and _modern(ctx):
             raise self.missing()
         caller, playbook, run_id, task = await self.read(ctx, self.params(ctx).get("taskId"))
         try:
@@ -15160,7 +15156,7 @@ def make_mcp_server(engine: Engine, *, caller: Caller | None = None, scoped_play
         """tools/call; a request that declared the Tasks extension (2026-07-28) gets a task in place of
         a run that waits."""
         out = await call_tool(ctx, params)
-        if (params.name in TASK_TOOLS and _declares_tasks(ctx) and not _legacy_tasks(ctx)
+        if (params.name in TASK_TOOLS and _declares_tasks(ctx) and _modern(ctx)
                 and isinstance(out, mt.CallToolResult) and not out.is_error):
             return await tasks.created(ctx, out.structured_content) or out
         return out
@@ -18302,7 +18298,6 @@ async def _stdio_front(db: str, playbook: str | None, here: str | None = None) -
     from mcp.client.streamable_http import streamable_http_client
     from mcp.server import Server as _McpServer
     from mcp.server.stdio import stdio_server
-    from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
     try:
         url = _beside(db, ".url").read_text().strip()
@@ -18374,7 +18369,7 @@ async def _stdio_front(db: str, playbook: str | None, here: str | None = None) -
 
         async def relay(progress: float, total: float | None, message: str | None) -> None:
             await ctx.session.report_progress(progress, total, message)
-        if ctx.protocol_version in MODERN_PROTOCOL_VERSIONS:     # the same era: questions pass through
+        if _modern(ctx):     # the same era: questions pass through
             return await up.session.call_tool(params.name, args, progress_callback=relay,
                                               input_responses=params.input_responses,
                                               request_state=params.request_state, allow_input_required=True)
@@ -18408,10 +18403,8 @@ async def _stdio_front(db: str, playbook: str | None, here: str | None = None) -
 
     async def tasks_up(ctx: Any, call_next: Callable[[Any], Any]) -> Any:
         params = dict(ctx.params) if isinstance(ctx.params, Mapping) else {}
-        caps = (params.get("_meta") or {}).get(CLIENT_CAPABILITIES_META) or {}
-        declared = isinstance(caps, Mapping) and TASKS_EXTENSION in (caps.get("extensions") or {})
         if not (ctx.method in ("tasks/get", "tasks/update", "tasks/cancel")
-                or (ctx.method == "tools/call" and declared and params.get("name") in TASK_TOOLS)):
+                or (ctx.method == "tools/call" and _declares_tasks(ctx) and params.get("name") in TASK_TOOLS)):
             return await call_next(ctx)
         if ctx.method == "tools/call" and playbook:
             params["arguments"] = {**(params.get("arguments") or {}), "playbook": playbook}
