@@ -15908,9 +15908,10 @@ def _stream_page(tx: Tx, playbooks: list[str], after: int) -> tuple[bytes, int, 
     return "".join(chunks).encode(), (rows[-1]["id"] if rows else after), len(rows) == SSE_PAGE
 
 
-def _last_event_id_source(request: web.Request) -> dict[str, str]:
-    """Where the resume point came from, for a problem's `errors`: the header or the query parameter."""
-    return {"header": "Last-Event-ID"} if request.headers.get("Last-Event-ID") else {"pointer": "/last_event_id"}
+def _bad_resume(request: web.Request, detail: str) -> Problem:
+    """A resume point the stream cannot take, with where it came from: the header or the query parameter."""
+    where = {"header": "Last-Event-ID"} if request.headers.get("Last-Event-ID") else {"pointer": "/last_event_id"}
+    return _v2_problem("bad_request", detail, errors=[{**where, "message": "an event id the stream sent"}])
 
 
 def _last_event_id(request: web.Request) -> int | None:
@@ -15919,8 +15920,7 @@ def _last_event_id(request: web.Request) -> int | None:
         return None
     m = re.fullmatch(r"(?:evt_)?([0-9]{1,18})", text.strip())
     if not m:
-        raise _v2_problem("bad_request", "Last-Event-ID is an event id as the stream sent it (evt_123)",
-                          errors=[{**_last_event_id_source(request), "message": "an event id the stream sent"}])
+        raise _bad_resume(request, "Last-Event-ID is an event id as the stream sent it (evt_123)")
     return int(m.group(1))
 
 
@@ -15939,9 +15939,8 @@ async def serve_stream(request: web.Request, playbooks: list[str]) -> web.Stream
         if after is None:
             after = newest
         elif after > newest:                # never sent: resuming there would skip what comes before it
-            raise _v2_problem("bad_request", f"Last-Event-ID evt_{after} names no event the stream sent; the newest "
-                              f"is evt_{newest}. Resume from an id the stream sent, or leave the header out.",
-                              errors=[{**_last_event_id_source(request), "message": "an event id the stream sent"}])
+            raise _bad_resume(request, f"Last-Event-ID evt_{after} names no event the stream sent; the newest is"
+                              f" evt_{newest}. Resume from an id the stream sent, or leave the header out.")
         await resp.prepare(request)
         await resp.write(f"retry: {SSE_RETRY_MS}\n: stream open after evt_{after}\n\n".encode())
         while True:
