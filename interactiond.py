@@ -16268,25 +16268,23 @@ class Client:
             try:
                 status, raw, got_headers = http_exchange(method, url, head, data, self.timeout)
             except OSError as exc:
-                if not last:
-                    time.sleep(self.backoff * 2 ** attempt)
-                    continue
-                raise ClientError("unreachable", f"{method} {url}: {exc}", status=503, code="unreachable") from exc
-            if status < 400:
-                return json.loads(raw or b"null")
-            try:
-                got = json.loads(raw)
-            except ValueError:
-                got = None
-            if got_headers.get_content_type() == "application/json" and isinstance(got, dict) and "run_id" in got:
-                return got
-            if status >= 500 and not last:
-                time.sleep(self.backoff * 2 ** attempt)
-                continue
-            if not isinstance(got, dict):
-                got = {"type": PROBLEM_BASE + "failed", "title": http.client.responses.get(status, f"HTTP {status}"), "status": status,
-                       "detail": raw.decode(errors="replace")[:500]}
-            raise ClientError.from_body(got) from None
+                if last:
+                    raise ClientError("unreachable", f"{method} {url}: {exc}", status=503, code="unreachable") from exc
+            else:
+                if status < 400:
+                    return json.loads(raw or b"null")
+                try:
+                    got = json.loads(raw)
+                except ValueError:
+                    got = None
+                if got_headers.get_content_type() == "application/json" and isinstance(got, dict) and "run_id" in got:
+                    return got
+                if status < 500 or last:
+                    if not isinstance(got, dict):
+                        got = {"type": PROBLEM_BASE + "failed", "title": http.client.responses.get(status, f"HTTP {status}"),
+                               "status": status, "detail": raw.decode(errors="replace")[:500]}
+                    raise ClientError.from_body(got) from None
+            time.sleep(self.backoff * 2 ** attempt)        # a lost connection or a 5xx problem: tried again
         raise AssertionError("unreachable")
 
 
