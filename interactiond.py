@@ -14702,23 +14702,16 @@ class ElicitationBridge:
         from mcp import types as mt
         params = self.call.params
         token = getattr(params, "request_state", None)
-        note = None
-        if token is None:
+        state = self._unseal(token) if token is not None else {"n": 0}
+        result = (getattr(params, "input_responses", None) or {}).get("answer") if token is not None else None
+        n, refused, note = int(state.get("n", MAX_ELICIT_ASKS)), None, None
+        if isinstance(result, mt.ElicitResult):
+            refused, note = await self._took(str(state.get("mode")), result, n)
+        if token is None or refused is not None:          # the first ask, or the next of the same request
             req = await self._askable()
-            question = self._question(req, 1, None) if req is not None else None
-            if req is not None and question is not None:
-                return self._input_required(req, 1, question)
-        else:
-            state = self._unseal(token)
-            result = (getattr(params, "input_responses", None) or {}).get("answer")
-            if isinstance(result, mt.ElicitResult):
-                n = int(state.get("n", MAX_ELICIT_ASKS))
-                refused, note = await self._took(str(state.get("mode")), result, n)
-                if refused is not None:
-                    req = await self._askable()
-                    question = self._question(req, n + 1, refused) if req is not None else None
-                    if req is not None and question is not None and req["id"] == state.get("request"):
-                        return self._input_required(req, n + 1, question)
+            question = self._question(req, n + 1, refused) if req is not None else None
+            if question is not None and req["id"] == state.get("request", req["id"]):
+                return self._input_required(req, n + 1, question)
         run = await self.engine.wait_run(self.caller, self.playbook, self.run_id, timeout, tick=self.call.progress)
         return run, note
 
