@@ -14227,11 +14227,10 @@ async def _t_wait_run(e: Engine, c: Caller, pb: str, a: dict[str, Any], call: Mc
     run_id = a["run_id"]
     if c.person is not None and await e.request_for(c, pb, run_id) is None:
         raise not_found(f"no run {run_id} in this playbook")     # a person waits only on runs that ask them
-    bridge = ElicitationBridge.make(e, c, pb, run_id, call) if not call.tasks else None
     notes = []
     if call.tasks:
         run = await e.get_run(c, pb, run_id)        # the task is the run: it waits, the call does not
-    elif bridge is None:
+    elif (bridge := ElicitationBridge.make(e, c, pb, run_id, call)) is None:
         run = await e.wait_run(c, pb, run_id, min(timeout, MAX_MCP_WAIT_S), tick=call.progress)
     else:
         out = await bridge.wait(min(timeout, MAX_MCP_WAIT_S))
@@ -14385,13 +14384,6 @@ MCP_TOOLS: Final[list[McpTool]] = [
              "run_id": _p("string", "Optional id of your choosing, for safe retries.", pattern=RUN_ID_RE.pattern)},
             ("type", "prompt", "to"), _t_ask),
 ]
-
-
-def _mcp_schema(tool: McpTool, scoped: bool) -> dict[str, Any]:
-    props = dict(tool.properties)
-    if not scoped:
-        props["playbook"] = _PLAYBOOK_ARG
-    return {"type": "object", "properties": props, "required": list(tool.required), "additionalProperties": False}
 
 
 # -- asking the person at the client (elicitation) ------------------------------------------------
@@ -15055,7 +15047,9 @@ def make_mcp_server(engine: Engine, *, caller: Caller | None = None, scoped_play
     from mcp import types as mt
     from mcp.server import Server as _McpServer
     tools = {t.name: t for t in MCP_TOOLS}
-    schemas = {t.name: _mcp_schema(t, scoped_playbook is not None) for t in MCP_TOOLS}
+    playbook_arg = {"playbook": _PLAYBOOK_ARG} if scoped_playbook is None else {}     # scoped: no other playbook
+    schemas = {t.name: {"type": "object", "properties": {**t.properties, **playbook_arg}, "required": list(t.required),
+                        "additionalProperties": False} for t in MCP_TOOLS}
     validators = {name: compile_schema(s) for name, s in schemas.items()}
     listed = [mt.Tool(name=t.name, description=t.description, input_schema=schemas[t.name],
                       annotations=mt.ToolAnnotations(read_only_hint=t.read_only),
@@ -15344,9 +15338,6 @@ class McpSessions:
         if s.busy == 0:
             self.arm()
 
-    def forget(self, sid: str) -> None:
-        self.by_id.pop(sid, None)
-
     async def _end(self, s: McpSession) -> None:
         self.by_id.pop(s.id, None)
         try:
@@ -15371,15 +15362,6 @@ class McpSessions:
         for s in [s for s in self.by_id.values() if s.busy == 0 and now - s.used >= self.idle_ms]:
             await self._end(s)
         self.arm()
-
-
-def _opens_session(request: web.Request) -> bool:
-    """A streamable-HTTP request that may open a session: a POST with no session id, of the
-    protocol eras that have sessions (2026-07-28 has none)."""
-    from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
-    version = request.headers.get("mcp-protocol-version")
-    return (request.method == "POST" and "mcp-session-id" not in request.headers
-            and (version is None or version in HANDSHAKE_PROTOCOL_VERSIONS))
 
 
 _SSE_SESSION_RE: Final = re.compile(rb"session_id=([0-9a-f]{32})")
@@ -15481,9 +15463,12 @@ class _McpTransports:
                 s.busy -= 1
                 reg.touch(s)
             if resp.status == 404 or (request.method == "DELETE" and resp.status < 400):
-                reg.forget(sid)
+                reg.by_id.pop(sid, None)
             return resp
-        if not _opens_session(request):
+        from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
+        version = request.headers.get("mcp-protocol-version")
+        # Only a POST (with no session id) of the protocol eras that have sessions may open one; 2026-07-28 has none.
+        if request.method != "POST" or (version is not None and version not in HANDSHAKE_PROTOCOL_VERSIONS):
             return await handler(request)
         await reg.admit(caller)
         opened: list[McpSession] = []
@@ -15529,7 +15514,7 @@ class _McpTransports:
             return await handler(request, watch, ends.append)
         finally:
             if opened:
-                reg.forget(opened[0].id)
+                reg.by_id.pop(opened[0].id, None)
             else:
                 reg.release(caller)
 
@@ -16092,10 +16077,10 @@ _CALL_APPROVAL_SCHEMA: Final[dict[str, Any]] = {
         "note": {"type": "string", "maxLength": 2000, "description": "Why, or what was changed"}}}
 
 
-def _json_schema_of(annotation: Any) -> dict[str, Any]:
-    """The JSON Schema of a parameter's annotation, as far as a plain type says it (else any value)."""
-    return {bool: {"type": "boolean"}, int: {"type": "integer"}, float: {"type": "number"},
-            str: {"type": "string"}, list: {"type": "array"}, dict: {"type": "object"}}.get(annotation, {})
+#: The JSON Schema of a parameter's annotation, as far as a plain type says it (else any value: {}).
+_JSON_SCHEMA_OF: Final[dict[Any, dict[str, str]]] = {
+    bool: {"type": "boolean"}, int: {"type": "integer"}, float: {"type": "number"},
+    str: {"type": "string"}, list: {"type": "array"}, dict: {"type": "object"}}
 
 
 def _code_block(text: str) -> str:
@@ -16187,7 +16172,7 @@ class Client:
                 answer["properties"]["arguments"] = {
                     "type": "object", "additionalProperties": False,
                     "description": "The arguments changed, each left out as it was: " + ", ".join(editable),
-                    "properties": {e: _json_schema_of(hints.get(e)) for e in editable}}
+                    "properties": {e: _JSON_SCHEMA_OF.get(hints.get(e), {}) for e in editable}}
             front = {"description": f"Approves a call of {fn.__qualname__} before it runs (Client.require_approval)",
                      "to": to, "expires": expires,
                      "input": {"schema": {"type": "object", "required": ["function", "arguments", "shown"],
