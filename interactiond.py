@@ -16266,10 +16266,14 @@ class Client:
         raise AssertionError("unreachable")
 
 
-class _Interactions:
+class _Part:
+    """A part of the client's API (interactions, runs, definitions): its calls go through the client."""
+
     def __init__(self, client: Client) -> None:
         self._c = client
 
+
+class _Interactions(_Part):
     def list(self, status: str | None = None, run_id: str | None = None, limit: int | None = None) -> Iterable[dict[str, Any]]:
         """Every matching interaction, newest first, fetching `limit` per page as the iteration goes."""
         cursor = None
@@ -16294,10 +16298,7 @@ class _Interactions:
                                {"type": type, **fields}, headers={"Idempotency-Key": key})
 
 
-class _Runs:
-    def __init__(self, client: Client) -> None:
-        self._c = client
-
+class _Runs(_Part):
     def _path(self, run_id: str, tail: str = "") -> str:
         return f"{self._c.pb_path}/runs/{urllib.parse.quote(run_id, safe='')}{tail}"
 
@@ -16326,10 +16327,7 @@ class _Runs:
         return list(self._c.interactions.list(status="pending", run_id=run_id))
 
 
-class _Definitions:
-    def __init__(self, client: Client) -> None:
-        self._c = client
-
+class _Definitions(_Part):
     def create(self, type: str, name: str, source: str) -> dict[str, Any]:
         return self._c.request("POST", f"{self._c.pb_path}/definitions", {"type": type, "name": name, "source": source})
 
