@@ -15776,11 +15776,9 @@ async def list_typed_interactions(engine: Engine, caller: Caller, status: str | 
 
 
 async def respond_interaction(engine: Engine, caller: Caller, row: Row, key: str | None,
-                              raw: bytes) -> tuple[int, dict[str, Any], bool]:
-    """Answer the interaction `row` (found by find_interaction) with a typed response.
-
-    Returns (HTTP status, the interaction object, whether it is a replay of the key's first response).
-    """
+                              raw: bytes) -> tuple[dict[str, Any], bool]:
+    """Answer the interaction `row` (found by find_interaction) with a typed response: the interaction
+    object, and whether it is a replay of the key's first response (either is a 200)."""
     if not key:
         raise _v2_problem("idempotency_key_required", "send an Idempotency-Key header (a UUID will do)")
     if len(key) > MAX_IDEMPOTENCY_KEY_CHARS or not key.isprintable():
@@ -15794,7 +15792,7 @@ async def respond_interaction(engine: Engine, caller: Caller, row: Row, key: str
     idempotency = IdempotencyKey(caller=caller.id, key=key, body_sha=body_sha,
                                  response=lambda closed: interaction_object({**closed, "run_input": row["run_input"]}))
     if (first := await engine.replayed(idempotency)) is not None:
-        return 200, first, True
+        return first, True
     if row["status"] != RequestStatus.OPEN or row["delivery_state"] == DeliveryState.CANCELLING.value:
         raise _not_pending(row["status"])
     kind, _, _ = typed_shape(row["answer_schema"])
@@ -15806,7 +15804,7 @@ async def respond_interaction(engine: Engine, caller: Caller, row: Row, key: str
                                                         idempotency=idempotency, digest=digest)
     except Problem as exc:
         raise _v2_refusal(exc, kind) from None
-    return 200, response, not new
+    return response, not new
 
 
 def _not_pending(status: str) -> Problem:
@@ -15963,8 +15961,8 @@ async def h_v2_respond(request: web.Request) -> web.Response:
     engine, caller = request.app[engine_key()], _caller(request)
     row = await find_interaction(engine, caller, request.match_info["id"])     # 404 before anything else
     raw = await request.read()          # past client_max_size: api_middleware's 413 problem
-    status, obj, replayed = await respond_interaction(engine, caller, row, request.headers.get("Idempotency-Key"), raw)
-    resp = _json(engine.links.shown(dict(obj), row, caller), status)
+    obj, replayed = await respond_interaction(engine, caller, row, request.headers.get("Idempotency-Key"), raw)
+    resp = _json(engine.links.shown(dict(obj), row, caller))
     if replayed:
         resp.headers["Idempotent-Replayed"] = "true"
     return resp
