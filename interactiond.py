@@ -14124,6 +14124,15 @@ def _run_result(run: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     return run, run["status"] not in (RunStatus.STARTED, RunStatus.WAITING, RunStatus.SUCCEEDED)
 
 
+def _tool_result(data: Any, is_error: bool = False, note: str | None = None) -> Any:
+    """A tool's answer as a CallToolResult: the data as text and as structured content, then a note."""
+    from mcp import types as mt
+    content = [mt.TextContent(type="text", text=dumps(data))]
+    if note:
+        content.append(mt.TextContent(type="text", text=note))
+    return mt.CallToolResult(content=content, structured_content=data, is_error=is_error)
+
+
 async def _t_run(e: Engine, c: Caller, pb: str, a: dict[str, Any], _: Any) -> Any:
     run, _fresh = await e.run_definition(c, pb, a.get("type", "interaction"), a["name"], a.get("input"), a.get("run_id"))
     return _run_result(run)
@@ -14134,17 +14143,21 @@ _PERSON_RUN_FIELDS: Final = ("run_id", "playbook", "type", "name", "status", "ki
                              "created_at", "ended_at", "settled_by", "answer_url")
 
 
+def _shown_run(c: Caller, run: dict[str, Any]) -> dict[str, Any]:
+    """A run as a wait shows it to the caller: to a person, its outcome only."""
+    return run if c.person is None else {k: run[k] for k in _PERSON_RUN_FIELDS if k in run}
+
+
 async def _t_wait_run(e: Engine, c: Caller, pb: str, a: dict[str, Any], call: McpCall) -> Any:
     # `timeout`, as the HTTP route names it (`max_wait` is its alias); longer than a call holds is cut.
     timeout = float(a.get("timeout", a.get("max_wait", DEFAULT_MCP_WAIT_S)))
     run_id = a["run_id"]
     if c.person is not None and await e.request_for(c, pb, run_id) is None:
         raise not_found(f"no run {run_id} in this playbook")     # a person waits only on runs that ask them
-    bridge = ElicitationBridge.make(e, c, pb, run_id, call) if not call.tasks else None
     notes = []
     if call.tasks:
         run = await e.get_run(c, pb, run_id)        # the task is the run: it waits, the call does not
-    elif bridge is None:
+    elif (bridge := ElicitationBridge.make(e, c, pb, run_id, call)) is None:
         run = await e.wait_run(c, pb, run_id, min(timeout, MAX_MCP_WAIT_S), tick=call.progress)
     else:
         out = await bridge.wait(min(timeout, MAX_MCP_WAIT_S))
@@ -14153,8 +14166,7 @@ async def _t_wait_run(e: Engine, c: Caller, pb: str, a: dict[str, Any], call: Mc
         run, note = out
         if note:
             notes.append(note)
-    if c.person is not None:
-        run = {k: run[k] for k in _PERSON_RUN_FIELDS if k in run}
+    run = _shown_run(c, run)
     if timeout > MAX_MCP_WAIT_S and not call.tasks:
         notes.append(f"timeout {timeout:g} s was cut to {MAX_MCP_WAIT_S:g} s, the longest one call waits;"
                      " call wait_run again to wait longer")
@@ -14301,13 +14313,6 @@ MCP_TOOLS: Final[list[McpTool]] = [
 ]
 
 
-def _mcp_schema(tool: McpTool, scoped: bool) -> dict[str, Any]:
-    props = dict(tool.properties)
-    if not scoped:
-        props["playbook"] = _PLAYBOOK_ARG
-    return {"type": "object", "properties": props, "required": list(tool.required), "additionalProperties": False}
-
-
 # -- asking the person at the client (elicitation) ------------------------------------------------
 #
 # An MCP session may name the person at its client: `stdio --as ana`, a person's token, an operator's
@@ -14410,6 +14415,21 @@ def elicitation_form(schema: Any) -> dict[str, Any] | None:
     return {"type": "object", "properties": fields, **({"required": required} if required else {})}
 
 
+def _elicit(ctx: Any, params: Any) -> Any:
+    """Put a question - a form's or a link's elicitation params - to the client of the request `ctx`."""
+    from mcp import types as mt
+    from mcp.shared.message import ServerMessageMetadata
+    return ctx.session.send_request(mt.ElicitRequest(params=params), mt.ElicitResult,
+                                    metadata=ServerMessageMetadata(related_request_id=ctx.request_id))
+
+
+def _modern(ctx: Any) -> bool:
+    """Whether the request `ctx` is of the 2026-07-28 era, which has no session: a question is the
+    call's result, and experimental tasks (2025-11-25 or older) have their own shapes."""
+    from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+    return getattr(ctx, "protocol_version", None) in MODERN_PROTOCOL_VERSIONS
+
+
 class ElicitationBridge:
     """One wait_run that asks the person at the client (see above). Made only when the client
     declared elicitation, the caller may answer, and the session names a person."""
@@ -14439,11 +14459,6 @@ class ElicitationBridge:
             return None
         url = declared.url is not None
         return cls(engine, caller, playbook, run_id, call, declared.form is not None or not url, url)
-
-    @property
-    def modern(self) -> bool:
-        from mcp_types.version import MODERN_PROTOCOL_VERSIONS
-        return self.ctx.protocol_version in MODERN_PROTOCOL_VERSIONS
 
     async def _askable(self) -> dict[str, Any] | None:
         """The run's request when it is open, takes an answer, and is addressed to the person here
@@ -14487,7 +14502,7 @@ class ElicitationBridge:
                        f" show, so it is answered at its page.\n\n{req['message']}")
             return "url", mt.ElicitRequestURLParams(        # 2026-07-28's wire format has no elicitation id
                 message=message, url=req["answer_url"],
-                elicitation_id=None if self.modern else f"{req['id']}.{secrets.token_hex(4)}")
+                elicitation_id=None if _modern(self.ctx) else f"{req['id']}.{secrets.token_hex(4)}")
         return None
 
     async def _took(self, mode: str, result: Any, n: int) -> tuple[Problem | None, str | None]:
@@ -14511,7 +14526,7 @@ class ElicitationBridge:
     async def wait(self, timeout: float) -> tuple[dict[str, Any], str | None] | Any:
         """The run (and a note) once it ends or the wait's time is up; in 2026-07-28 also the question
         itself (an input_required result) while the person is still to be asked."""
-        return await (self._wait_modern(timeout) if self.modern else self._wait_session(timeout))
+        return await (self._wait_modern(timeout) if _modern(self.ctx) else self._wait_session(timeout))
 
     # 2025-11-25: ask over the session while waiting --------------------------------------------
 
@@ -14528,7 +14543,7 @@ class ElicitationBridge:
         try:
             while True:
                 if pending is None and req is not None:
-                    question = self._question(req, n + 1, refused) if n < MAX_ELICIT_ASKS else None
+                    question = self._question(req, n + 1, refused)      # _took gives no refusal past the last ask
                     if question is None:
                         req = None
                     else:
@@ -14536,12 +14551,7 @@ class ElicitationBridge:
                         mode, params = question
                         if mode == "url":
                             link_id = params.elicitation_id
-                            ask = self.ctx.session.elicit_url(params.message, params.url, params.elicitation_id,
-                                                              related_request_id=self.ctx.request_id)
-                        else:
-                            ask = self.ctx.session.elicit_form(params.message, params.requested_schema,
-                                                               related_request_id=self.ctx.request_id)
-                        pending = asyncio.ensure_future(ask)
+                        pending = asyncio.ensure_future(_elicit(self.ctx, params))
                 left = deadline - loop.time()
                 # While the question is open in the client the wait holds past its time (the person is at it).
                 span = max(0.0, left) if pending is None or left > 0 else MAX_MCP_WAIT_S
@@ -14611,23 +14621,16 @@ class ElicitationBridge:
         from mcp import types as mt
         params = self.call.params
         token = getattr(params, "request_state", None)
-        note = None
-        if token is None:
+        state = self._unseal(token) if token is not None else {"n": 0}
+        result = (getattr(params, "input_responses", None) or {}).get("answer") if token is not None else None
+        n, refused, note = int(state.get("n", MAX_ELICIT_ASKS)), None, None
+        if isinstance(result, mt.ElicitResult):
+            refused, note = await self._took(str(state.get("mode")), result, n)
+        if token is None or refused is not None:          # the first ask, or the next of the same request
             req = await self._askable()
-            question = self._question(req, 1, None) if req is not None else None
-            if req is not None and question is not None:
-                return self._input_required(req, 1, question)
-        else:
-            state = self._unseal(token)
-            result = (getattr(params, "input_responses", None) or {}).get("answer")
-            if isinstance(result, mt.ElicitResult):
-                n = int(state.get("n", MAX_ELICIT_ASKS))
-                refused, note = await self._took(str(state.get("mode")), result, n)
-                if refused is not None:
-                    req = await self._askable()
-                    question = self._question(req, n + 1, refused) if req is not None else None
-                    if req is not None and question is not None and req["id"] == state.get("request"):
-                        return self._input_required(req, n + 1, question)
+            question = self._question(req, n + 1, refused) if req is not None else None
+            if question is not None and req["id"] == state.get("request", req["id"]):
+                return self._input_required(req, n + 1, question)
         run = await self.engine.wait_run(self.caller, self.playbook, self.run_id, timeout, tick=self.call.progress)
         return run, note
 
@@ -14662,10 +14665,13 @@ def _declares_tasks(ctx: Any) -> bool:
     return isinstance(exts, Mapping) and TASKS_EXTENSION in exts
 
 
-def _legacy_tasks(ctx: Any) -> bool:
-    """A connection of the 2025-11-25 era (or older), whose experimental tasks have their own shapes."""
-    from mcp_types.version import MODERN_PROTOCOL_VERSIONS
-    return getattr(ctx, "protocol_version", None) not in MODERN_PROTOCOL_VERSIONS
+async def _quiet(left: float) -> None:
+    """No heartbeat: a task's question is read, not waited on."""
+
+
+def _legacy_task_call(ctx: Any) -> bool:
+    """A request of the 2025-11-25 era asking for a task (`params.task`)."""
+    return not _modern(ctx) and isinstance(ctx.params, Mapping) and isinstance(ctx.params.get("task"), Mapping)
 
 
 class McpTasks:
@@ -14692,9 +14698,6 @@ class McpTasks:
                           f"{TASKS_EXTENSION} in the request's _meta",
                           {"requiredCapabilities": {"extensions": {TASKS_EXTENSION: {}}}})
 
-    def task_id(self, ctx: Any, caller: Caller, playbook: str, run_id: str) -> str:
-        return run_id if playbook == self.home(ctx, caller) else f"{playbook}/{run_id}"
-
     def locate(self, ctx: Any, task_id: Any) -> tuple[Caller, str, str]:
         """(caller, playbook, run id) of a task id this caller may read, else -32602."""
         caller = self.who(ctx)
@@ -14702,13 +14705,10 @@ class McpTasks:
             raise self.error(INVALID_PARAMS, "Failed to retrieve task: taskId is a text")
         org, _, rest = task_id.rpartition("/")
         playbook, run_id = (org, rest) if org else (self.home(ctx, caller), task_id)
-        if not RUN_ID_RE.fullmatch(run_id) or not PLAYBOOK_RE.fullmatch(playbook):
-            raise self.error(INVALID_PARAMS, "Failed to retrieve task: Task not found")
-        try:
-            playbook = self.engine.playbook(caller, playbook)
-        except Problem:
-            raise self.error(INVALID_PARAMS, "Failed to retrieve task: Task not found") from None
-        return caller, playbook, run_id
+        with contextlib.suppress(Problem):          # a playbook it may not see is as unknown as a bad id
+            if RUN_ID_RE.fullmatch(run_id):
+                return caller, self.engine.playbook(caller, playbook), run_id
+        raise self.error(INVALID_PARAMS, "Failed to retrieve task: Task not found")
 
     def params(self, ctx: Any) -> Mapping[str, Any]:
         raw = getattr(ctx, "params", None)
@@ -14716,18 +14716,13 @@ class McpTasks:
 
     # -- the task, as tasks/get shows it ------------------------------------------------------------
 
-    def bridge(self, ctx: Any, caller: Caller, playbook: str, run_id: str) -> ElicitationBridge | None:
-        async def quiet(left: float) -> None:
-            return None
-        return ElicitationBridge.make(self.engine, caller, playbook, run_id,
-                                      McpCall(quiet, ctx, self.here(ctx, caller), None, tasks=True))
-
     async def question(self, ctx: Any, caller: Caller, playbook: str, run_id: str,
                        view: dict[str, Any]) -> tuple[str, str, Any] | None:
         """The question the task puts to the person at this client now - (key, mode, elicitation
         params) - or None: not theirs, this client cannot ask it, they declined, or it was asked
         MAX_ELICIT_ASKS times. A key is the request's id and the ask's number: one key per ask."""
-        bridge = self.bridge(ctx, caller, playbook, run_id)
+        bridge = ElicitationBridge.make(self.engine, caller, playbook, run_id,
+                                        McpCall(_quiet, ctx, self.here(ctx, caller), None, tasks=True))
         if bridge is None:
             return None
         req = await bridge._askable()
@@ -14748,13 +14743,8 @@ class McpTasks:
 
     def call_result(self, caller: Caller, run: dict[str, Any]) -> dict[str, Any]:
         """The CallToolResult a blocking wait_run gives for an ended run."""
-        from mcp import types as mt
-        data, is_error = _run_result(run)
-        if caller.person is not None:
-            data = {k: data[k] for k in _PERSON_RUN_FIELDS if k in data}
-        return mt.CallToolResult(content=[mt.TextContent(type="text", text=dumps(data))], structured_content=data,
-                                 is_error=is_error).model_dump(by_alias=True, mode="json", exclude_none=True,
-                                                               exclude={"result_type"})
+        return _tool_result(*_run_result(_shown_run(caller, run))).model_dump(
+            by_alias=True, mode="json", exclude_none=True, exclude={"result_type"})
 
     async def task(self, ctx: Any, caller: Caller, playbook: str, run_id: str, *,
                    detailed: bool = True) -> dict[str, Any]:
@@ -14766,7 +14756,7 @@ class McpTasks:
         view = await engine.task_view(caller, playbook, run_id)
         expires = view["expires_at"]
         task: dict[str, Any] = {
-            "taskId": self.task_id(ctx, caller, playbook, run_id), "status": "working",
+            "taskId": run_id if playbook == self.home(ctx, caller) else f"{playbook}/{run_id}", "status": "working",
             "createdAt": fmt_time(view["created_at"]), "lastUpdatedAt": fmt_time(view["updated_at"]),
             "ttlMs": expires + MCP_TASK_KEPT_MS - view["created_at"] if expires is not None else None,
             "pollIntervalMs": MCP_TASK_POLL_MS,
@@ -14806,7 +14796,7 @@ class McpTasks:
     # -- the methods ----------------------------------------------------------------------------------
 
     async def get(self, ctx: Any, params: Any) -> dict[str, Any]:
-        if not _declares_tasks(ctx) and not _legacy_tasks(ctx):
+        if not _declares_tasks(ctx) and _modern(ctx):
             raise self.missing()
         task = (await self.read(ctx, self.params(ctx).get("taskId")))[3]
         return task if _declares_tasks(ctx) else self.legacy_shape(task)     # 2025-11-25: that era's shape
@@ -14847,7 +14837,7 @@ class McpTasks:
         return {}
 
     async def cancel(self, ctx: Any, params: Any) -> dict[str, Any]:
-        if not _declares_tasks(ctx) and not _legacy_tasks(ctx):
+        if not _declares_tasks(ctx) and _modern(ctx):
             raise self.missing()
         caller, playbook, run_id, task = await self.read(ctx, self.params(ctx).get("taskId"))
         try:
@@ -14868,16 +14858,6 @@ class McpTasks:
         if task["status"] in ("completed", "cancelled", "failed"):
             return None                                  # it ended meanwhile: the blocking result says so
         return {"resultType": "task", **task}
-
-    async def intercept(self, params: Any, ctx: Any, call_next: Callable[[Any], Any]) -> Any:
-        """`tools/call`: a task in place of a run that waits, for a request that declared the extension
-        (the 2026-07-28 era; the 2025-11-25 era's `params.task` is served by `legacy_call`)."""
-        from mcp import types as mt
-        out = await call_next(ctx)
-        if (params.name not in TASK_TOOLS or not _declares_tasks(ctx) or _legacy_tasks(ctx)
-                or not isinstance(out, mt.CallToolResult) or out.is_error):
-            return out
-        return await self.created(ctx, out.structured_content) or out
 
     async def waited(self, caller: Caller, playbook: str, run_id: str, seconds: float) -> bool:
         """Wait up to `seconds` for the run to end; False when the wait came back early without an
@@ -14976,15 +14956,6 @@ class McpTasks:
                 tasks.append(self.legacy_shape(await self.task(ctx, caller, playbook, run["run_id"], detailed=False)))
         return {"tasks": tasks, **({"nextCursor": page["next_cursor"]} if page.get("next_cursor") else {})}
 
-    async def legacy_call(self, ctx: Any, call_next: Callable[[Any], Any]) -> Any:
-        """A `tools/call` with `params.task` (2025-11-25): a CreateTaskResult for a run that waits; the
-        run is made (or read) by the call itself, which returns at once."""
-        out = await call_next(ctx)
-        if self.params(ctx).get("name") not in TASK_TOOLS or not isinstance(out, Mapping) or out.get("isError"):
-            return out
-        task = await self.created(ctx, out.get("structuredContent"))
-        return {"task": self.legacy_shape(task)} if task is not None else out
-
 
 def _notice(method: str, params: dict[str, Any]) -> Any:
     """A notification of a method the SDK's types do not name (notifications/tasks)."""
@@ -15000,7 +14971,9 @@ def make_mcp_server(engine: Engine, *, caller: Caller | None = None, scoped_play
     from mcp import types as mt
     from mcp.server import Server as _McpServer
     tools = {t.name: t for t in MCP_TOOLS}
-    schemas = {t.name: _mcp_schema(t, scoped_playbook is not None) for t in MCP_TOOLS}
+    playbook_arg = {"playbook": _PLAYBOOK_ARG} if scoped_playbook is None else {}     # scoped: no other playbook
+    schemas = {t.name: {"type": "object", "properties": {**t.properties, **playbook_arg}, "required": list(t.required),
+                        "additionalProperties": False} for t in MCP_TOOLS}
     validators = {name: compile_schema(s) for name, s in schemas.items()}
     listed = [mt.Tool(name=t.name, description=t.description, input_schema=schemas[t.name],
                       annotations=mt.ToolAnnotations(read_only_hint=t.read_only),
@@ -15033,12 +15006,6 @@ def make_mcp_server(engine: Engine, *, caller: Caller | None = None, scoped_play
         if who is not None and who.person is not None:          # a person's token: the inbox tools only
             return mt.ListToolsResult(tools=[t for t in listed if tools[t.name].person])
         return mt.ListToolsResult(tools=listed)
-
-    def result(data: Any, is_error: bool = False, note: str | None = None) -> mt.CallToolResult:
-        content = [mt.TextContent(type="text", text=dumps(data))]
-        if note:
-            content.append(mt.TextContent(type="text", text=note))
-        return mt.CallToolResult(content=content, structured_content=data, is_error=is_error)
 
     def home(ctx: Any, who: Caller) -> str:
         return scoped_playbook or who.playbook or DEFAULT_PLAYBOOK
@@ -15076,19 +15043,17 @@ def make_mcp_server(engine: Engine, *, caller: Caller | None = None, scoped_play
                                          if view["party"] else "waiting for the run to end")
                     await ctx.session.report_progress(round(waited, 1), round(waited + max(0.0, left), 1),
                                                       f"{waits_for[0]}; {left:.0f} s left in this call")
-            tasked = _declares_tasks(ctx) or (_legacy_tasks(ctx) and isinstance((ctx.params or {}).get("task"), Mapping))
+            tasked = _declares_tasks(ctx) or _legacy_task_call(ctx)
             out = await tool.call(engine, who, pb, args, McpCall(progress, ctx, here_of(ctx, who), params,
                                                                  tasks=tasked and tool.name in TASK_TOOLS))
             if isinstance(out, mt.InputRequiredResult):
                 return out
-            if isinstance(out, tuple):
-                return result(*out)
-            return result(out)
+            return _tool_result(*out) if isinstance(out, tuple) else _tool_result(out)
         except Problem as exc:
-            return result(exc.body(), True)
+            return _tool_result(exc.body(), True)
         except Exception:
             log.exception("MCP tool %s failed", getattr(params, "name", "?"))
-            return result(Problem("failed", "the daemon failed on this call; its log says why").body(), True)
+            return _tool_result(Problem("failed", "the daemon failed on this call; its log says why").body(), True)
 
     def person_here(ctx: Any, who: Caller) -> str | None:
         try:
@@ -15099,8 +15064,13 @@ def make_mcp_server(engine: Engine, *, caller: Caller | None = None, scoped_play
     tasks = McpTasks(engine, who_calls, home, person_here)
 
     async def call_or_task(ctx: Any, params: Any) -> Any:
-        """tools/call, the Tasks extension's interceptor around it (a task for a run that waits)."""
-        return await tasks.intercept(params, ctx, lambda ctx: call_tool(ctx, params))
+        """tools/call; a request that declared the Tasks extension (2026-07-28) gets a task in place of
+        a run that waits."""
+        out = await call_tool(ctx, params)
+        if (params.name in TASK_TOOLS and _declares_tasks(ctx) and _modern(ctx)
+                and isinstance(out, mt.CallToolResult) and not out.is_error):
+            return await tasks.created(ctx, out.structured_content) or out
+        return out
     server = _McpServer("interactiond", version=__version__, on_list_tools=list_tools, on_call_tool=call_or_task,
                         on_subscriptions_listen=tasks.listen,
                         instructions="Ask a person (or a system) a question and wait for a validated answer. "
@@ -15119,12 +15089,15 @@ def make_mcp_server(engine: Engine, *, caller: Caller | None = None, scoped_play
     server.get_capabilities = with_tasks
 
     async def legacy_tasks(ctx: Any, call_next: Any) -> Any:
-        """A 2025-11-25 `tools/call` with `params.task` gets that era's CreateTaskResult (the result's
-        shape is not a CallToolResult, so it is made here, above the SDK's check of the result)."""
-        if (ctx.method == "tools/call" and _legacy_tasks(ctx) and isinstance(ctx.params, Mapping)
-                and isinstance(ctx.params.get("task"), Mapping)):
-            return await tasks.legacy_call(ctx, call_next)
-        return await call_next(ctx)
+        """A 2025-11-25 `tools/call` with `params.task` gets that era's CreateTaskResult for a run that
+        waits (the call itself made or read the run and returned at once). The result's shape is not a
+        CallToolResult, so it is made here, above the SDK's check of the result."""
+        out = await call_next(ctx)
+        if (ctx.method == "tools/call" and _legacy_task_call(ctx) and ctx.params.get("name") in TASK_TOOLS
+                and isinstance(out, Mapping) and not out.get("isError")
+                and (task := await tasks.created(ctx, out.get("structuredContent"))) is not None):
+            return {"task": tasks.legacy_shape(task)}
+        return out
     server.middleware.append(legacy_tasks)
     return server
 
@@ -15289,9 +15262,6 @@ class McpSessions:
         if s.busy == 0:
             self.arm()
 
-    def forget(self, sid: str) -> None:
-        self.by_id.pop(sid, None)
-
     async def _end(self, s: McpSession) -> None:
         self.by_id.pop(s.id, None)
         try:
@@ -15316,15 +15286,6 @@ class McpSessions:
         for s in [s for s in self.by_id.values() if s.busy == 0 and now - s.used >= self.idle_ms]:
             await self._end(s)
         self.arm()
-
-
-def _opens_session(request: web.Request) -> bool:
-    """A streamable-HTTP request that may open a session: a POST with no session id, of the
-    protocol eras that have sessions (2026-07-28 has none)."""
-    from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
-    version = request.headers.get("mcp-protocol-version")
-    return (request.method == "POST" and "mcp-session-id" not in request.headers
-            and (version is None or version in HANDSHAKE_PROTOCOL_VERSIONS))
 
 
 _SSE_SESSION_RE: Final = re.compile(rb"session_id=([0-9a-f]{32})")
@@ -15426,9 +15387,12 @@ class _McpTransports:
                 s.busy -= 1
                 reg.touch(s)
             if resp.status == 404 or (request.method == "DELETE" and resp.status < 400):
-                reg.forget(sid)
+                reg.by_id.pop(sid, None)
             return resp
-        if not _opens_session(request):
+        from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
+        version = request.headers.get("mcp-protocol-version")
+        # Only a POST (with no session id) of the protocol eras that have sessions may open one; 2026-07-28 has none.
+        if request.method != "POST" or (version is not None and version not in HANDSHAKE_PROTOCOL_VERSIONS):
             return await handler(request)
         await reg.admit(caller)
         opened: list[McpSession] = []
@@ -15474,7 +15438,7 @@ class _McpTransports:
             return await handler(request, watch, ends.append)
         finally:
             if opened:
-                reg.forget(opened[0].id)
+                reg.by_id.pop(opened[0].id, None)
             else:
                 reg.release(caller)
 
@@ -15736,11 +15700,9 @@ async def list_typed_interactions(engine: Engine, caller: Caller, status: str | 
 
 
 async def respond_interaction(engine: Engine, caller: Caller, row: Row, key: str | None,
-                              raw: bytes) -> tuple[int, dict[str, Any], bool]:
-    """Answer the interaction `row` (found by find_interaction) with a typed response.
-
-    Returns (HTTP status, the interaction object, whether it is a replay of the key's first response).
-    """
+                              raw: bytes) -> tuple[dict[str, Any], bool]:
+    """Answer the interaction `row` (found by find_interaction) with a typed response: the interaction
+    object, and whether it is a replay of the key's first response (either is a 200)."""
     if not key:
         raise _v2_problem("idempotency_key_required", "send an Idempotency-Key header (a UUID will do)")
     if len(key) > MAX_IDEMPOTENCY_KEY_CHARS or not key.isprintable():
@@ -15754,7 +15716,7 @@ async def respond_interaction(engine: Engine, caller: Caller, row: Row, key: str
     idempotency = IdempotencyKey(caller=caller.id, key=key, body_sha=body_sha,
                                  response=lambda closed: interaction_object({**closed, "run_input": row["run_input"]}))
     if (first := await engine.replayed(idempotency)) is not None:
-        return 200, first, True
+        return first, True
     if row["status"] != RequestStatus.OPEN or row["delivery_state"] == DeliveryState.CANCELLING.value:
         raise _not_pending(row["status"])
     kind, _, _ = typed_shape(row["answer_schema"])
@@ -15766,7 +15728,7 @@ async def respond_interaction(engine: Engine, caller: Caller, row: Row, key: str
                                                         idempotency=idempotency, digest=digest)
     except Problem as exc:
         raise _v2_refusal(exc, kind) from None
-    return 200, response, not new
+    return response, not new
 
 
 def _not_pending(status: str) -> Problem:
@@ -15846,9 +15808,10 @@ def _stream_page(tx: Tx, playbooks: list[str], after: int) -> tuple[bytes, int, 
     return "".join(chunks).encode(), (rows[-1]["id"] if rows else after), len(rows) == SSE_PAGE
 
 
-def _last_event_id_source(request: web.Request) -> dict[str, str]:
-    """Where the resume point came from, for a problem's `errors`: the header or the query parameter."""
-    return {"header": "Last-Event-ID"} if request.headers.get("Last-Event-ID") else {"pointer": "/last_event_id"}
+def _bad_resume(request: web.Request, detail: str) -> Problem:
+    """A resume point the stream cannot take, with where it came from: the header or the query parameter."""
+    where = {"header": "Last-Event-ID"} if request.headers.get("Last-Event-ID") else {"pointer": "/last_event_id"}
+    return _v2_problem("bad_request", detail, errors=[{**where, "message": "an event id the stream sent"}])
 
 
 def _last_event_id(request: web.Request) -> int | None:
@@ -15857,8 +15820,7 @@ def _last_event_id(request: web.Request) -> int | None:
         return None
     m = re.fullmatch(r"(?:evt_)?([0-9]{1,18})", text.strip())
     if not m:
-        raise _v2_problem("bad_request", "Last-Event-ID is an event id as the stream sent it (evt_123)",
-                          errors=[{**_last_event_id_source(request), "message": "an event id the stream sent"}])
+        raise _bad_resume(request, "Last-Event-ID is an event id as the stream sent it (evt_123)")
     return int(m.group(1))
 
 
@@ -15877,9 +15839,8 @@ async def serve_stream(request: web.Request, playbooks: list[str]) -> web.Stream
         if after is None:
             after = newest
         elif after > newest:                # never sent: resuming there would skip what comes before it
-            raise _v2_problem("bad_request", f"Last-Event-ID evt_{after} names no event the stream sent; the newest "
-                              f"is evt_{newest}. Resume from an id the stream sent, or leave the header out.",
-                              errors=[{**_last_event_id_source(request), "message": "an event id the stream sent"}])
+            raise _bad_resume(request, f"Last-Event-ID evt_{after} names no event the stream sent; the newest is"
+                              f" evt_{newest}. Resume from an id the stream sent, or leave the header out.")
         await resp.prepare(request)
         await resp.write(f"retry: {SSE_RETRY_MS}\n: stream open after evt_{after}\n\n".encode())
         while True:
@@ -15924,8 +15885,8 @@ async def h_v2_respond(request: web.Request) -> web.Response:
     engine, caller = request.app[engine_key()], _caller(request)
     row = await find_interaction(engine, caller, request.match_info["id"])     # 404 before anything else
     raw = await request.read()          # past client_max_size: api_middleware's 413 problem
-    status, obj, replayed = await respond_interaction(engine, caller, row, request.headers.get("Idempotency-Key"), raw)
-    resp = _json(engine.links.shown(dict(obj), row, caller), status)
+    obj, replayed = await respond_interaction(engine, caller, row, request.headers.get("Idempotency-Key"), raw)
+    resp = _json(engine.links.shown(dict(obj), row, caller))
     if replayed:
         resp.headers["Idempotent-Replayed"] = "true"
     return resp
@@ -16038,10 +15999,10 @@ _CALL_APPROVAL_SCHEMA: Final[dict[str, Any]] = {
         "note": {"type": "string", "maxLength": 2000, "description": "Why, or what was changed"}}}
 
 
-def _json_schema_of(annotation: Any) -> dict[str, Any]:
-    """The JSON Schema of a parameter's annotation, as far as a plain type says it (else any value)."""
-    return {bool: {"type": "boolean"}, int: {"type": "integer"}, float: {"type": "number"},
-            str: {"type": "string"}, list: {"type": "array"}, dict: {"type": "object"}}.get(annotation, {})
+#: The JSON Schema of a parameter's annotation, as far as a plain type says it (else any value: {}).
+_JSON_SCHEMA_OF: Final[dict[Any, dict[str, str]]] = {
+    bool: {"type": "boolean"}, int: {"type": "integer"}, float: {"type": "number"},
+    str: {"type": "string"}, list: {"type": "array"}, dict: {"type": "object"}}
 
 
 def _code_block(text: str) -> str:
@@ -16133,7 +16094,7 @@ class Client:
                 answer["properties"]["arguments"] = {
                     "type": "object", "additionalProperties": False,
                     "description": "The arguments changed, each left out as it was: " + ", ".join(editable),
-                    "properties": {e: _json_schema_of(hints.get(e)) for e in editable}}
+                    "properties": {e: _JSON_SCHEMA_OF.get(hints.get(e), {}) for e in editable}}
             front = {"description": f"Approves a call of {fn.__qualname__} before it runs (Client.require_approval)",
                      "to": to, "expires": expires,
                      "input": {"schema": {"type": "object", "required": ["function", "arguments", "shown"],
@@ -16207,32 +16168,34 @@ class Client:
             try:
                 status, raw, got_headers = http_exchange(method, url, head, data, self.timeout)
             except OSError as exc:
-                if not last:
-                    time.sleep(self.backoff * 2 ** attempt)
-                    continue
-                raise ClientError("unreachable", f"{method} {url}: {exc}", status=503, code="unreachable") from exc
-            if status < 400:
-                return json.loads(raw or b"null")
-            try:
-                got = json.loads(raw)
-            except ValueError:
-                got = None
-            if got_headers.get_content_type() == "application/json" and isinstance(got, dict) and "run_id" in got:
-                return got
-            if status >= 500 and not last:
-                time.sleep(self.backoff * 2 ** attempt)
-                continue
-            if not isinstance(got, dict):
-                got = {"type": PROBLEM_BASE + "failed", "title": http.client.responses.get(status, f"HTTP {status}"), "status": status,
-                       "detail": raw.decode(errors="replace")[:500]}
-            raise ClientError.from_body(got) from None
+                if last:
+                    raise ClientError("unreachable", f"{method} {url}: {exc}", status=503, code="unreachable") from exc
+            else:
+                if status < 400:
+                    return json.loads(raw or b"null")
+                try:
+                    got = json.loads(raw)
+                except ValueError:
+                    got = None
+                if got_headers.get_content_type() == "application/json" and isinstance(got, dict) and "run_id" in got:
+                    return got
+                if status < 500 or last:
+                    if not isinstance(got, dict):
+                        got = {"type": PROBLEM_BASE + "failed", "title": http.client.responses.get(status, f"HTTP {status}"),
+                               "status": status, "detail": raw.decode(errors="replace")[:500]}
+                    raise ClientError.from_body(got) from None
+            time.sleep(self.backoff * 2 ** attempt)        # a lost connection or a 5xx problem: tried again
         raise AssertionError("unreachable")
 
 
-class _Interactions:
+class _Part:
+    """A part of the client's API (interactions, runs, definitions): its calls go through the client."""
+
     def __init__(self, client: Client) -> None:
         self._c = client
 
+
+class _Interactions(_Part):
     def list(self, status: str | None = None, run_id: str | None = None, limit: int | None = None) -> Iterable[dict[str, Any]]:
         """Every matching interaction, newest first, fetching `limit` per page as the iteration goes."""
         cursor = None
@@ -16257,10 +16220,7 @@ class _Interactions:
                                {"type": type, **fields}, headers={"Idempotency-Key": key})
 
 
-class _Runs:
-    def __init__(self, client: Client) -> None:
-        self._c = client
-
+class _Runs(_Part):
     def _path(self, run_id: str, tail: str = "") -> str:
         return f"{self._c.pb_path}/runs/{urllib.parse.quote(run_id, safe='')}{tail}"
 
@@ -16289,10 +16249,7 @@ class _Runs:
         return list(self._c.interactions.list(status="pending", run_id=run_id))
 
 
-class _Definitions:
-    def __init__(self, client: Client) -> None:
-        self._c = client
-
+class _Definitions(_Part):
     def create(self, type: str, name: str, source: str) -> dict[str, Any]:
         return self._c.request("POST", f"{self._c.pb_path}/definitions", {"type": type, "name": name, "source": source})
 
@@ -18236,7 +18193,6 @@ async def _stdio_front(db: str, playbook: str | None, here: str | None = None) -
     from mcp.client.streamable_http import streamable_http_client
     from mcp.server import Server as _McpServer
     from mcp.server.stdio import stdio_server
-    from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
     try:
         url = _beside(db, ".url").read_text().strip()
@@ -18308,7 +18264,7 @@ async def _stdio_front(db: str, playbook: str | None, here: str | None = None) -
 
         async def relay(progress: float, total: float | None, message: str | None) -> None:
             await ctx.session.report_progress(progress, total, message)
-        if ctx.protocol_version in MODERN_PROTOCOL_VERSIONS:     # the same era: questions pass through
+        if _modern(ctx):     # the same era: questions pass through
             return await up.session.call_tool(params.name, args, progress_callback=relay,
                                               input_responses=params.input_responses,
                                               request_state=params.request_state, allow_input_required=True)
@@ -18319,14 +18275,10 @@ async def _stdio_front(db: str, playbook: str | None, here: str | None = None) -
             answers: dict[str, Any] = {}
             for key, asked in (result.input_requests or {}).items():
                 q = asked.params
+                if isinstance(q, mt.ElicitRequestURLParams) and not q.elicitation_id:   # this era's link has an id
+                    q = q.model_copy(update={"elicitation_id": secrets.token_hex(8)})
                 try:
-                    if isinstance(q, mt.ElicitRequestURLParams):
-                        answers[key] = await ctx.session.elicit_url(q.message, q.url,
-                                                                    q.elicitation_id or secrets.token_hex(8),
-                                                                    related_request_id=ctx.request_id)
-                    else:
-                        answers[key] = await ctx.session.elicit_form(q.message, q.requested_schema,
-                                                                     related_request_id=ctx.request_id)
+                    answers[key] = await _elicit(ctx, q)
                 except Exception:                      # this client cannot ask it: dismissed
                     answers[key] = mt.ElicitResult(action="cancel")
             result = await up.session.call_tool(params.name, args, progress_callback=relay, input_responses=answers,
@@ -18346,10 +18298,8 @@ async def _stdio_front(db: str, playbook: str | None, here: str | None = None) -
 
     async def tasks_up(ctx: Any, call_next: Callable[[Any], Any]) -> Any:
         params = dict(ctx.params) if isinstance(ctx.params, Mapping) else {}
-        caps = (params.get("_meta") or {}).get(CLIENT_CAPABILITIES_META) or {}
-        declared = isinstance(caps, Mapping) and TASKS_EXTENSION in (caps.get("extensions") or {})
         if not (ctx.method in ("tasks/get", "tasks/update", "tasks/cancel")
-                or (ctx.method == "tools/call" and declared and params.get("name") in TASK_TOOLS)):
+                or (ctx.method == "tools/call" and _declares_tasks(ctx) and params.get("name") in TASK_TOOLS)):
             return await call_next(ctx)
         if ctx.method == "tools/call" and playbook:
             params["arguments"] = {**(params.get("arguments") or {}), "playbook": playbook}
