@@ -5360,16 +5360,15 @@ class SqlTx:
         if before is not None:
             events.insert(0, before)
         ids = self._end_run(fx, playbook, run_id, (status.value, kind, dumps(output) if output is not None else None,
-                                                   dumps(pbody) if pbody else None, now, by), events)
+                                                   dumps(pbody) if pbody else None, now, by), events, now, by)
         fx.wakes.append((playbook, run_id))
         return ids[0] if before is not None else None
 
     def _end_run(self, fx: Effects, playbook: str, run_id: str, ending: tuple[Any, ...],
-                 events: list[tuple[str, dict[str, Any]]]) -> list[int]:
+                 events: list[tuple[str, dict[str, Any]]], now: int, by: str | None) -> list[int]:
         """The run's row ended (guarded) as `ending` says (status, kind, output, problem, ended_at,
-        settled_by), and `events` appended, counted on it; a workflow waiting on it is woken in this
-        transaction. The events' ids."""
-        now, by = ending[4], ending[5]
+        settled_by), and `events` appended at `now` by `by`, counted on it; a workflow waiting on it is
+        woken in this transaction. The events' ids."""
         ended = self.conn.execute(_END_RUN_SQL, ending + (len(events), playbook, run_id)).fetchone()
         if ended is None:
             raise Problem("conflict", "the run has already ended")
@@ -6768,12 +6767,11 @@ class PostgresTx(SqlTx):
         self._guards.append((cursor, problem, then))
 
     def _end_run(self, fx: Effects, playbook: str, run_id: str, ending: tuple[Any, ...],
-                 events: list[tuple[str, dict[str, Any]]]) -> list[int]:
+                 events: list[tuple[str, dict[str, Any]]], now: int, by: str | None) -> list[int]:
         """SqlTx's in one statement read at the change's end (_pg_end_run_sql), as a guard is: the run's
         events are counted in it, and their ids are the writer's own."""
         if self._pipeline is None:              # outside a write (the command line): read at once
-            return super()._end_run(fx, playbook, run_id, ending, events)
-        now, by = ending[4], ending[5]
+            return super()._end_run(fx, playbook, run_id, ending, events, now, by)
         assert self._event_id is not None
         first, n = self._event_id + 1, len(events)
         self._event_id += n
