@@ -4865,24 +4865,32 @@ class Store:
         self.webhooks: dict[str, tuple[tuple[str, frozenset[str]], ...]] = {}
 
     async def open(self) -> None:
-        loop = asyncio.get_running_loop()
         init = _connect(self.path)
         try:
             apply_schema(init)
         finally:
             init.close()
-        self._writer = _DbThread(lambda: self._connect_tx(True), loop, writer=True,
-                                 sink=lambda fx: self.on_commit and self.on_commit(fx),
-                                 on_batch=lambda n, s: self.on_batch and self.on_batch(n, s))
-        self._reader = _DbThread(lambda: self._connect_tx(False), loop, writer=False)
         self._checkpointer = _Checkpointer(self.path)
         self._checkpointer.start()
+        self._start_threads()
+
+    def _start_threads(self) -> None:
+        """Start the writer and the reader, each on a connection of its own (_connect_tx)."""
+        loop = asyncio.get_running_loop()
+        self._writer = _DbThread(lambda: self._connect_tx(True), loop, writer=True,
+                                 sink=lambda fx: self.on_commit and self.on_commit(fx), on_batch=self._batched)
+        self._reader = _DbThread(lambda: self._connect_tx(False), loop, writer=False)
         self._writer.checkpointer = self._checkpointer
         for t in (self._writer, self._reader):
             t.start()
             t.ready.wait()
             if t.start_error:
                 raise t.start_error
+
+    def _batched(self, changes: int, seconds: float) -> None:
+        """Each group commit, on the writer's thread: counted for the metrics."""
+        if self.on_batch is not None:
+            self.on_batch(changes, seconds)
 
     def make_bus(self, clock: Clock) -> LocalBus:
         """The bus that delivers the effects of this store's commits (the engine's): in-process here."""
@@ -7362,19 +7370,11 @@ class PostgresStore(Store):
             self._listener.lost = lambda: loop.call_soon_threadsafe(bus.resync)
             self._listener.gone = lambda: loop.call_soon_threadsafe(bus.gone)
         self._listener.start()
-        self._writer = _DbThread(lambda: self._connect_tx(True), loop, writer=True,
-                                 sink=lambda fx: self.on_commit and self.on_commit(fx), on_batch=self._batched)
-        self._reader = _DbThread(lambda: self._connect_tx(False), loop, writer=False)
-        for t in (self._writer, self._reader):
-            t.start()
-            t.ready.wait()
-            if t.start_error:
-                raise t.start_error
+        self._start_threads()
 
     def _batched(self, changes: int, seconds: float) -> None:
         """Each group commit, on the writer's thread: counted for the metrics, and for the statistics."""
-        if self.on_batch is not None:
-            self.on_batch(changes, seconds)
+        super()._batched(changes, seconds)
         self._changes += changes
         if self._changes >= self._analyze_at and self._listener is not None:
             self._analyze_at *= PG_ANALYZE_GROWTH
