@@ -13502,14 +13502,8 @@ class _Connection:
             self._arm()                             # a kept-alive connection's next request begins
         self.handler.data_received(data)
 
-    def eof_received(self) -> bool | None:
-        return self.handler.eof_received()
-
-    def pause_writing(self) -> None:
-        self.handler.pause_writing()
-
-    def resume_writing(self) -> None:
-        self.handler.resume_writing()
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.handler, name)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.deadline is not None:
