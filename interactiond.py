@@ -13502,14 +13502,8 @@ class _Connection:
             self._arm()                             # a kept-alive connection's next request begins
         self.handler.data_received(data)
 
-    def eof_received(self) -> bool | None:
-        return self.handler.eof_received()
-
-    def pause_writing(self) -> None:
-        self.handler.pause_writing()
-
-    def resume_writing(self) -> None:
-        self.handler.resume_writing()
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.handler, name)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.deadline is not None:
@@ -13605,9 +13599,6 @@ _REQUEST_ID_RE: Final = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 #: bytes per request cost a system call each).
 _REQUEST_IDS: Final = itertools.count(secrets.randbits(64))
 
-
-def _next_request_id() -> str:
-    return f"{next(_REQUEST_IDS) & 0xFFFF_FFFF_FFFF_FFFF:016x}"
 _HTTP_METHODS: Final = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 access_log = logging.getLogger("interactiond.access")
 #: The kinds a run's ending is counted under; any other (a workflow may raise its own) is `other`.
@@ -13733,7 +13724,7 @@ async def observe_middleware(request: web.Request, handler: Callable[[web.Reques
     from aiohttp import web
     rid = request.headers.get("X-Request-Id", "")
     if not rid or not _REQUEST_ID_RE.fullmatch(rid):
-        rid = _next_request_id()
+        rid = f"{next(_REQUEST_IDS) & 0xFFFF_FFFF_FFFF_FFFF:016x}"
     reset = REQUEST_ID.set(rid)
     began = time.perf_counter()
     status = 500
@@ -14607,14 +14598,6 @@ class ElicitationBridge:
                                              " call wait_run again without it")
         return state
 
-    def _input_required(self, req: dict[str, Any], n: int, question: tuple[str, Any]) -> Any:
-        from mcp import types as mt
-        mode, params = question
-        state = {"run": self.run_id, "playbook": self.playbook, "who": self.person.person, "request": req["id"],
-                 "n": n, "mode": mode}
-        return mt.InputRequiredResult(input_requests={"answer": mt.ElicitRequest(params=params)},
-                                      request_state=self._seal(state))
-
     async def _wait_modern(self, timeout: float) -> tuple[dict[str, Any], str | None] | Any:
         from mcp import types as mt
         params = self.call.params
@@ -14628,7 +14611,11 @@ class ElicitationBridge:
             req = await self._askable()
             question = self._question(req, n + 1, refused) if req is not None else None
             if question is not None and req["id"] == state.get("request", req["id"]):
-                return self._input_required(req, n + 1, question)
+                mode, ask = question
+                sealed = self._seal({"run": self.run_id, "playbook": self.playbook, "who": self.person.person,
+                                     "request": req["id"], "n": n + 1, "mode": mode})
+                return mt.InputRequiredResult(input_requests={"answer": mt.ElicitRequest(params=ask)},
+                                              request_state=sealed)
         run = await self.engine.wait_run(self.caller, self.playbook, self.run_id, timeout, tick=self.call.progress)
         return run, note
 
