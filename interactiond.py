@@ -19145,8 +19145,7 @@ class JsonLogFormatter(logging.Formatter):
             "time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds")
             .replace("+00:00", "Z"),
             "level": record.levelname.lower(), "logger": record.name, "message": record.getMessage()}
-        request_id = getattr(record, "request_id", None)
-        if request_id:
+        if request_id := REQUEST_ID.get():
             line["request_id"] = request_id
         if record.exc_info and not record.exc_text:
             record.exc_text = self.formatException(record.exc_info)
@@ -19155,19 +19154,9 @@ class JsonLogFormatter(logging.Formatter):
         return json.dumps(line, ensure_ascii=False)
 
 
-class RequestIdFilter(logging.Filter):
-    """Puts the id of the HTTP request being handled (if any) on each record as `request_id`."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if not hasattr(record, "request_id"):
-            record.request_id = REQUEST_ID.get()
-        return True
-
-
 def configure_logging(log_format: str = "text") -> None:
     """Log to stderr, as text (with the request id when there is one) or as JSON lines."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.addFilter(RequestIdFilter())
     if log_format == "json":
         handler.setFormatter(JsonLogFormatter())
     else:
@@ -19184,8 +19173,7 @@ class RequestIdTextFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         text = super().format(record)
-        request_id = getattr(record, "request_id", None)
-        return f"{text} request_id={request_id}" if request_id else text
+        return f"{text} request_id={request_id}" if (request_id := REQUEST_ID.get()) else text
 
 
 # -- check --------------------------------------------------------------------------------------------
