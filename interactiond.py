@@ -19607,14 +19607,10 @@ def main(argv: list[str] | None = None) -> int:
         below.error(f"unrecognized arguments: {' '.join(extra)}")
     configure_logging(getattr(args, "log_format", "text"))
     try:
-        if args.cmd == "check":
-            return check_files(args.files)
-        if args.cmd == "demo":
-            return asyncio.run(_demo(args))
-        if args.cmd == "copy":
-            return _cli_copy(args)
-        if args.cmd == "hook":
-            return _cli_hook(args)
+        alone = {"check": lambda: check_files(args.files), "demo": lambda: asyncio.run(_demo(args)),
+                 "copy": lambda: _cli_copy(args), "hook": lambda: _cli_hook(args)}
+        if args.cmd in alone:
+            return alone[args.cmd]()
         try:
             config = load_config(args.config or os.environ.get("INTERACTIOND_CONFIG"))
         except ConfigError as exc:
