@@ -18715,7 +18715,8 @@ def _cli_client(args: Any, db: str, config: Config) -> int:
 
 
 class HookCall:
-    """The call a hook is asked about: the tool, its input, where and in which session, and the event."""
+    """The call a hook is asked about: the tool, its input, where and in which session, and the event
+    (these fields, as they are named, are the input of the function that asks)."""
 
     def __init__(self, tool: str, arguments: dict[str, Any], cwd: str | None, session: str | None,
                  event: str) -> None:
@@ -18792,9 +18793,7 @@ def _hook_ask(args: Any, call: HookCall) -> tuple[str, dict[str, Any] | None, st
     except ConfigError as exc:
         raise CliError(f"configuration: {exc.problems[0] if exc.problems else exc}") from None
     d, base = playbook_daemon(args, args.db or os.environ.get("INTERACTIOND_DB") or config.database, config)
-    input_: dict[str, Any] = {"tool": call.tool, "arguments": call.arguments, "cwd": call.cwd,
-                              "session": call.session, "event": call.event}
-    input_ = {k: v for k, v in input_.items() if v is not None}
+    input_: dict[str, Any] = {k: v for k, v in vars(call).items() if v is not None}
     if args.to or args.function == APPROVE_TOOL_CALL:
         import getpass
         to = args.to or [os.environ.get("INTERACTIOND_TO") or getpass.getuser()]
@@ -18845,20 +18844,15 @@ def hook_output(agent: str, event: str, decision: str, arguments: dict[str, Any]
     if agent == "generic":
         return {"decision": decision, "arguments": arguments if arguments is not None else call_arguments,
                 "note": note or None}
+    edited = {"updatedInput": arguments} if arguments is not None and decision == "allow" else {}
     if event == "PermissionRequest":
         if decision == "ask":
             return None
-        out: dict[str, Any] = {"behavior": decision}
-        if arguments is not None and decision == "allow":
-            out["updatedInput"] = arguments
-        if decision == "deny":
-            out["message"] = note
-        return {"hookSpecificOutput": {"hookEventName": "PermissionRequest", "decision": out}}
-    specific: dict[str, Any] = {"hookEventName": "PreToolUse", "permissionDecision": decision,
-                                "permissionDecisionReason": note}
-    if arguments is not None and decision == "allow":
-        specific["updatedInput"] = arguments
-    return {"hookSpecificOutput": specific}
+        said = {"message": note} if decision == "deny" else {}
+        return {"hookSpecificOutput": {"hookEventName": "PermissionRequest",
+                                       "decision": {"behavior": decision, **edited, **said}}}
+    return {"hookSpecificOutput": {"hookEventName": "PreToolUse", "permissionDecision": decision,
+                                   "permissionDecisionReason": note, **edited}}
 
 
 def _cli_hook(args: Any) -> int:
