@@ -17432,18 +17432,14 @@ def answer_error_words(schema: Any, answer: Any, labels: Mapping[str, str] | Non
     return sorted(out, key=lambda e: e["pointer"])
 
 
-def form_labels(form: Mapping[str, Any]) -> dict[str, str]:
-    """The labels of a form's fields (answer_form), by their pointer within the answer."""
-    fields = list(form.get("fields") or []) + ([form["choice"]] if form.get("choice") else [])
-    return {f["pointer"]: f["label"] for f in fields}
-
-
 def reworded(exc: Problem, schema_text: str | None, answer: Any, named: Mapping[Any, str] | None) -> Problem:
     """An answer's refusal with its errors in words (an invalid_input with errors; else as it is)."""
     if exc.name != "invalid_input" or not exc.errors or schema_text is None:
         return exc
     schema = json.loads(schema_text)
-    words = answer_error_words(schema, answer, form_labels(answer_form(schema, named)))
+    form = answer_form(schema, named)
+    fields = form["fields"] + ([form["choice"]] if form["mode"] == "choice" else [])
+    words = answer_error_words(schema, answer, {f["pointer"]: f["label"] for f in fields})
     if words:
         exc.errors = words
     return exc
