@@ -18022,8 +18022,7 @@ def _write_private(path: Path, text: str) -> None:
 def ensure_operator_token(db: str) -> str:
     """The operator token the first start made (written beside the database), made now if missing."""
     path = _beside(db, ".token")
-    tx = open_sync(db)
-    try:
+    with contextlib.closing(open_sync(db)) as tx:
         if path.exists():
             secret = path.read_text().strip()
             if tx.token_known(sha256_hex(secret)):
@@ -18031,8 +18030,6 @@ def ensure_operator_token(db: str) -> str:
         _, secret = create_token(tx, "operator", None, "first start")
         _write_private(path, secret + "\n")
         return secret
-    finally:
-        tx.close()
 
 
 class EngineLock:
@@ -18079,11 +18076,10 @@ async def _serve(args: Any, db: str, config: Config,
         raise CliError(f"{db_shown(db)} is already served by process {lock.holder()}; stop it first")
     try:
         ensure_operator_token(db)
-        tx = open_sync(db)
-        # One login link at a time: the link an earlier start printed stops working.
-        tx.revoke_logins(WALL.now_ms())
-        _, login = create_token(tx, "operator", None, START_LOGIN_NAME, purpose="login")
-        tx.close()
+        with contextlib.closing(open_sync(db)) as tx:
+            # One login link at a time: the link an earlier start printed stops working.
+            tx.revoke_logins(WALL.now_ms())
+            _, login = create_token(tx, "operator", None, START_LOGIN_NAME, purpose="login")
         if args.clock == "manual" and host not in ("127.0.0.1", "localhost", "::1"):
             raise SystemExit("--clock manual is for tests and demos: it needs --host 127.0.0.1")
         engine = Engine(Store(db), ManualClock() if args.clock == "manual" else SystemClock(), config)
