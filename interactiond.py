@@ -17669,12 +17669,8 @@ def _place_errors(fields: list[dict[str, Any]], errors: list[dict[str, Any]]) ->
     rest: list[str] = []
     for e in errors:
         pointer, message = e.get("pointer") or "", str(e.get("message") or "")
-        rel = pointer[len("/answer"):] if pointer == "/answer" or pointer.startswith("/answer/") else None
-        best = None
-        for fd in fields:
-            p = fd["pointer"]
-            if rel is not None and (rel == p or rel.startswith(p + "/")) and (best is None or len(p) > len(best)):
-                best = p
+        best = max((fd["pointer"] for fd in fields if f"{pointer}/".startswith(f"/answer{fd['pointer']}/")),
+                   key=len, default=None)
         if best is None:
             rest.append(message)
         else:
@@ -17845,10 +17841,8 @@ def chosen_in_query(form: dict[str, Any], query: Mapping[str, str]) -> dict[str,
 
     def index(fd: dict[str, Any]) -> str | None:
         said = query.get(fd["name"])
-        for i, v in enumerate(fd.get("values") or ()):
-            if said is not None and said == (("true" if v else "false") if isinstance(v, bool) else str(v)):
-                return str(i)
-        return None
+        return next((str(i) for i, v in enumerate(fd.get("values") or ())
+                     if said == (("true" if v else "false") if isinstance(v, bool) else str(v))), None)
     if form["mode"] == "choice" and (i := index(form["choice"])) is not None:
         sent["choice"] = [i]
     for n, fd in enumerate(form["fields"]):
