@@ -17419,18 +17419,14 @@ def answer_error_words(schema: Any, answer: Any, labels: Mapping[str, str] | Non
     return sorted(out, key=lambda e: e["pointer"])
 
 
-def form_labels(form: Mapping[str, Any]) -> dict[str, str]:
-    """The labels of a form's fields (answer_form), by their pointer within the answer."""
-    fields = list(form.get("fields") or []) + ([form["choice"]] if form.get("choice") else [])
-    return {f["pointer"]: f["label"] for f in fields}
-
-
 def reworded(exc: Problem, schema_text: str | None, answer: Any, named: Mapping[Any, str] | None) -> Problem:
     """An answer's refusal with its errors in words (an invalid_input with errors; else as it is)."""
     if exc.name != "invalid_input" or not exc.errors or schema_text is None:
         return exc
     schema = json.loads(schema_text)
-    words = answer_error_words(schema, answer, form_labels(answer_form(schema, named)))
+    form = answer_form(schema, named)
+    fields = form["fields"] + ([form["choice"]] if form["mode"] == "choice" else [])
+    words = answer_error_words(schema, answer, {f["pointer"]: f["label"] for f in fields})
     if words:
         exc.errors = words
     return exc
@@ -17660,12 +17656,8 @@ def _place_errors(fields: list[dict[str, Any]], errors: list[dict[str, Any]]) ->
     rest: list[str] = []
     for e in errors:
         pointer, message = e.get("pointer") or "", str(e.get("message") or "")
-        rel = pointer[len("/answer"):] if pointer == "/answer" or pointer.startswith("/answer/") else None
-        best = None
-        for fd in fields:
-            p = fd["pointer"]
-            if rel is not None and (rel == p or rel.startswith(p + "/")) and (best is None or len(p) > len(best)):
-                best = p
+        best = max((fd["pointer"] for fd in fields if f"{pointer}/".startswith(f"/answer{fd['pointer']}/")),
+                   key=len, default=None)
         if best is None:
             rest.append(message)
         else:
@@ -17836,10 +17828,8 @@ def chosen_in_query(form: dict[str, Any], query: Mapping[str, str]) -> dict[str,
 
     def index(fd: dict[str, Any]) -> str | None:
         said = query.get(fd["name"])
-        for i, v in enumerate(fd.get("values") or ()):
-            if said is not None and said == (("true" if v else "false") if isinstance(v, bool) else str(v)):
-                return str(i)
-        return None
+        return next((str(i) for i, v in enumerate(fd.get("values") or ())
+                     if said == (("true" if v else "false") if isinstance(v, bool) else str(v))), None)
     if form["mode"] == "choice" and (i := index(form["choice"])) is not None:
         sent["choice"] = [i]
     for n, fd in enumerate(form["fields"]):
@@ -18013,8 +18003,7 @@ def _write_private(path: Path, text: str) -> None:
 def ensure_operator_token(db: str) -> str:
     """The operator token the first start made (written beside the database), made now if missing."""
     path = _beside(db, ".token")
-    tx = open_sync(db)
-    try:
+    with contextlib.closing(open_sync(db)) as tx:
         if path.exists():
             secret = path.read_text().strip()
             if tx.token_known(sha256_hex(secret)):
@@ -18022,8 +18011,6 @@ def ensure_operator_token(db: str) -> str:
         _, secret = create_token(tx, "operator", None, "first start")
         _write_private(path, secret + "\n")
         return secret
-    finally:
-        tx.close()
 
 
 class EngineLock:
@@ -18070,11 +18057,10 @@ async def _serve(args: Any, db: str, config: Config,
         raise CliError(f"{db_shown(db)} is already served by process {lock.holder()}; stop it first")
     try:
         ensure_operator_token(db)
-        tx = open_sync(db)
-        # One login link at a time: the link an earlier start printed stops working.
-        tx.revoke_logins(WALL.now_ms())
-        _, login = create_token(tx, "operator", None, START_LOGIN_NAME, purpose="login")
-        tx.close()
+        with contextlib.closing(open_sync(db)) as tx:
+            # One login link at a time: the link an earlier start printed stops working.
+            tx.revoke_logins(WALL.now_ms())
+            _, login = create_token(tx, "operator", None, START_LOGIN_NAME, purpose="login")
         if args.clock == "manual" and host not in ("127.0.0.1", "localhost", "::1"):
             raise SystemExit("--clock manual is for tests and demos: it needs --host 127.0.0.1")
         engine = Engine(Store(db), ManualClock() if args.clock == "manual" else SystemClock(), config)
@@ -18702,7 +18688,8 @@ def _cli_client(args: Any, db: str, config: Config) -> int:
 
 
 class HookCall:
-    """The call a hook is asked about: the tool, its input, where and in which session, and the event."""
+    """The call a hook is asked about: the tool, its input, where and in which session, and the event
+    (these fields, as they are named, are the input of the function that asks)."""
 
     def __init__(self, tool: str, arguments: dict[str, Any], cwd: str | None, session: str | None,
                  event: str) -> None:
@@ -18779,9 +18766,7 @@ def _hook_ask(args: Any, call: HookCall) -> tuple[str, dict[str, Any] | None, st
     except ConfigError as exc:
         raise CliError(f"configuration: {exc.problems[0] if exc.problems else exc}") from None
     d, base = playbook_daemon(args, args.db or os.environ.get("INTERACTIOND_DB") or config.database, config)
-    input_: dict[str, Any] = {"tool": call.tool, "arguments": call.arguments, "cwd": call.cwd,
-                              "session": call.session, "event": call.event}
-    input_ = {k: v for k, v in input_.items() if v is not None}
+    input_: dict[str, Any] = {k: v for k, v in vars(call).items() if v is not None}
     if args.to or args.function == APPROVE_TOOL_CALL:
         import getpass
         to = args.to or [os.environ.get("INTERACTIOND_TO") or getpass.getuser()]
@@ -18832,20 +18817,15 @@ def hook_output(agent: str, event: str, decision: str, arguments: dict[str, Any]
     if agent == "generic":
         return {"decision": decision, "arguments": arguments if arguments is not None else call_arguments,
                 "note": note or None}
+    edited = {"updatedInput": arguments} if arguments is not None and decision == "allow" else {}
     if event == "PermissionRequest":
         if decision == "ask":
             return None
-        out: dict[str, Any] = {"behavior": decision}
-        if arguments is not None and decision == "allow":
-            out["updatedInput"] = arguments
-        if decision == "deny":
-            out["message"] = note
-        return {"hookSpecificOutput": {"hookEventName": "PermissionRequest", "decision": out}}
-    specific: dict[str, Any] = {"hookEventName": "PreToolUse", "permissionDecision": decision,
-                                "permissionDecisionReason": note}
-    if arguments is not None and decision == "allow":
-        specific["updatedInput"] = arguments
-    return {"hookSpecificOutput": specific}
+        said = {"message": note} if decision == "deny" else {}
+        return {"hookSpecificOutput": {"hookEventName": "PermissionRequest",
+                                       "decision": {"behavior": decision, **edited, **said}}}
+    return {"hookSpecificOutput": {"hookEventName": "PreToolUse", "permissionDecision": decision,
+                                   "permissionDecisionReason": note, **edited}}
 
 
 def _cli_hook(args: Any) -> int:
@@ -19132,8 +19112,7 @@ class JsonLogFormatter(logging.Formatter):
             "time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds")
             .replace("+00:00", "Z"),
             "level": record.levelname.lower(), "logger": record.name, "message": record.getMessage()}
-        request_id = getattr(record, "request_id", None)
-        if request_id:
+        if request_id := REQUEST_ID.get():
             line["request_id"] = request_id
         if record.exc_info and not record.exc_text:
             record.exc_text = self.formatException(record.exc_info)
@@ -19142,19 +19121,9 @@ class JsonLogFormatter(logging.Formatter):
         return json.dumps(line, ensure_ascii=False)
 
 
-class RequestIdFilter(logging.Filter):
-    """Puts the id of the HTTP request being handled (if any) on each record as `request_id`."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if not hasattr(record, "request_id"):
-            record.request_id = REQUEST_ID.get()
-        return True
-
-
 def configure_logging(log_format: str = "text") -> None:
     """Log to stderr, as text (with the request id when there is one) or as JSON lines."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.addFilter(RequestIdFilter())
     if log_format == "json":
         handler.setFormatter(JsonLogFormatter())
     else:
@@ -19171,8 +19140,7 @@ class RequestIdTextFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         text = super().format(record)
-        request_id = getattr(record, "request_id", None)
-        return f"{text} request_id={request_id}" if request_id else text
+        return f"{text} request_id={request_id}" if (request_id := REQUEST_ID.get()) else text
 
 
 # -- check --------------------------------------------------------------------------------------------
@@ -19606,14 +19574,10 @@ def main(argv: list[str] | None = None) -> int:
         below.error(f"unrecognized arguments: {' '.join(extra)}")
     configure_logging(getattr(args, "log_format", "text"))
     try:
-        if args.cmd == "check":
-            return check_files(args.files)
-        if args.cmd == "demo":
-            return asyncio.run(_demo(args))
-        if args.cmd == "copy":
-            return _cli_copy(args)
-        if args.cmd == "hook":
-            return _cli_hook(args)
+        alone = {"check": lambda: check_files(args.files), "demo": lambda: asyncio.run(_demo(args)),
+                 "copy": lambda: _cli_copy(args), "hook": lambda: _cli_hook(args)}
+        if args.cmd in alone:
+            return alone[args.cmd]()
         try:
             config = load_config(args.config or os.environ.get("INTERACTIOND_CONFIG"))
         except ConfigError as exc:
