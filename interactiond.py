@@ -11578,35 +11578,16 @@ class Engine:
         self.webhooks = Webhooks(store, clock, config, self.tools.scrub)
 
         # The operations the sections below call, each answered by the part that owns it.
-        self.document = self.definitions.document
-        self.create_definition = self.definitions.create_definition
-        self.get_definition = self.definitions.get_definition
-        self.list_definitions = self.definitions.list_definitions
-        self.delete_definition = self.definitions.delete_definition
-        self.get_run = self.runs.get_run
-        self.wait_run = self.runs.wait_run
-        self.cancel_run = self.runs.cancel_run
-        self.cancel_in = self.runs.cancel_in
-        self.list_runs = self.runs.list_runs
-        self.search = self.system_calls.search
-        self.introspect = self.system_calls.introspect
-        self.execute_tool = self.system_calls.execute_tool
-        self.list_interactions = self.inbox.list_interactions
-        self.answer_interaction = self.inbox.answer_interaction
-        self.deputized = self.inbox.deputized
-        self.add_deputy, self.list_deputies = self.inbox.add_deputy, self.inbox.list_deputies
-        self.remove_deputy = self.inbox.remove_deputy
-        self.request_for = self.inbox.request_for
-        self.elicitation_declined = self.inbox.elicitation_declined
-        self.elicitation_refused = self.inbox.elicitation_refused
-        self.task_view = self.inbox.task_view
-        self.cancel_task = self.runs.cancel_task
-        self.replayed = self.inbox.replayed
-        self.list_run_events = self.inbox.list_run_events
-        self.list_playbook_events = self.inbox.list_playbook_events
-        self.get_event = self.inbox.get_event
-        self.list_rules = self.approvals.list_rules
-        self.revoke_rule = self.approvals.revoke_rule
+        for part, names in ((self.definitions, "document create_definition get_definition list_definitions"
+                                               " delete_definition"),
+                            (self.runs, "get_run wait_run cancel_run cancel_in list_runs cancel_task"),
+                            (self.system_calls, "search introspect execute_tool"),
+                            (self.inbox, "list_interactions answer_interaction deputized add_deputy list_deputies"
+                                         " remove_deputy request_for elicitation_declined elicitation_refused"
+                                         " task_view replayed list_run_events list_playbook_events get_event"),
+                            (self.approvals, "list_rules revoke_rule")):
+            for name in names.split():
+                setattr(self, name, getattr(part, name))
         self.list_webhook_deliveries = self.webhooks.list_deliveries
 
         self.kinds.update((type_, make(self)) for type_, make in RUN_KINDS.items())
