@@ -10312,14 +10312,14 @@ class Readings:
     as `inbox` records any answer."""
 
     def __init__(self, store: Store, clock: Clock, tools: ToolServers, definitions: Definitions,
-                 inbox: Inbox) -> None:
+                 inbox: Inbox, observe: Callable[[str, str, str], None]) -> None:
         self.store = store
         self.clock = clock
         self.tools = tools
         self.definitions = definitions
         self.inbox = inbox
-        #: `observe("read", playbook, ok or why it failed)` after each read (Engine.observe sets it).
-        self.observe: Callable[[str, str, str], None] | None = None
+        #: `observe("read", playbook, ok or why it failed)` after each read (the engine's observe).
+        self.observe = observe
 
     # -- reading replies --------------------------------------------------------------------------
     #
@@ -10398,8 +10398,7 @@ class Readings:
             self._take_replies(tx, fx, reading, messages, own, replies, event, done, tellings, docs)
             self._next_read(tx, fx, reading_id, key, done, None)
         await self.store.write(change)
-        if self.observe is not None:
-            self.observe("read", playbook, failure["because"] if failure is not None else "ok")
+        self.observe("read", playbook, failure["because"] if failure is not None else "ok")
         for req, text in tellings:
             await self._tell(req, text)
 
@@ -11555,6 +11554,9 @@ class Engine:
         self.kinds: dict[str, RunKind] = {}
 
         self.links = AnswerLinks(config.links_base)     # its key is loaded at start
+        #: `observe(what, playbook, label)` of what the events do not tell: a run started (label: its
+        #: type), a read of replies done (label: ok or why it failed). The metrics set it.
+        self.observe: Callable[[str, str, str], None] | None = None
 
         # The parts, each built after the parts it calls and given them (the run kinds, made last,
         # call the engine's operations).
@@ -11565,7 +11567,8 @@ class Engine:
                                    self.definitions.document, links=self.links)
         self.system_calls = SystemCalls(store, clock, self.tools, config, self.calls, self.approvals)
         self.inbox = Inbox(store, clock, self.tools, self.approvals, links=self.links)
-        self.readings = Readings(store, clock, self.tools, self.definitions, self.inbox)
+        self.readings = Readings(store, clock, self.tools, self.definitions, self.inbox,
+                                 lambda *seen: self.observe(*seen) if self.observe is not None else None)
         #: Email through the configuration's SMTP server: a delivery channel beside the tools.
         self.email = Email(config.email, clock, self.tools.scrub)
         self.deliveries = Deliveries(store, clock, self.tools, self.definitions, self.readings, self.email)
@@ -11585,7 +11588,7 @@ class Engine:
                             (self.inbox, "list_interactions answer_interaction deputized add_deputy list_deputies"
                                          " remove_deputy request_for elicitation_declined elicitation_refused"
                                          " task_view replayed list_run_events list_playbook_events get_event"),
-                            (self.approvals, "list_rules revoke_rule")):
+                            (self.approvals, "list_rules revoke_rule"), (self.bus, "subscribe unsubscribe")):
             for name in names.split():
                 setattr(self, name, getattr(part, name))
         self.list_webhook_deliveries = self.webhooks.list_deliveries
@@ -11603,16 +11606,6 @@ class Engine:
         self.on_timer("webhook", self.webhooks.attempt, side=True)
         for type_, kind in self.kinds.items():    # e.g. a workflow run to move on (started, woken, or due)
             self.on_timer(type_, lambda playbook, ref, key, kind=kind: kind.on_timer(playbook, ref), side=True)
-
-    @property
-    def observe(self) -> Callable[[str, str, str], None] | None:
-        """`observe(what, playbook, label)` of what the events do not tell: a run started (label: its
-        type), a read of replies done (label: ok or why it failed). The metrics set it."""
-        return self.readings.observe
-
-    @observe.setter
-    def observe(self, fn: Callable[[str, str, str], None] | None) -> None:
-        self.readings.observe = fn
 
     # -- life ---------------------------------------------------------------------------------
 
@@ -11716,12 +11709,6 @@ class Engine:
         """A cached thing changed (told by the bus): a definition's current version is read again."""
         if what[0] == "definition":
             self.definitions.forget(*what[1:])
-
-    def subscribe(self) -> asyncio.Queue[dict[str, Any]]:
-        return self.bus.subscribe()
-
-    def unsubscribe(self, q: asyncio.Queue[dict[str, Any]]) -> None:
-        self.bus.unsubscribe(q)
 
     async def run_definition(self, caller: Caller, playbook: str, type_: str, name: str, input_: Any = None,
                              run_id: str | None = None, *, parent: str | None = None) -> tuple[dict[str, Any], bool]:
