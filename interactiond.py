@@ -10566,8 +10566,7 @@ def show_votes(run: dict[str, Any], req: Mapping[str, Any]) -> dict[str, Any]:
     (`req`) is one."""
     if req["approval"] is not None and '"quorum"' in req["approval"]:
         gate = json.loads(req["approval"])
-        run["approval"] = {"to": gate["quorum"]["to"], "need": gate["quorum"]["need"],
-                           "veto": gate["quorum"]["veto"], "votes": _votes_shown(gate)}
+        run["approval"] = {**gate["quorum"], "votes": _votes_shown(gate)}
     return run
 
 
@@ -10643,9 +10642,7 @@ class Approvals:
         except Problem as exc:
             ending = exc
         edit = list(gate.edit) if gate is not None else []
-        shown = self._gate(call.server, call.tool, read_only, arguments, edit, schema)
-        if quorum is not None:
-            shown["quorum"] = quorum
+        shown = self._gate(call.server, call.tool, read_only, arguments, edit, schema, quorum)
         return await self._ask(caller, playbook, run_id, type_, name, version, input_text, input_sha, parent,
                                doc.deliver, prepared, shown, ending)
 
@@ -10672,9 +10669,7 @@ class Approvals:
                     "message": f"A call of **{tool}** on the tool server **{server}** (it {kind}) waits for approval."
                                " Approve the call, or reject it."}
         prepared["follow_up"] = self._reminders(policy, None, {}, now)
-        gate = self._gate(server, tool, read_only, arguments, edit, schema)
-        if quorum is not None:
-            gate["quorum"] = quorum
+        gate = self._gate(server, tool, read_only, arguments, edit, schema, quorum)
         run, _ = await self._ask(caller, playbook, new_run_id(), "execute", f"{server}/{tool}", 0, input_text,
                                  sha256_hex(input_text), None, None, prepared, gate, None)
         return run
@@ -10706,11 +10701,11 @@ class Approvals:
         return {"to": [policy.to, *policy.also], "need": policy.need, "veto": policy.veto}
 
     def _gate(self, server: str, tool: str, read_only: bool, arguments: Any, edit: list[str],
-              schema: Any) -> dict[str, Any]:
+              schema: Any, quorum: dict[str, Any] | None) -> dict[str, Any]:
         """What the request carries: the call, the arguments as shown (scrubbed) and as sent, what
-        may change, and the tool's input schema an edit is checked against."""
+        may change, the tool's input schema an edit is checked against, and the quorum of several people."""
         return {"server": server, "tool": tool, "read_only": read_only, "arguments": self.tools.scrub(arguments),
-                "proposed": arguments, "edit": edit, "schema": schema}
+                "proposed": arguments, "edit": edit, "schema": schema, **({"quorum": quorum} if quorum else {})}
 
     @staticmethod
     def _execute_gate(approve: Any, arguments: dict[str, Any],
@@ -10832,9 +10827,9 @@ class Approvals:
         tx.record_answer(fx, row, answer, by=by, now=now, claimed_for=claimed_for, reply_id=reply_id, by_name=by_name,
                          on_behalf_of=on_behalf_of)
         note = answer.get("note")
+        said = {"approved": approved, "by": by, "patch": self.tools.record(gate["server"], patch), "note": note}
         if not approved:                # the run ends declined, its request closed as answered
-            tx.append_event(fx, playbook, run_id, "approval_answered", now, by, {
-                "approved": approved, "by": by, "patch": self.tools.record(gate["server"], patch), "note": note})
+            tx.append_event(fx, playbook, run_id, "approval_answered", now, by, said)
             detail = f"{by} refused the call of {gate['tool']} on {gate['server']}" + (f": {note}" if note else "")
             if "quorum" in gate and not gate["quorum"]["veto"]:         # too few left to approve
                 detail = (f"the call of {gate['tool']} on {gate['server']} cannot have the {gate['quorum']['need']}"
@@ -10845,9 +10840,8 @@ class Approvals:
             assert closed is not None
             return closed
         closed = tx.close_request(fx, playbook, run_id, ENDINGS["answered"])
-        tx.append_event(fx, playbook, run_id, "approval_answered", now, by, {
-            "approved": approved, "by": by, "patch": self.tools.record(gate["server"], patch), "note": note,
-            "arguments_digest": arguments_digest(arguments)})
+        tx.append_event(fx, playbook, run_id, "approval_answered", now, by,
+                        {**said, "arguments_digest": arguments_digest(arguments)})
         tx.set_approval(playbook, run_id, dumps({**gate, "approved": arguments}))
         tx.resume_run(playbook, run_id)
         tx.set_timer(fx, timer_key("call", playbook, run_id), now)
