@@ -10592,10 +10592,10 @@ class Approvals:
     """
 
     def __init__(self, store: Store, clock: Clock, tools: ToolServers, calls: ToolCalls, open_limit: int,
-                 spawn: Callable[[Any, str], Any], document: Callable[..., Any], links: AnswerLinks | None = None) -> None:
+                 document: Callable[..., Any], links: AnswerLinks | None = None) -> None:
         self.store, self.clock, self.tools, self.calls = store, clock, tools, calls
         self.links = links or AnswerLinks("")          # answer links (no key: none shown)
-        self.open_limit, self.spawn, self.document = open_limit, spawn, document
+        self.open_limit, self.document = open_limit, document
 
     def policy(self, server: str, tool: str) -> ApprovalPolicy | None:
         """The operator's gate on this tool (`servers.NAME.approve`), if any."""
@@ -10995,12 +10995,8 @@ class Approvals:
 
     # -- the call -------------------------------------------------------------------------------
 
-    async def on_timer(self, key: str) -> None:
-        """A `call` timer is due: the approved call runs as a side task (the timer task waits on no tool)."""
-        _, playbook, run_id = key.split(":", 2)
-        self.spawn(self._call(playbook, run_id, key), f"call {run_id}")
-
-    async def _call(self, playbook: str, run_id: str, key: str) -> None:
+    async def call(self, playbook: str, run_id: str, key: str) -> None:
+        """A `call` timer is due: the approved call, on a side task (the timer task waits on no tool)."""
         now = self.clock.now_ms()
 
         def load(tx: Tx) -> tuple[Row, Row | None] | None:
@@ -11557,8 +11553,8 @@ class Engine:
         self.definitions = Definitions(store, clock, self.kinds, self.tools.gated)
         self.calls = ToolCalls(store, clock, self.tools)
         #: The approval gate on calls (SPEC section 20); its `call` timers make the approved calls.
-        self.approvals = Approvals(store, clock, self.tools, self.calls, config.open_requests, self.spawn,
-                                   self.definitions.document, links=self.links)
+        self.approvals = Approvals(store, clock, self.tools, self.calls, config.open_requests, self.definitions.document,
+                                   links=self.links)
         self.system_calls = SystemCalls(store, clock, self.tools, config, self.calls, self.approvals)
         self.inbox = Inbox(store, clock, self.tools, self.approvals, links=self.links)
         self.readings = Readings(store, clock, self.tools, self.definitions, self.inbox,
@@ -11592,7 +11588,7 @@ class Engine:
         self.on_timer("attempt", self.deliveries.attempt, side=True)
         self.on_timer("lost", self.deliveries.lost)
         self.on_timer("read", lambda playbook, ref, key: self.readings.read(playbook, int(ref), key), side=True)
-        self.on_timer("call", lambda playbook, ref, key: self.approvals.on_timer(key))
+        self.on_timer("call", self.approvals.call, side=True)
         for kind_ in Reminders.TIMER_KINDS:
             self.on_timer(kind_, lambda playbook, ref, key, k=kind_: self.reminders.fire(k, playbook, ref, key),
                           side=kind_ == "nudge")
