@@ -10312,14 +10312,14 @@ class Readings:
     as `inbox` records any answer."""
 
     def __init__(self, store: Store, clock: Clock, tools: ToolServers, definitions: Definitions,
-                 inbox: Inbox) -> None:
+                 inbox: Inbox, observe: Callable[[str, str, str], None]) -> None:
         self.store = store
         self.clock = clock
         self.tools = tools
         self.definitions = definitions
         self.inbox = inbox
-        #: `observe("read", playbook, ok or why it failed)` after each read (Engine.observe sets it).
-        self.observe: Callable[[str, str, str], None] | None = None
+        #: `observe("read", playbook, ok or why it failed)` after each read (the engine's observe).
+        self.observe = observe
 
     # -- reading replies --------------------------------------------------------------------------
     #
@@ -10398,8 +10398,7 @@ class Readings:
             self._take_replies(tx, fx, reading, messages, own, replies, event, done, tellings, docs)
             self._next_read(tx, fx, reading_id, key, done, None)
         await self.store.write(change)
-        if self.observe is not None:
-            self.observe("read", playbook, failure["because"] if failure is not None else "ok")
+        self.observe("read", playbook, failure["because"] if failure is not None else "ok")
         for req, text in tellings:
             await self._tell(req, text)
 
@@ -10567,8 +10566,7 @@ def show_votes(run: dict[str, Any], req: Mapping[str, Any]) -> dict[str, Any]:
     (`req`) is one."""
     if req["approval"] is not None and '"quorum"' in req["approval"]:
         gate = json.loads(req["approval"])
-        run["approval"] = {"to": gate["quorum"]["to"], "need": gate["quorum"]["need"],
-                           "veto": gate["quorum"]["veto"], "votes": _votes_shown(gate)}
+        run["approval"] = {**gate["quorum"], "votes": _votes_shown(gate)}
     return run
 
 
@@ -10594,10 +10592,10 @@ class Approvals:
     """
 
     def __init__(self, store: Store, clock: Clock, tools: ToolServers, calls: ToolCalls, open_limit: int,
-                 spawn: Callable[[Any, str], Any], document: Callable[..., Any], links: AnswerLinks | None = None) -> None:
+                 document: Callable[..., Any], links: AnswerLinks | None = None) -> None:
         self.store, self.clock, self.tools, self.calls = store, clock, tools, calls
         self.links = links or AnswerLinks("")          # answer links (no key: none shown)
-        self.open_limit, self.spawn, self.document = open_limit, spawn, document
+        self.open_limit, self.document = open_limit, document
 
     def policy(self, server: str, tool: str) -> ApprovalPolicy | None:
         """The operator's gate on this tool (`servers.NAME.approve`), if any."""
@@ -10644,9 +10642,7 @@ class Approvals:
         except Problem as exc:
             ending = exc
         edit = list(gate.edit) if gate is not None else []
-        shown = self._gate(call.server, call.tool, read_only, arguments, edit, schema)
-        if quorum is not None:
-            shown["quorum"] = quorum
+        shown = self._gate(call.server, call.tool, read_only, arguments, edit, schema, quorum)
         return await self._ask(caller, playbook, run_id, type_, name, version, input_text, input_sha, parent,
                                doc.deliver, prepared, shown, ending)
 
@@ -10673,9 +10669,7 @@ class Approvals:
                     "message": f"A call of **{tool}** on the tool server **{server}** (it {kind}) waits for approval."
                                " Approve the call, or reject it."}
         prepared["follow_up"] = self._reminders(policy, None, {}, now)
-        gate = self._gate(server, tool, read_only, arguments, edit, schema)
-        if quorum is not None:
-            gate["quorum"] = quorum
+        gate = self._gate(server, tool, read_only, arguments, edit, schema, quorum)
         run, _ = await self._ask(caller, playbook, new_run_id(), "execute", f"{server}/{tool}", 0, input_text,
                                  sha256_hex(input_text), None, None, prepared, gate, None)
         return run
@@ -10707,11 +10701,11 @@ class Approvals:
         return {"to": [policy.to, *policy.also], "need": policy.need, "veto": policy.veto}
 
     def _gate(self, server: str, tool: str, read_only: bool, arguments: Any, edit: list[str],
-              schema: Any) -> dict[str, Any]:
+              schema: Any, quorum: dict[str, Any] | None) -> dict[str, Any]:
         """What the request carries: the call, the arguments as shown (scrubbed) and as sent, what
-        may change, and the tool's input schema an edit is checked against."""
+        may change, the tool's input schema an edit is checked against, and the quorum of several people."""
         return {"server": server, "tool": tool, "read_only": read_only, "arguments": self.tools.scrub(arguments),
-                "proposed": arguments, "edit": edit, "schema": schema}
+                "proposed": arguments, "edit": edit, "schema": schema, **({"quorum": quorum} if quorum else {})}
 
     @staticmethod
     def _execute_gate(approve: Any, arguments: dict[str, Any],
@@ -10833,9 +10827,9 @@ class Approvals:
         tx.record_answer(fx, row, answer, by=by, now=now, claimed_for=claimed_for, reply_id=reply_id, by_name=by_name,
                          on_behalf_of=on_behalf_of)
         note = answer.get("note")
+        said = {"approved": approved, "by": by, "patch": self.tools.record(gate["server"], patch), "note": note}
         if not approved:                # the run ends declined, its request closed as answered
-            tx.append_event(fx, playbook, run_id, "approval_answered", now, by, {
-                "approved": approved, "by": by, "patch": self.tools.record(gate["server"], patch), "note": note})
+            tx.append_event(fx, playbook, run_id, "approval_answered", now, by, said)
             detail = f"{by} refused the call of {gate['tool']} on {gate['server']}" + (f": {note}" if note else "")
             if "quorum" in gate and not gate["quorum"]["veto"]:         # too few left to approve
                 detail = (f"the call of {gate['tool']} on {gate['server']} cannot have the {gate['quorum']['need']}"
@@ -10846,9 +10840,8 @@ class Approvals:
             assert closed is not None
             return closed
         closed = tx.close_request(fx, playbook, run_id, ENDINGS["answered"])
-        tx.append_event(fx, playbook, run_id, "approval_answered", now, by, {
-            "approved": approved, "by": by, "patch": self.tools.record(gate["server"], patch), "note": note,
-            "arguments_digest": arguments_digest(arguments)})
+        tx.append_event(fx, playbook, run_id, "approval_answered", now, by,
+                        {**said, "arguments_digest": arguments_digest(arguments)})
         tx.set_approval(playbook, run_id, dumps({**gate, "approved": arguments}))
         tx.resume_run(playbook, run_id)
         tx.set_timer(fx, timer_key("call", playbook, run_id), now)
@@ -11002,12 +10995,8 @@ class Approvals:
 
     # -- the call -------------------------------------------------------------------------------
 
-    async def on_timer(self, key: str) -> None:
-        """A `call` timer is due: the approved call runs as a side task (the timer task waits on no tool)."""
-        _, playbook, run_id = key.split(":", 2)
-        self.spawn(self._call(playbook, run_id, key), f"call {run_id}")
-
-    async def _call(self, playbook: str, run_id: str, key: str) -> None:
+    async def call(self, playbook: str, run_id: str, key: str) -> None:
+        """A `call` timer is due: the approved call, on a side task (the timer task waits on no tool)."""
         now = self.clock.now_ms()
 
         def load(tx: Tx) -> tuple[Row, Row | None] | None:
@@ -11555,17 +11544,21 @@ class Engine:
         self.kinds: dict[str, RunKind] = {}
 
         self.links = AnswerLinks(config.links_base)     # its key is loaded at start
+        #: `observe(what, playbook, label)` of what the events do not tell: a run started (label: its
+        #: type), a read of replies done (label: ok or why it failed). The metrics set it.
+        self.observe: Callable[[str, str, str], None] | None = None
 
         # The parts, each built after the parts it calls and given them (the run kinds, made last,
         # call the engine's operations).
         self.definitions = Definitions(store, clock, self.kinds, self.tools.gated)
         self.calls = ToolCalls(store, clock, self.tools)
         #: The approval gate on calls (SPEC section 20); its `call` timers make the approved calls.
-        self.approvals = Approvals(store, clock, self.tools, self.calls, config.open_requests, self.spawn,
-                                   self.definitions.document, links=self.links)
+        self.approvals = Approvals(store, clock, self.tools, self.calls, config.open_requests, self.definitions.document,
+                                   links=self.links)
         self.system_calls = SystemCalls(store, clock, self.tools, config, self.calls, self.approvals)
         self.inbox = Inbox(store, clock, self.tools, self.approvals, links=self.links)
-        self.readings = Readings(store, clock, self.tools, self.definitions, self.inbox)
+        self.readings = Readings(store, clock, self.tools, self.definitions, self.inbox,
+                                 lambda *seen: self.observe(*seen) if self.observe is not None else None)
         #: Email through the configuration's SMTP server: a delivery channel beside the tools.
         self.email = Email(config.email, clock, self.tools.scrub)
         self.deliveries = Deliveries(store, clock, self.tools, self.definitions, self.readings, self.email)
@@ -11578,35 +11571,16 @@ class Engine:
         self.webhooks = Webhooks(store, clock, config, self.tools.scrub)
 
         # The operations the sections below call, each answered by the part that owns it.
-        self.document = self.definitions.document
-        self.create_definition = self.definitions.create_definition
-        self.get_definition = self.definitions.get_definition
-        self.list_definitions = self.definitions.list_definitions
-        self.delete_definition = self.definitions.delete_definition
-        self.get_run = self.runs.get_run
-        self.wait_run = self.runs.wait_run
-        self.cancel_run = self.runs.cancel_run
-        self.cancel_in = self.runs.cancel_in
-        self.list_runs = self.runs.list_runs
-        self.search = self.system_calls.search
-        self.introspect = self.system_calls.introspect
-        self.execute_tool = self.system_calls.execute_tool
-        self.list_interactions = self.inbox.list_interactions
-        self.answer_interaction = self.inbox.answer_interaction
-        self.deputized = self.inbox.deputized
-        self.add_deputy, self.list_deputies = self.inbox.add_deputy, self.inbox.list_deputies
-        self.remove_deputy = self.inbox.remove_deputy
-        self.request_for = self.inbox.request_for
-        self.elicitation_declined = self.inbox.elicitation_declined
-        self.elicitation_refused = self.inbox.elicitation_refused
-        self.task_view = self.inbox.task_view
-        self.cancel_task = self.runs.cancel_task
-        self.replayed = self.inbox.replayed
-        self.list_run_events = self.inbox.list_run_events
-        self.list_playbook_events = self.inbox.list_playbook_events
-        self.get_event = self.inbox.get_event
-        self.list_rules = self.approvals.list_rules
-        self.revoke_rule = self.approvals.revoke_rule
+        for part, names in ((self.definitions, "document create_definition get_definition list_definitions"
+                                               " delete_definition"),
+                            (self.runs, "get_run wait_run cancel_run cancel_in list_runs cancel_task"),
+                            (self.system_calls, "search introspect execute_tool"),
+                            (self.inbox, "list_interactions answer_interaction deputized add_deputy list_deputies"
+                                         " remove_deputy request_for elicitation_declined elicitation_refused"
+                                         " task_view replayed list_run_events list_playbook_events get_event"),
+                            (self.approvals, "list_rules revoke_rule"), (self.bus, "subscribe unsubscribe")):
+            for name in names.split():
+                setattr(self, name, getattr(part, name))
         self.list_webhook_deliveries = self.webhooks.list_deliveries
 
         self.kinds.update((type_, make(self)) for type_, make in RUN_KINDS.items())
@@ -11614,7 +11588,7 @@ class Engine:
         self.on_timer("attempt", self.deliveries.attempt, side=True)
         self.on_timer("lost", self.deliveries.lost)
         self.on_timer("read", lambda playbook, ref, key: self.readings.read(playbook, int(ref), key), side=True)
-        self.on_timer("call", lambda playbook, ref, key: self.approvals.on_timer(key))
+        self.on_timer("call", self.approvals.call, side=True)
         for kind_ in Reminders.TIMER_KINDS:
             self.on_timer(kind_, lambda playbook, ref, key, k=kind_: self.reminders.fire(k, playbook, ref, key),
                           side=kind_ == "nudge")
@@ -11622,16 +11596,6 @@ class Engine:
         self.on_timer("webhook", self.webhooks.attempt, side=True)
         for type_, kind in self.kinds.items():    # e.g. a workflow run to move on (started, woken, or due)
             self.on_timer(type_, lambda playbook, ref, key, kind=kind: kind.on_timer(playbook, ref), side=True)
-
-    @property
-    def observe(self) -> Callable[[str, str, str], None] | None:
-        """`observe(what, playbook, label)` of what the events do not tell: a run started (label: its
-        type), a read of replies done (label: ok or why it failed). The metrics set it."""
-        return self.readings.observe
-
-    @observe.setter
-    def observe(self, fn: Callable[[str, str, str], None] | None) -> None:
-        self.readings.observe = fn
 
     # -- life ---------------------------------------------------------------------------------
 
@@ -11735,12 +11699,6 @@ class Engine:
         """A cached thing changed (told by the bus): a definition's current version is read again."""
         if what[0] == "definition":
             self.definitions.forget(*what[1:])
-
-    def subscribe(self) -> asyncio.Queue[dict[str, Any]]:
-        return self.bus.subscribe()
-
-    def unsubscribe(self, q: asyncio.Queue[dict[str, Any]]) -> None:
-        self.bus.unsubscribe(q)
 
     async def run_definition(self, caller: Caller, playbook: str, type_: str, name: str, input_: Any = None,
                              run_id: str | None = None, *, parent: str | None = None) -> tuple[dict[str, Any], bool]:

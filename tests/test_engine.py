@@ -216,7 +216,7 @@ async def test_the_parts_work_without_the_facade(db):
         definitions = itd.Definitions(store, clock, {})
         tools = itd.ToolServers(config, store, clock)
         calls = itd.ToolCalls(store, clock, tools)
-        approvals = itd.Approvals(store, clock, tools, calls, 1, lambda coro, name: None, definitions.document)
+        approvals = itd.Approvals(store, clock, tools, calls, 1, definitions.document)
         system_calls = itd.SystemCalls(store, clock, tools, config, calls, approvals)
         runs = itd.Runs(store, clock, bus, definitions, system_calls, {}, open_limit=1)
         saved, created = await definitions.create_definition(OP, PB, "interaction", "approve", APPROVAL)
