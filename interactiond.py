@@ -929,13 +929,8 @@ def canonical_json(value: Any) -> bytes:
     try:
         return rfc8785.dumps(value)
     except rfc8785.IntegerDomainError:
-        def as_double(v: Any) -> Any:
-            if isinstance(v, bool) or not isinstance(v, (int, dict, list)):
-                return v
-            if isinstance(v, int):
-                return float(v) if abs(v) > 2 ** 53 - 1 else v
-            return {k: as_double(x) for k, x in v.items()} if isinstance(v, dict) else [as_double(x) for x in v]
-        return rfc8785.dumps(as_double(value))
+        return rfc8785.dumps(map_leaves(value, lambda _, v: float(v) if isinstance(v, int) and not isinstance(v, bool)
+                                        and abs(v) > 2 ** 53 - 1 else v))
 
 
 def request_digest(message: str, answer_schema: Any, arguments: Any = None) -> str:
