@@ -1594,13 +1594,8 @@ def _liquid() -> _Liquid:
 def _render_error(exc: BaseException) -> RenderError:
     from liquid.exceptions import LiquidError, ResourceLimitError, UndefinedError
     message = str(exc.message) if isinstance(exc, LiquidError) else f"{type(exc).__name__}: {exc}"
-    if isinstance(exc, UndefinedError):
-        return RenderError("undefined", message)
-    if isinstance(exc, _liquid().structure_error):
-        return RenderError("structure", message)
-    if isinstance(exc, ResourceLimitError):
-        return RenderError("limit", message)
-    return RenderError("error", message)
+    kinds = ((UndefinedError, "undefined"), (_liquid().structure_error, "structure"), (ResourceLimitError, "limit"))
+    return RenderError(next((kind for cls, kind in kinds if isinstance(exc, cls)), "error"), message)
 
 
 def _is_undefined(value: Any) -> bool:
