@@ -2827,27 +2827,21 @@ def _front_matter_loader() -> type:
             self.offset = offset
             self.nodes = 0
             self.depth = 0
-            self.events = self._read(_YamlEvents, text)
-
-        def _read(self, step: Callable[..., Any], *args: Any) -> Any:
             try:
-                return step(*args)
+                self.events = _YamlEvents(text)
             except UnicodeEncodeError as exc:   # libyaml reads UTF-8, which a lone surrogate is not
-                raise yaml.reader.ReaderError("<unicode string>", exc.start, ord(self.text[exc.start]), "unicode",
+                raise yaml.reader.ReaderError("<unicode string>", exc.start, ord(text[exc.start]), "unicode",
                                               "special characters are not allowed") from None
+            self.check_event, self.peek_event, self.get_event = (   # the composer reads the parser's events
+                self.events.check_event, self.events.peek_event, self.events.get_event)
+
+        def get_single_node(self) -> Any:
+            try:
+                return super().get_single_node()
             except yaml.reader.ReaderError as exc:
                 if _YamlEvents is not yaml.SafeLoader:   # libyaml's position counts bytes of UTF-8
                     exc.position = len(self.text.encode("utf-8", "surrogatepass")[:exc.position].decode("utf-8", "ignore"))
                 raise
-
-        def check_event(self, *choices: Any) -> bool:
-            return self._read(self.events.check_event, *choices)
-
-        def peek_event(self) -> Any:
-            return self._read(self.events.peek_event)
-
-        def get_event(self) -> Any:
-            return self._read(self.events.get_event)
 
         def dispose(self) -> None:
             self.events.dispose()
