@@ -12086,13 +12086,8 @@ class WfRetry:
 
     def delay(self, retry: int) -> int:
         """The wait before retry number `retry` (1 for the second attempt)."""
-        if self.backoff == "linear":
-            ms = self.delay_ms * retry
-        elif self.backoff == "exponential":
-            ms = self.delay_ms * 2 ** min(retry - 1, 40)
-        else:
-            ms = self.delay_ms
-        return min(ms, int(WORKFLOW_WAIT_MAX.total_seconds() * 1000))
+        factor = {"linear": retry, "exponential": 2 ** min(retry - 1, 40)}.get(self.backoff, 1)
+        return min(self.delay_ms * factor, int(WORKFLOW_WAIT_MAX.total_seconds() * 1000))
 
 
 @dataclass(frozen=True, slots=True)
@@ -12378,7 +12373,7 @@ class _WorkflowReader(_Reader):
             common["if_"] = self.expr(path + ("if",), body["if"], names)
         for key, attr in (("input", "from"), ("output", "as"), ("export", "as")):
             if key in body and self.mapping(path + (key,), body[key], (attr,)) is not None and attr in body[key]:
-                common[f"{key}_{attr}" if key != "input" else "input_from"] = self.tree(path + (key, attr), body[key][attr], names)
+                common[f"{key}_{attr}"] = self.tree(path + (key, attr), body[key][attr], names)
         if "timeout" in body and self.mapping(path + ("timeout",), body["timeout"], ("after",), required=("after",)):
             if "after" in body["timeout"]:
                 common["timeout_ms"] = self.span_ms(path + ("timeout", "after"), body["timeout"]["after"],
@@ -12546,10 +12541,7 @@ def workflow_overview(doc: WorkflowDoc) -> str:
 
 
 def _list_words(doc: WorkflowDoc, ref: str, depth: int) -> list[str]:
-    out = []
-    for t in doc.lists.get(ref, ()):
-        out += _task_words(doc, t, depth)
-    return out
+    return [line for t in doc.lists.get(ref, ()) for line in _task_words(doc, t, depth)]
 
 
 def _catch_words(c: WfCatch) -> str:
