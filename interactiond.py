@@ -3380,19 +3380,15 @@ def _read_edit(r: _Reader, path: tuple[Any, ...], value: Any, with_: Any) -> tup
         elif value.index(item) != i:
             r.add(path + (i,), f"{item} is listed twice")
         else:
-            pointer = item
-            cur = with_
-            for part in pointer_parse(pointer):
-                if isinstance(cur, dict):
-                    if part not in cur:
-                        r.add(path + (i,), f"call.with writes no {pointer}: the approver may change only the "
-                                           "arguments the call sends (write a default there to offer one)")
-                        break
-                    cur = cur[part]
-                elif isinstance(cur, list) and re.fullmatch(r"0|[1-9][0-9]*", part) and int(part) < len(cur):
-                    cur = cur[int(part)]
-                else:
-                    break                   # a template's value, or a scalar: known when the call renders
+            parts = pointer_parse(item)
+            for held in range(len(parts), -1, -1):     # the longest start of it the arguments as written hold
+                with contextlib.suppress(LookupError):
+                    reached = pointer_get(with_, parts[:held])
+                    break
+            # Past a mapping that lacks the name; past a template's value or a scalar: known when the call renders.
+            if held < len(parts) and isinstance(reached, dict):
+                r.add(path + (i,), f"call.with writes no {item}: the approver may change only the "
+                                   "arguments the call sends (write a default there to offer one)")
     return tuple(value) if len(r.problems) == before else None
 
 
