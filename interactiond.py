@@ -1430,16 +1430,10 @@ def _value_size(value: Any, cap: int = TEMPLATE_VALUE_LIMIT) -> int:
             total += item.bit_length() * 3 // 10 + 1
         elif issubclass(kind, range):   # lazy: (1..10000000000) takes nothing until a filter lists it
             total += max((item.stop - item.start) // item.step, 0) * _ITEM_COST
-        elif issubclass(kind, Mapping):
+        elif issubclass(kind, (Mapping, list, tuple)):
             total += _ITEM_COST * len(item)
-            if total <= cap:
-                for k, v in item.items():
-                    stack.append(k)
-                    stack.append(v)
-        elif issubclass(kind, (list, tuple)):
-            total += _ITEM_COST * len(item)
-            if total <= cap:
-                stack.extend(item)
+            if total <= cap:    # an object's names and values, or a list's items
+                stack.extend(itertools.chain.from_iterable(item.items()) if issubclass(kind, Mapping) else item)
         else:
             total += _ITEM_COST
     return total
