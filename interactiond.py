@@ -2822,12 +2822,13 @@ def _front_matter_loader() -> type:
             self.nodes = 0
             self.depth = 0
             try:
-                self.events = _YamlEvents(text)
+                events = _YamlEvents(text)
             except UnicodeEncodeError as exc:   # libyaml reads UTF-8, which a lone surrogate is not
                 raise yaml.reader.ReaderError("<unicode string>", exc.start, ord(text[exc.start]), "unicode",
                                               "special characters are not allowed") from None
-            self.check_event, self.peek_event, self.get_event = (   # the composer reads the parser's events
-                self.events.check_event, self.events.peek_event, self.events.get_event)
+            # The parser's own methods: the composer reads its events, and disposing of the loader disposes of it.
+            self.check_event, self.peek_event, self.get_event, self.dispose = (
+                events.check_event, events.peek_event, events.get_event, events.dispose)
 
         def get_single_node(self) -> Any:
             try:
@@ -2836,9 +2837,6 @@ def _front_matter_loader() -> type:
                 if _YamlEvents is not yaml.SafeLoader:   # libyaml's position counts bytes of UTF-8
                     exc.position = len(self.text.encode("utf-8", "surrogatepass")[:exc.position].decode("utf-8", "ignore"))
                 raise
-
-        def dispose(self) -> None:
-            self.events.dispose()
 
         def compose_node(self, parent: Any, index: Any) -> Any:
             event = self.peek_event()
