@@ -3373,7 +3373,7 @@ def _read_edit(r: _Reader, path: tuple[Any, ...], value: Any, with_: Any) -> tup
             r.add(path + (i,), f"{item} is listed twice")
         else:
             parts = pointer_parse(item)
-            for held in range(len(parts), -1, -1):     # the longest start of it the arguments as written hold
+            for held in range(len(parts), -1, -1):     # the longest start of the pointer that `with` holds
                 with contextlib.suppress(LookupError):
                     reached = pointer_get(with_, parts[:held])
                     break
