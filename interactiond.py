@@ -929,13 +929,8 @@ def canonical_json(value: Any) -> bytes:
     try:
         return rfc8785.dumps(value)
     except rfc8785.IntegerDomainError:
-        def as_double(v: Any) -> Any:
-            if isinstance(v, bool) or not isinstance(v, (int, dict, list)):
-                return v
-            if isinstance(v, int):
-                return float(v) if abs(v) > 2 ** 53 - 1 else v
-            return {k: as_double(x) for k, x in v.items()} if isinstance(v, dict) else [as_double(x) for x in v]
-        return rfc8785.dumps(as_double(value))
+        return rfc8785.dumps(map_leaves(value, lambda _, v: float(v) if isinstance(v, int) and not isinstance(v, bool)
+                                        and abs(v) > 2 ** 53 - 1 else v))
 
 
 def request_digest(message: str, answer_schema: Any, arguments: Any = None) -> str:
@@ -1435,16 +1430,10 @@ def _value_size(value: Any, cap: int = TEMPLATE_VALUE_LIMIT) -> int:
             total += item.bit_length() * 3 // 10 + 1
         elif issubclass(kind, range):   # lazy: (1..10000000000) takes nothing until a filter lists it
             total += max((item.stop - item.start) // item.step, 0) * _ITEM_COST
-        elif issubclass(kind, Mapping):
+        elif issubclass(kind, (Mapping, list, tuple)):
             total += _ITEM_COST * len(item)
-            if total <= cap:
-                for k, v in item.items():
-                    stack.append(k)
-                    stack.append(v)
-        elif issubclass(kind, (list, tuple)):
-            total += _ITEM_COST * len(item)
-            if total <= cap:
-                stack.extend(item)
+            if total <= cap:    # an object's names and values, or a list's items
+                stack.extend(itertools.chain.from_iterable(item.items()) if issubclass(kind, Mapping) else item)
         else:
             total += _ITEM_COST
     return total
@@ -1599,13 +1588,8 @@ def _liquid() -> _Liquid:
 def _render_error(exc: BaseException) -> RenderError:
     from liquid.exceptions import LiquidError, ResourceLimitError, UndefinedError
     message = str(exc.message) if isinstance(exc, LiquidError) else f"{type(exc).__name__}: {exc}"
-    if isinstance(exc, UndefinedError):
-        return RenderError("undefined", message)
-    if isinstance(exc, _liquid().structure_error):
-        return RenderError("structure", message)
-    if isinstance(exc, ResourceLimitError):
-        return RenderError("limit", message)
-    return RenderError("error", message)
+    kinds = ((UndefinedError, "undefined"), (_liquid().structure_error, "structure"), (ResourceLimitError, "limit"))
+    return RenderError(next((kind for cls, kind in kinds if isinstance(exc, cls)), "error"), message)
 
 
 def _is_undefined(value: Any) -> bool:
@@ -2837,30 +2821,22 @@ def _front_matter_loader() -> type:
             self.offset = offset
             self.nodes = 0
             self.depth = 0
-            self.events = self._read(_YamlEvents, text)
-
-        def _read(self, step: Callable[..., Any], *args: Any) -> Any:
             try:
-                return step(*args)
+                events = _YamlEvents(text)
             except UnicodeEncodeError as exc:   # libyaml reads UTF-8, which a lone surrogate is not
-                raise yaml.reader.ReaderError("<unicode string>", exc.start, ord(self.text[exc.start]), "unicode",
+                raise yaml.reader.ReaderError("<unicode string>", exc.start, ord(text[exc.start]), "unicode",
                                               "special characters are not allowed") from None
+            # The parser's own methods: the composer reads its events, and disposing of the loader disposes of it.
+            self.check_event, self.peek_event, self.get_event, self.dispose = (
+                events.check_event, events.peek_event, events.get_event, events.dispose)
+
+        def get_single_node(self) -> Any:
+            try:
+                return super().get_single_node()
             except yaml.reader.ReaderError as exc:
                 if _YamlEvents is not yaml.SafeLoader:   # libyaml's position counts bytes of UTF-8
                     exc.position = len(self.text.encode("utf-8", "surrogatepass")[:exc.position].decode("utf-8", "ignore"))
                 raise
-
-        def check_event(self, *choices: Any) -> bool:
-            return self._read(self.events.check_event, *choices)
-
-        def peek_event(self) -> Any:
-            return self._read(self.events.peek_event)
-
-        def get_event(self) -> Any:
-            return self._read(self.events.get_event)
-
-        def dispose(self) -> None:
-            self.events.dispose()
 
         def compose_node(self, parent: Any, index: Any) -> Any:
             event = self.peek_event()
@@ -3396,19 +3372,15 @@ def _read_edit(r: _Reader, path: tuple[Any, ...], value: Any, with_: Any) -> tup
         elif value.index(item) != i:
             r.add(path + (i,), f"{item} is listed twice")
         else:
-            pointer = item
-            cur = with_
-            for part in pointer_parse(pointer):
-                if isinstance(cur, dict):
-                    if part not in cur:
-                        r.add(path + (i,), f"call.with writes no {pointer}: the approver may change only the "
-                                           "arguments the call sends (write a default there to offer one)")
-                        break
-                    cur = cur[part]
-                elif isinstance(cur, list) and re.fullmatch(r"0|[1-9][0-9]*", part) and int(part) < len(cur):
-                    cur = cur[int(part)]
-                else:
-                    break                   # a template's value, or a scalar: known when the call renders
+            parts = pointer_parse(item)
+            for held in range(len(parts), -1, -1):     # the longest start of the pointer that `with` holds
+                with contextlib.suppress(LookupError):
+                    reached = pointer_get(with_, parts[:held])
+                    break
+            # Past a mapping that lacks the name; past a template's value or a scalar: known when the call renders.
+            if held < len(parts) and isinstance(reached, dict):
+                r.add(path + (i,), f"call.with writes no {item}: the approver may change only the "
+                                   "arguments the call sends (write a default there to offer one)")
     return tuple(value) if len(r.problems) == before else None
 
 
@@ -12060,13 +12032,8 @@ class WfRetry:
 
     def delay(self, retry: int) -> int:
         """The wait before retry number `retry` (1 for the second attempt)."""
-        if self.backoff == "linear":
-            ms = self.delay_ms * retry
-        elif self.backoff == "exponential":
-            ms = self.delay_ms * 2 ** min(retry - 1, 40)
-        else:
-            ms = self.delay_ms
-        return min(ms, int(WORKFLOW_WAIT_MAX.total_seconds() * 1000))
+        factor = {"linear": retry, "exponential": 2 ** min(retry - 1, 40)}.get(self.backoff, 1)
+        return min(self.delay_ms * factor, int(WORKFLOW_WAIT_MAX.total_seconds() * 1000))
 
 
 @dataclass(frozen=True, slots=True)
@@ -12352,7 +12319,7 @@ class _WorkflowReader(_Reader):
             common["if_"] = self.expr(path + ("if",), body["if"], names)
         for key, attr in (("input", "from"), ("output", "as"), ("export", "as")):
             if key in body and self.mapping(path + (key,), body[key], (attr,)) is not None and attr in body[key]:
-                common[f"{key}_{attr}" if key != "input" else "input_from"] = self.tree(path + (key, attr), body[key][attr], names)
+                common[f"{key}_{attr}"] = self.tree(path + (key, attr), body[key][attr], names)
         if "timeout" in body and self.mapping(path + ("timeout",), body["timeout"], ("after",), required=("after",)):
             if "after" in body["timeout"]:
                 common["timeout_ms"] = self.span_ms(path + ("timeout", "after"), body["timeout"]["after"],
@@ -12520,10 +12487,7 @@ def workflow_overview(doc: WorkflowDoc) -> str:
 
 
 def _list_words(doc: WorkflowDoc, ref: str, depth: int) -> list[str]:
-    out = []
-    for t in doc.lists.get(ref, ()):
-        out += _task_words(doc, t, depth)
-    return out
+    return [line for t in doc.lists.get(ref, ()) for line in _task_words(doc, t, depth)]
 
 
 def _catch_words(c: WfCatch) -> str:
