@@ -16696,20 +16696,12 @@ function clearErrors(f) {
 // An error lands at the field whose pointer is the longest prefix of the error's pointer.
 function placeError(fields, formErr, pointer, message) {
   const rel = typeof pointer === "string" && (pointer === "/answer" || pointer.startsWith("/answer/")) ? pointer.slice(7) : null;
-  let best = null;
-  if (rel !== null) {
-    for (const x of fields) {
-      const p = x.fd.pointer;
-      if ((rel === p || rel.startsWith(p + "/")) && (!best || p.length > best.fd.pointer.length)) best = x;
-    }
-  }
-  if (!best) {
-    formErr.textContent = [formErr.textContent, message].filter(Boolean).join(" ");
-    return;
-  }
-  best.err.textContent = [best.err.textContent, message].filter(Boolean).join(" ");
-  const target = best.choice || best.box.tagName === "FIELDSET" ? best.box : best.control;
-  target.setAttribute("aria-invalid", "true");
+  const at = rel === null ? [] : fields.filter(x => rel === x.fd.pointer || rel.startsWith(x.fd.pointer + "/"));
+  const best = at.reduce((b, x) => (!b || x.fd.pointer.length > b.fd.pointer.length ? x : b), null);
+  const err = best ? best.err : formErr;      // an error at no field: the form's place for problems
+  err.textContent = [err.textContent, message].filter(Boolean).join(" ");
+  const target = best && (best.choice || best.box.tagName === "FIELDSET" ? best.box : best.control);
+  if (target) target.setAttribute("aria-invalid", "true");
 }
 
 // Sends a card's answer. An error found here, or one the daemon returns at an /answer/... pointer,
