@@ -6952,16 +6952,10 @@ class PgDaemons:
         for row in self.conn.execute("SELECT id, pid FROM daemons WHERE host = ?", (host,)).fetchall():
             if row["pid"] != pid and not _process_alive(row["pid"]):
                 self.conn.execute("DELETE FROM daemons WHERE id = ?", (row["id"],))
-        self.conn.execute("BEGIN")
-        try:
+        with self.conn.raw.transaction():
             self.conn.execute(_PG_LOCK_SQL)
             self.conn.execute(f"INSERT INTO daemons (id, host, pid, started_at, seen_at) VALUES (?, ?, ?,"
                               f" {_PG_NOW_SQL}, {_PG_NOW_SQL})", (daemon, host, pid))
-            self.conn.execute("COMMIT")
-        except BaseException:
-            with contextlib.suppress(_psycopg().Error):
-                self.conn.execute("ROLLBACK")
-            raise
 
     def refresh_statistics(self) -> None:
         """ANALYZE the tables the changes address by key. A statement's plan is made once per
@@ -7003,10 +6997,9 @@ class PgDaemons:
         `lost` timer's); the work it still held is given back, its timers told again to every daemon."""
         self.conn.execute("DELETE FROM daemons WHERE id = ?", (daemon,))
         fx = Effects()
-        for (key,) in self.conn.execute("DELETE FROM leases WHERE daemon = ? RETURNING key", (daemon,)).fetchall():
-            timer = self.conn.execute("SELECT due_at FROM timers WHERE key = ?", (key,)).fetchone()
-            if timer is not None:
-                fx.timers.append((key, timer[0]))
+        fx.timers.extend((key, due) for key, due in self.conn.execute(
+            "WITH l AS (DELETE FROM leases WHERE daemon = ? RETURNING key)"
+            " SELECT t.key, t.due_at FROM l JOIN timers t ON t.key = l.key", (daemon,)).fetchall())
         for payload in _bus_payloads(daemon, [fx]):
             self.conn.execute("SELECT pg_notify(?, ?)", (PG_CHANNEL, payload))
 
@@ -7036,20 +7029,17 @@ def _bus_payloads(daemon: str, changes: list[Effects]) -> list[str]:
         items += (dumps(["e", e["id"] if type(e["id"]) is int else None, e["playbook"], e["run_id"], e["type"], e["at"]])
                   for e in fx.published)          # an id still to come back: null (the stream reads the table)
         items += (dumps(["i", *what]) for what in fx.invalidated)
-    out: list[str] = []
     head = '{"d":' + dumps(daemon) + ',"x":['
-    chunk: list[str] = []
-    size = len(head) + 2
+    chunks: list[list[str]] = []
+    size = PG_NOTIFY_BYTES                  # the first item begins a chunk
     for item in items:
         n = len(item.encode()) + 1
-        if chunk and size + n > PG_NOTIFY_BYTES:
-            out.append(head + ",".join(chunk) + "]}")
-            chunk, size = [], len(head) + 2
-        chunk.append(item)
+        if size + n > PG_NOTIFY_BYTES:
+            chunks.append([])
+            size = len(head) + 2
+        chunks[-1].append(item)
         size += n
-    if chunk:
-        out.append(head + ",".join(chunk) + "]}")
-    return out
+    return [head + ",".join(chunk) + "]}" for chunk in chunks]
 
 
 class PgBus(LocalBus):
