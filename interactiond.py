@@ -6453,10 +6453,6 @@ def _psycopg() -> Any:
     return psycopg
 
 
-def _postgres_schema_sql() -> str:
-    return data_file("schema-postgres.sql").read_text()
-
-
 class PgRow:
     """A row as psycopg gives it to the store, read as sqlite3.Row is: by column name or by index,
     with keys(), and as a mapping by dict()."""
@@ -6673,11 +6669,8 @@ class PostgresTx(SqlTx):
         # take ids and commit one after another. Taken at BEGIN, before any row lock, so it waits
         # in no cycle with one: it is SQLite's BEGIN IMMEDIATE, for every daemon on the database.
         conn = self.conn
-        self._leave_pipeline()
-        if conn.lost:
-            conn.reopen()
-        elif conn.raw.info.transaction_status != _psycopg().pq.TransactionStatus.IDLE:
-            conn.raw.rollback()                 # a transaction left open by a failure: never built upon
+        self.rollback()                         # a transaction left open by a failure: never built upon
+        self.ready()
         try:
             self._begin()
         except _psycopg().OperationalError:
@@ -6812,9 +6805,8 @@ class PostgresTx(SqlTx):
 
     def rollback(self) -> None:
         self._leave_pipeline()
-        conn = self.conn
-        if not conn.lost and conn.raw.info.transaction_status != _psycopg().pq.TransactionStatus.IDLE:
-            conn.raw.rollback()
+        if self.in_transaction():
+            self.conn.raw.rollback()
 
     def ready(self) -> None:
         if self.conn.lost:
@@ -6822,13 +6814,9 @@ class PostgresTx(SqlTx):
 
     def in_transaction(self) -> bool:
         conn = self.conn
-        if conn.lost:
-            return False
-        return conn.raw.info.transaction_status != _psycopg().pq.TransactionStatus.IDLE
+        return not conn.lost and conn.raw.info.transaction_status != _psycopg().pq.TransactionStatus.IDLE
 
-    @staticmethod
-    def problem(exc: BaseException, otherwise: str | None = None) -> BaseException:
-        return _pg_problem(exc, otherwise)
+    problem = staticmethod(_pg_problem)
 
     # Several daemons on one database.
 
@@ -6964,16 +6952,10 @@ class PgDaemons:
         for row in self.conn.execute("SELECT id, pid FROM daemons WHERE host = ?", (host,)).fetchall():
             if row["pid"] != pid and not _process_alive(row["pid"]):
                 self.conn.execute("DELETE FROM daemons WHERE id = ?", (row["id"],))
-        self.conn.execute("BEGIN")
-        try:
+        with self.conn.raw.transaction():
             self.conn.execute(_PG_LOCK_SQL)
             self.conn.execute(f"INSERT INTO daemons (id, host, pid, started_at, seen_at) VALUES (?, ?, ?,"
                               f" {_PG_NOW_SQL}, {_PG_NOW_SQL})", (daemon, host, pid))
-            self.conn.execute("COMMIT")
-        except BaseException:
-            with contextlib.suppress(_psycopg().Error):
-                self.conn.execute("ROLLBACK")
-            raise
 
     def refresh_statistics(self) -> None:
         """ANALYZE the tables the changes address by key. A statement's plan is made once per
@@ -7015,10 +6997,9 @@ class PgDaemons:
         `lost` timer's); the work it still held is given back, its timers told again to every daemon."""
         self.conn.execute("DELETE FROM daemons WHERE id = ?", (daemon,))
         fx = Effects()
-        for (key,) in self.conn.execute("DELETE FROM leases WHERE daemon = ? RETURNING key", (daemon,)).fetchall():
-            timer = self.conn.execute("SELECT due_at FROM timers WHERE key = ?", (key,)).fetchone()
-            if timer is not None:
-                fx.timers.append((key, timer[0]))
+        fx.timers.extend((key, due) for key, due in self.conn.execute(
+            "WITH l AS (DELETE FROM leases WHERE daemon = ? RETURNING key)"
+            " SELECT t.key, t.due_at FROM l JOIN timers t ON t.key = l.key", (daemon,)).fetchall())
         for payload in _bus_payloads(daemon, [fx]):
             self.conn.execute("SELECT pg_notify(?, ?)", (PG_CHANNEL, payload))
 
@@ -7031,10 +7012,8 @@ class PgDaemons:
 def _process_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:                                 # another user's process: it exists
-        return True
+    except OSError as exc:                          # another user's process (PermissionError): it exists
+        return not isinstance(exc, ProcessLookupError)
     return True
 
 
@@ -7050,20 +7029,17 @@ def _bus_payloads(daemon: str, changes: list[Effects]) -> list[str]:
         items += (dumps(["e", e["id"] if type(e["id"]) is int else None, e["playbook"], e["run_id"], e["type"], e["at"]])
                   for e in fx.published)          # an id still to come back: null (the stream reads the table)
         items += (dumps(["i", *what]) for what in fx.invalidated)
-    out: list[str] = []
     head = '{"d":' + dumps(daemon) + ',"x":['
-    chunk: list[str] = []
-    size = len(head) + 2
+    chunks: list[list[str]] = []
+    size = PG_NOTIFY_BYTES                  # the first item begins a chunk
     for item in items:
         n = len(item.encode()) + 1
-        if chunk and size + n > PG_NOTIFY_BYTES:
-            out.append(head + ",".join(chunk) + "]}")
-            chunk, size = [], len(head) + 2
-        chunk.append(item)
+        if size + n > PG_NOTIFY_BYTES:
+            chunks.append([])
+            size = len(head) + 2
+        chunks[-1].append(item)
         size += n
-    if chunk:
-        out.append(head + ",".join(chunk) + "]}")
-    return out
+    return [head + ",".join(chunk) + "]}" for chunk in chunks]
 
 
 class PgBus(LocalBus):
@@ -7157,9 +7133,9 @@ class _PgListener(threading.Thread):
         self.daemon_id = daemon
         self.daemons: PgDaemons | None = None
         self.halt = threading.Event()
-        self.deliver: Callable[[str], None] | None = None      # a notification's payload, to the bus
-        self.lost: Callable[[], None] | None = None            # the connection came back: resync
-        self.gone: Callable[[], None] | None = None            # other daemons were found gone
+        self.deliver: Callable[[str], None] = lambda payload: None     # a notification's payload, to the bus
+        self.lost: Callable[[], None] = lambda: None                    # the connection came back: resync
+        self.gone: Callable[[], None] = lambda: None                    # other daemons were found gone
         self._analyze = threading.Event()                       # the tables' statistics to be refreshed
         self._wake_r, self._wake_w = os.pipe()
 
@@ -7180,8 +7156,7 @@ class _PgListener(threading.Thread):
                     tx.conn.reopen()                    # LISTENs again (its setup)
                     if not tx.beat(self.daemon_id):
                         tx.register_daemon(self.daemon_id, _HOST, os.getpid())
-                    if self.lost is not None:
-                        self.lost()
+                    self.lost()
                 raw = tx.conn.raw
                 ready, _, _ = select.select([raw.fileno(), self._wake_r], [], [],
                                             max(0.0, next_beat - time.monotonic()))
@@ -7193,9 +7168,8 @@ class _PgListener(threading.Thread):
                     if not tx.beat(self.daemon_id):
                         # Taken for gone and removed: the others stopped telling it of their commits.
                         tx.register_daemon(self.daemon_id, _HOST, os.getpid())
-                        if self.lost is not None:
-                            self.lost()
-                    if tx.reap_daemons(_HOST, os.getpid()) and self.gone is not None:
+                        self.lost()
+                    if tx.reap_daemons(_HOST, os.getpid()):
                         self.gone()
                     next_beat = time.monotonic() + DAEMON_BEAT_S
                 if self._analyze.is_set():
@@ -7205,7 +7179,7 @@ class _PgListener(threading.Thread):
                 # notifies()). This daemon's own notifications come back too: dropped here,
                 # without waking the loop.
                 for note in tx.conn.raw.notifies(timeout=0):
-                    if self.deliver is not None and not note.payload.startswith(own):
+                    if not note.payload.startswith(own):
                         self.deliver(note.payload)
                 failures = 0
             except Exception as exc:
@@ -7261,7 +7235,7 @@ def apply_postgres_schema(conn: _PgConn) -> None:
                 if version < target:
                     step(conn)
                     version = target
-        raw.execute(_postgres_schema_sql())
+        raw.execute(data_file("schema-postgres.sql").read_text())
         raw.execute("INSERT INTO schema_version (version) VALUES (%s) ON CONFLICT (one) DO UPDATE"
                     " SET version = GREATEST(schema_version.version, excluded.version)",
                     (max(version, SCHEMA_VERSION),))
