@@ -9266,7 +9266,10 @@ class Runs:
             finally:
                 self.bus.forget(key, fut)
 
-    async def cancel_run(self, caller: Caller, playbook: str, run_id: str) -> dict[str, Any]:
+    async def cancel_run(self, caller: Caller, playbook: str, run_id: str, *,
+                         task: bool = False) -> dict[str, Any]:
+        """Cancel a live run; a second cancel answers the cancelled run. For an MCP task's cancel (`task`)
+        an event says the task asked it, and a run that has ended already is left as it is."""
         caller.require(Role.WRITER)
         now = self.clock.now_ms()
 
@@ -9275,9 +9278,11 @@ class Runs:
             if run is None:
                 raise not_found(f"no run {run_id} in this playbook")
             if RunStatus(run["status"]).ended:
-                if run["kind"] == "cancelled":
+                if task or run["kind"] == "cancelled":
                     return run_object(run)
                 raise Problem("not_open", f"run {run_id} has already ended ({run['status']})", kind="ended")
+            if task:
+                tx.append_event(fx, playbook, run_id, EventType.MCP_TASK_CANCELLED.value, now, caller.by, {})
             self.cancel_in(tx, fx, run, now, caller.id)
             return run_object(tx.run(playbook, run_id))
         return await self.store.write(change)
@@ -9305,21 +9310,8 @@ class Runs:
         return _page([run_object(r) for r in rows[:n]], rows, n, lambda: [rows[n - 1]["seq"]])
 
     async def cancel_task(self, caller: Caller, playbook: str, run_id: str) -> dict[str, Any]:
-        """cancel_run for an MCP task's `tasks/cancel`: the same cancel, with an event saying the task
-        asked it (its task then reads `cancelled`). A run that has ended already is left as it is."""
-        caller.require(Role.WRITER)
-        now = self.clock.now_ms()
-
-        def change(tx: Tx, fx: Effects) -> dict[str, Any]:
-            run = tx.run(playbook, run_id)
-            if run is None:
-                raise not_found(f"no run {run_id} in this playbook")
-            if not RunStatus(run["status"]).ended:
-                tx.append_event(fx, playbook, run_id, EventType.MCP_TASK_CANCELLED.value, now, caller.by, {})
-                self.cancel_in(tx, fx, run, now, caller.id)
-                run = tx.run(playbook, run_id)
-            return run_object(run)
-        return await self.store.write(change)
+        """cancel_run for an MCP task's `tasks/cancel` (its task then reads `cancelled`)."""
+        return await self.cancel_run(caller, playbook, run_id, task=True)
 
 
 class ToolCalls:
