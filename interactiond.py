@@ -9569,16 +9569,11 @@ class SystemCalls:
                    "arguments_sha256": sha256_hex(dumps(arguments)) if arguments is not None else None}
 
         def begin(tx: Tx, fx: Effects) -> tuple[dict[str, Any], bool]:
-            row = tx.run(playbook, run_id)
-            if row is not None:
-                return rerun_check(row, type_, name, input_sha), False
-            tx.insert_run(playbook=playbook, run_id=run_id, type_=type_, name=name, version=version,
-                          input_text=input_text, input_sha=input_sha, parent=parent, now=now, by=caller.id,
-                          tools_called=ending is None)
-            if ending is not None:
-                end(tx, fx, playbook, run_id, ending, now=now, by=caller.id)
-            else:
-                tx.append_event(fx, playbook, run_id, "tool_call_started", now, caller.id, started)
+            run = dict(playbook=playbook, run_id=run_id, type_=type_, name=name, version=version, input_text=input_text,
+                       input_sha=input_sha, parent=parent, now=now, by=caller.id, tools_called=ending is None)
+            if (done := insert_asking(tx, fx, run, limit=0, asks=False, ending=ending)) is not None:
+                return done                     # a run id used before, or the run ended with `ending`
+            tx.append_event(fx, playbook, run_id, "tool_call_started", now, caller.id, started)
             return run_object(tx.run(playbook, run_id)), True
 
         run, fresh = await self.store.write(begin)
