@@ -7900,13 +7900,18 @@ class Role(str, enum.Enum):
         return {"reader": 0, "writer": 1, "operator": 2}[self.value]
 
 
+def _column(row: Mapping[str, Any], name: str) -> Any:
+    """A column of a row; None when the row was read without it."""
+    try:
+        return row[name]
+    except (KeyError, IndexError):
+        return None
+
+
 def quorum_people(request: Mapping[str, Any]) -> list[str]:
     """The addressees of a quorum approval (`to: [a, b, c]`) from a request's row; [] for any other
     request (or a row read without its approval)."""
-    try:
-        approval = request["approval"]
-    except (KeyError, IndexError):
-        return []
+    approval = _column(request, "approval")
     if approval is None or '"quorum"' not in approval:
         return []
     return list(json.loads(approval).get("quorum", {}).get("to", []))
@@ -7959,26 +7964,16 @@ class Caller:
     def addressed(self, request: Mapping[str, Any]) -> bool:
         """Whether this caller may see and answer a request (a row with its `party`, and `escalated_to`
         where the row has it): a person only their own, or one escalated to them."""
-        if self.person is None or request["party"] == self.person or request["party"] in self.stands_for:
-            return True
-        if any(p == self.person or p in self.stands_for for p in quorum_people(request)):
-            return True
-        try:
-            return request["escalated_to"] is not None and (request["escalated_to"] == self.person
-                                                            or request["escalated_to"] in self.stands_for)
-        except (KeyError, IndexError):
-            return False
+        mine = (self.person, *self.stands_for)
+        return self.person is None or any(
+            p in mine for p in (request["party"], *quorum_people(request), _column(request, "escalated_to")))
 
     def on_behalf_of(self, request: Mapping[str, Any]) -> str | None:
         """Whom a person's answer of `request` stands for: None when it is addressed to them, else the
         person (its party, or whom it was escalated to) they are a deputy of."""
         if self.person is None:
             return None
-        try:
-            escalated = request["escalated_to"]
-        except (KeyError, IndexError):
-            escalated = None
-        people = quorum_people(request)
+        escalated, people = _column(request, "escalated_to"), quorum_people(request)
         if self.person in (request["party"], escalated, *people):
             return None
         return next((p for p in (request["party"], *people) if p in self.stands_for), escalated)
