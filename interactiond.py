@@ -9526,33 +9526,27 @@ class SystemCalls:
         ending: Problem | None = None
         arguments: Any = None
         session: ToolSession | None = None
-        if doc.input_validator is not None:
-            errors = schema_errors(doc.input_validator, input_, "/input")
-            if errors:
-                ending = ended("invalid_input", "the input does not match the input schema",
-                                        errors=errors)
-        if ending is None:
+        try:                                    # each check in turn; the first problem is the run's ending
+            if doc.input_validator is not None and (errors := schema_errors(doc.input_validator, input_, "/input")):
+                raise ended("invalid_input", "the input does not match the input schema", errors=errors)
             try:
                 arguments = render_args(call.with_, base_context(now, input=input_))
             except RenderError as exc:
-                ending = (ended("invalid_input", str(exc)) if exc.kind == "undefined"
-                          else ended("unworkable", str(exc)))
-        if ending is None and json_size(arguments) > MAX_ARGUMENTS_BYTES:
-            ending = ended("unworkable", f"the arguments pass {MAX_ARGUMENTS_BYTES // KIB} KiB")
-        if ending is None:
+                raise ended("invalid_input" if exc.kind == "undefined" else "unworkable", str(exc)) from None
+            if json_size(arguments) > MAX_ARGUMENTS_BYTES:
+                raise ended("unworkable", f"the arguments pass {MAX_ARGUMENTS_BYTES // KIB} KiB")
             try:
                 session, tool = await asyncio.wait_for(self.calls.offered_tool(playbook, call.server, call.tool),
                                                        OPEN_TIMEOUT_S + LIST_TIMEOUT_S + 1)
-                errors = schema_errors(compile_schema(tool.input_schema or {"type": "object"}), arguments, "/arguments")
-                if errors:
-                    ending = ended("unworkable",
-                                            f"the tool {call.tool} refused the arguments: they do not match its input schema",
-                                            errors=errors)
-            except Problem as exc:
-                ending = exc
             except asyncio.TimeoutError:
-                ending = ended("tool_server_failed",
-                                        f"the tool server {call.server!r} did not open in time; call search to see its state")
+                raise ended("tool_server_failed", f"the tool server {call.server!r} did not open in time; call"
+                            " search to see its state") from None
+            errors = schema_errors(compile_schema(tool.input_schema or {"type": "object"}), arguments, "/arguments")
+            if errors:
+                raise ended("unworkable", f"the tool {call.tool} refused the arguments: they do not match its input"
+                            " schema", errors=errors)
+        except Problem as exc:
+            ending = exc
         if ending is None and (doc.approve is not None or self.approvals.policy(call.server, call.tool) is not None):
             return await self.approvals.ask_function(caller, playbook, type_, name, version, doc, input_, run_id, input_text,
                                                      input_sha, parent, arguments, session.read_only(call.tool),
