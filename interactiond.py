@@ -9015,11 +9015,8 @@ class Runs:
                          party: str | None = None) -> dict[str, Any]:
         """Check the input and render what the request shows (`party`: its addressee, not rendered from
         `to`: a quorum's first); raises the problem of an ending."""
-        if doc.input_validator is not None:
-            errors = schema_errors(doc.input_validator, input_, "/input")
-            if errors:
-                raise ended("invalid_input", "the input does not match the input schema",
-                                     errors=errors)
+        if doc.input_validator is not None and (errors := schema_errors(doc.input_validator, input_, "/input")):
+            raise ended("invalid_input", "the input does not match the input schema", errors=errors)
         ctx = base_context(now, input=input_)
         # made here, not in the writer: ULIDs share a lock, and a lock held across threads
         # stalled the loop behind the writer's GIL turn
@@ -9067,27 +9064,25 @@ class Runs:
         if doc.shape is Shape.SYSTEM:
             return await self.system_calls.run_system(caller, playbook, type_, name, version, doc, input_, run_id,
                                                        input_text, input_sha, parent=parent)
-        else:
-            try:
-                quorum = self._ask_quorum(caller, name, input_, doc.output_schema)
-                prepared = self._prepare_request(doc, input_, now, playbook, run_id,
-                                                 party=quorum["quorum"]["to"][0] if quorum else None)
-                if quorum is not None:
-                    prepared["approval"] = quorum
-                if name in ASK_FUNCTIONS:
-                    prepared.update(_ask_overrides(ASK_FUNCTIONS[name], input_, now))
-                elif name == APPROVE_TOOL_CALL:         # the call as a person reads it: a command, a diff
-                    prepared["message"] = tool_call_text(input_)
-                if self.reminders is not None:
-                    prepared["follow_up"] = self.reminders.plan(doc, name, input_, now, prepared)
-                if doc.deliver is not None:
-                    prepared["deliver_args"] = deliver_args(doc, name, run_id or "", input_, prepared, now)
-                self._prepare_email(doc, name, input_, prepared, now)
-            except Problem as exc:
-                ending = exc
-            if doc.deliver is not None and ending is None:
-                ending = self.system_calls.calls.check_delivery(playbook, doc)
-        limit = self.open_limit
+        try:
+            quorum = self._ask_quorum(caller, name, input_, doc.output_schema)
+            prepared = self._prepare_request(doc, input_, now, playbook, run_id,
+                                             party=quorum["quorum"]["to"][0] if quorum else None)
+            if quorum is not None:
+                prepared["approval"] = quorum
+            if name in ASK_FUNCTIONS:
+                prepared.update(_ask_overrides(ASK_FUNCTIONS[name], input_, now))
+            elif name == APPROVE_TOOL_CALL:         # the call as a person reads it: a command, a diff
+                prepared["message"] = tool_call_text(input_)
+            if self.reminders is not None:
+                prepared["follow_up"] = self.reminders.plan(doc, name, input_, now, prepared)
+            if doc.deliver is not None:
+                prepared["deliver_args"] = deliver_args(doc, name, run_id, input_, prepared, now)
+            self._prepare_email(doc, name, input_, prepared, now)
+        except Problem as exc:
+            ending = exc
+        if doc.deliver is not None and ending is None:
+            ending = self.system_calls.calls.check_delivery(playbook, doc)
 
         asks = ending is None and (doc.output_schema is not None or doc.deliver is not None or "email" in prepared)
         # A tool call's approval that a remembered decision of its addressee may decide (section 24).
@@ -9100,7 +9095,7 @@ class Runs:
             if call is not None and (decided := remembered_decision(tx, fx, playbook, run, prepared["party"], call,
                                                                     now)) is not None:
                 return decided
-            if (done := insert_asking(tx, fx, run, limit, asks, ending)) is not None:
+            if (done := insert_asking(tx, fx, run, self.open_limit, asks, ending)) is not None:
                 return done
             if self.open_request(tx, fx, playbook, run_id, type_, name, version, doc.deliver,
                                    prepared.get("answer_schema", doc.output_schema), prepared, now, caller.id):
