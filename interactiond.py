@@ -9351,13 +9351,10 @@ class ToolCalls:
 
     @staticmethod
     def unfinished(read_only: bool, because: str, message: str) -> Problem:
-        if read_only:
-            return ended("tools_unfinished",
-                                  f"the call failed ({because}): {message}; the tool is read-only, so running again under a new run id is safe",
-                                  extra={"because": because})
-        return ended("effect_unknown",
-                              f"the call failed ({because}): {message}; the tool may have changed something, so check before running again",
-                              extra={"because": because})
+        then = ("the tool is read-only, so running again under a new run id is safe" if read_only
+                else "the tool may have changed something, so check before running again")
+        return ended("tools_unfinished" if read_only else "effect_unknown",
+                     f"the call failed ({because}): {message}; {then}", extra={"because": because})
 
     @staticmethod
     def unusable(read_only: bool, detail: str, **kw: Any) -> Problem:
@@ -9398,15 +9395,14 @@ class ToolCalls:
         """Call the tool (its `tool_call_started` is already recorded) and, in one change, record its
         answer or failure and end the run - unless the run ended meanwhile (cancelled while the call
         was in flight). The run as it then stands."""
-        answered: dict[str, Any] | None = None
-        failed: dict[str, Any] = {}
         output: Any = None
         try:
             result = await self.tools.call(playbook, run_id, server, tool, arguments, approval=approval, timeout=timeout)
         except ToolFailure as exc:
             refused = exc.because == "arguments_refused"
-            failed = {"because": exc.because if refused or not exc.sent else "server_failed",
-                      "message": self.tools.scrub(exc.message)}
+            fact, payload = "tool_call_failed", {
+                "because": exc.because if refused or not exc.sent else "server_failed",
+                "message": self.tools.scrub(exc.message)}
             if refused:
                 ending = ended("unworkable", f"the tool refused the arguments: {exc.message}",
                                         extra={"because": "arguments_refused"})
@@ -9416,16 +9412,14 @@ class ToolCalls:
                 ending = self.unfinished(read_only, "server_failed", exc.message)
         else:
             wire = result_wire(result)
-            answered = {"is_error": bool(result.is_error), "result": self.tools.record(server, wire),
-                        "result_size": json_size(wire)}
+            fact, payload = "tool_call_answered", {
+                "is_error": bool(result.is_error), "result": self.tools.record(server, wire),
+                "result_size": json_size(wire)}
             output, ending = self.outcome(doc, server, tool, read_only, result, input_)
         end_now = self.clock.now_ms()
 
         def finish(tx: Tx, fx: Effects) -> dict[str, Any]:
-            if answered is not None:
-                tx.append_event(fx, playbook, run_id, "tool_call_answered", end_now, by, answered)
-            else:
-                tx.append_event(fx, playbook, run_id, "tool_call_failed", end_now, by, failed)
+            tx.append_event(fx, playbook, run_id, fact, end_now, by, payload)
             live = tx.run(playbook, run_id)
             if live is not None and not RunStatus(live["status"]).ended:
                 end(tx, fx, playbook, run_id, ending or "succeeded", now=end_now, by=by, output=output)
