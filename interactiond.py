@@ -8345,9 +8345,6 @@ class TimerWheel:
         self.on_lag: Callable[[float], None] | None = None     # seconds a due timer fired late (metrics)
         clock.on_change(self._wake.set)
 
-    def __len__(self) -> int:
-        return len(self._due)
-
     def set(self, key: str, due: int, *, own: bool = False) -> None:
         """Hold `key` due at `due`; an `own` timer (the wheel's alone, kept in no store) is held
         whatever the horizon."""
