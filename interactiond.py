@@ -7846,13 +7846,18 @@ class Role(str, enum.Enum):
         return {"reader": 0, "writer": 1, "operator": 2}[self.value]
 
 
+def _column(row: Mapping[str, Any], name: str) -> Any:
+    """A column of a row; None when the row was read without it."""
+    try:
+        return row[name]
+    except (KeyError, IndexError):
+        return None
+
+
 def quorum_people(request: Mapping[str, Any]) -> list[str]:
     """The addressees of a quorum approval (`to: [a, b, c]`) from a request's row; [] for any other
     request (or a row read without its approval)."""
-    try:
-        approval = request["approval"]
-    except (KeyError, IndexError):
-        return []
+    approval = _column(request, "approval")
     if approval is None or '"quorum"' not in approval:
         return []
     return list(json.loads(approval).get("quorum", {}).get("to", []))
@@ -7905,26 +7910,16 @@ class Caller:
     def addressed(self, request: Mapping[str, Any]) -> bool:
         """Whether this caller may see and answer a request (a row with its `party`, and `escalated_to`
         where the row has it): a person only their own, or one escalated to them."""
-        if self.person is None or request["party"] == self.person or request["party"] in self.stands_for:
-            return True
-        if any(p == self.person or p in self.stands_for for p in quorum_people(request)):
-            return True
-        try:
-            return request["escalated_to"] is not None and (request["escalated_to"] == self.person
-                                                            or request["escalated_to"] in self.stands_for)
-        except (KeyError, IndexError):
-            return False
+        mine = (self.person, *self.stands_for)
+        return self.person is None or any(
+            p in mine for p in (request["party"], *quorum_people(request), _column(request, "escalated_to")))
 
     def on_behalf_of(self, request: Mapping[str, Any]) -> str | None:
         """Whom a person's answer of `request` stands for: None when it is addressed to them, else the
         person (its party, or whom it was escalated to) they are a deputy of."""
         if self.person is None:
             return None
-        try:
-            escalated = request["escalated_to"]
-        except (KeyError, IndexError):
-            escalated = None
-        people = quorum_people(request)
+        escalated, people = _column(request, "escalated_to"), quorum_people(request)
         if self.person in (request["party"], escalated, *people):
             return None
         return next((p for p in (request["party"], *people) if p in self.stands_for), escalated)
@@ -8043,8 +8038,7 @@ class AnswerLinks:
 
     def on_run(self, caller: Caller, run: dict[str, Any], req: Mapping[str, Any]) -> dict[str, Any]:
         """A waiting run as get_run shows it: with its open request's (`req`) `answer_url` for a writer."""
-        if run["status"] == RunStatus.WAITING.value and req["status"] == RequestStatus.OPEN \
-                and caller.role.rank >= Role.WRITER.rank and self.key is not None:
+        if run["status"] == RunStatus.WAITING.value and req["status"] == RequestStatus.OPEN:
             self.shown(run, req, caller)
         return run
 
@@ -8297,9 +8291,6 @@ class TimerWheel:
         self.on_lag: Callable[[float], None] | None = None     # seconds a due timer fired late (metrics)
         clock.on_change(self._wake.set)
 
-    def __len__(self) -> int:
-        return len(self._due)
-
     def set(self, key: str, due: int, *, own: bool = False) -> None:
         """Hold `key` due at `due`; an `own` timer (the wheel's alone, kept in no store) is held
         whatever the horizon."""
@@ -8382,10 +8373,8 @@ class TimerWheel:
                 timeout = max(0.0, (nxt - self.clock.now_ms()) / 1000)
             elif nxt is not None and nxt <= self.clock.now_ms():
                 timeout = 0
-            try:
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
-            except asyncio.TimeoutError:
-                pass
 
 
 #: The typed questions `ask` raises: built-in functions in every playbook, version 1. Their answer
@@ -8966,11 +8955,8 @@ class Runs:
                          party: str | None = None) -> dict[str, Any]:
         """Check the input and render what the request shows (`party`: its addressee, not rendered from
         `to`: a quorum's first); raises the problem of an ending."""
-        if doc.input_validator is not None:
-            errors = schema_errors(doc.input_validator, input_, "/input")
-            if errors:
-                raise ended("invalid_input", "the input does not match the input schema",
-                                     errors=errors)
+        if doc.input_validator is not None and (errors := schema_errors(doc.input_validator, input_, "/input")):
+            raise ended("invalid_input", "the input does not match the input schema", errors=errors)
         ctx = base_context(now, input=input_)
         # made here, not in the writer: ULIDs share a lock, and a lock held across threads
         # stalled the loop behind the writer's GIL turn
@@ -9018,27 +9004,25 @@ class Runs:
         if doc.shape is Shape.SYSTEM:
             return await self.system_calls.run_system(caller, playbook, type_, name, version, doc, input_, run_id,
                                                        input_text, input_sha, parent=parent)
-        else:
-            try:
-                quorum = self._ask_quorum(caller, name, input_, doc.output_schema)
-                prepared = self._prepare_request(doc, input_, now, playbook, run_id,
-                                                 party=quorum["quorum"]["to"][0] if quorum else None)
-                if quorum is not None:
-                    prepared["approval"] = quorum
-                if name in ASK_FUNCTIONS:
-                    prepared.update(_ask_overrides(ASK_FUNCTIONS[name], input_, now))
-                elif name == APPROVE_TOOL_CALL:         # the call as a person reads it: a command, a diff
-                    prepared["message"] = tool_call_text(input_)
-                if self.reminders is not None:
-                    prepared["follow_up"] = self.reminders.plan(doc, name, input_, now, prepared)
-                if doc.deliver is not None:
-                    prepared["deliver_args"] = deliver_args(doc, name, run_id or "", input_, prepared, now)
-                self._prepare_email(doc, name, input_, prepared, now)
-            except Problem as exc:
-                ending = exc
-            if doc.deliver is not None and ending is None:
-                ending = self.system_calls.calls.check_delivery(playbook, doc)
-        limit = self.open_limit
+        try:
+            quorum = self._ask_quorum(caller, name, input_, doc.output_schema)
+            prepared = self._prepare_request(doc, input_, now, playbook, run_id,
+                                             party=quorum["quorum"]["to"][0] if quorum else None)
+            if quorum is not None:
+                prepared["approval"] = quorum
+            if name in ASK_FUNCTIONS:
+                prepared.update(_ask_overrides(ASK_FUNCTIONS[name], input_, now))
+            elif name == APPROVE_TOOL_CALL:         # the call as a person reads it: a command, a diff
+                prepared["message"] = tool_call_text(input_)
+            if self.reminders is not None:
+                prepared["follow_up"] = self.reminders.plan(doc, name, input_, now, prepared)
+            if doc.deliver is not None:
+                prepared["deliver_args"] = deliver_args(doc, name, run_id, input_, prepared, now)
+            self._prepare_email(doc, name, input_, prepared, now)
+        except Problem as exc:
+            ending = exc
+        if doc.deliver is not None and ending is None:
+            ending = self.system_calls.calls.check_delivery(playbook, doc)
 
         asks = ending is None and (doc.output_schema is not None or doc.deliver is not None or "email" in prepared)
         # A tool call's approval that a remembered decision of its addressee may decide (section 24).
@@ -9051,7 +9035,7 @@ class Runs:
             if call is not None and (decided := remembered_decision(tx, fx, playbook, run, prepared["party"], call,
                                                                     now)) is not None:
                 return decided
-            if (done := insert_asking(tx, fx, run, limit, asks, ending)) is not None:
+            if (done := insert_asking(tx, fx, run, self.open_limit, asks, ending)) is not None:
                 return done
             if self.open_request(tx, fx, playbook, run_id, type_, name, version, doc.deliver,
                                    prepared.get("answer_schema", doc.output_schema), prepared, now, caller.id):
@@ -9212,7 +9196,10 @@ class Runs:
             finally:
                 self.bus.forget(key, fut)
 
-    async def cancel_run(self, caller: Caller, playbook: str, run_id: str) -> dict[str, Any]:
+    async def cancel_run(self, caller: Caller, playbook: str, run_id: str, *,
+                         task: bool = False) -> dict[str, Any]:
+        """Cancel a live run; a second cancel answers the cancelled run. For an MCP task's cancel (`task`)
+        an event says the task asked it, and a run that has ended already is left as it is."""
         caller.require(Role.WRITER)
         now = self.clock.now_ms()
 
@@ -9221,9 +9208,11 @@ class Runs:
             if run is None:
                 raise not_found(f"no run {run_id} in this playbook")
             if RunStatus(run["status"]).ended:
-                if run["kind"] == "cancelled":
+                if task or run["kind"] == "cancelled":
                     return run_object(run)
                 raise Problem("not_open", f"run {run_id} has already ended ({run['status']})", kind="ended")
+            if task:
+                tx.append_event(fx, playbook, run_id, EventType.MCP_TASK_CANCELLED.value, now, caller.by, {})
             self.cancel_in(tx, fx, run, now, caller.id)
             return run_object(tx.run(playbook, run_id))
         return await self.store.write(change)
@@ -9251,21 +9240,8 @@ class Runs:
         return _page([run_object(r) for r in rows[:n]], rows, n, lambda: [rows[n - 1]["seq"]])
 
     async def cancel_task(self, caller: Caller, playbook: str, run_id: str) -> dict[str, Any]:
-        """cancel_run for an MCP task's `tasks/cancel`: the same cancel, with an event saying the task
-        asked it (its task then reads `cancelled`). A run that has ended already is left as it is."""
-        caller.require(Role.WRITER)
-        now = self.clock.now_ms()
-
-        def change(tx: Tx, fx: Effects) -> dict[str, Any]:
-            run = tx.run(playbook, run_id)
-            if run is None:
-                raise not_found(f"no run {run_id} in this playbook")
-            if not RunStatus(run["status"]).ended:
-                tx.append_event(fx, playbook, run_id, EventType.MCP_TASK_CANCELLED.value, now, caller.by, {})
-                self.cancel_in(tx, fx, run, now, caller.id)
-                run = tx.run(playbook, run_id)
-            return run_object(run)
-        return await self.store.write(change)
+        """cancel_run for an MCP task's `tasks/cancel` (its task then reads `cancelled`)."""
+        return await self.cancel_run(caller, playbook, run_id, task=True)
 
 
 class ToolCalls:
@@ -9315,13 +9291,10 @@ class ToolCalls:
 
     @staticmethod
     def unfinished(read_only: bool, because: str, message: str) -> Problem:
-        if read_only:
-            return ended("tools_unfinished",
-                                  f"the call failed ({because}): {message}; the tool is read-only, so running again under a new run id is safe",
-                                  extra={"because": because})
-        return ended("effect_unknown",
-                              f"the call failed ({because}): {message}; the tool may have changed something, so check before running again",
-                              extra={"because": because})
+        then = ("the tool is read-only, so running again under a new run id is safe" if read_only
+                else "the tool may have changed something, so check before running again")
+        return ended("tools_unfinished" if read_only else "effect_unknown",
+                     f"the call failed ({because}): {message}; {then}", extra={"because": because})
 
     @staticmethod
     def unusable(read_only: bool, detail: str, **kw: Any) -> Problem:
@@ -9362,15 +9335,14 @@ class ToolCalls:
         """Call the tool (its `tool_call_started` is already recorded) and, in one change, record its
         answer or failure and end the run - unless the run ended meanwhile (cancelled while the call
         was in flight). The run as it then stands."""
-        answered: dict[str, Any] | None = None
-        failed: dict[str, Any] = {}
         output: Any = None
         try:
             result = await self.tools.call(playbook, run_id, server, tool, arguments, approval=approval, timeout=timeout)
         except ToolFailure as exc:
             refused = exc.because == "arguments_refused"
-            failed = {"because": exc.because if refused or not exc.sent else "server_failed",
-                      "message": self.tools.scrub(exc.message)}
+            fact, payload = "tool_call_failed", {
+                "because": exc.because if refused or not exc.sent else "server_failed",
+                "message": self.tools.scrub(exc.message)}
             if refused:
                 ending = ended("unworkable", f"the tool refused the arguments: {exc.message}",
                                         extra={"because": "arguments_refused"})
@@ -9380,16 +9352,14 @@ class ToolCalls:
                 ending = self.unfinished(read_only, "server_failed", exc.message)
         else:
             wire = result_wire(result)
-            answered = {"is_error": bool(result.is_error), "result": self.tools.record(server, wire),
-                        "result_size": json_size(wire)}
+            fact, payload = "tool_call_answered", {
+                "is_error": bool(result.is_error), "result": self.tools.record(server, wire),
+                "result_size": json_size(wire)}
             output, ending = self.outcome(doc, server, tool, read_only, result, input_)
         end_now = self.clock.now_ms()
 
         def finish(tx: Tx, fx: Effects) -> dict[str, Any]:
-            if answered is not None:
-                tx.append_event(fx, playbook, run_id, "tool_call_answered", end_now, by, answered)
-            else:
-                tx.append_event(fx, playbook, run_id, "tool_call_failed", end_now, by, failed)
+            tx.append_event(fx, playbook, run_id, fact, end_now, by, payload)
             live = tx.run(playbook, run_id)
             if live is not None and not RunStatus(live["status"]).ended:
                 end(tx, fx, playbook, run_id, ending or "succeeded", now=end_now, by=by, output=output)
@@ -9485,33 +9455,27 @@ class SystemCalls:
         ending: Problem | None = None
         arguments: Any = None
         session: ToolSession | None = None
-        if doc.input_validator is not None:
-            errors = schema_errors(doc.input_validator, input_, "/input")
-            if errors:
-                ending = ended("invalid_input", "the input does not match the input schema",
-                                        errors=errors)
-        if ending is None:
+        try:                                    # each check in turn; the first problem is the run's ending
+            if doc.input_validator is not None and (errors := schema_errors(doc.input_validator, input_, "/input")):
+                raise ended("invalid_input", "the input does not match the input schema", errors=errors)
             try:
                 arguments = render_args(call.with_, base_context(now, input=input_))
             except RenderError as exc:
-                ending = (ended("invalid_input", str(exc)) if exc.kind == "undefined"
-                          else ended("unworkable", str(exc)))
-        if ending is None and json_size(arguments) > MAX_ARGUMENTS_BYTES:
-            ending = ended("unworkable", f"the arguments pass {MAX_ARGUMENTS_BYTES // KIB} KiB")
-        if ending is None:
+                raise ended("invalid_input" if exc.kind == "undefined" else "unworkable", str(exc)) from None
+            if json_size(arguments) > MAX_ARGUMENTS_BYTES:
+                raise ended("unworkable", f"the arguments pass {MAX_ARGUMENTS_BYTES // KIB} KiB")
             try:
                 session, tool = await asyncio.wait_for(self.calls.offered_tool(playbook, call.server, call.tool),
                                                        OPEN_TIMEOUT_S + LIST_TIMEOUT_S + 1)
-                errors = schema_errors(compile_schema(tool.input_schema or {"type": "object"}), arguments, "/arguments")
-                if errors:
-                    ending = ended("unworkable",
-                                            f"the tool {call.tool} refused the arguments: they do not match its input schema",
-                                            errors=errors)
-            except Problem as exc:
-                ending = exc
             except asyncio.TimeoutError:
-                ending = ended("tool_server_failed",
-                                        f"the tool server {call.server!r} did not open in time; call search to see its state")
+                raise ended("tool_server_failed", f"the tool server {call.server!r} did not open in time; call"
+                            " search to see its state") from None
+            errors = schema_errors(compile_schema(tool.input_schema or {"type": "object"}), arguments, "/arguments")
+            if errors:
+                raise ended("unworkable", f"the tool {call.tool} refused the arguments: they do not match its input"
+                            " schema", errors=errors)
+        except Problem as exc:
+            ending = exc
         if ending is None and (doc.approve is not None or self.approvals.policy(call.server, call.tool) is not None):
             return await self.approvals.ask_function(caller, playbook, type_, name, version, doc, input_, run_id, input_text,
                                                      input_sha, parent, arguments, session.read_only(call.tool),
@@ -9523,16 +9487,11 @@ class SystemCalls:
                    "arguments_sha256": sha256_hex(dumps(arguments)) if arguments is not None else None}
 
         def begin(tx: Tx, fx: Effects) -> tuple[dict[str, Any], bool]:
-            row = tx.run(playbook, run_id)
-            if row is not None:
-                return rerun_check(row, type_, name, input_sha), False
-            tx.insert_run(playbook=playbook, run_id=run_id, type_=type_, name=name, version=version,
-                          input_text=input_text, input_sha=input_sha, parent=parent, now=now, by=caller.id,
-                          tools_called=ending is None)
-            if ending is not None:
-                end(tx, fx, playbook, run_id, ending, now=now, by=caller.id)
-            else:
-                tx.append_event(fx, playbook, run_id, "tool_call_started", now, caller.id, started)
+            run = dict(playbook=playbook, run_id=run_id, type_=type_, name=name, version=version, input_text=input_text,
+                       input_sha=input_sha, parent=parent, now=now, by=caller.id, tools_called=ending is None)
+            if (done := insert_asking(tx, fx, run, limit=0, asks=False, ending=ending)) is not None:
+                return done                     # a run id used before, or the run ended with `ending`
+            tx.append_event(fx, playbook, run_id, "tool_call_started", now, caller.id, started)
             return run_object(tx.run(playbook, run_id)), True
 
         run, fresh = await self.store.write(begin)
@@ -9620,7 +9579,6 @@ class Inbox:
         used before returns its first response (not new), or idempotency_key_conflict when it came with
         another request; a request this key did not answer is `not_open` (or `answered`)."""
         caller.require(Role.WRITER)
-        by = caller.by
         if claimed_for is not None and (not isinstance(claimed_for, str) or len(claimed_for.encode()) > MAX_CLAIM_BYTES):
             raise ended("invalid_input", f"claimed_for is a text of at most {MAX_CLAIM_BYTES} bytes",
                                  errors=[{"pointer": "/claimed_for", "message": f"a text of at most {MAX_CLAIM_BYTES} bytes"}])
@@ -9628,12 +9586,11 @@ class Inbox:
             raise ended("invalid_input", f"the answer takes at most {MAX_ANSWER_BYTES // KIB} KiB as JSON",
                                  errors=[{"pointer": "/answer", "message": f"at most {MAX_ANSWER_BYTES // KIB} KiB as JSON, {MAX_JSON_DEPTH} levels"}])
         refuse_nul(answer, "/answer", "the answer")
-        if claimed_for is not None:
-            refuse_nul(claimed_for, "/claimed_for", "claimed_for")
         # An API token or a configured secret pasted into an answer is never recorded: the answer is
         # checked and kept as scrubbed (by value, so the answer schema's own keys stand).
         answer = self.tools.scrub.values(answer)
         if claimed_for is not None:
+            refuse_nul(claimed_for, "/claimed_for", "claimed_for")
             claimed_for = self.tools.scrub.text(claimed_for)
         now = self.clock.now_ms()
 
@@ -9643,7 +9600,7 @@ class Inbox:
             row = tx.request(playbook, run_id)
             who = caller
             if row is not None and not who.addressed(row):     # a deputy's, while their window is open
-                who = replace(caller, stands_for=tuple(tx.standing_for(playbook, caller.person, now)))
+                who = self.stands(tx, caller, playbook, now)
             if row is None or not who.addressed(row):
                 raise not_found(f"no request of run {run_id} in this playbook")
             if idempotency is not None:
@@ -9664,8 +9621,8 @@ class Inbox:
             if errors:
                 raise ended("invalid_input", "the answer does not match the request's answer schema",
                                      errors=errors)
-            closed = self.record_answer(tx, fx, row, answer, claimed_for, by, now, by_name=caller.by_name,
-                                        on_behalf_of=who.on_behalf_of(row))
+            closed = self.record_answer(tx, fx, row, answer, claimed_for, caller.by, now,
+                                        by_name=caller.by_name, on_behalf_of=who.on_behalf_of(row))
             if idempotency is None:
                 return answer_fact(closed), True
             response = idempotency.response(closed)
