@@ -2386,29 +2386,22 @@ def _unheld_reference(schema: Any, cls: Any) -> tuple[tuple[Any, ...], str] | No
                                                       default=referencing.jsonschema.DRAFT202012)
     root = spec.create_resource(schema)
     registry = referencing.Registry().with_resource(root.id() or "", root).crawl()
-
-    def refs(node: Any, path: tuple[Any, ...], base: str) -> Iterable[tuple[tuple[Any, ...], str, str, str]]:
-        if isinstance(node, dict):
+    bases: dict[tuple[Any, ...], str] = {}     # each object's and list's, by its path
+    for node, path in json_nodes(schema):      # an object or a list before what it holds
+        base = bases.get(path[:-1], "")
+        if isinstance(node, (dict, list)):
             try:
-                ident = spec.id_of(node)
+                ident = spec.id_of(node) if isinstance(node, dict) else None
             except (AttributeError, TypeError):
                 ident = None
-            base = urllib.parse.urljoin(base, ident) if isinstance(ident, str) else base
-            for k, v in node.items():
-                if k in ("$ref", "$dynamicRef") and isinstance(v, str):
-                    yield path, k, v, base
-                yield from refs(v, path + (k,), base)
-        elif isinstance(node, list):
-            for i, v in enumerate(node):
-                yield from refs(v, path + (i,), base)
-
-    for path, key, ref, base in refs(schema, (), ""):
-        try:
-            registry.resolver(base_uri=base).lookup(ref)
-        except (referencing.exceptions.Unresolvable, ValueError):
-            if ref.startswith("#"):
-                return path + (key,), f"{ref!r} points at nothing in the schema"
-            return path + (key,), f"{ref!r} is outside the schema; references are never fetched, so use #/$defs/..."
+            bases[path] = urllib.parse.urljoin(base, ident) if isinstance(ident, str) else base
+        elif path and path[-1] in ("$ref", "$dynamicRef") and isinstance(node, str):
+            try:
+                registry.resolver(base_uri=base).lookup(node)
+            except (referencing.exceptions.Unresolvable, ValueError):
+                if node.startswith("#"):
+                    return path, f"{node!r} points at nothing in the schema"
+                return path, f"{node!r} is outside the schema; references are never fetched, so use #/$defs/..."
     return None
 
 
