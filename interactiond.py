@@ -3259,7 +3259,7 @@ def _check(r: _Reader, source: str, data: dict[str, Any], body: str, body_line: 
             email = r.template(("deliver", "email"), data["deliver"]["email"], PLACES["deliver.email"], input_schema)
         elif "deliver" in data:
             deliver = _read_deliver(r, data["deliver"], input_schema)
-    rule = _reply_rule(r, data, shape, output_schema)
+    rule = _read_rule(r, data, output_schema) if shape is not Shape.SYSTEM else None
     if "replies" in data and shape is not Shape.SYSTEM:
         replies = _read_replies(r, data, deliver, output_schema, rule)
     follow = _read_follow_up(r, data, expires, input_schema, output_schema) if shape is not Shape.SYSTEM else {}
@@ -3530,21 +3530,17 @@ def _read_tell(r: _Reader, value: Any, deliver: DeliverSpec | None) -> TellSpec 
     return TellSpec(tool, with_) if tool and with_ is not None else None
 
 
-def _reply_rule(r: _Reader, data: dict[str, Any], shape: Shape, output_schema: Any) -> ReplyRule | None:
-    if shape is Shape.SYSTEM:
-        return None
-    if "reply" not in data:
-        return derive_rule(output_schema) if output_schema is not None else None
-    if "output" not in data:
-        r.add(("reply",), "reply reads an answer from a reply, so it needs output.schema (a notification takes none)")
-        return None
-    if output_schema is None:
-        return None
-    return _read_rule(r, data["reply"], output_schema, needs_required="replies" in data)
-
-
-def _read_rule(r: _Reader, value: Any, schema: Any, needs_required: bool) -> ReplyRule | None:
+def _read_rule(r: _Reader, data: dict[str, Any], schema: Any) -> ReplyRule | None:
+    """The reply rule of a function that asks a person: `reply` as written, or else made from
+    `schema` (its output.schema)."""
     path = ("reply",)
+    if "reply" not in data:
+        return derive_rule(schema)
+    if "output" not in data:
+        r.add(path, "reply reads an answer from a reply, so it needs output.schema (a notification takes none)")
+    if schema is None:                  # none written, or refused
+        return None
+    value = data["reply"]
     if not isinstance(value, dict) or not value:
         r.add(path, "is a mapping of answer properties to word, rest or text, such as {verdict: word, note: rest}")
         return None
@@ -3557,7 +3553,7 @@ def _read_rule(r: _Reader, value: Any, schema: Any, needs_required: bool) -> Rep
     words = [n for n, p in parts.items() if p.source == "word"]
     if len(words) > 1:
         r.add(path + (words[1],), f"only one property takes the first word, and {words[0]} already does")
-    if needs_required and isinstance(schema, dict) and isinstance(schema.get("required"), list):
+    if "replies" in data and isinstance(schema, dict) and isinstance(schema.get("required"), list):
         for name in schema["required"]:
             if isinstance(name, str) and name not in value:
                 r.add(path, f"replies are read with this rule, and it gives no value to the required property {name!r}")
