@@ -3332,17 +3332,13 @@ def _read_approve(r: _Reader, data: dict[str, Any],
     expires = r.duration(path + ("expires",), block["expires"]) if "expires" in block else None
     with_ = data["call"].get("with") if isinstance(data.get("call"), dict) else None
     edit = _read_edit(r, path + ("edit",), block.get("edit", []), with_)
+    # deliver, replies and remind as a function that asks has them (section 19), of its approval
     within = r.within(path)
+    asked = {k: block[k] for k in ("remind", "expires", "deliver", "replies") if k in block} | {"output": True}
     deliver = _read_deliver(within, block["deliver"], input_schema) if "deliver" in block else None
-    replies = None
-    if "replies" in block:
-        shown = {"replies": block["replies"], "output": True, **({"deliver": block["deliver"]} if "deliver" in block else {})}
-        replies = _read_replies(within, shown, deliver, APPROVAL_ANSWER_SCHEMA, APPROVAL_RULE)
-    remind = None
-    if "remind" in block:               # as a function that asks reminds (section 19), of its approval
-        asked = {k: block[k] for k in ("remind", "expires", "deliver", "replies") if k in block}
-        remind = _read_follow_up(within, {**asked, "output": True}, expires, input_schema,
-                                 APPROVAL_ANSWER_SCHEMA).get("remind")
+    replies = (_read_replies(within, asked, deliver, APPROVAL_ANSWER_SCHEMA, APPROVAL_RULE)
+               if "replies" in block else None)
+    remind = _read_follow_up(within, asked, expires, input_schema, APPROVAL_ANSWER_SCHEMA).get("remind")
     if to is None or expires is None or edit is None:
         return None, None, None
     return ApproveSpec(to, expires, edit, also, need, veto, remind), deliver, replies
