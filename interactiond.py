@@ -3265,15 +3265,11 @@ def _check(r: _Reader, source: str, data: dict[str, Any], body: str, body_line: 
     follow = _read_follow_up(r, data, expires, input_schema, output_schema) if shape is not Shape.SYSTEM else {}
     if r.problems:
         return None
-    uses: list[tuple[str, str, str, int]] = []
-    if deliver is not None:
-        at = ("approve",) if approve is not None else ()
-        sends: list[tuple[tuple[str, ...], str]] = [(("deliver", "tool"), deliver.tool)]
-        if replies is not None:
-            sends.append((("replies", "tool"), replies.tool))
-            if replies.tell is not None:
-                sends.append((("replies", "tell", "tool"), replies.tell.tool))
-        uses = [(".".join(at + path), deliver.server, tool_, r.line(at + path)) for path, tool_ in sends]
+    at = ("approve",) if approve is not None else ()
+    sends = [(at + ("deliver", "tool"), deliver), (at + ("replies", "tool"), replies),
+             (at + ("replies", "tell", "tool"), replies and replies.tell)]
+    uses = [(".".join(path), deliver.server, spec.tool, r.line(path)) for path, spec in sends
+            if deliver is not None and spec is not None]
     return FunctionDoc(
         source=source, shape=shape, description=description, to=to, from_=from_, message=message,
         expires=expires, expires_text=data.get("expires"), input_schema=input_schema,
