@@ -2386,29 +2386,22 @@ def _unheld_reference(schema: Any, cls: Any) -> tuple[tuple[Any, ...], str] | No
                                                       default=referencing.jsonschema.DRAFT202012)
     root = spec.create_resource(schema)
     registry = referencing.Registry().with_resource(root.id() or "", root).crawl()
-
-    def refs(node: Any, path: tuple[Any, ...], base: str) -> Iterable[tuple[tuple[Any, ...], str, str, str]]:
-        if isinstance(node, dict):
+    bases: dict[tuple[Any, ...], str] = {}     # each object's and list's, by its path
+    for node, path in json_nodes(schema):      # an object or a list before what it holds
+        base = bases.get(path[:-1], "")
+        if isinstance(node, (dict, list)):
             try:
-                ident = spec.id_of(node)
+                ident = spec.id_of(node) if isinstance(node, dict) else None
             except (AttributeError, TypeError):
                 ident = None
-            base = urllib.parse.urljoin(base, ident) if isinstance(ident, str) else base
-            for k, v in node.items():
-                if k in ("$ref", "$dynamicRef") and isinstance(v, str):
-                    yield path, k, v, base
-                yield from refs(v, path + (k,), base)
-        elif isinstance(node, list):
-            for i, v in enumerate(node):
-                yield from refs(v, path + (i,), base)
-
-    for path, key, ref, base in refs(schema, (), ""):
-        try:
-            registry.resolver(base_uri=base).lookup(ref)
-        except (referencing.exceptions.Unresolvable, ValueError):
-            if ref.startswith("#"):
-                return path + (key,), f"{ref!r} points at nothing in the schema"
-            return path + (key,), f"{ref!r} is outside the schema; references are never fetched, so use #/$defs/..."
+            bases[path] = urllib.parse.urljoin(base, ident) if isinstance(ident, str) else base
+        elif path and path[-1] in ("$ref", "$dynamicRef") and isinstance(node, str):
+            try:
+                registry.resolver(base_uri=base).lookup(node)
+            except (referencing.exceptions.Unresolvable, ValueError):
+                if node.startswith("#"):
+                    return path, f"{node!r} points at nothing in the schema"
+                return path, f"{node!r} is outside the schema; references are never fetched, so use #/$defs/..."
     return None
 
 
@@ -3266,21 +3259,17 @@ def _check(r: _Reader, source: str, data: dict[str, Any], body: str, body_line: 
             email = r.template(("deliver", "email"), data["deliver"]["email"], PLACES["deliver.email"], input_schema)
         elif "deliver" in data:
             deliver = _read_deliver(r, data["deliver"], input_schema)
-    rule = _reply_rule(r, data, shape, output_schema)
+    rule = _read_rule(r, data, output_schema) if shape is not Shape.SYSTEM else None
     if "replies" in data and shape is not Shape.SYSTEM:
         replies = _read_replies(r, data, deliver, output_schema, rule)
     follow = _read_follow_up(r, data, expires, input_schema, output_schema) if shape is not Shape.SYSTEM else {}
     if r.problems:
         return None
-    uses: list[tuple[str, str, str, int]] = []
-    if deliver is not None:
-        at = ("approve",) if approve is not None else ()
-        sends: list[tuple[tuple[str, ...], str]] = [(("deliver", "tool"), deliver.tool)]
-        if replies is not None:
-            sends.append((("replies", "tool"), replies.tool))
-            if replies.tell is not None:
-                sends.append((("replies", "tell", "tool"), replies.tell.tool))
-        uses = [(".".join(at + path), deliver.server, tool_, r.line(at + path)) for path, tool_ in sends]
+    at = ("approve",) if approve is not None else ()
+    sends = [(at + ("deliver", "tool"), deliver), (at + ("replies", "tool"), replies),
+             (at + ("replies", "tell", "tool"), replies and replies.tell)]
+    uses = [(".".join(path), deliver.server, spec.tool, r.line(path)) for path, spec in sends
+            if deliver is not None and spec is not None]
     return FunctionDoc(
         source=source, shape=shape, description=description, to=to, from_=from_, message=message,
         expires=expires, expires_text=data.get("expires"), input_schema=input_schema,
@@ -3339,17 +3328,13 @@ def _read_approve(r: _Reader, data: dict[str, Any],
     expires = r.duration(path + ("expires",), block["expires"]) if "expires" in block else None
     with_ = data["call"].get("with") if isinstance(data.get("call"), dict) else None
     edit = _read_edit(r, path + ("edit",), block.get("edit", []), with_)
+    # deliver, replies and remind as a function that asks has them (section 19), of its approval
     within = r.within(path)
+    asked = {k: block[k] for k in ("remind", "expires", "deliver", "replies") if k in block} | {"output": True}
     deliver = _read_deliver(within, block["deliver"], input_schema) if "deliver" in block else None
-    replies = None
-    if "replies" in block:
-        shown = {"replies": block["replies"], "output": True, **({"deliver": block["deliver"]} if "deliver" in block else {})}
-        replies = _read_replies(within, shown, deliver, APPROVAL_ANSWER_SCHEMA, APPROVAL_RULE)
-    remind = None
-    if "remind" in block:               # as a function that asks reminds (section 19), of its approval
-        asked = {k: block[k] for k in ("remind", "expires", "deliver", "replies") if k in block}
-        remind = _read_follow_up(within, {**asked, "output": True}, expires, input_schema,
-                                 APPROVAL_ANSWER_SCHEMA).get("remind")
+    replies = (_read_replies(within, asked, deliver, APPROVAL_ANSWER_SCHEMA, APPROVAL_RULE)
+               if "replies" in block else None)
+    remind = _read_follow_up(within, asked, expires, input_schema, APPROVAL_ANSWER_SCHEMA).get("remind")
     if to is None or expires is None or edit is None:
         return None, None, None
     return ApproveSpec(to, expires, edit, also, need, veto, remind), deliver, replies
@@ -3537,21 +3522,17 @@ def _read_tell(r: _Reader, value: Any, deliver: DeliverSpec | None) -> TellSpec 
     return TellSpec(tool, with_) if tool and with_ is not None else None
 
 
-def _reply_rule(r: _Reader, data: dict[str, Any], shape: Shape, output_schema: Any) -> ReplyRule | None:
-    if shape is Shape.SYSTEM:
-        return None
-    if "reply" not in data:
-        return derive_rule(output_schema) if output_schema is not None else None
-    if "output" not in data:
-        r.add(("reply",), "reply reads an answer from a reply, so it needs output.schema (a notification takes none)")
-        return None
-    if output_schema is None:
-        return None
-    return _read_rule(r, data["reply"], output_schema, needs_required="replies" in data)
-
-
-def _read_rule(r: _Reader, value: Any, schema: Any, needs_required: bool) -> ReplyRule | None:
+def _read_rule(r: _Reader, data: dict[str, Any], schema: Any) -> ReplyRule | None:
+    """The reply rule of a function that asks a person: `reply` as written, or else made from
+    `schema` (its output.schema)."""
     path = ("reply",)
+    if "reply" not in data:
+        return derive_rule(schema)
+    if "output" not in data:
+        r.add(path, "reply reads an answer from a reply, so it needs output.schema (a notification takes none)")
+    if schema is None:                  # none written, or refused
+        return None
+    value = data["reply"]
     if not isinstance(value, dict) or not value:
         r.add(path, "is a mapping of answer properties to word, rest or text, such as {verdict: word, note: rest}")
         return None
@@ -3564,7 +3545,7 @@ def _read_rule(r: _Reader, value: Any, schema: Any, needs_required: bool) -> Rep
     words = [n for n, p in parts.items() if p.source == "word"]
     if len(words) > 1:
         r.add(path + (words[1],), f"only one property takes the first word, and {words[0]} already does")
-    if needs_required and isinstance(schema, dict) and isinstance(schema.get("required"), list):
+    if "replies" in data and isinstance(schema, dict) and isinstance(schema.get("required"), list):
         for name in schema["required"]:
             if isinstance(name, str) and name not in value:
                 r.add(path, f"replies are read with this rule, and it gives no value to the required property {name!r}")
