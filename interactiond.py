@@ -4311,10 +4311,6 @@ def data_file(name: str) -> Path:
     return beside
 
 
-def _schema_sql() -> str:
-    return data_file("schema.sql").read_text()
-
-
 def _migrate_to_2(conn: sqlite3.Connection) -> None:
     """Inbox sessions expire: tokens gain `used_at` and `expires_at`; a session open at the upgrade
     counts as used at its sign-in and ends 7 days after it (an older one has ended)."""
@@ -4427,17 +4423,9 @@ def _migrate_to_10(conn: Any) -> None:
 
 
 #: Each step takes a file made by an earlier version to the next PRAGMA user_version, in order.
-MIGRATIONS: Final[tuple[tuple[int, Callable[[Any], None]], ...]] = (
-    (2, _migrate_to_2),
-    (3, _migrate_to_3),
-    (4, _migrate_to_4),
-    (5, _migrate_to_5),
-    (6, _migrate_to_6),
-    (7, _migrate_to_7),
-    (8, _migrate_to_8),
-    (9, _migrate_to_9),
-    (10, _migrate_to_10),
-)
+MIGRATIONS: Final[tuple[tuple[int, Callable[[Any], None]], ...]] = tuple(enumerate((
+    _migrate_to_2, _migrate_to_3, _migrate_to_4, _migrate_to_5, _migrate_to_6, _migrate_to_7, _migrate_to_8,
+    _migrate_to_9, _migrate_to_10), start=2))
 
 
 def apply_schema(conn: sqlite3.Connection) -> None:
@@ -4454,7 +4442,7 @@ def apply_schema(conn: sqlite3.Connection) -> None:
             except BaseException:
                 conn.execute("ROLLBACK")
                 raise
-    conn.executescript(_schema_sql())
+    conn.executescript(data_file("schema.sql").read_text())
     if conn.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
         conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
