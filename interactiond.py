@@ -4290,7 +4290,7 @@ def load_config(path: str | None, environ: dict[str, str] | None = None) -> Conf
 # A third connection, on its own thread, only checkpoints: it copies the WAL into the database file
 # beside the writer's commits, so no commit pays for a checkpoint. A database that is locked past
 # the busy timeout, full or failing answers the caller with a problem that says so, and a batch is
-# committed whole or not at all (see _run_batch).
+# committed whole or not at all (see _DbThread._commit).
 #
 # The end of this section runs the same store, threads and SQL on a PostgreSQL server.
 
@@ -4621,19 +4621,9 @@ class _DbThread(threading.Thread):
         the GIL passed to it and back at every statement, and the loop's wake-up for the results
         (bench/README.md has the figures).
         """
-        try:
-            if not self.tx.begin_at_once():
-                return False
-        except BaseException as exc:
-            failure = self.tx.problem(exc)
-            _settle_all([(fut, None, failure, None) for _, fut, *_ in batch], None)
-            return True
-        began = time.perf_counter()
-        settled = self.tx.run_begun(batch)
-        if self.on_batch is not None:
-            self.on_batch(len(batch), time.perf_counter() - began)
-        if self.checkpointer is not None:
-            self.checkpointer.due.set()
+        settled = self._commit(batch, self.tx.begin_at_once)
+        if settled is None:
+            return False
         _settle_all(settled, self.sink)
         return True
 
@@ -4662,13 +4652,9 @@ class _DbThread(threading.Thread):
                     break
                 batch.extend(nxt)
                 handed += 1
-            began = time.perf_counter()
-            settled = self._run_batch(batch) if self.writer else [self._run_read(*it) for it in batch]
-            if self.on_batch is not None:
-                self.on_batch(len(batch), time.perf_counter() - began)
+            settled = (self._commit(batch, self.tx.begin) if self.writer
+                       else [self._run_read(*it) for it in batch])
             self.loop.call_soon_threadsafe(self._settle, settled, handed)
-            if self.checkpointer is not None:
-                self.checkpointer.due.set()
         self.tx.close()
 
     def _run_read(self, fn: Callable[..., Any], fut: asyncio.Future[Any], fx: None) -> tuple[Any, ...]:
@@ -4678,14 +4664,24 @@ class _DbThread(threading.Thread):
         except BaseException as exc:
             return (fut, None, self.tx.problem(exc), None)
 
-    def _run_batch(self, batch: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-        tx = self.tx
+    def _commit(self, batch: list[tuple[Any, ...]], begin: Callable[[], Any]) -> list[tuple[Any, ...]] | None:
+        """Begin the group commit's transaction, run the batch's changes in it and commit (run_begun):
+        (future, result, problem, effects) of each, every change failed when the transaction could not
+        begin; None, nothing run, when `begin` found the write lock held elsewhere (begin_at_once)."""
+        began = time.perf_counter()
         try:
-            tx.begin()
+            if begin() is False:
+                return None
         except BaseException as exc:
-            failure = tx.problem(exc)
-            return [(fut, None, failure, None) for _, fut, *_ in batch]
-        return self.tx.run_begun(batch)
+            failure = self.tx.problem(exc)
+            settled = [(fut, None, failure, None) for _, fut, *_ in batch]
+        else:
+            settled = self.tx.run_begun(batch)
+        if self.on_batch is not None:
+            self.on_batch(len(batch), time.perf_counter() - began)
+        if self.checkpointer is not None:
+            self.checkpointer.due.set()
+        return settled
 
 
 def _db_problem(exc: BaseException, otherwise: str | None = None) -> BaseException:
