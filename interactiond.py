@@ -5594,13 +5594,10 @@ class SqlTx:
         where given."""
         sql = _REQUEST_ROW + " WHERE q.playbook = ? AND q.open = 1"
         args: list[Any] = [playbook]
-        for col, val in (("type", type_), ("name", name)):
+        for cond, val in ((" AND q.type = ?", type_), (" AND q.name = ?", name), (" AND q.seq < ?", before)):
             if val is not None:
-                sql += f" AND q.{col} = ?"
+                sql += cond
                 args.append(val)
-        if before is not None:
-            sql += " AND q.seq < ?"
-            args.append(before)
         if to is None:
             return self.conn.execute(sql + " ORDER BY q.seq DESC LIMIT ?", (*args, limit)).fetchall()
         # A party's own requests and those escalated to it: a range of each one's index, merged; with
@@ -5810,12 +5807,10 @@ class SqlTx:
         sql = (_V2_SELECT + f" AND q.playbook IN ({','.join('?' * len(playbooks))})"
                f" AND q.status IN ({','.join('?' * len(statuses))})")
         args: list[Any] = [*playbooks, *statuses]
-        if run_id is not None:
-            sql += " AND q.run_id = ?"
-            args.append(run_id)
-        if before is not None:
-            sql += " AND q.seq < ?"
-            args.append(before)
+        for cond, val in ((" AND q.run_id = ?", run_id), (" AND q.seq < ?", before)):
+            if val is not None:
+                sql += cond
+                args.append(val)
         if party is None:
             return self.conn.execute(sql + " ORDER BY q.seq DESC LIMIT ?", (*args, limit)).fetchall()
         # The people's own requests (by seq), and those they are among a quorum's addressees of (from the
