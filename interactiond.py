@@ -4353,19 +4353,9 @@ def _migrate_to_6(conn: Any) -> None:
     SQLite's timers become a WITHOUT ROWID table (their key is their only index; PostgreSQL's have
     no rowid to drop)."""
     conn.execute("ALTER TABLE definitions ADD COLUMN answer_schema TEXT")
-    _share_answer_schemas(conn)
-    if not isinstance(conn, sqlite3.Connection):
-        return
-    conn.execute("CREATE TABLE timers_v3 (key TEXT PRIMARY KEY, due_at INTEGER NOT NULL) WITHOUT ROWID")
-    conn.execute("INSERT INTO timers_v3 (key, due_at) SELECT key, due_at FROM timers")
-    conn.execute("DROP TABLE timers")
-    conn.execute("ALTER TABLE timers_v3 RENAME TO timers")
-
-
-def _share_answer_schemas(conn: Any) -> None:
-    """Version 6's step on either database: each function version's answer schema on its definition
-    (from its document; a document this version no longer reads keeps none, and its requests keep
-    theirs), then the requests' own copies of it dropped."""
+    # On either database: each function version's answer schema on its definition (from its document;
+    # a document this version no longer reads keeps none, and its requests keep theirs), then the
+    # requests' own copies of it dropped.
     rows = conn.execute("SELECT playbook, type, name, version, source FROM definitions WHERE type = 'interaction'"
                         ).fetchall()
     for playbook, type_, name, version, source in (tuple(r) for r in rows):
@@ -4383,6 +4373,11 @@ def _share_answer_schemas(conn: Any) -> None:
     conn.execute("UPDATE requests SET own_schema = NULL WHERE own_schema = (SELECT d.answer_schema FROM definitions d"
                  " WHERE d.playbook = requests.playbook AND d.type = requests.type AND d.name = requests.name"
                  " AND d.version = requests.version)")
+    if isinstance(conn, sqlite3.Connection):
+        conn.execute("CREATE TABLE timers_v3 (key TEXT PRIMARY KEY, due_at INTEGER NOT NULL) WITHOUT ROWID")
+        conn.execute("INSERT INTO timers_v3 (key, due_at) SELECT key, due_at FROM timers")
+        conn.execute("DROP TABLE timers")
+        conn.execute("ALTER TABLE timers_v3 RENAME TO timers")
 
 
 def _migrate_to_7(conn: Any) -> None:
