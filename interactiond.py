@@ -4560,11 +4560,8 @@ def _connect(path: str) -> sqlite3.Connection:
     # prepared again costs more than most run.
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=5.0, cached_statements=1024)
     conn.row_factory = sqlite3.Row
-    conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute("PRAGMA synchronous=NORMAL")
-    conn.execute("PRAGMA busy_timeout=5000")
-    conn.execute("PRAGMA foreign_keys=ON")
-    conn.execute("PRAGMA temp_store=MEMORY")
+    conn.executescript("PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL; PRAGMA busy_timeout=5000;"
+                       " PRAGMA foreign_keys=ON; PRAGMA temp_store=MEMORY")
     return conn
 
 
@@ -4848,12 +4845,10 @@ class Store:
         return LocalBus()
 
     def _connect_tx(self, writer: bool) -> "SQLiteTx":
-        conn = _connect(self.path)
+        tx = SQLiteTx(_connect(self.path))
         if writer:                          # the checkpointer copies the WAL; this is only a safety net
-            conn.execute(f"PRAGMA wal_autocheckpoint = {WRITER_AUTOCHECKPOINT_PAGES}")
-            conn.execute(f"PRAGMA journal_size_limit = {WAL_SIZE_LIMIT_BYTES}")
-        tx = SQLiteTx(conn)
-        if writer:
+            tx.conn.execute(f"PRAGMA wal_autocheckpoint = {WRITER_AUTOCHECKPOINT_PAGES}")
+            tx.conn.execute(f"PRAGMA journal_size_limit = {WAL_SIZE_LIMIT_BYTES}")
             tx.webhooks = self.webhooks
         return tx
 
