@@ -4429,14 +4429,10 @@ def apply_schema(conn: sqlite3.Connection) -> None:
     if conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'tokens'").fetchone() is not None:
         for target, step in MIGRATIONS:
             conn.execute("BEGIN IMMEDIATE")         # read the version under the lock: one process migrates
-            try:
+            with conn:                              # then COMMIT, or ROLLBACK when the step fails
                 if conn.execute("PRAGMA user_version").fetchone()[0] < target:
                     step(conn)
                     conn.execute(f"PRAGMA user_version = {target}")
-                conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
     conn.executescript(data_file("schema.sql").read_text())
     if conn.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
         conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
