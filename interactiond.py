@@ -4809,11 +4809,8 @@ class Store:
         self.webhooks: dict[str, tuple[tuple[str, frozenset[str]], ...]] = {}
 
     async def open(self) -> None:
-        init = _connect(self.path)
-        try:
+        with contextlib.closing(_connect(self.path)) as init:
             apply_schema(init)
-        finally:
-            init.close()
         self._checkpointer = _Checkpointer(self.path)
         self._checkpointer.start()
         self._start_threads()
@@ -4873,18 +4870,16 @@ class Store:
         _hand_over): one wake-up of each thread per turn, not one per call.
         Waking a thread costs the loop a system call and, on a busy machine, its core for a while
         (the woken thread is scheduled where the loop runs and asks for the GIL the loop holds)."""
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self._writes.append((change, fut, Effects()))
-        if not self._handing_over:
-            self._handing_over = True
-            loop.call_soon(self._hand_over)
-        return fut
+        return self._ask(self._writes, change, Effects())
 
     def read(self, query: Callable[[sqlite3.Connection], Any]) -> asyncio.Future[Any]:
+        return self._ask(self._reads, query, None)
+
+    def _ask(self, asked: list[Any], fn: Callable[..., Any], fx: Effects | None) -> asyncio.Future[Any]:
+        """`fn` asked of the writer (with its effects) or of the reader: handed over as the turn ends."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._reads.append((query, fut, None))
+        asked.append((fn, fut, fx))
         if not self._handing_over:
             self._handing_over = True
             loop.call_soon(self._hand_over)
