@@ -4271,7 +4271,7 @@ def load_config(path: str | None, environ: dict[str, str] | None = None) -> Conf
 # A third connection, on its own thread, only checkpoints: it copies the WAL into the database file
 # beside the writer's commits, so no commit pays for a checkpoint. A database that is locked past
 # the busy timeout, full or failing answers the caller with a problem that says so, and a batch is
-# committed whole or not at all (see _run_batch).
+# committed whole or not at all (see _DbThread._commit).
 #
 # The end of this section runs the same store, threads and SQL on a PostgreSQL server.
 
@@ -4290,10 +4290,6 @@ def data_file(name: str) -> Path:
         if where.exists():
             return where
     return beside
-
-
-def _schema_sql() -> str:
-    return data_file("schema.sql").read_text()
 
 
 def _migrate_to_2(conn: sqlite3.Connection) -> None:
@@ -4338,19 +4334,9 @@ def _migrate_to_6(conn: Any) -> None:
     SQLite's timers become a WITHOUT ROWID table (their key is their only index; PostgreSQL's have
     no rowid to drop)."""
     conn.execute("ALTER TABLE definitions ADD COLUMN answer_schema TEXT")
-    _share_answer_schemas(conn)
-    if not isinstance(conn, sqlite3.Connection):
-        return
-    conn.execute("CREATE TABLE timers_v3 (key TEXT PRIMARY KEY, due_at INTEGER NOT NULL) WITHOUT ROWID")
-    conn.execute("INSERT INTO timers_v3 (key, due_at) SELECT key, due_at FROM timers")
-    conn.execute("DROP TABLE timers")
-    conn.execute("ALTER TABLE timers_v3 RENAME TO timers")
-
-
-def _share_answer_schemas(conn: Any) -> None:
-    """Version 6's step on either database: each function version's answer schema on its definition
-    (from its document; a document this version no longer reads keeps none, and its requests keep
-    theirs), then the requests' own copies of it dropped."""
+    # On either database: each function version's answer schema on its definition (from its document;
+    # a document this version no longer reads keeps none, and its requests keep theirs), then the
+    # requests' own copies of it dropped.
     rows = conn.execute("SELECT playbook, type, name, version, source FROM definitions WHERE type = 'interaction'"
                         ).fetchall()
     for playbook, type_, name, version, source in (tuple(r) for r in rows):
@@ -4368,6 +4354,11 @@ def _share_answer_schemas(conn: Any) -> None:
     conn.execute("UPDATE requests SET own_schema = NULL WHERE own_schema = (SELECT d.answer_schema FROM definitions d"
                  " WHERE d.playbook = requests.playbook AND d.type = requests.type AND d.name = requests.name"
                  " AND d.version = requests.version)")
+    if isinstance(conn, sqlite3.Connection):
+        conn.execute("CREATE TABLE timers_v3 (key TEXT PRIMARY KEY, due_at INTEGER NOT NULL) WITHOUT ROWID")
+        conn.execute("INSERT INTO timers_v3 (key, due_at) SELECT key, due_at FROM timers")
+        conn.execute("DROP TABLE timers")
+        conn.execute("ALTER TABLE timers_v3 RENAME TO timers")
 
 
 def _migrate_to_7(conn: Any) -> None:
@@ -4408,17 +4399,9 @@ def _migrate_to_10(conn: Any) -> None:
 
 
 #: Each step takes a file made by an earlier version to the next PRAGMA user_version, in order.
-MIGRATIONS: Final[tuple[tuple[int, Callable[[Any], None]], ...]] = (
-    (2, _migrate_to_2),
-    (3, _migrate_to_3),
-    (4, _migrate_to_4),
-    (5, _migrate_to_5),
-    (6, _migrate_to_6),
-    (7, _migrate_to_7),
-    (8, _migrate_to_8),
-    (9, _migrate_to_9),
-    (10, _migrate_to_10),
-)
+MIGRATIONS: Final[tuple[tuple[int, Callable[[Any], None]], ...]] = tuple(enumerate((
+    _migrate_to_2, _migrate_to_3, _migrate_to_4, _migrate_to_5, _migrate_to_6, _migrate_to_7, _migrate_to_8,
+    _migrate_to_9, _migrate_to_10), start=2))
 
 
 def apply_schema(conn: sqlite3.Connection) -> None:
@@ -4427,15 +4410,11 @@ def apply_schema(conn: sqlite3.Connection) -> None:
     if conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'tokens'").fetchone() is not None:
         for target, step in MIGRATIONS:
             conn.execute("BEGIN IMMEDIATE")         # read the version under the lock: one process migrates
-            try:
+            with conn:                              # then COMMIT, or ROLLBACK when the step fails
                 if conn.execute("PRAGMA user_version").fetchone()[0] < target:
                     step(conn)
                     conn.execute(f"PRAGMA user_version = {target}")
-                conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
-    conn.executescript(_schema_sql())
+    conn.executescript(data_file("schema.sql").read_text())
     if conn.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
         conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
@@ -4558,11 +4537,8 @@ def _connect(path: str) -> sqlite3.Connection:
     # prepared again costs more than most run.
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=5.0, cached_statements=1024)
     conn.row_factory = sqlite3.Row
-    conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute("PRAGMA synchronous=NORMAL")
-    conn.execute("PRAGMA busy_timeout=5000")
-    conn.execute("PRAGMA foreign_keys=ON")
-    conn.execute("PRAGMA temp_store=MEMORY")
+    conn.executescript("PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL; PRAGMA busy_timeout=5000;"
+                       " PRAGMA foreign_keys=ON; PRAGMA temp_store=MEMORY")
     return conn
 
 
@@ -4614,19 +4590,9 @@ class _DbThread(threading.Thread):
         the GIL passed to it and back at every statement, and the loop's wake-up for the results
         (bench/README.md has the figures).
         """
-        try:
-            if not self.tx.begin_at_once():
-                return False
-        except BaseException as exc:
-            failure = self.tx.problem(exc)
-            _settle_all([(fut, None, failure, None) for _, fut, *_ in batch], None)
-            return True
-        began = time.perf_counter()
-        settled = self.tx.run_begun(batch)
-        if self.on_batch is not None:
-            self.on_batch(len(batch), time.perf_counter() - began)
-        if self.checkpointer is not None:
-            self.checkpointer.due.set()
+        settled = self._commit(batch, self.tx.begin_at_once)
+        if settled is None:
+            return False
         _settle_all(settled, self.sink)
         return True
 
@@ -4655,13 +4621,9 @@ class _DbThread(threading.Thread):
                     break
                 batch.extend(nxt)
                 handed += 1
-            began = time.perf_counter()
-            settled = self._run_batch(batch) if self.writer else [self._run_read(*it) for it in batch]
-            if self.on_batch is not None:
-                self.on_batch(len(batch), time.perf_counter() - began)
+            settled = (self._commit(batch, self.tx.begin) if self.writer
+                       else [self._run_read(*it) for it in batch])
             self.loop.call_soon_threadsafe(self._settle, settled, handed)
-            if self.checkpointer is not None:
-                self.checkpointer.due.set()
         self.tx.close()
 
     def _run_read(self, fn: Callable[..., Any], fut: asyncio.Future[Any], fx: None) -> tuple[Any, ...]:
@@ -4671,14 +4633,24 @@ class _DbThread(threading.Thread):
         except BaseException as exc:
             return (fut, None, self.tx.problem(exc), None)
 
-    def _run_batch(self, batch: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-        tx = self.tx
+    def _commit(self, batch: list[tuple[Any, ...]], begin: Callable[[], Any]) -> list[tuple[Any, ...]] | None:
+        """Begin the group commit's transaction, run the batch's changes in it and commit (run_begun):
+        (future, result, problem, effects) of each, every change failed when the transaction could not
+        begin; None, nothing run, when `begin` found the write lock held elsewhere (begin_at_once)."""
+        began = time.perf_counter()
         try:
-            tx.begin()
+            if begin() is False:
+                return None
         except BaseException as exc:
-            failure = tx.problem(exc)
-            return [(fut, None, failure, None) for _, fut, *_ in batch]
-        return self.tx.run_begun(batch)
+            failure = self.tx.problem(exc)
+            settled = [(fut, None, failure, None) for _, fut, *_ in batch]
+        else:
+            settled = self.tx.run_begun(batch)
+        if self.on_batch is not None:
+            self.on_batch(len(batch), time.perf_counter() - began)
+        if self.checkpointer is not None:
+            self.checkpointer.due.set()
+        return settled
 
 
 def _db_problem(exc: BaseException, otherwise: str | None = None) -> BaseException:
@@ -4818,11 +4790,8 @@ class Store:
         self.webhooks: dict[str, tuple[tuple[str, frozenset[str]], ...]] = {}
 
     async def open(self) -> None:
-        init = _connect(self.path)
-        try:
+        with contextlib.closing(_connect(self.path)) as init:
             apply_schema(init)
-        finally:
-            init.close()
         self._checkpointer = _Checkpointer(self.path)
         self._checkpointer.start()
         self._start_threads()
@@ -4850,12 +4819,10 @@ class Store:
         return LocalBus()
 
     def _connect_tx(self, writer: bool) -> "SQLiteTx":
-        conn = _connect(self.path)
+        tx = SQLiteTx(_connect(self.path))
         if writer:                          # the checkpointer copies the WAL; this is only a safety net
-            conn.execute(f"PRAGMA wal_autocheckpoint = {WRITER_AUTOCHECKPOINT_PAGES}")
-            conn.execute(f"PRAGMA journal_size_limit = {WAL_SIZE_LIMIT_BYTES}")
-        tx = SQLiteTx(conn)
-        if writer:
+            tx.conn.execute(f"PRAGMA wal_autocheckpoint = {WRITER_AUTOCHECKPOINT_PAGES}")
+            tx.conn.execute(f"PRAGMA journal_size_limit = {WAL_SIZE_LIMIT_BYTES}")
             tx.webhooks = self.webhooks
         return tx
 
@@ -4884,18 +4851,16 @@ class Store:
         _hand_over): one wake-up of each thread per turn, not one per call.
         Waking a thread costs the loop a system call and, on a busy machine, its core for a while
         (the woken thread is scheduled where the loop runs and asks for the GIL the loop holds)."""
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self._writes.append((change, fut, Effects()))
-        if not self._handing_over:
-            self._handing_over = True
-            loop.call_soon(self._hand_over)
-        return fut
+        return self._ask(self._writes, change, Effects())
 
     def read(self, query: Callable[[sqlite3.Connection], Any]) -> asyncio.Future[Any]:
+        return self._ask(self._reads, query, None)
+
+    def _ask(self, asked: list[Any], fn: Callable[..., Any], fx: Effects | None) -> asyncio.Future[Any]:
+        """`fn` asked of the writer (with its effects) or of the reader: handed over as the turn ends."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._reads.append((query, fut, None))
+        asked.append((fn, fut, fx))
         if not self._handing_over:
             self._handing_over = True
             loop.call_soon(self._hand_over)
@@ -5591,13 +5556,10 @@ class SqlTx:
         where given."""
         sql = _REQUEST_ROW + " WHERE q.playbook = ? AND q.open = 1"
         args: list[Any] = [playbook]
-        for col, val in (("type", type_), ("name", name)):
+        for cond, val in ((" AND q.type = ?", type_), (" AND q.name = ?", name), (" AND q.seq < ?", before)):
             if val is not None:
-                sql += f" AND q.{col} = ?"
+                sql += cond
                 args.append(val)
-        if before is not None:
-            sql += " AND q.seq < ?"
-            args.append(before)
         if to is None:
             return self.conn.execute(sql + " ORDER BY q.seq DESC LIMIT ?", (*args, limit)).fetchall()
         # A party's own requests and those escalated to it: a range of each one's index, merged; with
@@ -5807,12 +5769,10 @@ class SqlTx:
         sql = (_V2_SELECT + f" AND q.playbook IN ({','.join('?' * len(playbooks))})"
                f" AND q.status IN ({','.join('?' * len(statuses))})")
         args: list[Any] = [*playbooks, *statuses]
-        if run_id is not None:
-            sql += " AND q.run_id = ?"
-            args.append(run_id)
-        if before is not None:
-            sql += " AND q.seq < ?"
-            args.append(before)
+        for cond, val in ((" AND q.run_id = ?", run_id), (" AND q.seq < ?", before)):
+            if val is not None:
+                sql += cond
+                args.append(val)
         if party is None:
             return self.conn.execute(sql + " ORDER BY q.seq DESC LIMIT ?", (*args, limit)).fetchall()
         # The people's own requests (by seq), and those they are among a quorum's addressees of (from the
