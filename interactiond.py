@@ -11346,18 +11346,6 @@ def webhook_signature(key: bytes, msg_id: str, timestamp: str, body: bytes) -> s
     return "v1," + base64.b64encode(mac.digest()).decode()
 
 
-def _http_retry_after_ms(value: str | None) -> int | None:
-    """An HTTP answer's Retry-After (seconds, or an HTTP date), in milliseconds."""
-    if not value:
-        return None
-    if value.strip().isdigit():
-        return int(value.strip()) * 1000
-    with contextlib.suppress(Exception):
-        from email.utils import parsedate_to_datetime
-        return max(0, int(parsedate_to_datetime(value).timestamp() * 1000) - WALL.now_ms())
-    return None
-
-
 class Webhooks:
     """The playbooks' webhooks (SPEC section 26): every event a hook takes is queued by the store in
     the event's own transaction (SqlTx.queue_webhooks), one `webhook` timer per delivery; each
@@ -11461,7 +11449,7 @@ class Webhooks:
                     return {"ok": True, "status": resp.status, "error": None}
                 said = " ".join(text.split())[:MAX_WEBHOOK_ERROR_CHARS]
                 return {"status": resp.status, "error": self.scrub(f"HTTP {resp.status}" + (f": {said}" if said else "")),
-                        "retry_after_ms": _http_retry_after_ms(resp.headers.get("retry-after"))}
+                        "retry_after_ms": retry_after_ms(resp)}
         except (asyncio.TimeoutError, TimeoutError):
             return {"status": None, "error": "the receiver did not answer in time"}
         except (aiohttp.ClientError, OSError, ValueError) as exc:
