@@ -10331,30 +10331,24 @@ class Readings:
         oldest = reqs[0]
         # Requests of different functions (or versions) may share a conversation: each reply is
         # read by its own request's reply rule, so every document they need is loaded now.
-        docs = {}
-        for r in reqs:
-            key_ = (r["playbook"], r["type"], r["name"], r["version"])
-            if key_ not in docs:
-                docs[key_] = (await self.definitions.document(*key_))[1]
-        doc = docs[(oldest["playbook"], oldest["type"], oldest["name"], oldest["version"])]
-        replies = doc.replies
+        keys = dict.fromkeys((r["playbook"], r["type"], r["name"], r["version"]) for r in reqs)
+        docs = {key_: (await self.definitions.document(*key_))[1] for key_ in keys}
+        replies = next(iter(docs.values())).replies        # the oldest request's
         event: dict[str, Any] = {"server": reading["server"], "tool": reading["tool"],
                                  "conversation": reading["conversation"]}
-        failure: dict[str, Any] | None = None
+        failure: dict[str, Any] | None
         messages: list[Any] = []
         try:
             args = thread_args(replies.with_, oldest, "the reading arguments",
                                conversation=reading["conversation"], since=reading["since"])
+            result = await self.tools.call(playbook, oldest["run_id"], reading["server"], reading["tool"], args)
         except RenderError as exc:
             failure = {"because": "unworkable", "message": str(exc)}
+        except ToolFailure as exc:
+            failure = {"because": exc.because, "message": self.tools.scrub(exc.message),
+                       "retry_after_ms": exc.retry_after_ms}
         else:
-            try:
-                result = await self.tools.call(playbook, oldest["run_id"], reading["server"], reading["tool"], args)
-            except ToolFailure as exc:
-                failure = {"because": exc.because, "message": self.tools.scrub(exc.message),
-                           "retry_after_ms": exc.retry_after_ms}
-            else:
-                failure, messages = _read_messages(result, replies.read)
+            failure, messages = _read_messages(result, replies.read)
         done = self.clock.now_ms()
         tellings: list[tuple[Row, str]] = []
 
