@@ -10505,13 +10505,10 @@ class Readings:
 
 def _approval_shown(text: str) -> dict[str, Any]:
     """The gate of an approval request as listings show it: the call proposed, and what may change;
-    for a quorum, whom it asks, how many approvals it takes, and the votes so far."""
+    for a quorum, whom it asks, how many approvals it takes, and the votes so far (an approval `ask`
+    has no call: a coding agent's call shows its arguments as they stand)."""
     gate = json.loads(text)
-    if "server" not in gate:                    # an approval `ask` of several people: no call, its votes
-        return {**gate["quorum"], "votes": _votes_shown(gate),      # a coding agent's call: its arguments as they stand
-                **({"arguments": gate["arguments"]} if "arguments" in gate else {})}
-    shown = {"server": gate["server"], "tool": gate["tool"], "read_only": gate["read_only"],
-             "arguments": gate["arguments"], "edit": gate["edit"]}
+    shown = {k: gate[k] for k in ("server", "tool", "read_only", "arguments", "edit") if k in gate}
     if "quorum" in gate:
         shown.update(gate["quorum"], votes=_votes_shown(gate))
     return shown
@@ -10687,8 +10684,7 @@ class Approvals:
         to = approve.get("to")
         if to is None and needs_to:
             errors.append({"pointer": "/approve/to", "message": "required: the person who approves the call"})
-        elif to is not None and (not isinstance(to, str) or not to.strip() or has_control_char(to)
-                                 or len(to.encode()) > MAX_PARTY_BYTES):
+        elif to is not None and not _is_party(to):
             errors.append({"pointer": "/approve/to", "message": f"a name of at most {MAX_PARTY_BYTES} bytes"})
         expires = timedelta(days=1)
         try:
