@@ -10643,18 +10643,14 @@ class Approvals:
         """The reminders of an approval (SPEC section 19; for a quorum, of those who have not voted): the
         operator's gate's `remind`, else the function's `approve.remind`, its message rendered as the
         approval's; None without one. Raises RenderError, or the problem of an ending."""
-        if policy is not None:
+        if policy is not None:                      # its message was checked with the configuration
             after, text = policy.remind, policy.remind_message or DEFAULT_REMINDER
         elif gate is not None and gate.remind is not None:
             after = gate.remind.after
-            text = gate.remind.message.render_text(ctx) if gate.remind.message is not None else DEFAULT_REMINDER
+            text = Reminders.text(gate.remind.message, ctx, DEFAULT_REMINDER, "approve.remind.message")
         else:
             return None
-        if not after:
-            return None
-        if len(text.encode()) > MAX_MESSAGE_BYTES:
-            raise ended("unworkable", f"approve.remind.message is longer than {MAX_MESSAGE_BYTES // KIB} KiB")
-        return {"remind": {"at": [now + int(span.total_seconds() * 1000) for span in after], "message": text}}
+        return {"remind": {"at": [now + _ms(span) for span in after], "message": text}} if after else None
 
     @staticmethod
     def _policy_quorum(policy: ApprovalPolicy | None) -> dict[str, Any] | None:
@@ -11016,11 +11012,10 @@ def _follow_up_party(value: Any, what: str) -> str:
     """A rendered escalation party, as `to` is checked; a bound broken is an `unworkable` conflict."""
     if not isinstance(value, str):
         raise ended("unworkable", f"{what} rendered as {type(value).__name__}, not text")
-    value = value.strip()
-    if not value or has_control_char(value) or len(value.encode()) > MAX_PARTY_BYTES:
+    if not _is_party(value.strip()):
         raise ended("unworkable", f"{what} is not a party: it renders empty, holds a"
                              f" control character, or is longer than {MAX_PARTY_BYTES} bytes")
-    return value
+    return value.strip()
 
 
 class Reminders:
@@ -11073,12 +11068,12 @@ class Reminders:
         try:
             if doc.remind is not None:
                 plan["remind"] = {"at": [now + _ms(s) for s in doc.remind.after],
-                                  "message": self._text(doc.remind.message, ctx, DEFAULT_REMINDER, "remind.message")}
+                                  "message": self.text(doc.remind.message, ctx, DEFAULT_REMINDER, "remind.message")}
             if doc.escalate is not None:
                 plan["escalate"] = {"at": now + _ms(doc.escalate.after),
                                     "to": _follow_up_party(doc.escalate.to.render(ctx), "escalate.to"),
-                                    "message": self._text(doc.escalate.message, ctx, DEFAULT_ESCALATION,
-                                                          "escalate.message")}
+                                    "message": self.text(doc.escalate.message, ctx, DEFAULT_ESCALATION,
+                                                         "escalate.message")}
         except RenderError as exc:
             raise render_ending(exc) from None
         if doc.on_expiry is not None:
@@ -11086,7 +11081,7 @@ class Reminders:
         return plan or None
 
     @staticmethod
-    def _text(template: Template | None, ctx: dict[str, Any], default: str, what: str) -> str:
+    def text(template: Template | None, ctx: dict[str, Any], default: str, what: str) -> str:
         text = template.render_text(ctx) if template is not None else default
         if len(text.encode()) > MAX_MESSAGE_BYTES:
             raise ended("unworkable", f"{what} is longer than {MAX_MESSAGE_BYTES // KIB} KiB")
