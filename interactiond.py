@@ -10203,30 +10203,24 @@ class Readings:
         oldest = reqs[0]
         # Requests of different functions (or versions) may share a conversation: each reply is
         # read by its own request's reply rule, so every document they need is loaded now.
-        docs = {}
-        for r in reqs:
-            key_ = (r["playbook"], r["type"], r["name"], r["version"])
-            if key_ not in docs:
-                docs[key_] = (await self.definitions.document(*key_))[1]
-        doc = docs[(oldest["playbook"], oldest["type"], oldest["name"], oldest["version"])]
-        replies = doc.replies
+        keys = dict.fromkeys((r["playbook"], r["type"], r["name"], r["version"]) for r in reqs)
+        docs = {key_: (await self.definitions.document(*key_))[1] for key_ in keys}
+        replies = next(iter(docs.values())).replies        # the oldest request's
         event: dict[str, Any] = {"server": reading["server"], "tool": reading["tool"],
                                  "conversation": reading["conversation"]}
-        failure: dict[str, Any] | None = None
+        failure: dict[str, Any] | None
         messages: list[Any] = []
         try:
             args = thread_args(replies.with_, oldest, "the reading arguments",
                                conversation=reading["conversation"], since=reading["since"])
+            result = await self.tools.call(playbook, oldest["run_id"], reading["server"], reading["tool"], args)
         except RenderError as exc:
             failure = {"because": "unworkable", "message": str(exc)}
+        except ToolFailure as exc:
+            failure = {"because": exc.because, "message": self.tools.scrub(exc.message),
+                       "retry_after_ms": exc.retry_after_ms}
         else:
-            try:
-                result = await self.tools.call(playbook, oldest["run_id"], reading["server"], reading["tool"], args)
-            except ToolFailure as exc:
-                failure = {"because": exc.because, "message": self.tools.scrub(exc.message),
-                           "retry_after_ms": exc.retry_after_ms}
-            else:
-                failure, messages = _read_messages(result, replies.read)
+            failure, messages = _read_messages(result, replies.read)
         done = self.clock.now_ms()
         tellings: list[tuple[Row, str]] = []
 
@@ -10383,13 +10377,10 @@ class Readings:
 
 def _approval_shown(text: str) -> dict[str, Any]:
     """The gate of an approval request as listings show it: the call proposed, and what may change;
-    for a quorum, whom it asks, how many approvals it takes, and the votes so far."""
+    for a quorum, whom it asks, how many approvals it takes, and the votes so far (an approval `ask`
+    has no call: a coding agent's call shows its arguments as they stand)."""
     gate = json.loads(text)
-    if "server" not in gate:                    # an approval `ask` of several people: no call, its votes
-        return {**gate["quorum"], "votes": _votes_shown(gate),      # a coding agent's call: its arguments as they stand
-                **({"arguments": gate["arguments"]} if "arguments" in gate else {})}
-    shown = {"server": gate["server"], "tool": gate["tool"], "read_only": gate["read_only"],
-             "arguments": gate["arguments"], "edit": gate["edit"]}
+    shown = {k: gate[k] for k in ("server", "tool", "read_only", "arguments", "edit") if k in gate}
     if "quorum" in gate:
         shown.update(gate["quorum"], votes=_votes_shown(gate))
     return shown
@@ -10524,18 +10515,14 @@ class Approvals:
         """The reminders of an approval (SPEC section 19; for a quorum, of those who have not voted): the
         operator's gate's `remind`, else the function's `approve.remind`, its message rendered as the
         approval's; None without one. Raises RenderError, or the problem of an ending."""
-        if policy is not None:
+        if policy is not None:                      # its message was checked with the configuration
             after, text = policy.remind, policy.remind_message or DEFAULT_REMINDER
         elif gate is not None and gate.remind is not None:
             after = gate.remind.after
-            text = gate.remind.message.render_text(ctx) if gate.remind.message is not None else DEFAULT_REMINDER
+            text = Reminders.text(gate.remind.message, ctx, DEFAULT_REMINDER, "approve.remind.message")
         else:
             return None
-        if not after:
-            return None
-        if len(text.encode()) > MAX_MESSAGE_BYTES:
-            raise ended("unworkable", f"approve.remind.message is longer than {MAX_MESSAGE_BYTES // KIB} KiB")
-        return {"remind": {"at": [now + int(span.total_seconds() * 1000) for span in after], "message": text}}
+        return {"remind": {"at": [now + _ms(span) for span in after], "message": text}} if after else None
 
     @staticmethod
     def _policy_quorum(policy: ApprovalPolicy | None) -> dict[str, Any] | None:
@@ -10565,8 +10552,7 @@ class Approvals:
         to = approve.get("to")
         if to is None and needs_to:
             errors.append({"pointer": "/approve/to", "message": "required: the person who approves the call"})
-        elif to is not None and (not isinstance(to, str) or not to.strip() or has_control_char(to)
-                                 or len(to.encode()) > MAX_PARTY_BYTES):
+        elif to is not None and not _is_party(to):
             errors.append({"pointer": "/approve/to", "message": f"a name of at most {MAX_PARTY_BYTES} bytes"})
         expires = timedelta(days=1)
         try:
@@ -10898,11 +10884,10 @@ def _follow_up_party(value: Any, what: str) -> str:
     """A rendered escalation party, as `to` is checked; a bound broken is an `unworkable` conflict."""
     if not isinstance(value, str):
         raise ended("unworkable", f"{what} rendered as {type(value).__name__}, not text")
-    value = value.strip()
-    if not value or has_control_char(value) or len(value.encode()) > MAX_PARTY_BYTES:
+    if not _is_party(value.strip()):
         raise ended("unworkable", f"{what} is not a party: it renders empty, holds a"
                              f" control character, or is longer than {MAX_PARTY_BYTES} bytes")
-    return value
+    return value.strip()
 
 
 class Reminders:
@@ -10955,12 +10940,12 @@ class Reminders:
         try:
             if doc.remind is not None:
                 plan["remind"] = {"at": [now + _ms(s) for s in doc.remind.after],
-                                  "message": self._text(doc.remind.message, ctx, DEFAULT_REMINDER, "remind.message")}
+                                  "message": self.text(doc.remind.message, ctx, DEFAULT_REMINDER, "remind.message")}
             if doc.escalate is not None:
                 plan["escalate"] = {"at": now + _ms(doc.escalate.after),
                                     "to": _follow_up_party(doc.escalate.to.render(ctx), "escalate.to"),
-                                    "message": self._text(doc.escalate.message, ctx, DEFAULT_ESCALATION,
-                                                          "escalate.message")}
+                                    "message": self.text(doc.escalate.message, ctx, DEFAULT_ESCALATION,
+                                                         "escalate.message")}
         except RenderError as exc:
             raise render_ending(exc) from None
         if doc.on_expiry is not None:
@@ -10968,7 +10953,7 @@ class Reminders:
         return plan or None
 
     @staticmethod
-    def _text(template: Template | None, ctx: dict[str, Any], default: str, what: str) -> str:
+    def text(template: Template | None, ctx: dict[str, Any], default: str, what: str) -> str:
         text = template.render_text(ctx) if template is not None else default
         if len(text.encode()) > MAX_MESSAGE_BYTES:
             raise ended("unworkable", f"{what} is longer than {MAX_MESSAGE_BYTES // KIB} KiB")
@@ -11218,18 +11203,6 @@ def webhook_signature(key: bytes, msg_id: str, timestamp: str, body: bytes) -> s
     return "v1," + base64.b64encode(mac.digest()).decode()
 
 
-def _http_retry_after_ms(value: str | None) -> int | None:
-    """An HTTP answer's Retry-After (seconds, or an HTTP date), in milliseconds."""
-    if not value:
-        return None
-    if value.strip().isdigit():
-        return int(value.strip()) * 1000
-    with contextlib.suppress(Exception):
-        from email.utils import parsedate_to_datetime
-        return max(0, int(parsedate_to_datetime(value).timestamp() * 1000) - WALL.now_ms())
-    return None
-
-
 class Webhooks:
     """The playbooks' webhooks (SPEC section 26): every event a hook takes is queued by the store in
     the event's own transaction (SqlTx.queue_webhooks), one `webhook` timer per delivery; each
@@ -11333,7 +11306,7 @@ class Webhooks:
                     return {"ok": True, "status": resp.status, "error": None}
                 said = " ".join(text.split())[:MAX_WEBHOOK_ERROR_CHARS]
                 return {"status": resp.status, "error": self.scrub(f"HTTP {resp.status}" + (f": {said}" if said else "")),
-                        "retry_after_ms": _http_retry_after_ms(resp.headers.get("retry-after"))}
+                        "retry_after_ms": retry_after_ms(resp)}
         except (asyncio.TimeoutError, TimeoutError):
             return {"status": None, "error": "the receiver did not answer in time"}
         except (aiohttp.ClientError, OSError, ValueError) as exc:
