@@ -7336,7 +7336,8 @@ def leaf_errors(exc: BaseException) -> list[BaseException]:
 
 
 def retry_after_ms(response: Any) -> int | None:
-    """A 429/503 answer's Retry-After (seconds or an HTTP date), in milliseconds; None without one."""
+    """An HTTP answer's Retry-After (a tool server's 429/503, a webhook endpoint's), seconds or an HTTP
+    date, in milliseconds; None without one."""
     value = (response.headers.get("retry-after") or "").strip() if response is not None else ""
     if re.fullmatch(r"\d+(\.\d+)?", value):
         return int(float(value) * 1000)
