@@ -18241,11 +18241,8 @@ def _cell(value: Any, width: int = 48) -> str:
 def render_table(header: list[str], rows: list[list[str]]) -> str:
     """Columns padded to their widest cell, the last one left as it is."""
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
-    lines = []
-    for cells in [header, *rows]:
-        lines.append("  ".join(c.ljust(w) for c, w in zip(cells[:-1], widths)) + ("  " if len(cells) > 1 else "")
-                     + cells[-1])
-    return "\n".join(line.rstrip() for line in lines)
+    return "\n".join("  ".join([*(c.ljust(w) for c, w in zip(cells[:-1], widths)), cells[-1]]).rstrip()
+                     for cells in [header, *rows])
 
 
 def _print_list(args: Any, out: dict[str, Any], header: list[str], row: Callable[[dict[str, Any]], list[str]],
@@ -18315,8 +18312,7 @@ def _wait_for_run(d: DaemonAddress, base: str, run_id: str, timeout: float | Non
                 left = MAX_HTTP_WAIT_S if timeout is None else max(0.0, timeout - (time.monotonic() - began))
                 status, body, _ = call_daemon(d, "POST", path, query={"timeout": f"{min(left, MAX_HTTP_WAIT_S):.3f}"})
                 if not _is_run(body):
-                    done["problem"] = (status, body)
-                    return
+                    raise CliError(problem_line(status, body))
                 if body["status"] not in (RunStatus.STARTED, RunStatus.WAITING) or (timeout is not None and left <= 0):
                     done["run"] = body
                     return
@@ -18340,8 +18336,6 @@ def _wait_for_run(d: DaemonAddress, base: str, run_id: str, timeout: float | Non
             print("\r\x1b[K", end="", file=sys.stderr, flush=True)
     if "error" in done:
         raise done["error"]
-    if "problem" in done:
-        raise CliError(problem_line(*done["problem"]))
     run = done["run"]
     _print_json(run)
     if (said := _answered_line(d, base, run)) is not None:
