@@ -4076,9 +4076,8 @@ def _read_playbook(pb: Any, p: Any, raw_servers: dict[Any, Any], problems: list[
     if not isinstance(names, list):
         problems.append(f"{where}.servers: a list of server names")
         names = []
-    for i, n in enumerate(names):
-        if n not in raw_servers:
-            problems.append(f"{where}.servers[{i}]: {n!r} is not a server of this configuration")
+    problems += [f"{where}.servers[{i}]: {n!r} is not a server of this configuration"
+                 for i, n in enumerate(names) if n not in raw_servers]
     return tuple(n for n in names if isinstance(n, str))
 
 
@@ -4101,8 +4100,6 @@ def _env_secret(where: str, name: Any, environ: Mapping[str, str], problems: lis
 def _read_webhooks(pb: str, hooks: Any, environ: Mapping[str, str], problems: list[str]) -> tuple[WebhookConfig, ...]:
     """`playbooks.PB.webhooks: [{url, events: [...], secret_env: NAME}]`."""
     where = f"playbooks.{pb}.webhooks"
-    if hooks is None:
-        return ()
     if not isinstance(hooks, list) or len(hooks) > MAX_WEBHOOKS:
         problems.append(f"{where}: a list of at most {MAX_WEBHOOKS} webhooks, each {{url, events, secret_env}}")
         return ()
@@ -4121,9 +4118,8 @@ def _read_webhooks(pb: str, hooks: Any, environ: Mapping[str, str], problems: li
         if not isinstance(events, list) or not events or not all(isinstance(e, str) for e in events):
             problems.append(f"{at}.events: a list of events ({', '.join(WEBHOOK_EVENTS)}) or [\"*\"]")
             events = []
-        for e in events:
-            if e != "*" and e not in WEBHOOK_EVENTS:
-                problems.append(f"{at}.events: {e!r} is not an event (known: {', '.join(WEBHOOK_EVENTS)}, or *)")
+        problems += [f"{at}.events: {e!r} is not an event (known: {', '.join(WEBHOOK_EVENTS)}, or *)"
+                     for e in events if e != "*" and e not in WEBHOOK_EVENTS]
         secret = _env_secret(f"{at}.secret_env", h.get("secret_env"), environ, problems)
         if secret is not None and secret.startswith("whsec_"):
             try:
@@ -4155,9 +4151,8 @@ def _read_email(raw: Any, environ: Mapping[str, str], problems: list[str]) -> Em
     if not isinstance(host, str) or not host or has_control_char(host):
         problems.append("email.smtp.host: the SMTP server's host name or address")
     starttls, tls = smtp.get("starttls", False), smtp.get("tls", False)
-    for key, value in (("starttls", starttls), ("tls", tls)):
-        if not isinstance(value, bool):
-            problems.append(f"email.smtp.{key}: true or false")
+    problems += [f"email.smtp.{k}: true or false" for k in ("starttls", "tls")
+                 if not isinstance(smtp.get(k, False), bool)]
     if starttls is True and tls is True:
         problems.append("email.smtp: starttls (upgrade a plain connection) or tls (TLS from the start), not both")
     port = smtp.get("port", 465 if tls is True else 587 if starttls is True else 25)
