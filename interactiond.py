@@ -17068,6 +17068,12 @@ def answer_form(schema: Any, named: Mapping[Any, str] | None = None) -> dict[str
     return {"mode": "json" if root["kind"] == "json" else "fields", "fields": [root]}
 
 
+def _posted_fields(form: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """A form's fields with the names its page posts them under: `f0`..., then the choice's, `choice`."""
+    posted = [(f"f{i}", fd) for i, fd in enumerate(form["fields"])]
+    return posted + [("choice", form["choice"])] if form["mode"] == "choice" else posted
+
+
 @functools.cache
 def _markdown() -> Any:
     from markdown_it import MarkdownIt      # on first use: only the inbox page renders Markdown
@@ -17179,9 +17185,8 @@ def reworded(exc: Problem, schema_text: str | None, answer: Any, named: Mapping[
     if exc.name != "invalid_input" or not exc.errors or schema_text is None:
         return exc
     schema = json.loads(schema_text)
-    form = answer_form(schema, named)
-    fields = form["fields"] + ([form["choice"]] if form["mode"] == "choice" else [])
-    words = answer_error_words(schema, answer, {f["pointer"]: f["label"] for f in fields})
+    labels = {f["pointer"]: f["label"] for _, f in _posted_fields(answer_form(schema, named))}
+    words = answer_error_words(schema, answer, labels)
     if words:
         exc.errors = words
     return exc
@@ -17422,8 +17427,7 @@ def _place_errors(fields: list[dict[str, Any]], errors: list[dict[str, Any]]) ->
 
 def _link_form_html(form: dict[str, Any], form_token: str, sent: Mapping[str, list[str]],
                     errors: list[dict[str, Any]], digest: str | None = None) -> str:
-    fields = form["fields"] + ([form["choice"]] if form["mode"] == "choice" else [])
-    at, rest = _place_errors(fields, errors)
+    at, rest = _place_errors([fd for _, fd in _posted_fields(form)], errors)
     parts = [f'<form class="answer" method="post" action="" novalidate>'
              f'<input type="hidden" name="form" value="{_esc(form_token)}">'
              + (f'<input type="hidden" name="digest" value="{_esc(digest)}">' if digest else "")]
@@ -17468,8 +17472,8 @@ def form_answer(form: dict[str, Any], sent: Mapping[str, list[str]]) -> tuple[An
             return fd["values"][int(raw)]
         except (ValueError, IndexError, TypeError):
             return None
-    for i, fd in enumerate(form["fields"]):
-        values = sent.get(f"f{i}") or []
+    for key, fd in _posted_fields(form):
+        values = sent.get(key) or []
         kind = fd["kind"]
         if kind == "checkboxes":
             picked = [v for v in (pick(fd, r) for r in values) if v is not None]
@@ -17493,6 +17497,8 @@ def form_answer(form: dict[str, Any], sent: Mapping[str, list[str]]) -> tuple[An
         elif kind == "choice":
             if raw != "" and (value := pick(fd, raw)) is not None:
                 put(fd, [value] if fd.get("array") else value)
+            elif key == "choice":
+                bad.append({"pointer": "/answer" + fd["pointer"], "message": "Pick one of the buttons"})
         elif raw.strip():
             try:
                 put(fd, read_json(raw))
@@ -17500,12 +17506,6 @@ def form_answer(form: dict[str, Any], sent: Mapping[str, list[str]]) -> tuple[An
                 bad.append({"pointer": "/answer" + fd["pointer"], "message": f"{fd['label']} is not JSON: {exc}"})
         elif fd["pointer"] == "":
             bad.append({"pointer": "/answer", "message": "Write the answer as JSON"})
-    if form["mode"] == "choice":
-        value = pick(form["choice"], (sent.get("choice") or [""])[0])
-        if value is None:
-            bad.append({"pointer": "/answer" + form["choice"]["pointer"], "message": "Pick one of the buttons"})
-        else:
-            put(form["choice"], value)
     return (root[0] if root else answer), bad
 
 
@@ -17579,18 +17579,12 @@ def _when_words(ms: int | None) -> str:
 def chosen_in_query(form: dict[str, Any], query: Mapping[str, str]) -> dict[str, list[str]]:
     """What a link's query chooses (an email's link per choice, `?verdict=approve`), as the form's
     values: the choice's button (`choice`) or a field's option (`fN`). Nothing is sent by it."""
-    sent: dict[str, list[str]] = {}
-
     def index(fd: dict[str, Any]) -> str | None:
         said = query.get(fd["name"])
         return next((str(i) for i, v in enumerate(fd.get("values") or ())
                      if said == (("true" if v else "false") if isinstance(v, bool) else str(v))), None)
-    if form["mode"] == "choice" and (i := index(form["choice"])) is not None:
-        sent["choice"] = [i]
-    for n, fd in enumerate(form["fields"]):
-        if fd["kind"] in ("choice", "checkboxes") and (i := index(fd)) is not None:
-            sent[f"f{n}"] = [i]
-    return sent
+    return {key: [i] for key, fd in _posted_fields(form)
+            if fd["kind"] in ("choice", "checkboxes") and (i := index(fd)) is not None}
 
 
 async def h_answer_link(request: web.Request) -> web.Response:
