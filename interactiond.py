@@ -19079,13 +19079,9 @@ def build_parser(argv: list[str] | None = None) -> Any:
 
         def error(self, message: str) -> Any:
             import difflib
-            words: list[str] = []
-            for action in self._actions:
-                words += [o for o in action.option_strings if o.startswith("--")]
-                if isinstance(action, argparse._SubParsersAction):
-                    words += list(action.choices)
-                elif action.choices and not action.option_strings:
-                    words += [str(c) for c in action.choices]
+            words = [str(w) for a in self._actions      # long options, else the choices (a command's names)
+                     for w in ([o for o in a.option_strings if o.startswith("--")] if a.option_strings
+                               else a.choices or ())]
             hint = ""
             stray = [a for a in getattr(self, "argv", ()) if a.startswith("-") and a.split("=", 1)[0] not in
                      {o for action in self._actions for o in action.option_strings}]
