@@ -17457,15 +17457,8 @@ def form_answer(form: dict[str, Any], sent: Mapping[str, list[str]]) -> tuple[An
     """The answer an answer link's form posted (`sent`: each field's values by its name, `f0`...,
     and the button pressed, `choice`), and what could not be read (not a number, not JSON), as
     errors at the fields' pointers."""
-    answer: dict[str, Any] = {}
-    root: list[Any] = []
+    answer: dict[str, Any] = {}             # each field's value by its name
     bad: list[dict[str, str]] = []
-
-    def put(fd: dict[str, Any], value: Any) -> None:
-        if fd["pointer"] == "":
-            root.append(value)
-        else:
-            answer[fd["name"]] = value
 
     def pick(fd: dict[str, Any], raw: Any) -> Any:
         try:
@@ -17478,35 +17471,36 @@ def form_answer(form: dict[str, Any], sent: Mapping[str, list[str]]) -> tuple[An
         if kind == "checkboxes":
             picked = [v for v in (pick(fd, r) for r in values) if v is not None]
             if picked or fd["required"]:
-                put(fd, picked)
+                answer[fd["name"]] = picked
             continue
         raw = values[0] if values else ""
         if kind == "text":
             if raw != "" or fd["pointer"] == "":
-                put(fd, raw)
+                answer[fd["name"]] = raw
         elif kind == "number":
             if raw.strip():
                 try:
                     number = float(raw) if not re.fullmatch(r"\s*-?\d+\s*", raw) else int(raw)
                     if not math.isfinite(number):
                         raise ValueError(raw)
-                    put(fd, int(number) if fd.get("integer") and isinstance(number, float) and number.is_integer()
-                        else number)
+                    answer[fd["name"]] = (int(number) if fd.get("integer") and isinstance(number, float)
+                                          and number.is_integer() else number)
                 except ValueError:
                     bad.append({"pointer": "/answer" + fd["pointer"], "message": f"{fd['label']} must be a number"})
         elif kind == "choice":
             if raw != "" and (value := pick(fd, raw)) is not None:
-                put(fd, [value] if fd.get("array") else value)
+                answer[fd["name"]] = [value] if fd.get("array") else value
             elif key == "choice":
                 bad.append({"pointer": "/answer" + fd["pointer"], "message": "Pick one of the buttons"})
         elif raw.strip():
             try:
-                put(fd, read_json(raw))
+                answer[fd["name"]] = read_json(raw)
             except ValueError as exc:
                 bad.append({"pointer": "/answer" + fd["pointer"], "message": f"{fd['label']} is not JSON: {exc}"})
         elif fd["pointer"] == "":
             bad.append({"pointer": "/answer", "message": "Write the answer as JSON"})
-    return (root[0] if root else answer), bad
+    whole = [fd["name"] for _, fd in _posted_fields(form) if fd["pointer"] == ""]     # a form of one value
+    return (answer.get(whole[0], answer) if whole else answer), bad
 
 
 async def _link_page(engine: Engine, token: str, row: Row, *, sent: Mapping[str, Any] | None = None,
