@@ -11857,10 +11857,7 @@ def _error_name(type_: Any) -> str:
 
 def _wf_error(name: str, detail: str, *, instance: str, status: int | None = None, kind: str | None = None,
               **extra: Any) -> dict[str, Any]:
-    body = Problem(name, detail, status=status, kind=kind).body()
-    body["instance"] = instance
-    body.update(extra)
-    return body
+    return {**Problem(name, detail, status=status, kind=kind).body(), "instance": instance, **extra}
 
 
 def _time_object(ms: int) -> dict[str, Any]:
@@ -12674,8 +12671,8 @@ class _Walk:
         status = _WORKFLOW_ENDINGS.get(error.get("status"), RunStatus.FAILED)
         name = _error_name(error.get("type", "failed"))
         problem = Problem(name, str(error.get("detail", "")), status=error.get("status"), kind=error.get("kind"),
-                          title=error.get("title"))
-        problem.extra = {k: v for k, v in error.items() if k not in ("title", "status", "detail", "kind")}
+                          title=error.get("title"),
+                          extra={k: v for k, v in error.items() if k not in ("title", "status", "detail", "kind")})
         self.ending = (status, error.get("kind"), None, problem)
 
     async def _fault(self, task: WfTask, error: dict[str, Any]) -> None:
@@ -12805,11 +12802,8 @@ class Workflows:
         held = False
         try:
             while held := await self.engine.store.claim(lease):
-                while True:
-                    if await self._step(playbook, run_id):
-                        continue
-                    if not self._busy[key]:
-                        break
+                # A step reads the run afresh: one asked for meanwhile is one more step at most.
+                while await self._step(playbook, run_id) or self._busy[key]:
                     self._busy[key] = False
                 held = False
                 if not await self.engine.store.release(lease):
