@@ -472,20 +472,14 @@ class Problem(Exception):
         super().__init__(detail)
 
     def body(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
+        return {
             "type": PROBLEM_BASE + self.name,
             "title": self.title,
             "status": self.status,
             "detail": self.detail,
+            **{k: v for k, v in (("kind", self.kind), ("code", self.code), ("errors", self.errors)) if v is not None},
+            **self.extra,
         }
-        if self.kind is not None:
-            out["kind"] = self.kind
-        if self.code is not None:
-            out["code"] = self.code
-        if self.errors is not None:
-            out["errors"] = self.errors
-        out.update(self.extra)
-        return out
 
     @classmethod
     def from_body(cls, body: dict[str, Any]) -> "Problem":
@@ -802,11 +796,9 @@ def pointer_parse(pointer: str) -> list[str]:
         return []
     if not pointer.startswith("/"):
         raise ValueError(f"JSON Pointer {pointer!r} must start with a slash, such as /messages")
-    parts = pointer[1:].split("/")
-    for part in parts:
-        if re.search(r"~(?![01])", part):
-            raise ValueError(f"JSON Pointer {pointer!r} writes '~' as '~0' and '/' within a name as '~1'")
-    return [p.replace("~1", "/").replace("~0", "~") for p in parts]
+    if re.search(r"~(?![01])", pointer):
+        raise ValueError(f"JSON Pointer {pointer!r} writes '~' as '~0' and '/' within a name as '~1'")
+    return [p.replace("~1", "/").replace("~0", "~") for p in pointer[1:].split("/")]
 
 
 def pointer_join(parts: Iterable[Any]) -> str:
@@ -1134,16 +1126,10 @@ def json_patch(before: Any, after: Any, at: tuple[Any, ...] = ()) -> list[dict[s
     if _same_json(before, after):
         return []
     if isinstance(before, dict) and isinstance(after, dict):
-        ops: list[dict[str, Any]] = []
-        for k in before:
-            if k not in after:
-                ops.append({"op": "remove", "path": pointer_join(at + (k,))})
-        for k, v in after.items():
-            if k not in before:
-                ops.append({"op": "add", "path": pointer_join(at + (k,)), "value": v})
-            else:
-                ops += json_patch(before[k], v, at + (k,))
-        return ops
+        removed = [{"op": "remove", "path": pointer_join(at + (k,))} for k in before if k not in after]
+        return removed + [op for k, v in after.items()
+                          for op in (json_patch(before[k], v, at + (k,)) if k in before
+                                     else [{"op": "add", "path": pointer_join(at + (k,)), "value": v}])]
     if isinstance(before, list) and isinstance(after, list) and len(before) == len(after):
         return [op for i, (x, y) in enumerate(zip(before, after)) for op in json_patch(x, y, at + (i,))]
     return [{"op": "replace", "path": pointer_join(at), "value": after}]
@@ -1270,9 +1256,8 @@ def decode_cursor(cursor: str) -> list[Any]:
     try:
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
         values = json.loads(raw)
-        if not isinstance(values, list) or not values:
-            raise ValueError
-        if not all(type(v) is int and 0 <= v <= MAX_SQL_INT for v in values):
+        if not (isinstance(values, list) and values
+                and all(type(v) is int and 0 <= v <= MAX_SQL_INT for v in values)):
             raise ValueError
         return values
     except Exception:
