@@ -1526,15 +1526,11 @@ def _liquid() -> _Liquid:
 
     class _OutputNode(OutputNode):
         __slots__ = ()
-
-        def render_to_output(self, context: RenderContext, buffer: Any) -> int:
-            return _write_text(self, context, buffer)
+        render_to_output = _write_text
 
     class _EchoNode(EchoNode):
         __slots__ = ()
-
-        def render_to_output(self, context: RenderContext, buffer: Any) -> int:
-            return _write_text(self, context, buffer)
+        render_to_output = _write_text
 
     class _Output(Output):
         node_class = _OutputNode
@@ -1849,9 +1845,8 @@ class Place:
 
     def allows(self, segments: list[Any]) -> bool:
         root = str(segments[0])
-        if root in self.reads:
-            return True
-        return len(segments) > 1 and isinstance(segments[1], str) and f"{root}.{segments[1]}" in self.reads
+        return root in self.reads or (len(segments) > 1 and isinstance(segments[1], str)
+                                      and f"{root}.{segments[1]}" in self.reads)
 
     def offered(self) -> str:
         return ", ".join(sorted(self.reads))
@@ -12844,11 +12839,8 @@ class Workflows:
             new_state = run["state"]
         status = RunStatus.WAITING if walk.waiting() else RunStatus.STARTED
         due = walk.due()
-        if (not walk.events and walk.ending is None and not walk.cancel and new_state == run["state"]
-                and status.value == run["status"] and due == timer_due):
-            if walk.start_child is None:
-                return False
-        else:
+        if (walk.events or walk.ending is not None or walk.cancel or new_state != run["state"]
+                or status.value != run["status"] or due != timer_due):
             live_child = child["run_id"] if child is not None and not RunStatus(child["status"]).ended else None
 
             def change(tx: Tx, fx: Effects) -> bool:
