@@ -11804,14 +11804,9 @@ class JqRunner:
         return reply["ok"]
 
     async def fill(self, tree: Any, dot: Any, scope: Mapping[str, Any]) -> Any:
-        """A value with every expression in it evaluated."""
-        if isinstance(tree, Expr):
-            return await self.eval(tree, dot, scope)
-        if isinstance(tree, dict):
-            return {k: await self.fill(v, dot, scope) for k, v in tree.items()}
-        if isinstance(tree, list):
-            return [await self.fill(v, dot, scope) for v in tree]
-        return tree
+        """A value with every expression in it evaluated, in the order they are written."""
+        values = {path: await self.eval(e, dot, scope) for e, path in json_nodes(tree) if isinstance(e, Expr)}
+        return map_leaves(tree, lambda path, v: values[path] if isinstance(v, Expr) else v)
 
     async def close(self) -> None:
         procs, self._idle = [*self._idle, *self._busy], []
@@ -12747,11 +12742,8 @@ class Workflows:
         """The run row, with its timer due now: the first transition follows on the timer task."""
         now = self.engine.clock.now_ms()
         ending: Problem | None = None
-        if doc.input_validator is not None:
-            errors = schema_errors(doc.input_validator, input_, "/input")
-            if errors:
-                ending = ended("invalid_input", "the input does not match the workflow's"
-                                        " input schema", errors=errors)
+        if doc.input_validator is not None and (errors := schema_errors(doc.input_validator, input_, "/input")):
+            ending = ended("invalid_input", "the input does not match the workflow's input schema", errors=errors)
         state = dumps({"stack": [], "context": {}, "tasks": 0})
 
         def change(tx: Tx, fx: Effects) -> tuple[dict[str, Any], bool]:
