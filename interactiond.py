@@ -12264,14 +12264,11 @@ class _WorkflowReader(_Reader):
         if block is None:
             return None
         delay = self.span_ms(path + ("delay",), block["delay"], timedelta(0), WORKFLOW_WAIT_MAX) if "delay" in block else 0
-        backoff = "constant"
-        if "backoff" in block:
-            b = self.mapping(path + ("backoff",), block["backoff"], ("constant", "linear", "exponential"))
-            if b is not None:
-                if len(b) != 1:
-                    self.add(path + ("backoff",), "names one of constant, linear and exponential, such as {exponential: {}}")
-                else:
-                    backoff = next(iter(b))
+        b = self.mapping(path + ("backoff",), block["backoff"], ("constant", "linear", "exponential")) \
+            if "backoff" in block else None
+        if b is not None and len(b) != 1:
+            self.add(path + ("backoff",), "names one of constant, linear and exponential, such as {exponential: {}}")
+        backoff = next(iter(b)) if b is not None and len(b) == 1 else "constant"
         count = limit = None
         lim = self.mapping(path + ("limit",), block.get("limit"), ("attempt", "duration")) if "limit" in block else None
         if lim is not None:
@@ -12473,7 +12470,6 @@ class _Walk:
             if due > self.now or (first is not None and first <= self.now and first <= due):
                 continue
             task = self.doc.tasks[fr["task"]]
-            top = self.stack[-1]
             if "child" in top and self.child is not None and not RunStatus(self.child["status"]).ended:
                 self.cancel.append(top["child"])
             del self.stack[idx + 1:]
@@ -12652,8 +12648,7 @@ class _Walk:
 
     async def _fault(self, task: WfTask, error: dict[str, Any]) -> None:
         """`task` raised `error`: it ends faulted, and the error climbs to the nearest try that takes it."""
-        faulted = {"task": task.name, "ref": task.ref, "error": error}
-        self.events.append(("task_faulted", faulted))
+        self.events.append(("task_faulted", {"task": task.name, "ref": task.ref, "error": error}))
         if self.stack and self.stack[-1].get("task") == task.ref:
             self.stack.pop()
         while self.stack:
