@@ -472,20 +472,14 @@ class Problem(Exception):
         super().__init__(detail)
 
     def body(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
+        return {
             "type": PROBLEM_BASE + self.name,
             "title": self.title,
             "status": self.status,
             "detail": self.detail,
+            **{k: v for k, v in (("kind", self.kind), ("code", self.code), ("errors", self.errors)) if v is not None},
+            **self.extra,
         }
-        if self.kind is not None:
-            out["kind"] = self.kind
-        if self.code is not None:
-            out["code"] = self.code
-        if self.errors is not None:
-            out["errors"] = self.errors
-        out.update(self.extra)
-        return out
 
     @classmethod
     def from_body(cls, body: dict[str, Any]) -> "Problem":
@@ -802,11 +796,9 @@ def pointer_parse(pointer: str) -> list[str]:
         return []
     if not pointer.startswith("/"):
         raise ValueError(f"JSON Pointer {pointer!r} must start with a slash, such as /messages")
-    parts = pointer[1:].split("/")
-    for part in parts:
-        if re.search(r"~(?![01])", part):
-            raise ValueError(f"JSON Pointer {pointer!r} writes '~' as '~0' and '/' within a name as '~1'")
-    return [p.replace("~1", "/").replace("~0", "~") for p in parts]
+    if re.search(r"~(?![01])", pointer):
+        raise ValueError(f"JSON Pointer {pointer!r} writes '~' as '~0' and '/' within a name as '~1'")
+    return [p.replace("~1", "/").replace("~0", "~") for p in pointer[1:].split("/")]
 
 
 def pointer_join(parts: Iterable[Any]) -> str:
@@ -1134,16 +1126,10 @@ def json_patch(before: Any, after: Any, at: tuple[Any, ...] = ()) -> list[dict[s
     if _same_json(before, after):
         return []
     if isinstance(before, dict) and isinstance(after, dict):
-        ops: list[dict[str, Any]] = []
-        for k in before:
-            if k not in after:
-                ops.append({"op": "remove", "path": pointer_join(at + (k,))})
-        for k, v in after.items():
-            if k not in before:
-                ops.append({"op": "add", "path": pointer_join(at + (k,)), "value": v})
-            else:
-                ops += json_patch(before[k], v, at + (k,))
-        return ops
+        removed = [{"op": "remove", "path": pointer_join(at + (k,))} for k in before if k not in after]
+        return removed + [op for k, v in after.items()
+                          for op in (json_patch(before[k], v, at + (k,)) if k in before
+                                     else [{"op": "add", "path": pointer_join(at + (k,)), "value": v}])]
     if isinstance(before, list) and isinstance(after, list) and len(before) == len(after):
         return [op for i, (x, y) in enumerate(zip(before, after)) for op in json_patch(x, y, at + (i,))]
     return [{"op": "replace", "path": pointer_join(at), "value": after}]
@@ -1270,9 +1256,8 @@ def decode_cursor(cursor: str) -> list[Any]:
     try:
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
         values = json.loads(raw)
-        if not isinstance(values, list) or not values:
-            raise ValueError
-        if not all(type(v) is int and 0 <= v <= MAX_SQL_INT for v in values):
+        if not (isinstance(values, list) and values
+                and all(type(v) is int and 0 <= v <= MAX_SQL_INT for v in values)):
             raise ValueError
         return values
     except Exception:
@@ -1541,15 +1526,11 @@ def _liquid() -> _Liquid:
 
     class _OutputNode(OutputNode):
         __slots__ = ()
-
-        def render_to_output(self, context: RenderContext, buffer: Any) -> int:
-            return _write_text(self, context, buffer)
+        render_to_output = _write_text
 
     class _EchoNode(EchoNode):
         __slots__ = ()
-
-        def render_to_output(self, context: RenderContext, buffer: Any) -> int:
-            return _write_text(self, context, buffer)
+        render_to_output = _write_text
 
     class _Output(Output):
         node_class = _OutputNode
@@ -1864,9 +1845,8 @@ class Place:
 
     def allows(self, segments: list[Any]) -> bool:
         root = str(segments[0])
-        if root in self.reads:
-            return True
-        return len(segments) > 1 and isinstance(segments[1], str) and f"{root}.{segments[1]}" in self.reads
+        return root in self.reads or (len(segments) > 1 and isinstance(segments[1], str)
+                                      and f"{root}.{segments[1]}" in self.reads)
 
     def offered(self) -> str:
         return ", ".join(sorted(self.reads))
@@ -11819,14 +11799,9 @@ class JqRunner:
         return reply["ok"]
 
     async def fill(self, tree: Any, dot: Any, scope: Mapping[str, Any]) -> Any:
-        """A value with every expression in it evaluated."""
-        if isinstance(tree, Expr):
-            return await self.eval(tree, dot, scope)
-        if isinstance(tree, dict):
-            return {k: await self.fill(v, dot, scope) for k, v in tree.items()}
-        if isinstance(tree, list):
-            return [await self.fill(v, dot, scope) for v in tree]
-        return tree
+        """A value with every expression in it evaluated, in the order they are written."""
+        values = {path: await self.eval(e, dot, scope) for e, path in json_nodes(tree) if isinstance(e, Expr)}
+        return map_leaves(tree, lambda path, v: values[path] if isinstance(v, Expr) else v)
 
     async def close(self) -> None:
         procs, self._idle = [*self._idle, *self._busy], []
@@ -11852,10 +11827,7 @@ def _error_name(type_: Any) -> str:
 
 def _wf_error(name: str, detail: str, *, instance: str, status: int | None = None, kind: str | None = None,
               **extra: Any) -> dict[str, Any]:
-    body = Problem(name, detail, status=status, kind=kind).body()
-    body["instance"] = instance
-    body.update(extra)
-    return body
+    return {**Problem(name, detail, status=status, kind=kind).body(), "instance": instance, **extra}
 
 
 def _time_object(ms: int) -> dict[str, Any]:
@@ -12287,14 +12259,11 @@ class _WorkflowReader(_Reader):
         if block is None:
             return None
         delay = self.span_ms(path + ("delay",), block["delay"], timedelta(0), WORKFLOW_WAIT_MAX) if "delay" in block else 0
-        backoff = "constant"
-        if "backoff" in block:
-            b = self.mapping(path + ("backoff",), block["backoff"], ("constant", "linear", "exponential"))
-            if b is not None:
-                if len(b) != 1:
-                    self.add(path + ("backoff",), "names one of constant, linear and exponential, such as {exponential: {}}")
-                else:
-                    backoff = next(iter(b))
+        b = self.mapping(path + ("backoff",), block["backoff"], ("constant", "linear", "exponential")) \
+            if "backoff" in block else None
+        if b is not None and len(b) != 1:
+            self.add(path + ("backoff",), "names one of constant, linear and exponential, such as {exponential: {}}")
+        backoff = next(iter(b)) if b is not None and len(b) == 1 else "constant"
         count = limit = None
         lim = self.mapping(path + ("limit",), block.get("limit"), ("attempt", "duration")) if "limit" in block else None
         if lim is not None:
@@ -12496,7 +12465,6 @@ class _Walk:
             if due > self.now or (first is not None and first <= self.now and first <= due):
                 continue
             task = self.doc.tasks[fr["task"]]
-            top = self.stack[-1]
             if "child" in top and self.child is not None and not RunStatus(self.child["status"]).ended:
                 self.cancel.append(top["child"])
             del self.stack[idx + 1:]
@@ -12669,14 +12637,13 @@ class _Walk:
         status = _WORKFLOW_ENDINGS.get(error.get("status"), RunStatus.FAILED)
         name = _error_name(error.get("type", "failed"))
         problem = Problem(name, str(error.get("detail", "")), status=error.get("status"), kind=error.get("kind"),
-                          title=error.get("title"))
-        problem.extra = {k: v for k, v in error.items() if k not in ("title", "status", "detail", "kind")}
+                          title=error.get("title"),
+                          extra={k: v for k, v in error.items() if k not in ("title", "status", "detail", "kind")})
         self.ending = (status, error.get("kind"), None, problem)
 
     async def _fault(self, task: WfTask, error: dict[str, Any]) -> None:
         """`task` raised `error`: it ends faulted, and the error climbs to the nearest try that takes it."""
-        faulted = {"task": task.name, "ref": task.ref, "error": error}
-        self.events.append(("task_faulted", faulted))
+        self.events.append(("task_faulted", {"task": task.name, "ref": task.ref, "error": error}))
         if self.stack and self.stack[-1].get("task") == task.ref:
             self.stack.pop()
         while self.stack:
@@ -12765,11 +12732,8 @@ class Workflows:
         """The run row, with its timer due now: the first transition follows on the timer task."""
         now = self.engine.clock.now_ms()
         ending: Problem | None = None
-        if doc.input_validator is not None:
-            errors = schema_errors(doc.input_validator, input_, "/input")
-            if errors:
-                ending = ended("invalid_input", "the input does not match the workflow's"
-                                        " input schema", errors=errors)
+        if doc.input_validator is not None and (errors := schema_errors(doc.input_validator, input_, "/input")):
+            ending = ended("invalid_input", "the input does not match the workflow's input schema", errors=errors)
         state = dumps({"stack": [], "context": {}, "tasks": 0})
 
         def change(tx: Tx, fx: Effects) -> tuple[dict[str, Any], bool]:
@@ -12800,11 +12764,8 @@ class Workflows:
         held = False
         try:
             while held := await self.engine.store.claim(lease):
-                while True:
-                    if await self._step(playbook, run_id):
-                        continue
-                    if not self._busy[key]:
-                        break
+                # A step reads the run afresh: one asked for meanwhile is one more step at most.
+                while await self._step(playbook, run_id) or self._busy[key]:
                     self._busy[key] = False
                 held = False
                 if not await self.engine.store.release(lease):
@@ -12860,11 +12821,8 @@ class Workflows:
             new_state = run["state"]
         status = RunStatus.WAITING if walk.waiting() else RunStatus.STARTED
         due = walk.due()
-        if (not walk.events and walk.ending is None and not walk.cancel and new_state == run["state"]
-                and status.value == run["status"] and due == timer_due):
-            if walk.start_child is None:
-                return False
-        else:
+        if (walk.events or walk.ending is not None or walk.cancel or new_state != run["state"]
+                or status.value != run["status"] or due != timer_due):
             live_child = child["run_id"] if child is not None and not RunStatus(child["status"]).ended else None
 
             def change(tx: Tx, fx: Effects) -> bool:
