@@ -9771,15 +9771,9 @@ class Inbox:
         kept = {EventType.ELICITATION_DECLINED.value, EventType.ELICITATION_REFUSED.value,
                 EventType.MCP_TASK_CANCELLED.value}
 
-        def read(tx: Tx) -> tuple[Row | None, Row | None, list[Row]]:
-            rows: list[Row] = []
-            while len(rows) < 50 * MAX_PAGE:
-                page = tx.run_events(playbook, run_id, after=rows[-1]["id"] if rows else 0, limit=MAX_PAGE)
-                rows.extend(page)
-                if len(page) < MAX_PAGE:
-                    break
-            return tx.run(playbook, run_id), tx.request(playbook, run_id), rows
-        run, req, rows = await self.store.read(read)
+        run, req, rows = await self.store.read(lambda tx: (
+            tx.run(playbook, run_id), tx.request(playbook, run_id),
+            tx.run_events(playbook, run_id, after=0, limit=50 * MAX_PAGE)))
         if run is None:
             raise not_found(f"no run {run_id} in this playbook")
         seen = req is not None and caller.addressed(req)
