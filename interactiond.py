@@ -9332,14 +9332,10 @@ class SystemCalls:
                 await session.ensure()
             except ToolFailure as exc:
                 return {"name": name, "available": False, "error": exc.message, "tools": []}
-            tools = []
-            for t in session.tools.values():
-                if not self.tools.offered(playbook, name, t.name):
-                    continue
-                if query and query.lower() not in f"{t.name} {t.description or ''}".lower():
-                    continue
-                tools.append({"name": t.name, "description": t.description, "read_only": session.read_only(t.name)})
-            return {"name": name, "available": True, "tools": tools}
+            return {"name": name, "available": True, "tools": [
+                {"name": t.name, "description": t.description, "read_only": session.read_only(t.name)}
+                for t in session.tools.values() if self.tools.offered(playbook, name, t.name)
+                and (not query or query.lower() in f"{t.name} {t.description or ''}".lower())]}
         names = [n for n in self.config.playbooks.get(playbook, ()) if n in self.tools.sessions]
         return {"servers": list(await asyncio.gather(*(one(n) for n in names)))}
 
