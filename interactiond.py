@@ -9668,16 +9668,12 @@ class Inbox:
         errors = [{"pointer": f"/{k}", "message": "not a key of a deputy (for, to, from, until)"}
                   for k in body if k not in ("for", "to", "from", "until")]
         names: dict[str, str] = {}
-        for key in ("for", "to"):
-            try:
-                names[key] = person_name(body.get(key))
-            except ValueError as exc:
-                errors.append({"pointer": f"/{key}", "message": str(exc)})
         times: dict[str, int | None] = {"from": None, "until": None}
-        for key in times:
-            if body.get(key) is not None:
+        for key, read, into in (("for", person_name, names), ("to", person_name, names),
+                                ("from", parse_rfc3339, times), ("until", parse_rfc3339, times)):
+            if into is names or body.get(key) is not None:      # a time left out is None
                 try:
-                    times[key] = parse_rfc3339(body[key])
+                    into[key] = read(body.get(key))
                 except ValueError as exc:
                     errors.append({"pointer": f"/{key}", "message": str(exc)})
         if len(names) == 2 and names["for"] == names["to"]:
