@@ -8732,32 +8732,27 @@ class Definitions:
     def parsed(self, playbook: str, type_: str, name: str, version: int, source: str) -> Any:
         """The document of a definition's version, parsed once and kept (the 512 most recent)."""
         key = (playbook, type_, name, version)
-        doc = self._docs.get(key)
-        if doc is None:
-            reading = READING_SAVED.set(True)       # saved already: the rules of the version that saved it
-            try:
-                doc = self._parse(type_, source)
-            finally:
-                READING_SAVED.reset(reading)
-            self._docs[key] = doc
-            if len(self._docs) > 512:
-                self._docs.popitem(last=False)
-        else:
+        if key in self._docs:
             self._docs.move_to_end(key)
+            return self._docs[key]
+        reading = READING_SAVED.set(True)       # saved already: the rules of the version that saved it
+        try:
+            self._docs[key] = doc = self._parse(type_, source)
+        finally:
+            READING_SAVED.reset(reading)
+        if len(self._docs) > 512:
+            self._docs.popitem(last=False)
         return doc
 
     async def document(self, playbook: str, type_: str, name: str, version: int | None = None) -> tuple[int, Any]:
         """The one lookup of a definition's document: (version, parsed document), of `version` or,
         without it, of the active version (cached until the bus says the definition changed)."""
-        if version is None:
-            hit = self._current.get((playbook, type_, name))
-            if hit is not None:
-                return hit
-        else:
-            doc = self._docs.get((playbook, type_, name, version))
-            if doc is not None:
-                self._docs.move_to_end((playbook, type_, name, version))
-                return version, doc
+        if version is None and (hit := self._current.get((playbook, type_, name))) is not None:
+            return hit
+        key = (playbook, type_, name, version)         # a version of None is never kept
+        if key in self._docs:
+            self._docs.move_to_end(key)
+            return version, self._docs[key]
         row = await self._definition_row(playbook, type_, name, version)
         hit = (row["version"], self.parsed(playbook, type_, name, row["version"], row["source"]))
         if version is None:
