@@ -8977,17 +8977,13 @@ class Runs:
             if self.open_request(tx, fx, playbook, run_id, type_, name, version, doc.deliver,
                                    prepared.get("answer_schema", doc.output_schema), prepared, now, caller.id):
                 # The run as this change wrote it, waiting for its request, not read back (a ninth of a
-                # run's statements).
+                # run's statements); a run just started shows it `started`.
                 return run_object({"run_id": run_id, "playbook": playbook, "type": type_, "name": name,
-                                   "version": version, "status": RunStatus.WAITING.value, "kind": None,
+                                   "version": version, "status": RunStatus.STARTED.value, "kind": None,
                                    "input": input_text, "output": None, "problem": None, "created_at": now,
                                    "ended_at": None, "settled_by": None}), True
             return run_object(tx.run(playbook, run_id)), True
-
-        run, fresh = await self.store.write(change)
-        if fresh and run["status"] == RunStatus.WAITING.value:
-            run = dict(run, status=RunStatus.STARTED.value)
-        return run, fresh
+        return await self.store.write(change)
 
     @staticmethod
     def _ask_quorum(caller: Caller, name: str, input_: Any, answer_schema: Any) -> dict[str, Any] | None:
