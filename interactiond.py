@@ -9010,10 +9010,8 @@ class Runs:
         function's deliver.email renders (ask: its input's `email`), with the answer link and the links of
         its choices; an escalation goes to the address rendered for its party (ask: escalate_to when it is
         an address), else to the same one. Raises the problem of an ending."""
-        asked = name in ASK_FUNCTIONS
-        template = doc.email
-        if (template is None and not asked) or (asked and not isinstance(input_, dict)) \
-                or (asked and "email" not in input_):
+        asked = name in ASK_FUNCTIONS       # its input is an object of the ask's own fields (checked before)
+        if (input_.get("email") if asked else doc.email) is None:
             return
         why = self.email.problem() if self.email is not None else ended("unworkable", "this daemon sends no email")
         if why is not None:
@@ -9024,7 +9022,7 @@ class Runs:
                 text = input_["email"] if party == prepared["party"] else party
             else:
                 try:
-                    text = template.render_text(base_context(now, input=input_, to=party)).strip()
+                    text = doc.email.render_text(base_context(now, input=input_, to=party)).strip()
                 except RenderError as exc:
                     raise render_ending(exc, "deliver.email") from None
             if not is_email_address(text):
@@ -9036,9 +9034,7 @@ class Runs:
 
         to = address(prepared["party"], "/input/email")
         schema = prepared.get("answer_schema", doc.output_schema)
-        labels = None
-        if asked and isinstance(input_.get("options"), list):
-            labels = {o["id"]: o["label"] for o in input_["options"] if isinstance(o, dict) and "id" in o and "label" in o}
+        labels = {o["id"]: o["label"] for o in input_["options"]} if asked and "options" in input_ else None
         prepared["email"] = email_args(to, prepared["message"], prepared["request"].get("answer_url"), schema, labels,
                                        prepared["expires_at"])
         escalation = (prepared.get("follow_up") or {}).get("escalate")
