@@ -8707,32 +8707,27 @@ class Definitions:
     def parsed(self, playbook: str, type_: str, name: str, version: int, source: str) -> Any:
         """The document of a definition's version, parsed once and kept (the 512 most recent)."""
         key = (playbook, type_, name, version)
-        doc = self._docs.get(key)
-        if doc is None:
-            reading = READING_SAVED.set(True)       # saved already: the rules of the version that saved it
-            try:
-                doc = self._parse(type_, source)
-            finally:
-                READING_SAVED.reset(reading)
-            self._docs[key] = doc
-            if len(self._docs) > 512:
-                self._docs.popitem(last=False)
-        else:
+        if key in self._docs:
             self._docs.move_to_end(key)
+            return self._docs[key]
+        reading = READING_SAVED.set(True)       # saved already: the rules of the version that saved it
+        try:
+            self._docs[key] = doc = self._parse(type_, source)
+        finally:
+            READING_SAVED.reset(reading)
+        if len(self._docs) > 512:
+            self._docs.popitem(last=False)
         return doc
 
     async def document(self, playbook: str, type_: str, name: str, version: int | None = None) -> tuple[int, Any]:
         """The one lookup of a definition's document: (version, parsed document), of `version` or,
         without it, of the active version (cached until the bus says the definition changed)."""
-        if version is None:
-            hit = self._current.get((playbook, type_, name))
-            if hit is not None:
-                return hit
-        else:
-            doc = self._docs.get((playbook, type_, name, version))
-            if doc is not None:
-                self._docs.move_to_end((playbook, type_, name, version))
-                return version, doc
+        if version is None and (hit := self._current.get((playbook, type_, name))) is not None:
+            return hit
+        key = (playbook, type_, name, version)         # a version of None is never kept
+        if key in self._docs:
+            self._docs.move_to_end(key)
+            return version, self._docs[key]
         row = await self._definition_row(playbook, type_, name, version)
         hit = (row["version"], self.parsed(playbook, type_, name, row["version"], row["source"]))
         if version is None:
@@ -8957,17 +8952,13 @@ class Runs:
             if self.open_request(tx, fx, playbook, run_id, type_, name, version, doc.deliver,
                                    prepared.get("answer_schema", doc.output_schema), prepared, now, caller.id):
                 # The run as this change wrote it, waiting for its request, not read back (a ninth of a
-                # run's statements).
+                # run's statements); a run just started shows it `started`.
                 return run_object({"run_id": run_id, "playbook": playbook, "type": type_, "name": name,
-                                   "version": version, "status": RunStatus.WAITING.value, "kind": None,
+                                   "version": version, "status": RunStatus.STARTED.value, "kind": None,
                                    "input": input_text, "output": None, "problem": None, "created_at": now,
                                    "ended_at": None, "settled_by": None}), True
             return run_object(tx.run(playbook, run_id)), True
-
-        run, fresh = await self.store.write(change)
-        if fresh and run["status"] == RunStatus.WAITING.value:
-            run = dict(run, status=RunStatus.STARTED.value)
-        return run, fresh
+        return await self.store.write(change)
 
     @staticmethod
     def _ask_quorum(caller: Caller, name: str, input_: Any, answer_schema: Any) -> dict[str, Any] | None:
@@ -8994,10 +8985,8 @@ class Runs:
         function's deliver.email renders (ask: its input's `email`), with the answer link and the links of
         its choices; an escalation goes to the address rendered for its party (ask: escalate_to when it is
         an address), else to the same one. Raises the problem of an ending."""
-        asked = name in ASK_FUNCTIONS
-        template = doc.email
-        if (template is None and not asked) or (asked and not isinstance(input_, dict)) \
-                or (asked and "email" not in input_):
+        asked = name in ASK_FUNCTIONS       # its input is an object of the ask's own fields (checked before)
+        if (input_.get("email") if asked else doc.email) is None:
             return
         why = self.email.problem() if self.email is not None else ended("unworkable", "this daemon sends no email")
         if why is not None:
@@ -9008,7 +8997,7 @@ class Runs:
                 text = input_["email"] if party == prepared["party"] else party
             else:
                 try:
-                    text = template.render_text(base_context(now, input=input_, to=party)).strip()
+                    text = doc.email.render_text(base_context(now, input=input_, to=party)).strip()
                 except RenderError as exc:
                     raise render_ending(exc, "deliver.email") from None
             if not is_email_address(text):
@@ -9020,9 +9009,7 @@ class Runs:
 
         to = address(prepared["party"], "/input/email")
         schema = prepared.get("answer_schema", doc.output_schema)
-        labels = None
-        if asked and isinstance(input_.get("options"), list):
-            labels = {o["id"]: o["label"] for o in input_["options"] if isinstance(o, dict) and "id" in o and "label" in o}
+        labels = {o["id"]: o["label"] for o in input_["options"]} if asked and "options" in input_ else None
         prepared["email"] = email_args(to, prepared["message"], prepared["request"].get("answer_url"), schema, labels,
                                        prepared["expires_at"])
         escalation = (prepared.get("follow_up") or {}).get("escalate")
@@ -9307,14 +9294,10 @@ class SystemCalls:
                 await session.ensure()
             except ToolFailure as exc:
                 return {"name": name, "available": False, "error": exc.message, "tools": []}
-            tools = []
-            for t in session.tools.values():
-                if not self.tools.offered(playbook, name, t.name):
-                    continue
-                if query and query.lower() not in f"{t.name} {t.description or ''}".lower():
-                    continue
-                tools.append({"name": t.name, "description": t.description, "read_only": session.read_only(t.name)})
-            return {"name": name, "available": True, "tools": tools}
+            return {"name": name, "available": True, "tools": [
+                {"name": t.name, "description": t.description, "read_only": session.read_only(t.name)}
+                for t in session.tools.values() if self.tools.offered(playbook, name, t.name)
+                and (not query or query.lower() in f"{t.name} {t.description or ''}".lower())]}
         names = [n for n in self.config.playbooks.get(playbook, ()) if n in self.tools.sessions]
         return {"servers": list(await asyncio.gather(*(one(n) for n in names)))}
 
@@ -9647,16 +9630,12 @@ class Inbox:
         errors = [{"pointer": f"/{k}", "message": "not a key of a deputy (for, to, from, until)"}
                   for k in body if k not in ("for", "to", "from", "until")]
         names: dict[str, str] = {}
-        for key in ("for", "to"):
-            try:
-                names[key] = person_name(body.get(key))
-            except ValueError as exc:
-                errors.append({"pointer": f"/{key}", "message": str(exc)})
         times: dict[str, int | None] = {"from": None, "until": None}
-        for key in times:
-            if body.get(key) is not None:
+        for key, read, into in (("for", person_name, names), ("to", person_name, names),
+                                ("from", parse_rfc3339, times), ("until", parse_rfc3339, times)):
+            if into is names or body.get(key) is not None:      # a time left out is None
                 try:
-                    times[key] = parse_rfc3339(body[key])
+                    into[key] = read(body.get(key))
                 except ValueError as exc:
                     errors.append({"pointer": f"/{key}", "message": str(exc)})
         if len(names) == 2 and names["for"] == names["to"]:
@@ -9746,15 +9725,9 @@ class Inbox:
         kept = {EventType.ELICITATION_DECLINED.value, EventType.ELICITATION_REFUSED.value,
                 EventType.MCP_TASK_CANCELLED.value}
 
-        def read(tx: Tx) -> tuple[Row | None, Row | None, list[Row]]:
-            rows: list[Row] = []
-            while len(rows) < 50 * MAX_PAGE:
-                page = tx.run_events(playbook, run_id, after=rows[-1]["id"] if rows else 0, limit=MAX_PAGE)
-                rows.extend(page)
-                if len(page) < MAX_PAGE:
-                    break
-            return tx.run(playbook, run_id), tx.request(playbook, run_id), rows
-        run, req, rows = await self.store.read(read)
+        run, req, rows = await self.store.read(lambda tx: (
+            tx.run(playbook, run_id), tx.request(playbook, run_id),
+            tx.run_events(playbook, run_id, after=0, limit=50 * MAX_PAGE)))
         if run is None:
             raise not_found(f"no run {run_id} in this playbook")
         seen = req is not None and caller.addressed(req)
