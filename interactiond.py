@@ -14102,15 +14102,11 @@ _FORM_TOP: Final = frozenset({"type", "properties", "required", "additionalPrope
 
 def _titled_consts(options: Any) -> list[dict[str, str]] | None:
     """`[{const, title?}]` of texts (a titled choice), else None."""
-    if not isinstance(options, list) or not options:
+    if not isinstance(options, list) or not options or not all(
+            isinstance(o, dict) and isinstance(o.get("const"), str) and not set(o) - {"const", "title", "description"}
+            and isinstance(o.get("title", ""), str) for o in options):
         return None
-    out = []
-    for o in options:
-        if (not isinstance(o, dict) or not isinstance(o.get("const"), str) or set(o) - {"const", "title", "description"}
-                or not isinstance(o.get("title", ""), str)):
-            return None
-        out.append({k: o[k] for k in ("const", "title") if k in o})
-    return out
+    return [{k: o[k] for k in ("const", "title") if k in o} for o in options]
 
 
 def _form_field(schema: Any) -> dict[str, Any] | None:
@@ -14161,11 +14157,9 @@ def elicitation_form(schema: Any) -> dict[str, Any] | None:
             or not isinstance(schema.get("properties"), dict) or not schema["properties"]
             or not isinstance(schema.get("additionalProperties", False), bool)):
         return None
-    fields = {}
-    for name, member in schema["properties"].items():
-        if (f := _form_field(member)) is None:
-            return None
-        fields[name] = f
+    fields = {name: _form_field(member) for name, member in schema["properties"].items()}
+    if None in fields.values():
+        return None
     required = schema.get("required", [])
     if not isinstance(required, list) or not all(isinstance(r, str) and r in fields for r in required):
         return None
