@@ -13723,13 +13723,8 @@ def _same_origin(request: web.Request, origin: str | None) -> bool:
 
 async def _authenticate(request: web.Request) -> Caller:
     header = request.headers.get("Authorization", "")
-    secret = None
-    via_cookie = False
-    if header.lower().startswith("bearer "):
-        secret = header[7:].strip()
-    elif SESSION_COOKIE in request.cookies:
-        secret = request.cookies[SESSION_COOKIE]
-        via_cookie = True
+    via_cookie = not header.lower().startswith("bearer ")       # no bearer token: the session cookie, if any
+    secret = request.cookies.get(SESSION_COOKIE) if via_cookie else header[7:].strip()
     if not secret:
         raise Problem("unauthorized", "send Authorization: Bearer <token>")
     caller = await lookup_token(request.app, secret)
