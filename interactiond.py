@@ -13032,9 +13032,7 @@ def problem_response(exc: Problem) -> web.Response:
 
 def _run_response(run: dict[str, Any], fresh: bool = False) -> web.Response:
     status = RUN_HTTP_STATUS[RunStatus(run["status"])]
-    if fresh and status == 200:
-        status = 201
-    return _json(run, status)
+    return _json(run, 201 if fresh and status == 200 else status)
 
 
 def _caller(request: web.Request) -> Caller:
@@ -13124,12 +13122,11 @@ async def h_wait_run(request: web.Request) -> web.Response:
     if not 0 <= timeout < math.inf:
         raise Problem("invalid_request", f"{name} is a number of seconds, 0 or more (at most {MAX_HTTP_WAIT_S:g} are waited)",
                       errors=[{"pointer": f"/{name}", "message": "a number of seconds, 0 or more"}])
-    cut = timeout > MAX_HTTP_WAIT_S
     engine = request.app[engine_key()]
     run = await engine.wait_run(_caller(request), _pb(request), request.match_info["run_id"],
                                 min(timeout, MAX_HTTP_WAIT_S))
     resp = _run_response(run)
-    if cut:
+    if timeout > MAX_HTTP_WAIT_S:
         resp.headers[WAIT_CUT_HEADER] = f"{MAX_HTTP_WAIT_S:g}"
     return resp
 
@@ -14651,10 +14648,8 @@ class McpTasks:
     @staticmethod
     def legacy_shape(task: dict[str, Any]) -> dict[str, Any]:
         """A task in the 2025-11-25 era's words (ttl and pollInterval; no result inline)."""
-        out = {k: task[k] for k in ("taskId", "status", "statusMessage", "createdAt", "lastUpdatedAt") if k in task}
-        out["ttl"] = task["ttlMs"]
-        out["pollInterval"] = task["pollIntervalMs"]
-        return out
+        return {**{k: task[k] for k in ("taskId", "status", "statusMessage", "createdAt", "lastUpdatedAt")
+                   if k in task}, "ttl": task["ttlMs"], "pollInterval": task["pollIntervalMs"]}
 
     async def legacy_result(self, ctx: Any, params: Any) -> dict[str, Any]:
         """`tasks/result` (2025-11-25): the CallToolResult once the run has ended; until then it waits."""
@@ -15402,9 +15397,8 @@ def _visible(engine: Engine, caller: Caller) -> list[str]:
 
 async def find_interaction(engine: Engine, caller: Caller, ident: str) -> Row:
     """The request behind an interaction id, or 404 when it is unknown, malformed or not the caller's."""
-    row = None
-    if INTERACTION_ID_RE.fullmatch(ident):
-        row = await engine.store.read(lambda tx: tx.interaction(ident))
+    row = (await engine.store.read(lambda tx: tx.interaction(ident))
+           if INTERACTION_ID_RE.fullmatch(ident) else None)
     if row is None or row["playbook"] not in engine.playbooks or not caller.sees(row["playbook"]) \
             or not (caller.addressed(row) or (await engine.deputized(caller, row["playbook"])).addressed(row)):
         raise _v2_problem("not_found", "The interaction does not exist or is not visible to this token.")
