@@ -14832,18 +14832,19 @@ def make_mcp_server(engine: Engine, *, caller: Caller | None = None, scoped_play
     return server
 
 
-def asgi_handler(app: Callable[..., Any], *, grace_s: float = 2.0,
-                 user: Callable[[Caller], Any] | None = None) -> Callable[..., Any]:
+def asgi_handler(app: Callable[..., Any]) -> Callable[..., Any]:
     """Serve an ASGI app (the MCP SDK's transports) from an aiohttp handler.
 
     Three things matter: the body is read whole first, under the API's 1 MiB bound (413 beyond);
     after it, `receive()` blocks until the peer leaves; and the app runs in its own task, shielded
     from the handler's cancellation, because the SDK drops a session whose opening request was
-    cancelled half-way. `user` makes the ASGI `user` of the caller, so the SDK binds each session
-    to the token that opened it. Per request, `on_send` sees each message the app sends, and
+    cancelled half-way. The ASGI `user` is the caller's token, so the SDK binds each session to the
+    token that opened it. Per request, `on_send` sees each message the app sends, and
     `on_start` is handed a function that ends the request as if the peer had left.
     """
     from aiohttp import web
+    from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
+    from mcp.server.auth.provider import AccessToken
     async def handler(request: web.Request, on_send: Callable[[dict[str, Any]], None] | None = None,
                       on_start: Callable[[Callable[[], None]], None] | None = None) -> web.StreamResponse:
         body = await request.read()         # HTTPRequestEntityTooLarge past client_max_size: a 413 problem
@@ -14860,8 +14861,8 @@ def asgi_handler(app: Callable[..., Any], *, grace_s: float = 2.0,
             "client": tuple(peer[:2]) if peer else None, "server": tuple(sock[:2]) if sock else None,
             "state": {"interactiond_caller": caller}, "extensions": {},
         }
-        if user is not None and caller is not None:
-            scope["user"] = user(caller)
+        if caller is not None:
+            scope["user"] = AuthenticatedUser(AccessToken(token="", client_id=caller.id, scopes=[]))
         resp: web.StreamResponse | None = None
         body_done = False
         gone = asyncio.Event()
@@ -14903,7 +14904,7 @@ def asgi_handler(app: Callable[..., Any], *, grace_s: float = 2.0,
             await asyncio.shield(task)
         except asyncio.CancelledError:
             gone.set()
-            done, _ = await asyncio.wait({task}, timeout=grace_s)
+            done, _ = await asyncio.wait({task}, timeout=2.0)      # its grace to end as the peer left
             if not done:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
@@ -15051,8 +15052,6 @@ class _McpTransports:
         async with self._lock:
             if self.handlers is not None:
                 return
-            from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
-            from mcp.server.auth.provider import AccessToken
             from mcp.server.sse import SseServerTransport
             from mcp.server.transport_security import TransportSecuritySettings
 
@@ -15080,9 +15079,6 @@ class _McpTransports:
                     if not answered or answered[0] < 400:
                         raise
 
-            def user(caller: Caller) -> Any:
-                return AuthenticatedUser(AccessToken(token="", client_id=caller.id, scopes=[]))
-
             started = asyncio.Event()
 
             async def hold() -> None:
@@ -15091,8 +15087,8 @@ class _McpTransports:
                     await self._stop.wait()
             self._task = asyncio.create_task(hold(), name="interactiond-mcp-sessions")
             await started.wait()
-            self.handlers = {"mcp": asgi_handler(streamable, user=user), "sse": asgi_handler(sse_app, user=user),
-                             "messages": asgi_handler(sse.handle_post_message, user=user)}
+            self.handlers = {"mcp": asgi_handler(streamable), "sse": asgi_handler(sse_app),
+                             "messages": asgi_handler(sse.handle_post_message)}
 
     async def _end_streamable(self, sid: str) -> None:
         """Terminate a streamable-HTTP session: its id answers 404 from now on, its server task ends."""
