@@ -14473,11 +14473,6 @@ class McpTasks:
         asked = bridge._question(req, n, refused)
         return (f"{req['id']}.{n}", *asked) if asked is not None else None
 
-    def call_result(self, caller: Caller, run: dict[str, Any]) -> dict[str, Any]:
-        """The CallToolResult a blocking wait_run gives for an ended run."""
-        return _tool_result(*_run_result(_shown_run(caller, run))).model_dump(
-            by_alias=True, mode="json", exclude_none=True, exclude={"result_type"})
-
     async def task(self, ctx: Any, caller: Caller, playbook: str, run_id: str, *,
                    detailed: bool = True) -> dict[str, Any]:
         """The task of a run as this caller sees it (a Problem when they may not read it)."""
@@ -14501,8 +14496,9 @@ class McpTasks:
             else:
                 task.update(status="completed", statusMessage=f"the run ended: {run['status']}"
                             + (f", {run['kind']}" if run["kind"] else ""))
-                if detailed:
-                    task["result"] = self.call_result(caller, run)
+                if detailed:                    # the CallToolResult a blocking wait_run gives
+                    task["result"] = _tool_result(*_run_result(_shown_run(caller, run))).model_dump(
+                        by_alias=True, mode="json", exclude_none=True, exclude={"result_type"})
             return task
         task["statusMessage"] = (f"waiting for {view['party']} until {fmt_time(expires)}" if view["party"]
                                  else "the run is working")
@@ -15379,14 +15375,6 @@ def typed_answer(kind: str, schema: dict[str, Any], body: dict[str, Any]) -> Any
     return answer
 
 
-def _limit_v2(limit: Any) -> int:
-    try:
-        return check_limit(limit)
-    except Problem:
-        raise _v2_problem("validation_failed", f"limit is between 1 and {MAX_PAGE}", errors=[
-            {"field": "limit", "code": "invalid_value", "message": f"an integer from 1 to {MAX_PAGE}"}]) from None
-
-
 def _visible(engine: Engine, caller: Caller) -> list[str]:
     return sorted(pb for pb in engine.playbooks if caller.sees(pb))
 
@@ -15408,7 +15396,11 @@ async def list_typed_interactions(engine: Engine, caller: Caller, status: str | 
     if status is not None and status not in V2_STATUS_FILTER:
         raise _v2_problem("validation_failed", "unknown status", errors=[
             {"field": "status", "code": "invalid_value", "message": "one of " + ", ".join(V2_STATUS_FILTER)}])
-    n = _limit_v2(limit)
+    try:
+        n = check_limit(limit)
+    except Problem:
+        raise _v2_problem("validation_failed", f"limit is between 1 and {MAX_PAGE}", errors=[
+            {"field": "limit", "code": "invalid_value", "message": f"an integer from 1 to {MAX_PAGE}"}]) from None
     before = decode_cursor(cursor)[0] if cursor else None
     if before is not None and (not isinstance(before, int) or isinstance(before, bool)):
         raise _v2_problem("bad_request", "The cursor does not decode; pass next_cursor as it came.")
