@@ -13086,20 +13086,14 @@ async def h_create_definition(request: web.Request) -> web.Response:
     return _json(d, 201 if created else 200)
 
 
-def _version_param(request: web.Request) -> int | None:
+async def h_get_definition(request: web.Request) -> web.Response:
     v = request.query.get("version")
-    if v is None:
-        return None
-    if not (v.isascii() and v.isdigit()) or len(v) > 19 or not 1 <= int(v) <= MAX_SQL_INT:
+    if v is not None and (not (v.isascii() and v.isdigit()) or len(v) > 19 or not 1 <= int(v) <= MAX_SQL_INT):
         raise Problem("invalid_request", "version is a whole number from 1 on",
                       errors=[{"pointer": "/version", "message": "a whole number from 1 on"}])
-    return int(v)
-
-
-async def h_get_definition(request: web.Request) -> web.Response:
     engine = request.app[engine_key()]
     return _json(await engine.get_definition(_caller(request), _pb(request), request.match_info["type"],
-                                             request.match_info["name"], _version_param(request)))
+                                             request.match_info["name"], int(v) if v is not None else None))
 
 
 async def h_run_definition(request: web.Request) -> web.Response:
@@ -13457,16 +13451,13 @@ metrics_key: Final = functools.partial(state_key, "metrics", Metrics)
 access_log_key: Final = functools.partial(state_key, "access_log", bool)
 
 
-def _from_loopback(request: web.Request) -> bool:
-    """A request from this machine that no proxy forwarded (a proxy on this machine is loopback too)."""
-    return request.remote in ("127.0.0.1", "::1") and not any(
-        h in request.headers for h in ("Forwarded", "X-Forwarded-For", "X-Real-IP"))
-
-
 async def h_metrics(request: web.Request) -> web.Response:
     from aiohttp import web
     engine = request.app[engine_key()]
-    if not (engine.config.metrics_open_on_loopback and _from_loopback(request)):
+    # The configuration may open it to a request from this machine that no proxy forwarded (a proxy
+    # on this machine is loopback too).
+    if not (engine.config.metrics_open_on_loopback and request.remote in ("127.0.0.1", "::1") and not any(
+            h in request.headers for h in ("Forwarded", "X-Forwarded-For", "X-Real-IP"))):
         (await _authenticate(request)).require(Role.OPERATOR)
     from prometheus_client import CONTENT_TYPE_LATEST
 
