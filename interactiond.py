@@ -12958,9 +12958,7 @@ def problem_response(exc: Problem) -> web.Response:
 
 def _run_response(run: dict[str, Any], fresh: bool = False) -> web.Response:
     status = RUN_HTTP_STATUS[RunStatus(run["status"])]
-    if fresh and status == 200:
-        status = 201
-    return _json(run, status)
+    return _json(run, 201 if fresh and status == 200 else status)
 
 
 def _caller(request: web.Request) -> Caller:
@@ -13014,20 +13012,14 @@ async def h_create_definition(request: web.Request) -> web.Response:
     return _json(d, 201 if created else 200)
 
 
-def _version_param(request: web.Request) -> int | None:
+async def h_get_definition(request: web.Request) -> web.Response:
     v = request.query.get("version")
-    if v is None:
-        return None
-    if not (v.isascii() and v.isdigit()) or len(v) > 19 or not 1 <= int(v) <= MAX_SQL_INT:
+    if v is not None and (not (v.isascii() and v.isdigit()) or len(v) > 19 or not 1 <= int(v) <= MAX_SQL_INT):
         raise Problem("invalid_request", "version is a whole number from 1 on",
                       errors=[{"pointer": "/version", "message": "a whole number from 1 on"}])
-    return int(v)
-
-
-async def h_get_definition(request: web.Request) -> web.Response:
     engine = request.app[engine_key()]
     return _json(await engine.get_definition(_caller(request), _pb(request), request.match_info["type"],
-                                             request.match_info["name"], _version_param(request)))
+                                             request.match_info["name"], int(v) if v is not None else None))
 
 
 async def h_run_definition(request: web.Request) -> web.Response:
@@ -13050,12 +13042,11 @@ async def h_wait_run(request: web.Request) -> web.Response:
     if not 0 <= timeout < math.inf:
         raise Problem("invalid_request", f"{name} is a number of seconds, 0 or more (at most {MAX_HTTP_WAIT_S:g} are waited)",
                       errors=[{"pointer": f"/{name}", "message": "a number of seconds, 0 or more"}])
-    cut = timeout > MAX_HTTP_WAIT_S
     engine = request.app[engine_key()]
     run = await engine.wait_run(_caller(request), _pb(request), request.match_info["run_id"],
                                 min(timeout, MAX_HTTP_WAIT_S))
     resp = _run_response(run)
-    if cut:
+    if timeout > MAX_HTTP_WAIT_S:
         resp.headers[WAIT_CUT_HEADER] = f"{MAX_HTTP_WAIT_S:g}"
     return resp
 
@@ -13342,17 +13333,10 @@ class Metrics:
         engine.store.on_batch = self._batch
         engine.wheel.on_lag = self.timer_lag.observe
         engine.observe = self._observe
-        # Each metric's child per label values, kept: prometheus-client's labels() checks and locks
-        # every time (1.5 us, three times a request).
-        self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
-
-    def child(self, metric: Any, *values: str) -> Any:
-        """metric.labels(*values), kept after its first use (label values come from bounded sets)."""
-        key = (metric, values)
-        found = self._children.get(key)
-        if found is None:
-            found = self._children[key] = metric.labels(*values)
-        return found
+        # child(metric, *values): metric.labels(*values), kept after its first use (label values come
+        # from bounded sets): prometheus-client's labels() checks and locks every time (1.5 us, three
+        # times a request).
+        self.child: Callable[..., Any] = functools.cache(lambda metric, *values: metric.labels(*values))
 
     def _event(self, event: dict[str, Any]) -> None:
         try:
@@ -13393,16 +13377,13 @@ metrics_key: Final = functools.partial(state_key, "metrics", Metrics)
 access_log_key: Final = functools.partial(state_key, "access_log", bool)
 
 
-def _from_loopback(request: web.Request) -> bool:
-    """A request from this machine that no proxy forwarded (a proxy on this machine is loopback too)."""
-    return request.remote in ("127.0.0.1", "::1") and not any(
-        h in request.headers for h in ("Forwarded", "X-Forwarded-For", "X-Real-IP"))
-
-
 async def h_metrics(request: web.Request) -> web.Response:
     from aiohttp import web
     engine = request.app[engine_key()]
-    if not (engine.config.metrics_open_on_loopback and _from_loopback(request)):
+    # The configuration may open it to a request from this machine that no proxy forwarded (a proxy
+    # on this machine is loopback too).
+    if not (engine.config.metrics_open_on_loopback and request.remote in ("127.0.0.1", "::1") and not any(
+            h in request.headers for h in ("Forwarded", "X-Forwarded-For", "X-Real-IP"))):
         (await _authenticate(request)).require(Role.OPERATOR)
     from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -13656,13 +13637,8 @@ def _same_origin(request: web.Request, origin: str | None) -> bool:
 
 async def _authenticate(request: web.Request) -> Caller:
     header = request.headers.get("Authorization", "")
-    secret = None
-    via_cookie = False
-    if header.lower().startswith("bearer "):
-        secret = header[7:].strip()
-    elif SESSION_COOKIE in request.cookies:
-        secret = request.cookies[SESSION_COOKIE]
-        via_cookie = True
+    via_cookie = not header.lower().startswith("bearer ")       # no bearer token: the session cookie, if any
+    secret = request.cookies.get(SESSION_COOKIE) if via_cookie else header[7:].strip()
     if not secret:
         raise Problem("unauthorized", "send Authorization: Bearer <token>")
     caller = await lookup_token(request.app, secret)
@@ -14028,15 +14004,11 @@ _FORM_TOP: Final = frozenset({"type", "properties", "required", "additionalPrope
 
 def _titled_consts(options: Any) -> list[dict[str, str]] | None:
     """`[{const, title?}]` of texts (a titled choice), else None."""
-    if not isinstance(options, list) or not options:
+    if not isinstance(options, list) or not options or not all(
+            isinstance(o, dict) and isinstance(o.get("const"), str) and not set(o) - {"const", "title", "description"}
+            and isinstance(o.get("title", ""), str) for o in options):
         return None
-    out = []
-    for o in options:
-        if (not isinstance(o, dict) or not isinstance(o.get("const"), str) or set(o) - {"const", "title", "description"}
-                or not isinstance(o.get("title", ""), str)):
-            return None
-        out.append({k: o[k] for k in ("const", "title") if k in o})
-    return out
+    return [{k: o[k] for k in ("const", "title") if k in o} for o in options]
 
 
 def _form_field(schema: Any) -> dict[str, Any] | None:
@@ -14087,11 +14059,9 @@ def elicitation_form(schema: Any) -> dict[str, Any] | None:
             or not isinstance(schema.get("properties"), dict) or not schema["properties"]
             or not isinstance(schema.get("additionalProperties", False), bool)):
         return None
-    fields = {}
-    for name, member in schema["properties"].items():
-        if (f := _form_field(member)) is None:
-            return None
-        fields[name] = f
+    fields = {name: _form_field(member) for name, member in schema["properties"].items()}
+    if None in fields.values():
+        return None
     required = schema.get("required", [])
     if not isinstance(required, list) or not all(isinstance(r, str) and r in fields for r in required):
         return None
@@ -14420,11 +14390,6 @@ class McpTasks:
         asked = bridge._question(req, n, refused)
         return (f"{req['id']}.{n}", *asked) if asked is not None else None
 
-    def call_result(self, caller: Caller, run: dict[str, Any]) -> dict[str, Any]:
-        """The CallToolResult a blocking wait_run gives for an ended run."""
-        return _tool_result(*_run_result(_shown_run(caller, run))).model_dump(
-            by_alias=True, mode="json", exclude_none=True, exclude={"result_type"})
-
     async def task(self, ctx: Any, caller: Caller, playbook: str, run_id: str, *,
                    detailed: bool = True) -> dict[str, Any]:
         """The task of a run as this caller sees it (a Problem when they may not read it)."""
@@ -14448,8 +14413,9 @@ class McpTasks:
             else:
                 task.update(status="completed", statusMessage=f"the run ended: {run['status']}"
                             + (f", {run['kind']}" if run["kind"] else ""))
-                if detailed:
-                    task["result"] = self.call_result(caller, run)
+                if detailed:                    # the CallToolResult a blocking wait_run gives
+                    task["result"] = _tool_result(*_run_result(_shown_run(caller, run))).model_dump(
+                        by_alias=True, mode="json", exclude_none=True, exclude={"result_type"})
             return task
         task["statusMessage"] = (f"waiting for {view['party']} until {fmt_time(expires)}" if view["party"]
                                  else "the run is working")
@@ -14595,10 +14561,8 @@ class McpTasks:
     @staticmethod
     def legacy_shape(task: dict[str, Any]) -> dict[str, Any]:
         """A task in the 2025-11-25 era's words (ttl and pollInterval; no result inline)."""
-        out = {k: task[k] for k in ("taskId", "status", "statusMessage", "createdAt", "lastUpdatedAt") if k in task}
-        out["ttl"] = task["ttlMs"]
-        out["pollInterval"] = task["pollIntervalMs"]
-        return out
+        return {**{k: task[k] for k in ("taskId", "status", "statusMessage", "createdAt", "lastUpdatedAt")
+                   if k in task}, "ttl": task["ttlMs"], "pollInterval": task["pollIntervalMs"]}
 
     async def legacy_result(self, ctx: Any, params: Any) -> dict[str, Any]:
         """`tasks/result` (2025-11-25): the CallToolResult once the run has ended; until then it waits."""
@@ -14781,18 +14745,19 @@ def make_mcp_server(engine: Engine, *, caller: Caller | None = None, scoped_play
     return server
 
 
-def asgi_handler(app: Callable[..., Any], *, grace_s: float = 2.0,
-                 user: Callable[[Caller], Any] | None = None) -> Callable[..., Any]:
+def asgi_handler(app: Callable[..., Any]) -> Callable[..., Any]:
     """Serve an ASGI app (the MCP SDK's transports) from an aiohttp handler.
 
     Three things matter: the body is read whole first, under the API's 1 MiB bound (413 beyond);
     after it, `receive()` blocks until the peer leaves; and the app runs in its own task, shielded
     from the handler's cancellation, because the SDK drops a session whose opening request was
-    cancelled half-way. `user` makes the ASGI `user` of the caller, so the SDK binds each session
-    to the token that opened it. Per request, `on_send` sees each message the app sends, and
+    cancelled half-way. The ASGI `user` is the caller's token, so the SDK binds each session to the
+    token that opened it. Per request, `on_send` sees each message the app sends, and
     `on_start` is handed a function that ends the request as if the peer had left.
     """
     from aiohttp import web
+    from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
+    from mcp.server.auth.provider import AccessToken
     async def handler(request: web.Request, on_send: Callable[[dict[str, Any]], None] | None = None,
                       on_start: Callable[[Callable[[], None]], None] | None = None) -> web.StreamResponse:
         body = await request.read()         # HTTPRequestEntityTooLarge past client_max_size: a 413 problem
@@ -14809,8 +14774,8 @@ def asgi_handler(app: Callable[..., Any], *, grace_s: float = 2.0,
             "client": tuple(peer[:2]) if peer else None, "server": tuple(sock[:2]) if sock else None,
             "state": {"interactiond_caller": caller}, "extensions": {},
         }
-        if user is not None and caller is not None:
-            scope["user"] = user(caller)
+        if caller is not None:
+            scope["user"] = AuthenticatedUser(AccessToken(token="", client_id=caller.id, scopes=[]))
         resp: web.StreamResponse | None = None
         body_done = False
         gone = asyncio.Event()
@@ -14852,7 +14817,7 @@ def asgi_handler(app: Callable[..., Any], *, grace_s: float = 2.0,
             await asyncio.shield(task)
         except asyncio.CancelledError:
             gone.set()
-            done, _ = await asyncio.wait({task}, timeout=grace_s)
+            done, _ = await asyncio.wait({task}, timeout=2.0)      # its grace to end as the peer left
             if not done:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
@@ -15000,8 +14965,6 @@ class _McpTransports:
         async with self._lock:
             if self.handlers is not None:
                 return
-            from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
-            from mcp.server.auth.provider import AccessToken
             from mcp.server.sse import SseServerTransport
             from mcp.server.transport_security import TransportSecuritySettings
 
@@ -15029,9 +14992,6 @@ class _McpTransports:
                     if not answered or answered[0] < 400:
                         raise
 
-            def user(caller: Caller) -> Any:
-                return AuthenticatedUser(AccessToken(token="", client_id=caller.id, scopes=[]))
-
             started = asyncio.Event()
 
             async def hold() -> None:
@@ -15040,8 +15000,8 @@ class _McpTransports:
                     await self._stop.wait()
             self._task = asyncio.create_task(hold(), name="interactiond-mcp-sessions")
             await started.wait()
-            self.handlers = {"mcp": asgi_handler(streamable, user=user), "sse": asgi_handler(sse_app, user=user),
-                             "messages": asgi_handler(sse.handle_post_message, user=user)}
+            self.handlers = {"mcp": asgi_handler(streamable), "sse": asgi_handler(sse_app),
+                             "messages": asgi_handler(sse.handle_post_message)}
 
     async def _end_streamable(self, sid: str) -> None:
         """Terminate a streamable-HTTP session: its id answers 404 from now on, its server task ends."""
@@ -15332,23 +15292,14 @@ def typed_answer(kind: str, schema: dict[str, Any], body: dict[str, Any]) -> Any
     return answer
 
 
-def _limit_v2(limit: Any) -> int:
-    try:
-        return check_limit(limit)
-    except Problem:
-        raise _v2_problem("validation_failed", f"limit is between 1 and {MAX_PAGE}", errors=[
-            {"field": "limit", "code": "invalid_value", "message": f"an integer from 1 to {MAX_PAGE}"}]) from None
-
-
 def _visible(engine: Engine, caller: Caller) -> list[str]:
     return sorted(pb for pb in engine.playbooks if caller.sees(pb))
 
 
 async def find_interaction(engine: Engine, caller: Caller, ident: str) -> Row:
     """The request behind an interaction id, or 404 when it is unknown, malformed or not the caller's."""
-    row = None
-    if INTERACTION_ID_RE.fullmatch(ident):
-        row = await engine.store.read(lambda tx: tx.interaction(ident))
+    row = (await engine.store.read(lambda tx: tx.interaction(ident))
+           if INTERACTION_ID_RE.fullmatch(ident) else None)
     if row is None or row["playbook"] not in engine.playbooks or not caller.sees(row["playbook"]) \
             or not (caller.addressed(row) or (await engine.deputized(caller, row["playbook"])).addressed(row)):
         raise _v2_problem("not_found", "The interaction does not exist or is not visible to this token.")
@@ -15362,7 +15313,11 @@ async def list_typed_interactions(engine: Engine, caller: Caller, status: str | 
     if status is not None and status not in V2_STATUS_FILTER:
         raise _v2_problem("validation_failed", "unknown status", errors=[
             {"field": "status", "code": "invalid_value", "message": "one of " + ", ".join(V2_STATUS_FILTER)}])
-    n = _limit_v2(limit)
+    try:
+        n = check_limit(limit)
+    except Problem:
+        raise _v2_problem("validation_failed", f"limit is between 1 and {MAX_PAGE}", errors=[
+            {"field": "limit", "code": "invalid_value", "message": f"an integer from 1 to {MAX_PAGE}"}]) from None
     before = decode_cursor(cursor)[0] if cursor else None
     if before is not None and (not isinstance(before, int) or isinstance(before, bool)):
         raise _v2_problem("bad_request", "The cursor does not decode; pass next_cursor as it came.")
