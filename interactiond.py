@@ -9171,10 +9171,9 @@ class ToolCalls:
         return None
 
     def check_delivery(self, playbook: str, doc: Any) -> Problem | None:
-        """check_offered for the tools a function's delivery calls: deliver's, and its replies' and tell's."""
-        replies = doc.replies
-        return self.check_offered(playbook, doc.deliver.server, [doc.deliver.tool] + ([replies.tool] if replies else [])
-                                  + ([replies.tell.tool] if replies and replies.tell else []))
+        """check_offered for the tools a function's delivery calls (its tool_uses: deliver's, and its
+        replies' and tell's, all on the deliver's server)."""
+        return self.check_offered(playbook, doc.deliver.server, [tool for _, _, tool, _ in doc.tool_uses])
 
     async def offered_tool(self, playbook: str, server: str, tool: str) -> tuple[ToolSession, Any]:
         """The open session of a tool the playbook may use, and the tool as listed; else the problem."""
