@@ -8130,7 +8130,7 @@ def quorum_vote(row: Row, counted: str) -> tuple[dict[str, Any] | None, bool]:
 def vote_row(row: Row, vote: Mapping[str, Any], claimed_for: str | None = None,
              reply_id: str | None = None) -> dict[str, Any]:
     """A quorum vote as its fact's row: the request's row with the vote as its answer (answer_fact)."""
-    return {**dict(zip(row.keys(), row)), "answer": dumps(vote["answer"]), "answer_id": vote["answer_id"],
+    return {**row, "answer": dumps(vote["answer"]), "answer_id": vote["answer_id"],
             "answered_by": vote["by"], "answered_at": vote["at"], "answered_by_name": vote.get("name"),
             "on_behalf_of": vote.get("on_behalf_of"), "claimed_for": claimed_for, "reply_id": reply_id}
 
