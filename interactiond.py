@@ -7788,7 +7788,11 @@ class Role(str, enum.Enum):
 
     @property
     def rank(self) -> int:
-        return {"reader": 0, "writer": 1, "operator": 2}[self.value]
+        return _ROLE_RANKS[self]
+
+
+#: Each role's rank: a role may do what the ranks below it may.
+_ROLE_RANKS: Final = {role: rank for rank, role in enumerate(Role)}
 
 
 def _column(row: Mapping[str, Any], name: str) -> Any:
