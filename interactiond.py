@@ -6185,6 +6185,7 @@ _RECORD_ANSWER_SQL: Final = (
 _ANSWER_AND_CLOSE_SQL: Final = _RECORD_ANSWER_SQL.replace(
     " WHERE seq = ?", f", status = '{RequestStatus.ANSWERED.value}', open = 0 WHERE seq = ?")
 
+
 def _as_dict(row: Row | None) -> dict[str, Any] | None:
     """A request's row as a dict: the engine reads a score of its forty columns, which a row finds by
     name one after another (0.4 us for the last against 0.05), and the answer copies it."""
