@@ -1001,10 +1001,13 @@ def json_flaw(value: Any, limit: int = MAX_JSON_DEPTH) -> JsonRefused | None:
 NUL_MESSAGE: Final = "holds a NUL character (\\u0000), which no text the daemon keeps may hold"
 
 
-def refuse_nul(value: Any, base: str, what: str) -> None:
+def refuse_nul(value: Any, base: str, what: str, written: str | None = None) -> None:
     """Refuse `value` (an input, an answer, the text at `base`) where a text or name in it holds a
     NUL: invalid_input (422) at its pointer, on every backend and whichever door it came through.
-    PostgreSQL keeps no NUL (U+0000) in a text, so neither backend keeps one."""
+    PostgreSQL keeps no NUL (U+0000) in a text, so neither backend keeps one. With `written`, the
+    value as dumps() wrote it, it is walked only when that text holds the NUL's escape."""
+    if written is not None and "\\u0000" not in written:
+        return
     for v, path in json_nodes(value):
         if (isinstance(v, str) and "\x00" in v
                 or isinstance(v, dict) and any(isinstance(k, str) and "\x00" in k for k in v)):
@@ -8935,8 +8938,7 @@ class Runs:
         input_text = dumps(input_)                      # once: for the bound and for the row
         if len(input_text.encode()) > MAX_BODY_BYTES or json_depth(input_) > MAX_JSON_DEPTH:
             raise Problem("too_large", "the input is too large or too deep")
-        if "\\u0000" in input_text:                    # dumps() escapes a NUL so: only then is it walked
-            refuse_nul(input_, "/input", "the input")
+        refuse_nul(input_, "/input", "the input", input_text)
         version, doc = await self.definitions.document(playbook, type_, name)
         run_id = run_id or new_run_id()  # known before rendering: deliver.with may read it
         input_sha = sha256_hex(json.dumps(input_, sort_keys=True, separators=(",", ":"), ensure_ascii=False))
@@ -9518,8 +9520,7 @@ class Inbox:
         if text is None or len(text.encode()) > MAX_ANSWER_BYTES:
             raise ended("invalid_input", f"the answer takes at most {MAX_ANSWER_BYTES // KIB} KiB as JSON",
                                  errors=[{"pointer": "/answer", "message": f"at most {MAX_ANSWER_BYTES // KIB} KiB as JSON, {MAX_JSON_DEPTH} levels"}])
-        if "\\u0000" in text:                    # dumps() escapes a NUL so: only then is it walked
-            refuse_nul(answer, "/answer", "the answer")
+        refuse_nul(answer, "/answer", "the answer", text)
         # An API token or a configured secret pasted into an answer is never recorded: the answer is
         # checked and kept as scrubbed (by value, so the answer schema's own keys stand).
         if self.tools.scrub.finds(text):
